@@ -1,0 +1,100 @@
+"""Run the invariant suites in-process against a subject and collect one outcome per test.
+
+``rrh check`` is a thin layer over pytest: the suites in ``suites/`` are the single definition of
+every invariant, and this module runs them quietly and keeps what a report needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+@dataclass(frozen=True)
+class CheckOutcome:
+    """The result of one test of a suite."""
+
+    nodeid: str
+    suite: str
+    invariant: str
+    outcome: str  # "passed" | "failed" | "skipped"
+    detail: str
+    seconds: float
+
+
+def suites_dir() -> Path:
+    """Where the installed suites live (the ``suites`` package ships with the harness)."""
+    import suites
+
+    return Path(suites.__file__).parent
+
+
+class _Collector:
+    """A pytest plugin object that records each test's docstring and outcome."""
+
+    def __init__(self) -> None:
+        self.docs: dict[str, str] = {}
+        self.outcomes: list[CheckOutcome] = []
+        self._seen: set[str] = set()
+
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        for item in items:
+            doc = getattr(getattr(item, "function", None), "__doc__", None) or ""
+            self.docs[item.nodeid] = doc.strip().splitlines()[0] if doc.strip() else item.name
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        # One outcome per test: the call phase, or an earlier phase that skipped or failed.
+        if report.nodeid in self._seen or (report.when != "call" and report.passed):
+            return
+        self._seen.add(report.nodeid)
+        detail = ""
+        if report.skipped and isinstance(report.longrepr, tuple):
+            detail = str(report.longrepr[2]).removeprefix("Skipped: ")
+        elif report.failed:
+            detail = _failure_summary(report)
+        module = report.nodeid.split("::")[0]
+        self.outcomes.append(
+            CheckOutcome(
+                nodeid=report.nodeid,
+                suite=Path(module).stem.removeprefix("test_"),
+                invariant=self.docs.get(report.nodeid, report.nodeid.split("::")[-1]),
+                outcome=report.outcome,
+                detail=detail,
+                seconds=report.duration,
+            )
+        )
+
+
+def _failure_summary(report: pytest.TestReport) -> str:
+    """The most telling line of a failure: the exception message, not the traceback."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is not None:
+        return str(crash.message).strip()
+    return str(report.longrepr).strip().splitlines()[-1]
+
+
+def run_suites(
+    subject: str, *, select: str = "not slow", paths: list[str] | None = None
+) -> tuple[list[CheckOutcome], str]:
+    """Run the suites against ``subject`` (a ``module:attr`` spec) and return outcomes and pytest's log."""
+    collector = _Collector()
+    args = [
+        *(paths or [str(suites_dir())]),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        "-m",
+        select,
+        "--rr-subject",
+        subject,
+    ]
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        pytest.main(args, plugins=[collector])
+    return collector.outcomes, log.getvalue()

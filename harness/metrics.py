@@ -1,0 +1,440 @@
+"""Train–inference log-prob gap metrics (FACTS §5), with one sign convention.
+
+Every metric here is a function of the per-token log-ratio on the *sampled* tokens::
+
+    Δ = log π_train(y_t) − log π_infer(y_t)
+
+restricted to the masked-in (response) tokens. ``train_logprobs`` are the trainer's recomputed
+log-probs, ``infer_logprobs`` the inference engine's rollout log-probs. Positive Δ means the trainer
+gives the sampled token more probability than the engine that sampled it.
+
+Inputs may be numpy arrays, torch tensors (detached, moved to CPU) or array-likes of floats; all
+arithmetic is float64 numpy and every result is a plain Python ``float`` (``int`` for counts).
+
+Empty selection (the mask selects no token): ``n_tokens == 0`` and every mean, maximum and fraction
+is ``nan``; no exception and no numpy warning. The Pearson correlation is ``nan`` whenever it is
+undefined (fewer than two tokens, or either probability vector has zero variance).
+
+Malformed input raises :class:`harness.errors.MetricError` naming the argument and the expected
+value: shape mismatch, non-floating log-probs, a mask that is not bool or 0/1, NaN/inf in masked-in
+entries, or masked-in log-probs above ``LOGPROB_TOLERANCE`` (not a log-probability). Masked-out
+entries are never inspected, so padding may hold anything.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, NamedTuple, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+from harness.errors import MetricError
+
+__all__ = [
+    "LOGPROB_TOLERANCE",
+    "LogprobGap",
+    "ProbDiffStats",
+    "extreme_fraction",
+    "icepop_mask_rate",
+    "k1",
+    "k2",
+    "k3",
+    "logprob_gap",
+    "max_abs_diff",
+    "mean_abs_diff",
+    "prob_diff_stats",
+    "prob_pearson",
+]
+
+FloatArray: TypeAlias = npt.NDArray[np.float64]
+BoolArray: TypeAlias = npt.NDArray[np.bool_]
+#: numpy array, torch tensor (any device, any floating dtype) or nested sequence of floats.
+LogprobsLike: TypeAlias = Any
+#: bool or 0/1 array-like / torch tensor of the log-probs' shape; ``None`` selects every token.
+MaskLike: TypeAlias = Any
+
+#: A masked-in log-prob above this is rejected: it is not a log-probability.
+LOGPROB_TOLERANCE = 1e-6
+
+#: Headline threshold of the R3 paper's "extreme tokens" (arXiv 2510.11370): |Δ| > ln 2.
+DEFAULT_TAU = 2.0
+#: IcePop keeps tokens whose ratio π_train/π_infer lies in [0.5, 5].
+ICEPOP_LOW = 0.5
+ICEPOP_HIGH = 5.0
+
+
+# --------------------------------------------------------------------------------------------
+# input coercion and validation
+# --------------------------------------------------------------------------------------------
+
+
+def _torch_tensor_type() -> Any:
+    """``torch.Tensor`` if torch is already imported, else ``None`` (the core never imports torch)."""
+    torch = sys.modules.get("torch")
+    return None if torch is None else getattr(torch, "Tensor", None)
+
+
+def _to_numpy(x: Any) -> tuple[np.ndarray, str]:
+    """Array view of ``x`` (torch tensors detached and moved to CPU) and its dtype's name."""
+    tensor_type = _torch_tensor_type()
+    if tensor_type is not None and isinstance(x, tensor_type):
+        import torch
+
+        t = x.detach().cpu()
+        if t.dtype == torch.bool:
+            return t.numpy(), str(t.dtype)
+        if t.is_floating_point():
+            return t.to(torch.float64).numpy(), str(t.dtype)
+        if t.is_complex():
+            return t.resolve_conj().numpy(), str(t.dtype)
+        return t.to(torch.int64).numpy(), str(t.dtype)
+    arr = np.asarray(x)
+    return arr, str(arr.dtype)
+
+
+def _as_float64(name: str, x: LogprobsLike) -> FloatArray:
+    """``x`` as a float64 numpy array; raises MetricError unless it holds floating-point values."""
+    arr, dtype_name = _to_numpy(x)
+    if arr.dtype.kind != "f":
+        raise MetricError(
+            f"{name} has dtype {dtype_name}, expected a floating-point dtype (log-probabilities)"
+        )
+    return arr.astype(np.float64, copy=False)
+
+
+def _as_mask(mask: MaskLike, shape: tuple[int, ...]) -> BoolArray:
+    """``mask`` as a bool array of ``shape``; ``None`` selects everything."""
+    if mask is None:
+        return np.ones(shape, dtype=np.bool_)
+    arr, dtype_name = _to_numpy(mask)
+    if arr.shape != shape:
+        raise MetricError(f"mask has shape {arr.shape}, expected {shape} like train_logprobs")
+    if arr.dtype.kind == "b":
+        return arr.astype(np.bool_, copy=False)
+    if arr.dtype.kind not in "iuf":
+        raise MetricError(f"mask has dtype {dtype_name}, expected bool or 0/1 values")
+    is_one: BoolArray = arr == 1
+    not_01 = ~(is_one | (arr == 0))
+    if not_01.any():
+        idx = tuple(int(i) for i in np.argwhere(not_01)[0])
+        raise MetricError(f"mask has value {arr[idx].item()!r} at index {idx}, expected bool or 0/1 values")
+    return is_one
+
+
+def _check_values(name: str, values: FloatArray, where: BoolArray) -> None:
+    """Masked-in entries must be finite and ≤ LOGPROB_TOLERANCE."""
+    bad = where & ~np.isfinite(values)
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise MetricError(
+            f"{name} has non-finite value {float(values[idx])} at masked-in index {idx} "
+            f"({int(bad.sum())} such entries), expected finite log-probabilities"
+        )
+    bad = where & (values > LOGPROB_TOLERANCE)
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise MetricError(
+            f"{name} has positive value {float(values[idx])!r} at masked-in index {idx} "
+            f"({int(bad.sum())} such entries), expected log-probabilities <= 0 "
+            f"(tolerance {LOGPROB_TOLERANCE:g})"
+        )
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """The validated masked-in tokens, flattened: both log-probs and Δ = train − infer."""
+
+    train: FloatArray
+    infer: FloatArray
+    delta: FloatArray
+
+
+def _select(train_logprobs: LogprobsLike, infer_logprobs: LogprobsLike, mask: MaskLike) -> _Tokens:
+    """Validate the three inputs and return the masked-in tokens (1-D float64 arrays)."""
+    train = _as_float64("train_logprobs", train_logprobs)
+    infer = _as_float64("infer_logprobs", infer_logprobs)
+    if infer.shape != train.shape:
+        raise MetricError(
+            f"infer_logprobs has shape {infer.shape}, expected {train.shape} like train_logprobs"
+        )
+    keep = _as_mask(mask, train.shape)
+    _check_values("train_logprobs", train, keep)
+    _check_values("infer_logprobs", infer, keep)
+    t = train[keep]
+    i = infer[keep]
+    return _Tokens(train=t, infer=i, delta=t - i)
+
+
+def _check_tau(tau: float) -> float:
+    ok = (
+        isinstance(tau, (int, float, np.floating, np.integer))
+        and not isinstance(tau, bool)
+        and math.isfinite(tau)
+        and tau >= 1
+    )
+    if not ok:
+        raise MetricError(f"tau is {tau!r}, expected a finite number >= 1 (threshold |Δ| > ln tau)")
+    return float(tau)
+
+
+def _check_band(low: float, high: float) -> tuple[float, float]:
+    ok = (
+        isinstance(low, (int, float, np.floating, np.integer))
+        and isinstance(high, (int, float, np.floating, np.integer))
+        and math.isfinite(low)
+        and 0 < low <= high
+    )
+    if not ok:
+        raise MetricError(
+            f"low, high are {low!r}, {high!r}, expected 0 < low <= high (ratio band [low, high])"
+        )
+    return float(low), float(high)
+
+
+# --------------------------------------------------------------------------------------------
+# kernels on the selected tokens — each formula is written exactly once, here
+# --------------------------------------------------------------------------------------------
+
+
+def _mean(x: FloatArray) -> float:
+    """Mean, ``nan`` for no tokens (no warning)."""
+    if x.size == 0:
+        return math.nan
+    with np.errstate(over="ignore", invalid="ignore"):
+        return float(np.mean(x))
+
+
+def _max(x: FloatArray) -> float:
+    """Maximum, ``nan`` for no tokens."""
+    return math.nan if x.size == 0 else float(np.max(x))
+
+
+def _abs_delta(tok: _Tokens) -> FloatArray:
+    return np.abs(tok.delta)
+
+
+def _prob_abs_diff(tok: _Tokens) -> FloatArray:
+    # |exp(lp_t) − exp(lp_i)|; exp of a log-prob ≤ 1e-6 cannot overflow, underflow to 0 is silent.
+    diff: FloatArray = np.abs(np.exp(tok.train) - np.exp(tok.infer))
+    return diff
+
+
+def _k1_terms(tok: _Tokens) -> FloatArray:
+    return -tok.delta
+
+
+def _k2_terms(tok: _Tokens) -> FloatArray:
+    return 0.5 * np.square(tok.delta)
+
+
+def _k3_terms(tok: _Tokens) -> FloatArray:
+    # e^Δ − 1 − Δ (≥ 0 exactly; the clamp only removes rounding below 0); +inf for Δ ≳ 709.
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.maximum(np.expm1(tok.delta) - tok.delta, 0.0)
+
+
+def _extreme_fraction(tok: _Tokens, tau: float) -> float:
+    return _mean((np.abs(tok.delta) > math.log(tau)).astype(np.float64))
+
+
+def _icepop_mask_rate(tok: _Tokens, low: float, high: float) -> float:
+    # e^Δ ∉ [low, high]  ⇔  Δ < ln low  or  Δ > ln high  (compared in log space: no overflow).
+    outside = (tok.delta < math.log(low)) | (tok.delta > math.log(high))
+    return _mean(outside.astype(np.float64))
+
+
+def _prob_pearson(tok: _Tokens) -> float:
+    if tok.delta.size < 2:
+        return math.nan
+    p = np.exp(tok.train)
+    q = np.exp(tok.infer)
+    pc = p - p.mean()
+    qc = q - q.mean()
+    denom = math.sqrt(float(np.dot(pc, pc)) * float(np.dot(qc, qc)))
+    if denom == 0.0:
+        return math.nan
+    r = float(np.dot(pc, qc)) / denom
+    return max(-1.0, min(1.0, r))
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------
+
+
+def mean_abs_diff(train_logprobs: LogprobsLike, infer_logprobs: LogprobsLike, mask: MaskLike = None) -> float:
+    """mean |Δ| over masked-in tokens, Δ = log π_train − log π_infer (symmetric in direction).
+
+    SkyRL's ``rollout_train_logprobs_abs_diff_mean``. ``nan`` when no token is selected.
+    """
+    return _mean(_abs_delta(_select(train_logprobs, infer_logprobs, mask)))
+
+
+def max_abs_diff(train_logprobs: LogprobsLike, infer_logprobs: LogprobsLike, mask: MaskLike = None) -> float:
+    """max |Δ| over masked-in tokens, Δ = log π_train − log π_infer (symmetric in direction).
+
+    SkyRL's ``rollout_train_logprobs_abs_diff_max``. ``nan`` when no token is selected.
+    """
+    return _max(_abs_delta(_select(train_logprobs, infer_logprobs, mask)))
+
+
+class ProbDiffStats(NamedTuple):
+    """Mean and max of |exp(lp_train) − exp(lp_infer)| over masked-in tokens."""
+
+    mean_prob_diff: float
+    max_prob_diff: float
+
+
+def prob_diff_stats(
+    train_logprobs: LogprobsLike, infer_logprobs: LogprobsLike, mask: MaskLike = None
+) -> ProbDiffStats:
+    """(mean, max) of |π_train − π_infer| = |exp(lp_train) − exp(lp_infer)| on sampled tokens.
+
+    verl's ``training/rollout_probs_diff_mean`` / ``_max``; symmetric in direction. Both ``nan``
+    when no token is selected.
+    """
+    d = _prob_abs_diff(_select(train_logprobs, infer_logprobs, mask))
+    return ProbDiffStats(mean_prob_diff=_mean(d), max_prob_diff=_max(d))
+
+
+def prob_pearson(train_logprobs: LogprobsLike, infer_logprobs: LogprobsLike, mask: MaskLike = None) -> float:
+    """Pearson correlation of π_train = exp(lp_train) and π_infer = exp(lp_infer) over tokens.
+
+    r = Σ(p−p̄)(q−q̄) / sqrt(Σ(p−p̄)² · Σ(q−q̄)²), clipped to [−1, 1]; symmetric (verl's
+    ``training/rollout_probs_pearson``-style figure). ``nan`` when undefined: fewer than two
+    tokens or either probability vector with zero variance.
+    """
+    return _prob_pearson(_select(train_logprobs, infer_logprobs, mask))
+
+
+def k1(train_logprobs: LogprobsLike, infer_logprobs: LogprobsLike, mask: MaskLike = None) -> float:
+    """k1 = mean(−Δ) = mean(log π_infer − log π_train) over masked-in tokens.
+
+    Unbiased (may be negative) estimator of KL(π_infer ‖ π_train) under rollout sampling: tokens
+    are drawn from the inference policy and the log-ratio is r = log π_train/π_infer = Δ.
+    ``nan`` when no token is selected.
+    """
+    return _mean(_k1_terms(_select(train_logprobs, infer_logprobs, mask)))
+
+
+def k2(train_logprobs: LogprobsLike, infer_logprobs: LogprobsLike, mask: MaskLike = None) -> float:
+    """k2 = mean(½ Δ²), Δ = log π_train − log π_infer, over masked-in tokens.
+
+    Low-variance, biased, non-negative estimator of KL(π_infer ‖ π_train) under rollout sampling
+    (samples from the inference policy, log-ratio log π_train/π_infer). ``nan`` for no tokens.
+    """
+    return _mean(_k2_terms(_select(train_logprobs, infer_logprobs, mask)))
+
+
+def k3(train_logprobs: LogprobsLike, infer_logprobs: LogprobsLike, mask: MaskLike = None) -> float:
+    """k3 = mean(e^Δ − 1 − Δ) ≥ 0, Δ = log π_train − log π_infer, over masked-in tokens.
+
+    Unbiased, non-negative estimator of KL(π_infer ‖ π_train) under rollout sampling (samples
+    from the inference policy, ratio π_train/π_infer = e^Δ). ``+inf`` if some Δ overflows e^Δ;
+    ``nan`` when no token is selected.
+    """
+    return _mean(_k3_terms(_select(train_logprobs, infer_logprobs, mask)))
+
+
+def extreme_fraction(
+    train_logprobs: LogprobsLike,
+    infer_logprobs: LogprobsLike,
+    mask: MaskLike = None,
+    *,
+    tau: float = DEFAULT_TAU,
+) -> float:
+    """F(τ) = fraction of masked-in tokens with |Δ| > ln τ, i.e. ratio outside [1/τ, τ].
+
+    The R3 paper's "extreme tokens" (arXiv 2510.11370), τ = 2 headline. Symmetric in direction;
+    non-increasing in τ; ``tau`` must be ≥ 1. ``nan`` when no token is selected.
+    """
+    tau = _check_tau(tau)
+    return _extreme_fraction(_select(train_logprobs, infer_logprobs, mask), tau)
+
+
+def icepop_mask_rate(
+    train_logprobs: LogprobsLike,
+    infer_logprobs: LogprobsLike,
+    mask: MaskLike = None,
+    *,
+    low: float = ICEPOP_LOW,
+    high: float = ICEPOP_HIGH,
+) -> float:
+    """Fraction of masked-in tokens IcePop would mask: ratio π_train/π_infer = e^Δ ∉ [low, high].
+
+    Directional (Δ = log π_train − log π_infer; default band [0.5, 5]). Evaluated in log space
+    (Δ < ln low or Δ > ln high), so it never overflows. ``nan`` when no token is selected.
+    """
+    low, high = _check_band(low, high)
+    return _icepop_mask_rate(_select(train_logprobs, infer_logprobs, mask), low, high)
+
+
+@dataclass(frozen=True)
+class LogprobGap:
+    """Every §5 gap metric of one batch, Δ = log π_train − log π_infer on masked-in tokens.
+
+    With ``n_tokens == 0`` every other field is ``nan``.
+    """
+
+    n_tokens: int
+    #: mean |Δ| (SkyRL ``rollout_train_logprobs_abs_diff_mean``)
+    mean_abs_diff: float
+    #: max |Δ| (SkyRL ``rollout_train_logprobs_abs_diff_max``)
+    max_abs_diff: float
+    #: mean |exp(lp_t) − exp(lp_i)| (verl ``training/rollout_probs_diff_mean``)
+    mean_prob_diff: float
+    #: max |exp(lp_t) − exp(lp_i)| (verl ``training/rollout_probs_diff_max``)
+    max_prob_diff: float
+    #: Pearson correlation of the two probabilities (``nan`` if undefined)
+    prob_pearson: float
+    #: mean(−Δ), KL(π_infer ‖ π_train) estimator
+    k1: float
+    #: mean(½Δ²), KL(π_infer ‖ π_train) estimator
+    k2: float
+    #: mean(e^Δ − 1 − Δ) ≥ 0, KL(π_infer ‖ π_train) estimator
+    k3: float
+    #: F(τ): fraction with |Δ| > ln τ
+    extreme_fraction: float
+    #: fraction with e^Δ ∉ [0.5, 5]
+    icepop_mask_rate: float
+
+    def as_dict(self) -> dict[str, float | int]:
+        """Field name → value, for logging."""
+        return asdict(self)
+
+
+def logprob_gap(
+    train_logprobs: LogprobsLike,
+    infer_logprobs: LogprobsLike,
+    mask: MaskLike = None,
+    *,
+    tau: float = DEFAULT_TAU,
+) -> LogprobGap:
+    """All gap metrics at once, Δ = log π_train − log π_infer on masked-in (response) tokens.
+
+    Validates the inputs once and evaluates the same kernels as :func:`mean_abs_diff`,
+    :func:`max_abs_diff`, :func:`prob_diff_stats`, :func:`prob_pearson`, :func:`k1`, :func:`k2`,
+    :func:`k3` (KL(π_infer ‖ π_train) estimators under rollout sampling),
+    :func:`extreme_fraction` (``tau``) and :func:`icepop_mask_rate` (band [0.5, 5]).
+    Empty selection: ``n_tokens == 0`` and every other field ``nan``.
+    """
+    tau = _check_tau(tau)
+    tok = _select(train_logprobs, infer_logprobs, mask)
+    abs_delta = _abs_delta(tok)
+    prob_diff = _prob_abs_diff(tok)
+    return LogprobGap(
+        n_tokens=int(tok.delta.size),
+        mean_abs_diff=_mean(abs_delta),
+        max_abs_diff=_max(abs_delta),
+        mean_prob_diff=_mean(prob_diff),
+        max_prob_diff=_max(prob_diff),
+        prob_pearson=_prob_pearson(tok),
+        k1=_mean(_k1_terms(tok)),
+        k2=_mean(_k2_terms(tok)),
+        k3=_mean(_k3_terms(tok)),
+        extreme_fraction=_extreme_fraction(tok, tau),
+        icepop_mask_rate=_icepop_mask_rate(tok, ICEPOP_LOW, ICEPOP_HIGH),
+    )

@@ -1,0 +1,109 @@
+"""The harness's pytest plugin (registered through the ``pytest11`` entry point).
+
+- Markers: ``gpu``, ``vllm``, ``sglang``, ``megatron``, ``hf``, ``distributed``, ``slow``. A test
+  whose marker needs something this machine lacks (a CUDA device, an engine package) is skipped
+  with a reason that names what is missing, never an import error.
+- ``--rr-subject module:attr`` (or ``RR_SUBJECT``): the implementation under test; the reference
+  by default. The header of the run says which subject ran.
+- Hypothesis profiles: ``ci`` (derandomized, no deadline), ``dev`` (the default outside CI) and
+  ``thorough``. ``--hypothesis-profile NAME`` picks one; otherwise ``ci`` when ``CI`` is set.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from harness.errors import SubjectError
+from harness.subjects import DEFAULT_SUBJECT, Subject, load_subject
+
+settings.register_profile(
+    "ci", derandomize=True, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("dev", max_examples=50, deadline=None)
+settings.register_profile(
+    "thorough", max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _has_module(name: str) -> Callable[[], bool]:
+    return lambda: importlib.util.find_spec(name) is not None
+
+
+MARKERS: dict[str, tuple[str, Callable[[], bool] | None, str]] = {
+    "gpu": ("needs a CUDA device", _cuda_available, "no CUDA device on this machine"),
+    "vllm": ("needs vLLM installed (extra 'vllm')", _has_module("vllm"), "vLLM is not installed"),
+    "sglang": ("needs SGLang installed (extra 'sglang')", _has_module("sglang"), "SGLang is not installed"),
+    "megatron": (
+        "needs megatron-core (extra 'megatron')",
+        _has_module("megatron.core") if importlib.util.find_spec("megatron") else (lambda: False),
+        "megatron-core is not installed",
+    ),
+    "hf": ("needs transformers (extra 'hf')", _has_module("transformers"), "transformers is not installed"),
+    "distributed": ("spawns torch.distributed process groups (gloo on CPU, NCCL on GPU)", None, ""),
+    "slow": ("heavy case, deselected by default; run with -m slow", None, ""),
+}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("rrh", "routing-replay harness")
+    group.addoption(
+        "--rr-subject",
+        default=None,
+        metavar="MODULE:ATTR",
+        help=f"implementation under test (default: $RR_SUBJECT or {DEFAULT_SUBJECT})",
+    )
+
+
+def _subject_spec(config: pytest.Config) -> str:
+    return str(config.getoption("--rr-subject") or os.environ.get("RR_SUBJECT") or DEFAULT_SUBJECT)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, (doc, _, _) in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {doc}")
+    if config.getoption("hypothesis_profile", None) is None:
+        settings.load_profile("ci" if os.environ.get("CI") else "dev")
+    try:
+        load_subject(_subject_spec(config))
+    except SubjectError as err:
+        raise pytest.UsageError(f"--rr-subject: {err}") from None
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    subject = load_subject(_subject_spec(config))
+    return [
+        f"rrh subject: {subject.name} ({_subject_spec(config)}); "
+        f"capabilities: {', '.join(subject.capabilities()) or 'none'}",
+        f"hypothesis profile: {settings.get_current_profile_name()}",
+    ]
+
+
+_availability: dict[str, bool] = {}
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for name, (_, available, missing) in MARKERS.items():
+        if available is None or item.get_closest_marker(name) is None:
+            continue
+        if name not in _availability:
+            _availability[name] = available()
+        if not _availability[name]:
+            pytest.skip(f"{name}: {missing}")
+
+
+@pytest.fixture(scope="session")
+def subject(request: pytest.FixtureRequest) -> Subject:
+    """The implementation under test, loaded from ``--rr-subject`` / ``RR_SUBJECT``."""
+    spec = _subject_spec(request.config)
+    return load_subject(spec)

@@ -1,0 +1,219 @@
+"""Hypothesis strategies for routing traces, lengths and malformed input.
+
+They reach the boundaries on purpose, not by luck: 0-length responses, a single row, 256 and 257
+experts (the uint8/uint16 edge), 65536 experts, ``top_k = 1`` and ``top_k = num_experts``,
+dense-first layers, ids at 0 and ``num_experts − 1``, and both layer-axis conventions.
+
+Routes are drawn from a numpy generator seeded by hypothesis, so a trace of thousands of rows costs
+one draw; the boundary values (extreme ids, which rows hold them) are explicit draws so they shrink.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from hypothesis import strategies as st
+
+from harness.trace import MAX_EXPERTS, LayerAxis, RoutingTrace
+
+BOUNDARY_EXPERTS = (1, 2, 8, 64, 255, 256, 257, 384, 65535, MAX_EXPERTS)
+
+
+@dataclass(frozen=True)
+class TraceSpec:
+    """The shape and metadata of a trace, without its ids."""
+
+    rows: int
+    num_experts: int
+    top_k: int
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    layer_axis: LayerAxis = LayerAxis.DECODER
+    start: int = 0
+
+    @property
+    def width(self) -> int:
+        """Slots on the layer axis."""
+        return self.num_layers if self.layer_axis is LayerAxis.DECODER else len(self.moe_layers)
+
+    @property
+    def moe_slots(self) -> tuple[int, ...]:
+        if self.layer_axis is LayerAxis.DECODER:
+            return self.moe_layers
+        return tuple(range(len(self.moe_layers)))
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``RoutingTrace`` for this spec."""
+        return {
+            "num_experts": self.num_experts,
+            "moe_layers": self.moe_layers,
+            "num_layers": self.num_layers,
+            "layer_axis": self.layer_axis,
+            "start": self.start,
+        }
+
+
+def num_experts(max_value: int = MAX_EXPERTS) -> st.SearchStrategy[int]:
+    """Expert counts, with the uint8/uint16 edges and the extremes drawn often."""
+    edges = [e for e in BOUNDARY_EXPERTS if e <= max_value]
+    return st.one_of(st.sampled_from(edges), st.integers(1, max_value))
+
+
+@st.composite
+def top_k_for(draw: st.DrawFn, experts: int, max_k: int = 9) -> int:
+    """A top_k for ``experts``: 1, ``experts`` itself when small, or anything between."""
+    high = min(experts, max_k)
+    return draw(st.one_of(st.just(1), st.just(high), st.integers(1, high)))
+
+
+@st.composite
+def trace_specs(
+    draw: st.DrawFn, max_rows: int = 40, max_layers: int = 6, max_experts: int = MAX_EXPERTS
+) -> TraceSpec:
+    """Trace shapes: 0 or 1 rows, dense-first layers, either layer axis, a skipped prefix."""
+    experts = draw(num_experts(max_experts))
+    k = draw(top_k_for(experts))
+    layers = draw(st.integers(1, max_layers))
+    first_dense = draw(st.one_of(st.just(0), st.integers(0, layers - 1)))
+    moe = tuple(range(first_dense, layers))
+    axis = draw(st.sampled_from(LayerAxis))
+    rows = draw(st.one_of(st.sampled_from([0, 1]), st.integers(0, max_rows)))
+    start = draw(st.one_of(st.just(0), st.integers(0, 8)))
+    return TraceSpec(rows, experts, k, layers, moe, axis, start)
+
+
+def _routes_for(spec: TraceSpec, seed: int, extremes: bool) -> npt.NDArray[np.int64]:
+    """Valid routes for ``spec``: distinct ids per MoE route, dense slots 0, optionally with 0 and E−1."""
+    rng = np.random.default_rng(seed)
+    e, k = spec.num_experts, spec.top_k
+    routes = np.zeros((spec.rows, spec.width, k), dtype=np.int64)
+    slots = list(spec.moe_slots)
+    if spec.rows == 0 or not slots:
+        return routes
+    offsets = rng.choice(e, size=k, replace=False)  # a distinct pattern, shifted per route
+    base = rng.integers(0, e, size=(spec.rows, len(slots), 1))
+    moe = (base + offsets) % e
+    if extremes:  # put the largest and the smallest id where the narrowest dtype is tested
+        moe[0, 0] = (np.arange(k) + (e - 1)) % e
+    routes[:, slots, :] = rng.permuted(moe, axis=-1)
+    return routes
+
+
+@st.composite
+def valid_routes(draw: st.DrawFn, spec: TraceSpec) -> npt.NDArray[np.int64]:
+    """An int64 array of valid routes for ``spec``."""
+    return _routes_for(spec, draw(st.integers(0, 2**32 - 1)), draw(st.booleans()))
+
+
+@st.composite
+def traces(draw: st.DrawFn, **spec_bounds: int) -> RoutingTrace:
+    """Valid ``RoutingTrace`` objects over the whole boundary space of ``trace_specs``."""
+    spec = draw(trace_specs(**spec_bounds))
+    return RoutingTrace(draw(valid_routes(spec)), **spec.kwargs())
+
+
+@st.composite
+def sample_lengths(draw: st.DrawFn, max_prompt: int = 64, max_response: int = 64) -> tuple[int, int]:
+    """``(prompt_len, response_len)``: prompts of at least one token, responses from 0 tokens up."""
+    prompt = draw(st.one_of(st.just(1), st.integers(1, max_prompt)))
+    response = draw(st.one_of(st.sampled_from([0, 1]), st.integers(0, max_response)))
+    return prompt, response
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """Input that ``RoutingTrace`` must reject, and the field its message must name."""
+
+    kind: str
+    experts: Any
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    field_name: str = "experts"
+
+
+_MALFORMATIONS = (
+    "repeated_id",
+    "all_zero_route",
+    "id_too_large",
+    "negative_id",
+    "float_dtype",
+    "bool_dtype",
+    "wrong_ndim",
+    "ragged_lists",
+    "wrong_layer_width",
+    "bad_num_experts",
+    "top_k_above_experts",
+    "bad_moe_layers",
+    "negative_start",
+    "bad_layer_axis",
+)
+
+
+@st.composite
+def malformed_traces(draw: st.DrawFn) -> Malformed:
+    """One malformation of an otherwise valid trace, at a drawn position and layer."""
+    kind = draw(st.sampled_from(_MALFORMATIONS))
+    spec = draw(trace_specs(max_rows=12, max_layers=4, max_experts=600))
+    spec = replace(spec, rows=max(spec.rows, 1))  # every malformation needs a row to live in
+    if kind in ("repeated_id", "all_zero_route"):  # and these a MoE route with two lanes
+        spec = replace(spec, num_experts=max(spec.num_experts, 2), top_k=max(spec.top_k, 2))
+    routes = draw(valid_routes(spec))
+    kwargs = spec.kwargs()
+    row = draw(st.integers(0, max(spec.rows - 1, 0)))
+    slot = draw(st.sampled_from(spec.moe_slots))
+    lane = draw(st.integers(0, spec.top_k - 1))
+    if kind == "repeated_id":
+        other = (lane + draw(st.integers(1, spec.top_k - 1))) % spec.top_k
+        routes[row, slot, other] = routes[row, slot, lane]
+    elif kind == "all_zero_route":
+        routes[row, slot, :] = 0
+    elif kind == "id_too_large":
+        routes[row, draw(st.integers(0, spec.width - 1)), lane] = spec.num_experts + draw(
+            st.sampled_from([0, 1, 255, 65535, 2**31])
+        )
+    elif kind == "negative_id":
+        routes[row, draw(st.integers(0, spec.width - 1)), lane] = -draw(st.integers(1, 2**31))
+    elif kind == "float_dtype":
+        return Malformed(
+            kind, routes.astype(draw(st.sampled_from([np.float16, np.float32, np.float64]))), kwargs
+        )
+    elif kind == "bool_dtype":
+        return Malformed(kind, routes > 0, kwargs)
+    elif kind == "wrong_ndim":
+        shape = draw(
+            st.sampled_from([(routes.size,), (spec.rows, spec.width * spec.top_k), (1, *routes.shape)])
+        )
+        return Malformed(kind, routes.reshape(shape), kwargs)
+    elif kind == "ragged_lists":
+        nested = [*routes.tolist(), [[0] * (spec.top_k + 1)] * spec.width]
+        return Malformed(kind, nested, kwargs)
+    elif kind == "wrong_layer_width":
+        extra = np.zeros((spec.rows, 1, spec.top_k), dtype=routes.dtype)
+        return Malformed(kind, np.concatenate([routes, extra], axis=1), kwargs)
+    elif kind == "bad_num_experts":
+        kwargs["num_experts"] = draw(st.sampled_from([0, -1, MAX_EXPERTS + 1, 2**40, 2.5, True, "8"]))
+        return Malformed(kind, routes, kwargs, "num_experts")
+    elif kind == "top_k_above_experts":
+        kwargs["num_experts"] = draw(st.integers(1, 3))
+        wide = np.tile(np.arange(4), (spec.rows, spec.width, 1))
+        return Malformed(kind, wide, kwargs, "top_k")
+    elif kind == "bad_moe_layers":
+        kwargs["moe_layers"] = draw(st.sampled_from([(spec.num_layers,), (-1,), (0, 0), (1, 0)]))
+        kwargs["layer_axis"] = LayerAxis.DECODER
+        return Malformed(
+            kind,
+            routes
+            if spec.layer_axis is LayerAxis.DECODER
+            else np.zeros((spec.rows, spec.num_layers, spec.top_k), dtype=np.int64),
+            kwargs,
+            "moe_layers",
+        )
+    elif kind == "negative_start":
+        kwargs["start"] = draw(st.sampled_from([-1, -100, 1.5, None]))
+        return Malformed(kind, routes, kwargs, "start")
+    elif kind == "bad_layer_axis":
+        kwargs["layer_axis"] = draw(st.sampled_from(["decoder_index", "moe", "", 3]))
+        return Malformed(kind, routes, kwargs, "layer_axis")
+    return Malformed(kind, routes, kwargs)

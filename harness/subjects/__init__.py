@@ -1,0 +1,64 @@
+"""Subjects: the implementations under test (DESIGN §2 "subject").
+
+A subject bundles whichever routing-replay pieces an implementation provides; the suites run the
+invariants against each piece it has and skip, naming it, each piece it lacks. Select one with
+``pytest --rr-subject package.module:object`` or the ``RR_SUBJECT`` environment variable.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+from harness.errors import SubjectError
+
+DEFAULT_SUBJECT = "harness.subjects.reference:REFERENCE"
+
+CAPABILITIES = ("decode_payload", "splice", "layouts", "install_replay")
+"""The pieces a subject may provide, in the order the suites exercise them."""
+
+
+@dataclass(frozen=True)
+class Subject:
+    """An implementation under test. Every capability is optional.
+
+    Attributes:
+        name: how reports name the subject.
+        decode_payload: ``(engine, version, payload, **sample) -> RoutingTrace``.
+        splice: ``(prompt_len, attempts) -> routes`` building one sample's trace from its attempts.
+        layouts: an object with the layout functions of ``reference_impl.layouts``.
+        install_replay: ``(model) -> handle`` arming replay on a model.
+    """
+
+    name: str
+    decode_payload: Callable[..., Any] | None = None
+    splice: Callable[..., Any] | None = None
+    layouts: Any | None = None
+    install_replay: Callable[..., Any] | None = None
+
+    def capabilities(self) -> list[str]:
+        """Names of the capabilities this subject provides."""
+        return [f.name for f in fields(self) if f.name in CAPABILITIES and getattr(self, f.name) is not None]
+
+
+def load_subject(spec: str) -> Subject:
+    """Import ``module:attr`` and check that it is a ``Subject``; raise ``SubjectError`` otherwise."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise SubjectError(f"expected 'package.module:object', got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise SubjectError(f"cannot import module {module_name!r} ({err})") from None
+    try:
+        obj = getattr(module, attr)
+    except AttributeError:
+        raise SubjectError(f"module {module_name!r} has no attribute {attr!r}") from None
+    if not isinstance(obj, Subject):
+        raise SubjectError(
+            f"{spec} is a {type(obj).__name__}, expected a harness.subjects.Subject "
+            f"(with any of: {', '.join(CAPABILITIES)})"
+        )
+    return obj

@@ -1,0 +1,7 @@
+"""The reference subject: the executable specification, against which every suite must pass."""
+
+from __future__ import annotations
+
+from harness.subjects import Subject
+
+REFERENCE = Subject(name="reference")
