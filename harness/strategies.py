@@ -217,3 +217,93 @@ def malformed_traces(draw: st.DrawFn) -> Malformed:
         kwargs["layer_axis"] = draw(st.sampled_from(["decoder_index", "moe", "", 3]))
         return Malformed(kind, routes, kwargs, "layer_axis")
     return Malformed(kind, routes, kwargs)
+
+
+@st.composite
+def attempt_schedules(draw: st.DrawFn, max_attempts: int = 5, max_prompt: int = 12, max_tokens: int = 6) -> Any:
+    """Schedules of partial rollouts and turns with at least one new token in all.
+
+    Reaches on purpose: attempts with 0 new tokens (the ``[-0:]`` slice), a first attempt aborted
+    before any forward, tool tokens between turns, weight updates between attempts, and a last
+    attempt cut by the length budget.
+    """
+    from harness.schedules import AttemptSpec, Schedule
+
+    prompt = draw(st.one_of(st.just(1), st.integers(1, max_prompt)))
+    count = draw(st.integers(1, max_attempts))
+    specs = []
+    for j in range(count):
+        last = j == count - 1
+        specs.append(
+            AttemptSpec(
+                tool_tokens=0 if j == 0 else draw(st.one_of(st.just(0), st.integers(0, max_tokens))),
+                generated=draw(st.one_of(st.just(0), st.integers(0, max_tokens))),
+                weight_update_before=j > 0 and draw(st.booleans()),
+                finish_reason=draw(st.sampled_from(("stop", "length") if last else ("abort", "stop"))),
+            )
+        )
+    if sum(s.new_tokens for s in specs) == 0:
+        specs[-1] = replace(specs[-1], generated=1)
+    return Schedule(prompt, tuple(specs))
+
+
+@dataclass(frozen=True)
+class EnginePayload:
+    """One sample's routed experts as an engine returns them, and the routes they must decode to."""
+
+    engine: str
+    version: str
+    payload: Any
+    model: Any  # harness.conventions.ModelSpec
+    prompt_len: int
+    response_len: int
+    start: int
+    routes: npt.NDArray[np.int64]  # decoder axis, dense slots 0, rows [start, P + R − 1)
+    form: str  # which wire form was built, for failure messages
+
+    def describe(self) -> str:
+        return (
+            f"{self.engine} {self.version} ({self.form}): prompt {self.prompt_len}, response "
+            f"{self.response_len}, start {self.start}, {self.model.num_experts} experts top-{self.model.top_k}"
+        )
+
+
+# A few released versions per convention, the range edges among them.
+_VERSIONS = {
+    "vllm-0.14": ("0.14.0", "0.15.1"),
+    "vllm-0.16": ("0.16.0", "0.18.0", "0.20.2"),
+    "vllm-0.21": ("0.21.0",),
+    "vllm-0.22": ("0.22.0", "0.24.1", "0.26.3"),
+    "sglang": ("0.5.0", "0.5.4"),
+}
+
+
+@st.composite
+def engine_payloads(draw: st.DrawFn, max_experts: int = 600) -> EnginePayload:
+    """Real payloads of every convention, built the way each engine builds its bytes."""
+    from harness import conventions as conv
+
+    convention = draw(st.sampled_from(conv.CONVENTIONS))
+    version = draw(st.sampled_from(_VERSIONS[convention.name]))
+    prompt, response = draw(sample_lengths(max_prompt=12, max_response=12))
+    start = draw(st.integers(0, prompt + response - 1)) if convention.start_param else 0
+    experts = draw(num_experts(max_experts))
+    layers = draw(st.integers(1, 4))
+    moe = tuple(range(draw(st.integers(0, layers - 1)), layers))
+    spec = TraceSpec(prompt + response - 1 - start, experts, draw(top_k_for(experts)), layers, moe, start=start)
+    routes = draw(valid_routes(spec))
+    model = conv.ModelSpec(layers, experts, spec.top_k, moe)
+    emitted = convention.emitted_dtype(model)
+    if convention.form == "split":
+        ordinal = routes[:, list(moe), :].astype(emitted)
+        http = draw(st.booleans())
+        halves = [ordinal[:prompt], ordinal[prompt:]]
+        payload: Any = tuple(h.tolist() if http else h for h in halves)
+        form = "nested lists (HTTP)" if http else "int16 ndarrays"
+    elif convention.form == "npy" and draw(st.booleans()):
+        payload, form = conv.encode_vllm_npy_b64(routes.astype(emitted)), "base64 .npy (HTTP)"
+    elif convention.form == "sglang":
+        payload, form = conv.encode_sglang_b64(routes), "base64 int32"
+    else:
+        payload, form = routes.astype(emitted), f"{emitted} ndarray"
+    return EnginePayload(convention.engine, version, payload, model, prompt, response, start, routes, form)

@@ -16,7 +16,7 @@ from harness.errors import SubjectError
 
 DEFAULT_SUBJECT = "harness.subjects.reference:REFERENCE"
 
-CAPABILITIES = ("decode_payload", "splice", "layouts", "install_replay")
+CAPABILITIES = ("decode_payload", "splice", "truncate", "layouts", "install_replay")
 """The pieces a subject may provide, in the order the suites exercise them."""
 
 
@@ -27,7 +27,9 @@ class Subject:
     Attributes:
         name: how reports name the subject.
         decode_payload: ``(engine, version, payload, **sample) -> RoutingTrace``.
-        splice: ``(prompt_len, attempts) -> routes`` building one sample's trace from its attempts.
+        splice: ``(prompt_len, attempts) -> routes`` building one sample's trace from its attempts
+            (``reference_impl.splice.Attempt``).
+        truncate: ``(tokens, routes, prompt_len, max_response_len) -> (tokens, routes)``.
         layouts: an object with the layout functions of ``reference_impl.layouts``.
         install_replay: ``(model) -> handle`` arming replay on a model.
     """
@@ -35,12 +37,24 @@ class Subject:
     name: str
     decode_payload: Callable[..., Any] | None = None
     splice: Callable[..., Any] | None = None
+    truncate: Callable[..., Any] | None = None
     layouts: Any | None = None
     install_replay: Callable[..., Any] | None = None
 
     def capabilities(self) -> list[str]:
         """Names of the capabilities this subject provides."""
         return [f.name for f in fields(self) if f.name in CAPABILITIES and getattr(self, f.name) is not None]
+
+    def require(self, capability: str) -> Any:
+        """The capability, or ``MissingCapability`` naming it when this subject does not provide it."""
+        value = getattr(self, capability, None)
+        if value is None:
+            raise MissingCapability(f"subject {self.name!r} does not provide {capability!r}")
+        return value
+
+
+class MissingCapability(LookupError):
+    """A suite needs a capability the subject under test does not provide (the test is skipped)."""
 
 
 def load_subject(spec: str) -> Subject:

@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+from reference_impl import layouts, splice
+
+from harness.conventions import decode_payload
 from harness.subjects import Subject
 
-REFERENCE = Subject(name="reference")
+REFERENCE = Subject(
+    name="reference",
+    decode_payload=decode_payload,
+    splice=splice.splice,
+    truncate=splice.truncate,
+    layouts=layouts,
+)

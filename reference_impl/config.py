@@ -1,0 +1,128 @@
+"""Configuration of the reference MoE language model.
+
+`MoEConfig` describes a small decoder-only model: which decoder layers are dense (the first
+`first_k_dense`), which router family each MoE layer uses, and the family parameters. Every field is
+checked when the config is built; a bad value raises `ConfigError` naming the field and what it
+must be, so a test never runs on a silently impossible model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# The gate-weight rules the reference implements (see `reference_impl.routers` and FACTS §3).
+ROUTER_FAMILIES: tuple[str, ...] = (
+    "softmax_topk",  # Qwen2/3-MoE, OlMoE
+    "softmax_topk_fp32",  # Mixtral, MiniMax
+    "topk_softmax",  # GPT-OSS
+    "sigmoid_grouped",  # DeepSeek-V3, GLM4-MoE
+    "llama4",  # Llama 4
+)
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class ConfigError(ValueError):
+    """An invalid `MoEConfig` field; the message names the field and the expected value."""
+
+
+def _require(ok: bool, field: str, value: object, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"MoEConfig.{field} = {value!r}: expected {expected}")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A tiny decoder-only MoE LM.
+
+    Decoder layers `0 .. first_k_dense-1` use a dense MLP and have no router (DeepSeek-V3's
+    `first_k_dense_replace`); the others are MoE layers. `router_family` is one family for every
+    MoE layer or a tuple with one entry per *decoder* layer (entries of dense layers are unused).
+    `n_group`, `topk_group` and `routed_scaling_factor` only matter to `sigmoid_grouped`.
+    """
+
+    vocab_size: int = 128
+    hidden_size: int = 64
+    num_layers: int = 4
+    num_heads: int = 4
+    num_experts: int = 8
+    top_k: int = 2
+    expert_hidden: int = 32
+    first_k_dense: int = 0
+    router_family: str | tuple[str, ...] = "softmax_topk"
+    norm_topk_prob: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert: bool = False
+    max_positions: int = 512
+    seed: int = 0
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.router_family, list):  # keep the config hashable
+            object.__setattr__(self, "router_family", tuple(self.router_family))
+        self._validate()
+
+    def _validate(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_experts",
+                     "expert_hidden", "max_positions"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1, name, value, "an int >= 1")
+        _require(self.hidden_size % self.num_heads == 0, "hidden_size", self.hidden_size,
+                 f"a multiple of num_heads ({self.num_heads})")
+        head_dim = self.hidden_size // self.num_heads
+        _require(head_dim % 2 == 0, "hidden_size", self.hidden_size,
+                 f"an even head dimension hidden_size/num_heads for RoPE (got {head_dim})")
+        _require(1 <= self.top_k <= self.num_experts, "top_k", self.top_k,
+                 f"an int in [1, num_experts={self.num_experts}]")
+        _require(0 <= self.first_k_dense <= self.num_layers, "first_k_dense", self.first_k_dense,
+                 f"an int in [0, num_layers={self.num_layers}]")
+        self._validate_families()
+        _require(self.n_group >= 1 and self.num_experts % self.n_group == 0, "n_group",
+                 self.n_group, f"a divisor of num_experts={self.num_experts}")
+        _require(1 <= self.topk_group <= self.n_group, "topk_group", self.topk_group,
+                 f"an int in [1, n_group={self.n_group}]")
+        if any(self.family_of(layer) == "sigmoid_grouped" for layer in self.moe_layers):
+            reachable = self.topk_group * (self.num_experts // self.n_group)
+            _require(self.top_k <= reachable, "top_k", self.top_k,
+                     f"<= topk_group * num_experts / n_group = {reachable} (experts left after "
+                     "the group limit of sigmoid_grouped)")
+        _require(self.routed_scaling_factor > 0, "routed_scaling_factor",
+                 self.routed_scaling_factor, "a number > 0")
+        for name in ("norm_topk_prob", "shared_expert"):
+            _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "a bool")
+        _require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {sorted(DTYPES)}")
+
+    def _validate_families(self) -> None:
+        known = f"one of {list(ROUTER_FAMILIES)}"
+        if isinstance(self.router_family, str):
+            _require(self.router_family in ROUTER_FAMILIES, "router_family", self.router_family,
+                     known)
+            return
+        _require(isinstance(self.router_family, tuple)
+                 and len(self.router_family) == self.num_layers,
+                 "router_family", self.router_family,
+                 f"a family name or a tuple of num_layers={self.num_layers} names")
+        for family in self.router_family:
+            _require(family in ROUTER_FAMILIES, "router_family", family, known)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Decoder indices of the MoE layers, in order (the MoE-ordinal axis maps onto these)."""
+        return tuple(range(self.first_k_dense, self.num_layers))
+
+    def family_of(self, layer: int) -> str:
+        """Router family of decoder layer `layer` (dense layers have no router)."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"decoder layer {layer} not in [0, num_layers={self.num_layers})")
+        if isinstance(self.router_family, str):
+            return self.router_family
+        return self.router_family[layer]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype of the model's parameters and activations."""
+        return DTYPES[self.dtype]
