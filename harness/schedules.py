@@ -101,7 +101,9 @@ def simulate(
             version_of_row += [version] * (rows - len(version_of_row))
         attempts.append(Attempt(new_tokens=spec.new_tokens, routes=payload, finish_reason=spec.finish_reason))
         context = fed
-    expected = torch.stack(
-        [route(p, v, layers, top_k, num_experts) for p, v in enumerate(version_of_row)]
-    ) if version_of_row else torch.zeros((0, layers, top_k), dtype=torch.long)
+    expected = (
+        torch.stack([route(p, v, layers, top_k, num_experts) for p, v in enumerate(version_of_row)])
+        if version_of_row
+        else torch.zeros((0, layers, top_k), dtype=torch.long)
+    )
     return SimulatedRollout(tuple(attempts), expected, tuple(version_of_row))

@@ -220,7 +220,9 @@ def malformed_traces(draw: st.DrawFn) -> Malformed:
 
 
 @st.composite
-def attempt_schedules(draw: st.DrawFn, max_attempts: int = 5, max_prompt: int = 12, max_tokens: int = 6) -> Any:
+def attempt_schedules(
+    draw: st.DrawFn, max_attempts: int = 5, max_prompt: int = 12, max_tokens: int = 6
+) -> Any:
     """Schedules of partial rollouts and turns with at least one new token in all.
 
     Reaches on purpose: attempts with 0 new tokens (the ``[-0:]`` slice), a first attempt aborted
@@ -264,7 +266,8 @@ class EnginePayload:
     def describe(self) -> str:
         return (
             f"{self.engine} {self.version} ({self.form}): prompt {self.prompt_len}, response "
-            f"{self.response_len}, start {self.start}, {self.model.num_experts} experts top-{self.model.top_k}"
+            f"{self.response_len}, start {self.start}, "
+            f"{self.model.num_experts} experts top-{self.model.top_k}"
         )
 
 
@@ -290,7 +293,9 @@ def engine_payloads(draw: st.DrawFn, max_experts: int = 600) -> EnginePayload:
     experts = draw(num_experts(max_experts))
     layers = draw(st.integers(1, 4))
     moe = tuple(range(draw(st.integers(0, layers - 1)), layers))
-    spec = TraceSpec(prompt + response - 1 - start, experts, draw(top_k_for(experts)), layers, moe, start=start)
+    spec = TraceSpec(
+        prompt + response - 1 - start, experts, draw(top_k_for(experts)), layers, moe, start=start
+    )
     routes = draw(valid_routes(spec))
     model = conv.ModelSpec(layers, experts, spec.top_k, moe)
     emitted = convention.emitted_dtype(model)

@@ -29,7 +29,9 @@ def make(routes: object, num_experts: int = 8, **kwargs: object) -> RoutingTrace
 # --- construction and storage dtype ---------------------------------------------------------
 
 
-@pytest.mark.parametrize(("experts", "dtype"), [(1, np.uint8), (256, np.uint8), (257, np.uint16), (65536, np.uint16)])
+@pytest.mark.parametrize(
+    ("experts", "dtype"), [(1, np.uint8), (256, np.uint8), (257, np.uint16), (65536, np.uint16)]
+)
 def test_storage_dtype_is_the_narrowest(experts: int, dtype: type) -> None:
     assert storage_dtype(experts) == np.dtype(dtype)
 
@@ -91,7 +93,7 @@ def test_every_malformed_trace_raises_trace_error(bad) -> None:  # type: ignore[
         RoutingTrace(bad.experts, **bad.kwargs)
     except TraceError as err:
         assert str(err).startswith(bad.field_name), (bad.kind, str(err))
-    except Exception as err:  # noqa: BLE001 - the point is to catch anything else
+    except Exception as err:
         pytest.fail(f"{bad.kind}: raised {type(err).__name__} instead of TraceError: {err}")
     else:
         pytest.fail(f"{bad.kind}: accepted a malformed trace")
@@ -239,7 +241,7 @@ def test_truncated_or_corrupted_files_raise_trace_file_error(data) -> None:  # t
         pass
     except HarnessError as err:
         pytest.fail(f"raised {type(err).__name__}, expected TraceFileError: {err}")
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         pytest.fail(f"raised {type(err).__name__} instead of TraceFileError: {err}")
     else:  # a flip inside the JSON metadata can keep it valid only if it changed nothing we read
         back = RoutingTrace.from_bytes(broken)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from reference_impl import layouts, splice
-
 from harness.conventions import decode_payload
 from harness.subjects import Subject
+from reference_impl import layouts, splice
 
 REFERENCE = Subject(
     name="reference",
