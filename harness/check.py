@@ -44,7 +44,9 @@ class _Collector:
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         for item in items:
             doc = getattr(getattr(item, "function", None), "__doc__", None) or ""
-            self.docs[item.nodeid] = doc.strip().splitlines()[0] if doc.strip() else item.name
+            label = doc.strip().splitlines()[0] if doc.strip() else item.name
+            _, bracket, param = item.name.partition("[")
+            self.docs[item.nodeid] = f"[{param} {label}" if bracket else label
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         # One outcome per test: the call phase, or an earlier phase that skipped or failed.

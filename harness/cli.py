@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from harness import __version__
-from harness.subjects import DEFAULT_SUBJECT
+from harness.subjects import DEFAULT_SUBJECT, load_subject
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -22,6 +22,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print("rrh check: no check ran; nothing was verified", file=sys.stderr)
         return 2
     print(format_outcomes(outcomes))
+    subject = load_subject(args.subject)
+    if subject.install_replay is not None:
+        from harness.lab import format_lab, run_mismatch_lab
+
+        print()
+        print(format_lab(run_mismatch_lab(install_replay=subject.install_replay)))
     failed = [o for o in outcomes if o.outcome == "failed"]
     if failed:
         print(f"\n{len(failed)} invariant(s) violated; rerun one with: pytest {failed[0].nodeid}")

@@ -1,10 +1,14 @@
 """Reference implementation of MoE routing replay: the executable specification.
 
 Pure torch, no harness imports. Start with `routers.py` (families, record/replay state), then
-`model.py` (the MoE LM that uses them); `config.py` describes the model.
+`model.py` (the MoE LM that uses them; `config.py` describes it), `engine.py` (the KV-cache
+rollout engine that stands in for vLLM/SGLang), `splice.py` (building a sample's trace from its
+attempts), `layouts.py` (the trainer's layouts) and `training.py` (R2, R3 and the reference pass).
 """
 
+from . import layouts, splice, training
 from .config import DTYPES, ROUTER_FAMILIES, ConfigError, MoEConfig
+from .engine import AttemptPlan, Episode, Rollout, RolloutEngine, run_episode
 from .model import KVCache, MoEBlock, MoELM
 from .routers import (
     FAMILIES,
@@ -20,15 +24,23 @@ __all__ = [
     "DTYPES",
     "FAMILIES",
     "ROUTER_FAMILIES",
+    "AttemptPlan",
     "ConfigError",
+    "Episode",
     "KVCache",
     "MoEBlock",
     "MoEConfig",
     "MoELM",
     "ReplayError",
     "ReplayTargets",
+    "Rollout",
+    "RolloutEngine",
     "Router",
     "RouterFamily",
     "RoutingMode",
+    "layouts",
     "make_family",
+    "run_episode",
+    "splice",
+    "training",
 ]

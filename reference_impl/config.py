@@ -9,10 +9,14 @@ must be, so a test never runs on a silently impossible model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 # The gate-weight rules the reference implements (see `reference_impl.routers` and FACTS §3).
+LayerAxis = Literal["decoder", "moe_ordinal"]
+"""A trace's layer axis: one slot per decoder layer (dense slots 0), or one per MoE layer."""
+
 ROUTER_FAMILIES: tuple[str, ...] = (
     "softmax_topk",  # Qwen2/3-MoE, OlMoE
     "softmax_topk_fp32",  # Mixtral, MiniMax
@@ -67,31 +71,70 @@ class MoEConfig:
         self._validate()
 
     def _validate(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_experts",
-                     "expert_hidden", "max_positions"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_experts",
+            "expert_hidden",
+            "max_positions",
+        ):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1, name, value, "an int >= 1")
-        _require(self.hidden_size % self.num_heads == 0, "hidden_size", self.hidden_size,
-                 f"a multiple of num_heads ({self.num_heads})")
+        _require(
+            self.hidden_size % self.num_heads == 0,
+            "hidden_size",
+            self.hidden_size,
+            f"a multiple of num_heads ({self.num_heads})",
+        )
         head_dim = self.hidden_size // self.num_heads
-        _require(head_dim % 2 == 0, "hidden_size", self.hidden_size,
-                 f"an even head dimension hidden_size/num_heads for RoPE (got {head_dim})")
-        _require(1 <= self.top_k <= self.num_experts, "top_k", self.top_k,
-                 f"an int in [1, num_experts={self.num_experts}]")
-        _require(0 <= self.first_k_dense <= self.num_layers, "first_k_dense", self.first_k_dense,
-                 f"an int in [0, num_layers={self.num_layers}]")
+        _require(
+            head_dim % 2 == 0,
+            "hidden_size",
+            self.hidden_size,
+            f"an even head dimension hidden_size/num_heads for RoPE (got {head_dim})",
+        )
+        _require(
+            1 <= self.top_k <= self.num_experts,
+            "top_k",
+            self.top_k,
+            f"an int in [1, num_experts={self.num_experts}]",
+        )
+        _require(
+            0 <= self.first_k_dense <= self.num_layers,
+            "first_k_dense",
+            self.first_k_dense,
+            f"an int in [0, num_layers={self.num_layers}]",
+        )
         self._validate_families()
-        _require(self.n_group >= 1 and self.num_experts % self.n_group == 0, "n_group",
-                 self.n_group, f"a divisor of num_experts={self.num_experts}")
-        _require(1 <= self.topk_group <= self.n_group, "topk_group", self.topk_group,
-                 f"an int in [1, n_group={self.n_group}]")
+        _require(
+            self.n_group >= 1 and self.num_experts % self.n_group == 0,
+            "n_group",
+            self.n_group,
+            f"a divisor of num_experts={self.num_experts}",
+        )
+        _require(
+            1 <= self.topk_group <= self.n_group,
+            "topk_group",
+            self.topk_group,
+            f"an int in [1, n_group={self.n_group}]",
+        )
         if any(self.family_of(layer) == "sigmoid_grouped" for layer in self.moe_layers):
             reachable = self.topk_group * (self.num_experts // self.n_group)
-            _require(self.top_k <= reachable, "top_k", self.top_k,
-                     f"<= topk_group * num_experts / n_group = {reachable} (experts left after "
-                     "the group limit of sigmoid_grouped)")
-        _require(self.routed_scaling_factor > 0, "routed_scaling_factor",
-                 self.routed_scaling_factor, "a number > 0")
+            _require(
+                self.top_k <= reachable,
+                "top_k",
+                self.top_k,
+                f"<= topk_group * num_experts / n_group = {reachable} (experts left after "
+                "the group limit of sigmoid_grouped)",
+            )
+        _require(
+            self.routed_scaling_factor > 0,
+            "routed_scaling_factor",
+            self.routed_scaling_factor,
+            "a number > 0",
+        )
         for name in ("norm_topk_prob", "shared_expert"):
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "a bool")
         _require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {sorted(DTYPES)}")
@@ -99,13 +142,14 @@ class MoEConfig:
     def _validate_families(self) -> None:
         known = f"one of {list(ROUTER_FAMILIES)}"
         if isinstance(self.router_family, str):
-            _require(self.router_family in ROUTER_FAMILIES, "router_family", self.router_family,
-                     known)
+            _require(self.router_family in ROUTER_FAMILIES, "router_family", self.router_family, known)
             return
-        _require(isinstance(self.router_family, tuple)
-                 and len(self.router_family) == self.num_layers,
-                 "router_family", self.router_family,
-                 f"a family name or a tuple of num_layers={self.num_layers} names")
+        _require(
+            isinstance(self.router_family, tuple) and len(self.router_family) == self.num_layers,
+            "router_family",
+            self.router_family,
+            f"a family name or a tuple of num_layers={self.num_layers} names",
+        )
         for family in self.router_family:
             _require(family in ROUTER_FAMILIES, "router_family", family, known)
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Protocol
+
+import torch
 
 from harness.errors import SubjectError
 
@@ -18,6 +20,32 @@ DEFAULT_SUBJECT = "harness.subjects.reference:REFERENCE"
 
 CAPABILITIES = ("decode_payload", "splice", "truncate", "layouts", "install_replay")
 """The pieces a subject may provide, in the order the suites exercise them."""
+
+
+class ReplayHandle(Protocol):
+    """Record/replay control over one model's routers, as a subject implements it.
+
+    Routes are ``[tokens, num_moe_layers, top_k]`` in the model's token order (row ``b·T + t``),
+    MoE layers in model order. Megatron-core's ``RouterReplay`` actions map onto these methods.
+    """
+
+    def record(self) -> None:
+        """Route natively on the next forward and keep the chosen ids."""
+
+    def recording(self) -> torch.Tensor:
+        """The ids chosen by the recorded forward; stops recording."""
+
+    def replay(self, targets: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Force ``targets`` on every later forward (rows where ``mask`` is False route natively)."""
+
+    def prepare_backward(self) -> None:
+        """Before backward: activation recompute must replay what each forward used (a FIFO)."""
+
+    def dispatched(self) -> torch.Tensor:
+        """The ids the experts actually received in the last forward."""
+
+    def disarm(self) -> None:
+        """Back to native routing; drop targets, queues and recordings."""
 
 
 @dataclass(frozen=True)
@@ -31,7 +59,7 @@ class Subject:
             (``reference_impl.splice.Attempt``).
         truncate: ``(tokens, routes, prompt_len, max_response_len) -> (tokens, routes)``.
         layouts: an object with the layout functions of ``reference_impl.layouts``.
-        install_replay: ``(model) -> handle`` arming replay on a model.
+        install_replay: ``(model) -> ReplayHandle``: record/replay control over a model's routers.
     """
 
     name: str

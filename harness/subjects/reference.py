@@ -2,9 +2,52 @@
 
 from __future__ import annotations
 
+import torch
+
 from harness.conventions import decode_payload
 from harness.subjects import Subject
-from reference_impl import layouts, splice
+from reference_impl import MoELM, RoutingMode, layouts, splice
+
+
+class ReferenceReplay:
+    """``ReplayHandle`` of the reference model, whose routers carry Megatron-style replay state."""
+
+    def __init__(self, model: MoELM) -> None:
+        self.model = model
+
+    def record(self) -> None:
+        self.model.clear_replay()
+        self.model.set_routing_mode(RoutingMode.RECORD)
+
+    def recording(self) -> torch.Tensor:
+        routes = self.model.pop_recording()
+        self.model.set_routing_mode(RoutingMode.NATIVE)
+        return routes
+
+    def replay(self, targets: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        self.model.set_replay_targets(targets, mask)
+        self.model.set_routing_mode(RoutingMode.REPLAY_FORWARD)
+
+    def prepare_backward(self) -> None:
+        self.model.set_routing_mode(RoutingMode.REPLAY_BACKWARD)
+
+    def dispatched(self) -> torch.Tensor:
+        ids = self.model.last_dispatch
+        if any(i is None for i in ids):
+            raise RuntimeError("dispatched: no forward has run since the model was built")
+        return torch.stack([i for i in ids if i is not None], dim=1)
+
+    def disarm(self) -> None:
+        self.model.clear_replay()
+        self.model.set_routing_mode(RoutingMode.NATIVE)
+
+
+def install_replay(model: MoELM) -> ReferenceReplay:
+    """Replay control for a reference model (nothing to patch: its routers implement replay)."""
+    if not isinstance(model, MoELM):
+        raise TypeError(f"model: expected a reference_impl.MoELM, got {type(model).__name__}")
+    return ReferenceReplay(model)
+
 
 REFERENCE = Subject(
     name="reference",
@@ -12,4 +55,5 @@ REFERENCE = Subject(
     splice=splice.splice,
     truncate=splice.truncate,
     layouts=layouts,
+    install_replay=install_replay,
 )

@@ -1,0 +1,200 @@
+"""The mismatch lab: where routing replay must earn its keep (DESIGN §3.10, §6).
+
+A bf16 MoE model samples rollouts through its KV cache (prefill, then one-token decode steps), the
+way an inference engine does; the trainer then recomputes the same sequences with one full forward.
+The two computations round differently, near-tied routers flip, and the sampled tokens' log-probs
+drift apart. The lab measures, for the trainer without replay and with R3 (rollout routes replayed
+through the subject's ``install_replay``):
+
+- routing disagreement between rollout and trainer per (position, MoE layer), per layer and per
+  token (DESIGN §3.3 set comparison);
+- the log-prob gap on response tokens (``harness.metrics``), over all of them and over the tokens
+  whose routing had flipped (the input position that produced their logits routed differently in
+  at least one layer without replay).
+
+R3 must make the disagreement exactly 0 and shrink the gap on the flipped tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from harness.metrics import LogprobGap, logprob_gap
+from harness.subjects import ReplayHandle
+from harness.trace import RoutingComparison, route_overlap
+from reference_impl import MoEConfig, MoELM, RolloutEngine, training
+from reference_impl.layouts import place_left_padded
+
+
+@dataclass(frozen=True)
+class LabConfig:
+    """The lab's model and batch. The defaults are DESIGN §6's CPU mismatch lab: bf16, 64 experts top-8."""
+
+    family: str = "softmax_topk"
+    num_experts: int = 64
+    top_k: int = 8
+    num_layers: int = 4
+    hidden_size: int = 64
+    batch: int = 8
+    prompt_len: int = 16
+    response_len: int = 48
+    dtype: str = "bfloat16"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class LabArm:
+    """One trainer setting: its routing against the rollout's, and its log-prob gap."""
+
+    name: str
+    routing: RoutingComparison
+    gap: LogprobGap
+    gap_on_flipped: LogprobGap
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "disagreement": self.routing.disagreement,
+            "token_disagreement": self.routing.token_disagreement,
+            "per_layer_disagreement": self.routing.per_layer.tolist(),
+            "gap": self.gap.as_dict(),
+            "gap_on_flipped": self.gap_on_flipped.as_dict(),
+        }
+
+
+@dataclass(frozen=True)
+class LabResult:
+    """The lab's two arms on the same rollouts."""
+
+    config: LabConfig
+    without_replay: LabArm
+    with_r3: LabArm
+    flipped_tokens: int
+    response_tokens: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "config": asdict(self.config),
+            "flipped_tokens": self.flipped_tokens,
+            "response_tokens": self.response_tokens,
+            "arms": [self.without_replay.as_dict(), self.with_r3.as_dict()],
+        }
+
+
+def build_model(cfg: LabConfig) -> MoELM:
+    """The lab's reference model, deterministic from ``cfg.seed``."""
+    grouped = cfg.family == "sigmoid_grouped"
+    return MoELM(
+        MoEConfig(
+            vocab_size=256,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_layers,
+            num_heads=4,
+            num_experts=cfg.num_experts,
+            top_k=cfg.top_k,
+            expert_hidden=32,
+            router_family=cfg.family,
+            n_group=8 if grouped else 1,
+            topk_group=4 if grouped else 1,
+            shared_expert=cfg.family == "llama4",
+            dtype=cfg.dtype,
+            seed=cfg.seed,
+        )
+    )
+
+
+def run_mismatch_lab(
+    cfg: LabConfig | None = None, install_replay: Callable[[MoELM], ReplayHandle] | None = None
+) -> LabResult:
+    """Roll out with the KV cache, recompute with a full forward, without and with R3."""
+    from harness.subjects.reference import install_replay as reference_install
+
+    cfg = cfg or LabConfig()
+    model = build_model(cfg)
+    handle = (install_replay or reference_install)(model)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    prompts = torch.randint(0, model.cfg.vocab_size, (cfg.batch, cfg.prompt_len), generator=gen)
+    rollouts = RolloutEngine(model).generate(list(prompts), cfg.response_len, greedy=False, generator=gen)
+
+    width = cfg.prompt_len + cfg.response_len
+    placed = place_left_padded(
+        [(torch.cat([p, r.tokens]), r.routes) for p, r in zip(prompts, rollouts)], width
+    )
+    moe_layers = model.cfg.moe_layers
+    targets, mask = training.replay_targets(placed, moe_layers, "decoder")
+    rows = mask.nonzero().squeeze(1)  # every position that has a rollout row
+
+    with torch.no_grad():
+        handle.record()
+        lp_native = training.token_logprobs(model, placed.tokens, placed.attention_mask)
+        native_routes = handle.recording()
+        handle.replay(targets, mask)
+        lp_r3 = training.token_logprobs(model, placed.tokens, placed.attention_mask)
+        r3_routes = handle.dispatched()
+        handle.disarm()
+
+    def compare_rows(routes: torch.Tensor) -> RoutingComparison:
+        overlap = route_overlap(targets[rows].numpy(), routes[rows].numpy())
+        return RoutingComparison(overlap, cfg.top_k, tuple(moe_layers))
+
+    without, with_r3 = compare_rows(native_routes), compare_rows(r3_routes)
+    # Response token at column c was sampled from the logits of input column c − 1.
+    response = torch.zeros_like(placed.attention_mask, dtype=torch.bool)
+    response[:, cfg.prompt_len :] = True
+    flipped_rows = torch.zeros(cfg.batch * width, dtype=torch.bool)
+    flipped_rows[rows] = torch.from_numpy(without.differs.any(axis=1))
+    flipped = torch.zeros_like(response)
+    flipped[:, 1:] = flipped_rows.reshape(cfg.batch, width)[:, :-1]
+    flipped &= response
+    infer = torch.zeros(cfg.batch, width)
+    infer[:, cfg.prompt_len :] = torch.stack([r.logprobs for r in rollouts])
+
+    def arm(name: str, lp: torch.Tensor, routing: RoutingComparison) -> LabArm:
+        return LabArm(
+            name, routing, logprob_gap(lp, infer, response.numpy()), logprob_gap(lp, infer, flipped.numpy())
+        )
+
+    return LabResult(
+        cfg,
+        arm("no replay", lp_native, without),
+        arm("R3", lp_r3, with_r3),
+        int(flipped.sum()),
+        int(response.sum()),
+    )
+
+
+def format_lab(result: LabResult) -> str:
+    """The lab as a terminal table: one row per arm, then the per-layer profile."""
+    from harness.report import format_table
+
+    cfg = result.config
+    head = (
+        f"mismatch lab: {cfg.family}, {cfg.num_experts} experts top-{cfg.top_k}, {cfg.num_layers} layers, "
+        f"{cfg.dtype}; {cfg.batch} rollouts × {cfg.response_len} tokens by KV-cache decode vs one full "
+        f"forward; {result.flipped_tokens} of {result.response_tokens} response tokens had flipped routing"
+    )
+    rows = []
+    for a in (result.without_replay, result.with_r3):
+        rows.append(
+            (
+                a.name,
+                f"{a.routing.disagreement:.4f}",
+                f"{a.routing.token_disagreement:.4f}",
+                f"{a.gap.mean_abs_diff:.3e}",
+                f"{a.gap.max_abs_diff:.3e}",
+                f"{a.gap.k3:.3e}",
+                f"{a.gap.extreme_fraction:.4f}",
+                f"{a.gap_on_flipped.mean_abs_diff:.3e}",
+            )
+        )
+    table = format_table(
+        ("trainer", "route disagr.", "token disagr.", "mean|Δ|", "max|Δ|", "k3", "F(2)", "mean|Δ| flipped"),
+        rows,
+    )
+    profile = " ".join(f"{x:.3f}" for x in np.asarray(result.without_replay.routing.per_layer))
+    return f"{head}\n{table}\nper-layer disagreement without replay: {profile}"
