@@ -122,9 +122,11 @@ def run_mismatch_lab(
     rollouts = RolloutEngine(model).generate(list(prompts), cfg.response_len, greedy=False, generator=gen)
 
     width = cfg.prompt_len + cfg.response_len
-    placed = place_left_padded(
-        [(torch.cat([p, r.tokens]), r.routes) for p, r in zip(prompts, rollouts)], width
-    )
+    samples = []
+    for prompt, rollout in zip(prompts, rollouts, strict=True):
+        assert rollout.routes is not None  # every rollout generated response_len ≥ 1 tokens
+        samples.append((torch.cat([prompt, rollout.tokens]), rollout.routes))
+    placed = place_left_padded(samples, width)
     moe_layers = model.cfg.moe_layers
     targets, mask = training.replay_targets(placed, moe_layers, "decoder")
     rows = mask.nonzero().squeeze(1)  # every position that has a rollout row

@@ -121,7 +121,7 @@ def test_router_gets_gradient_at_targets_live_top_k_would_not_pick(subject: Subj
     with torch.no_grad():
         model(tokens)
     natural = handle.recording()
-    unpicked = [e for e in range(model.cfg.num_experts) if e not in natural[0, 0].tolist()][0]
+    unpicked = next(e for e in range(model.cfg.num_experts) if e not in natural[0, 0].tolist())
     targets = natural.clone()
     targets[0, 0, -1] = unpicked  # token 0, first MoE layer: one expert its live top-k did not pick
     handle.replay(targets)

@@ -57,7 +57,7 @@ def _first_computed(attempts, rows: int) -> torch.Tensor:  # type: ignore[no-unt
 @settings(max_examples=30)
 @given(schedule=attempt_schedules(max_attempts=4, max_prompt=8, max_tokens=4))
 def test_engine_episodes_splice_to_first_computed_rows(subject: Subject, schedule: Schedule) -> None:
-    """After real aborts, resumes, turns and weight updates, the splice keeps P + Σa − 1 first-computed rows."""
+    """After real aborts, resumes, turns and weight updates the splice keeps P + Σa − 1 routed rows."""
     splice = require(subject, "splice")
     model = copy.deepcopy(_model())
     prompt = list(range(1, schedule.prompt_len + 1))
