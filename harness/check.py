@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 
 @dataclass(frozen=True)
@@ -80,10 +82,20 @@ def _failure_summary(report: pytest.TestReport) -> str:
 
 
 def run_suites(
-    subject: str, *, select: str = "not slow", paths: list[str] | None = None
+    subject: str,
+    *,
+    select: str = "not slow and not gpu",
+    paths: Sequence[str] | None = None,
+    extra: Sequence[str] = (),
 ) -> tuple[list[CheckOutcome], str]:
-    """Run the suites against ``subject`` (a ``module:attr`` spec) and return outcomes and pytest's log."""
+    """Run the suites against ``subject`` (a ``module:attr`` spec) and return outcomes and pytest's log.
+
+    ``extra`` are further pytest arguments (``-x``, ``--hypothesis-seed=N``). The hypothesis
+    profile active before the run is restored after it, so a run inside a test session leaves the
+    session's settings alone.
+    """
     collector = _Collector()
+    profile = settings.get_current_profile_name()
     args = [
         *(paths or [str(suites_dir())]),
         "-q",
@@ -95,8 +107,12 @@ def run_suites(
         select,
         "--rr-subject",
         subject,
+        *extra,
     ]
     log = io.StringIO()
-    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        pytest.main(args, plugins=[collector])
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            pytest.main(args, plugins=[collector])
+    finally:
+        settings.load_profile(profile)
     return collector.outcomes, log.getvalue()

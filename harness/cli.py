@@ -67,6 +67,56 @@ def _cmd_bench_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_mutants(args: argparse.Namespace) -> int:
+    from harness.mutants.registry import MUTANTS
+    from harness.mutants.run import kill_args, reference_failures, run_mutant
+    from harness.report import format_table
+
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    seeds: list[int | None] = list(range(1, args.seeds + 1)) if args.seeds else [None]
+    report: dict[str, object] = {"reference_failures": reference_failures(kill_args(None))}
+    rows, results = [], []
+    for mutant in chosen:
+        runs = [run_mutant(mutant, first_kill_only=args.fast, extra=kill_args(seed)) for seed in seeds]
+        killed = sum(r.killed for r in runs)
+        killers = sorted({k for r in runs for k in r.killers})
+        results.append(
+            {
+                "mutant": mutant.name,
+                "bug_class": mutant.bug_class,
+                "instance": mutant.instance,
+                "capability": mutant.capability,
+                "killed_runs": killed,
+                "runs": len(runs),
+                "killers": killers,
+                "seconds": sum(r.seconds for r in runs),
+            }
+        )
+        shown = ", ".join(killers[:2]) + (f" (+{len(killers) - 2})" if len(killers) > 2 else "")
+        verdict = "killed" if killed == len(runs) else f"SURVIVED {len(runs) - killed}/{len(runs)}"
+        rows.append((mutant.name, mutant.bug_class, verdict, shown or "-", f"{results[-1]['seconds']:.1f}s"))
+        if not args.json:
+            print(
+                format_table(("mutant", "bug class", "verdict", "killed by", "time"), rows[-1:]).splitlines()[
+                    -1
+                ],
+                flush=True,
+            )
+    report["mutants"] = results
+    survivors = [r["mutant"] for r in results if r["killed_runs"] != r["runs"]]
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print()
+        print(format_table(("mutant", "bug class", "verdict", "killed by", "time"), rows))
+        print(
+            f"\n{len(results) - len(survivors)} of {len(results)} mutants killed"
+            f"{f' under {len(seeds)} hypothesis seeds' if args.seeds else ''}; "
+            f"reference failures: {len(report['reference_failures'])}"
+        )  # type: ignore[arg-type]
+    return 1 if survivors or report["reference_failures"] else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rrh", description="Verify MoE routing replay (R2, R3).")
     parser.add_argument("--version", action="version", version=f"rrh {__version__}")
@@ -76,6 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--subject", default=DEFAULT_SUBJECT, metavar="MODULE:ATTR")
     check.add_argument("-m", dest="select", default="not slow and not gpu", help="pytest marker expression")
     check.set_defaults(func=_cmd_check)
+
+    mutants = commands.add_parser("mutants", help="run the suites against every known bug; all must die")
+    mutants.add_argument("--json", action="store_true", help="print the report as JSON")
+    mutants.add_argument(
+        "--seeds", type=int, default=0, help="repeat under N hypothesis seeds (default: derandomized)"
+    )
+    mutants.add_argument("--only", nargs="*", metavar="NAME", help="only these mutants")
+    mutants.add_argument("--fast", action="store_true", help="stop each mutant's run at its first kill")
+    mutants.set_defaults(func=_cmd_mutants)
 
     bench = commands.add_parser("bench", help="benchmarks that print numbers")
     benches = bench.add_subparsers(dest="bench", required=True)

@@ -5,8 +5,9 @@
   with a reason that names what is missing, never an import error.
 - ``--rr-subject module:attr`` (or ``RR_SUBJECT``): the implementation under test; the reference
   by default. The header of the run says which subject ran.
-- Hypothesis profiles: ``ci`` (derandomized, no deadline), ``dev`` (the default outside CI) and
-  ``thorough``. ``--hypothesis-profile NAME`` picks one; otherwise ``ci`` when ``CI`` is set.
+- Hypothesis profiles: ``ci`` (derandomized, no deadline), ``dev`` (the default outside CI),
+  ``thorough`` (1000 examples), and ``mutants`` / ``mutants-ci`` (no shrinking, for kill runs).
+  ``--hypothesis-profile NAME`` picks one; otherwise ``ci`` when ``CI`` is set.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 from collections.abc import Callable
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 from harness.errors import SubjectError
 from harness.subjects import DEFAULT_SUBJECT, Subject, load_subject
@@ -25,6 +26,11 @@ settings.register_profile(
     "ci", derandomize=True, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile("dev", max_examples=50, deadline=None)
+# Mutant runs only need to know that a test fails, not its smallest counterexample: no shrinking.
+# ``--hypothesis-seed`` varies the examples; ``mutants-ci`` is the derandomized variant.
+_NO_SHRINK = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target]
+settings.register_profile("mutants", deadline=None, database=None, phases=_NO_SHRINK)
+settings.register_profile("mutants-ci", deadline=None, database=None, phases=_NO_SHRINK, derandomize=True)
 settings.register_profile(
     "thorough", max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

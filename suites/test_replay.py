@@ -39,8 +39,8 @@ def _model(family: str, dtype: str = "float32") -> MoELM:
     return MoELM(cfg)
 
 
-def _fresh(family: str) -> MoELM:
-    return copy.deepcopy(_model(family))
+def _fresh(family: str, dtype: str = "float32") -> MoELM:
+    return copy.deepcopy(_model(family, dtype))
 
 
 def _handle(subject: Subject, model: MoELM) -> ReplayHandle:
@@ -92,11 +92,12 @@ def test_dispatched_experts_equal_targets(subject: Subject, family: str, seed: i
 
 
 @families
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @settings(max_examples=10)
 @given(seed=st.integers(0, 2**31 - 1))
-def test_replaying_own_recording_is_bit_exact(subject: Subject, family: str, seed: int) -> None:
-    """Replaying a model's own recording reproduces its un-replayed logits bit for bit (fp32)."""
-    model = _fresh(family)
+def test_replaying_own_recording_is_bit_exact(subject: Subject, family: str, dtype: str, seed: int) -> None:
+    """Replaying a model's own recording reproduces its un-replayed logits bit for bit (fp32 and bf16)."""
+    model = _fresh(family, dtype)
     handle = _handle(subject, model)
     tokens = _tokens(seed)
     handle.record()
@@ -107,7 +108,8 @@ def test_replaying_own_recording_is_bit_exact(subject: Subject, family: str, see
         replayed = model(tokens)
     handle.disarm()
     assert torch.equal(native, replayed), (
-        f"{family}: replayed logits differ from native by {(native - replayed).abs().max().item():.3e}"
+        f"{family} {dtype}: replayed logits differ from native by "
+        f"{(native - replayed).float().abs().max().item():.3e}"
     )
 
 

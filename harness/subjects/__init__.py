@@ -18,7 +18,7 @@ from harness.errors import SubjectError
 
 DEFAULT_SUBJECT = "harness.subjects.reference:REFERENCE"
 
-CAPABILITIES = ("decode_payload", "splice", "truncate", "layouts", "install_replay")
+CAPABILITIES = ("decode_payload", "splice", "truncate", "layouts", "install_replay", "training")
 """The pieces a subject may provide, in the order the suites exercise them."""
 
 
@@ -60,6 +60,8 @@ class Subject:
         truncate: ``(tokens, routes, prompt_len, max_response_len) -> (tokens, routes)``.
         layouts: an object with the layout functions of ``reference_impl.layouts``.
         install_replay: ``(model) -> ReplayHandle``: record/replay control over a model's routers.
+        training: an object with the trainer passes of ``reference_impl.training`` (``check_mode``,
+            ``reference_logprobs``, …): the R2/R3 configuration rules and the reference pass.
     """
 
     name: str
@@ -68,6 +70,7 @@ class Subject:
     truncate: Callable[..., Any] | None = None
     layouts: Any | None = None
     install_replay: Callable[..., Any] | None = None
+    training: Any | None = None
 
     def capabilities(self) -> list[str]:
         """Names of the capabilities this subject provides."""

@@ -6,7 +6,7 @@ import torch
 
 from harness.conventions import decode_payload
 from harness.subjects import Subject
-from reference_impl import MoELM, RoutingMode, layouts, splice
+from reference_impl import MoELM, RoutingMode, layouts, splice, training
 
 
 class ReferenceReplay:
@@ -56,4 +56,5 @@ REFERENCE = Subject(
     truncate=splice.truncate,
     layouts=layouts,
     install_replay=install_replay,
+    training=training,
 )

@@ -1,0 +1,108 @@
+"""Layout mutants: routes sliced with other indices than their tokens (DESIGN §3.5–3.6)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from harness.mutants import Mutant, mutate, patched_module
+from reference_impl import layouts
+
+
+def stage_targets_by_ordinal(
+    routes: torch.Tensor, moe_layers: Sequence[int], layer_range: range
+) -> torch.Tensor:
+    """A decoder-axis trace indexed by MoE ordinal: with dense-first layers each MoE layer gets a
+    lower layer's (dense, zero) slot."""
+    ordinals = [j for j, layer in enumerate(moe_layers) if layer in layer_range]
+    return routes[:, torch.tensor(ordinals, dtype=torch.long)]
+
+
+def stage_targets_offset_by_decoder_layers(
+    routes: torch.Tensor, moe_layers: Sequence[int], layer_range: range
+) -> torch.Tensor:
+    """A MoE-ordinal trace sliced from the stage's first decoder layer instead of its first MoE ordinal."""
+    count = sum(layer in layer_range for layer in moe_layers)
+    return routes[:, layer_range.start : layer_range.start + count]
+
+
+def merge_in_rank_order(
+    per_stage: Mapping[tuple[int, int], torch.Tensor],
+    ranges: Sequence[Sequence[range]],
+    moe_layers: Any = None,
+) -> torch.Tensor:
+    """Stage recordings concatenated by (pp rank, vpp chunk): wrong as soon as vpp > 1."""
+    return torch.cat([per_stage[key] for key in sorted(per_stage)], dim=1)
+
+
+def cp_shard_routes_contiguous(x: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """Tokens (1-D) zig-zag, but routes (3-D) split into cp contiguous pieces."""
+    if x.dim() == 1:
+        return layouts.cp_zigzag_shard(x, cp, rank)
+    padded, _ = layouts.cp_pad(x, cp)
+    size = padded.shape[0] // cp
+    return padded[rank * size : (rank + 1) * size]
+
+
+def sp_shard_unpadded_routes(x: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """Tokens padded to a multiple of tp before the split, routes not (hides when T % tp == 0)."""
+    if x.dim() == 1:
+        return layouts.sp_shard(x, tp, rank)
+    size = -(-x.shape[0] // tp)
+    return x[rank * size : (rank + 1) * size]
+
+
+def place_replaying_last_row(samples: Sequence[tuple[torch.Tensor, torch.Tensor]], width: int) -> Any:
+    """The placement with each sample's last token marked replayable: its zero filler row is replayed."""
+    placed = layouts.place_left_padded(samples, width)
+    placed.replay_mask[:, -1] = True
+    return placed
+
+
+def _layouts(**functions: Any) -> Any:
+    return patched_module(layouts, **functions)
+
+
+MUTANTS = (
+    Mutant(
+        "dense-layer-shift",
+        "dense-layer shift",
+        "verl #5037 (DeepSeek-V3): MoE-ordinal indexing of a decoder-index trace shifts every MoE layer "
+        "(hides without dense-first layers)",
+        mutate("dense-layer-shift", layouts=_layouts(stage_targets=stage_targets_by_ordinal)),
+    ),
+    Mutant(
+        "pp-offsets",
+        "PP/VPP offsets",
+        "verl #5452: PP stage offsets counted dense layers (hides unless pp >= 2 with dense-first layers)",
+        mutate(
+            "pp-offsets", layouts=_layouts(stage_targets_moe_ordinal=stage_targets_offset_by_decoder_layers)
+        ),
+    ),
+    Mutant(
+        "vpp-merge-order",
+        "PP/VPP offsets",
+        "verl #5452 (reorder_and_merge_vpp_layers): VPP chunks merged in rank order (hides unless vpp >= 2)",
+        mutate("vpp-merge-order", layouts=_layouts(merge_stage_recordings=merge_in_rank_order)),
+    ),
+    Mutant(
+        "cp-layout",
+        "CP layout",
+        "verl #7297: routes sharded contiguously while tokens are zig-zagged across CP ranks",
+        mutate("cp-layout", layouts=_layouts(cp_zigzag_shard=cp_shard_routes_contiguous)),
+    ),
+    Mutant(
+        "fp8-padding",
+        "FP8 padding",
+        "verl #5989: tokens padded for alignment, routes not (hides when the length is already aligned)",
+        mutate("fp8-padding", layouts=_layouts(sp_shard=sp_shard_unpadded_routes)),
+    ),
+    Mutant(
+        "filler-replayed",
+        "filler replayed",
+        "verl #6473: the last row of a sample (no route: the token was never fed) replayed as zeros",
+        mutate("filler-replayed", layouts=_layouts(place_left_padded=place_replaying_last_row)),
+    ),
+)

@@ -1,0 +1,71 @@
+"""Run the suites against every mutant: each must be killed, and the reference must pass them all."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from harness.check import run_suites, suites_dir
+from harness.mutants import Mutant
+from harness.subjects import DEFAULT_SUBJECT
+
+SUITES_BY_CAPABILITY: dict[str, tuple[str, ...]] = {
+    "decode_payload": ("test_conventions.py",),
+    "splice": ("test_splice.py", "test_rollout_coverage.py"),
+    "truncate": ("test_splice.py",),
+    "layouts": ("test_layouts.py",),
+    "install_replay": ("test_replay.py", "test_r2.py", "test_mismatch_lab.py"),
+    "training": ("test_training.py",),
+}
+"""The suites that exercise each capability, the most telling first."""
+
+
+@dataclass(frozen=True)
+class MutantOutcome:
+    """Whether the suites killed one mutant, and which tests did."""
+
+    name: str
+    bug_class: str
+    capability: str
+    killed: bool
+    killers: tuple[str, ...]
+    tests_run: int
+    seconds: float
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def suite_paths(capability: str) -> list[str]:
+    return [str(suites_dir() / name) for name in SUITES_BY_CAPABILITY[capability]]
+
+
+def run_mutant(mutant: Mutant, *, first_kill_only: bool = False, extra: Sequence[str] = ()) -> MutantOutcome:
+    """Run the suites of the mutant's capability against it (stop at the first kill if asked)."""
+    start = time.perf_counter()
+    args = [*extra, "-x"] if first_kill_only else list(extra)
+    outcomes, _ = run_suites(mutant.subject_spec, paths=suite_paths(mutant.capability), extra=args)
+    killers = tuple(o.nodeid.split("::", 1)[-1] for o in outcomes if o.outcome == "failed")
+    return MutantOutcome(
+        mutant.name,
+        mutant.bug_class,
+        mutant.capability,
+        bool(killers),
+        killers,
+        sum(o.outcome != "skipped" for o in outcomes),
+        time.perf_counter() - start,
+    )
+
+
+def reference_failures(extra: Sequence[str] = ()) -> list[str]:
+    """The suites' failures on the reference subject (must be none)."""
+    outcomes, _ = run_suites(DEFAULT_SUBJECT, extra=extra)
+    return [o.nodeid for o in outcomes if o.outcome == "failed"]
+
+
+def kill_args(seed: int | None) -> list[str]:
+    """pytest arguments of a kill run: no shrinking; derandomized, or seeded with ``seed``."""
+    if seed is None:
+        return ["--hypothesis-profile", "mutants-ci"]
+    return ["--hypothesis-profile", "mutants", f"--hypothesis-seed={seed}"]

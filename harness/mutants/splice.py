@@ -1,0 +1,86 @@
+"""Splice mutants: how frameworks have built a sample's trace from its attempts wrongly (FACTS §4)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from harness.mutants import Mutant, mutate
+from reference_impl.splice import Attempt, splice, splice_replace
+
+
+def concatenate_payloads(prompt_len: int, attempts: Sequence[Attempt]) -> torch.Tensor:
+    """Every attempt's whole payload, concatenated: each resume duplicates the rows before it."""
+    return torch.cat([a.routes for a in attempts if a.routes is not None])
+
+
+def append_last_rows_unguarded(prompt_len: int, attempts: Sequence[Attempt]) -> torch.Tensor:
+    """The first payload, then each later payload's last ``new_tokens`` rows — without the 0 guard."""
+    payloads = [a for a in attempts if a.routes is not None]
+    rows = [payloads[0].routes] + [a.routes[-a.new_tokens :] for a in payloads[1:]]  # type: ignore[index]
+    return torch.cat(rows)  # type: ignore[arg-type]
+
+
+def splice_dropping_cancelled(prompt_len: int, attempts: Sequence[Attempt]) -> torch.Tensor:
+    """Each position's row from the first payload that covers it, ignoring aborted or cut attempts."""
+    kept = [a.routes for a in attempts if a.routes is not None and a.finish_reason == "stop"]
+    rows = max((r.shape[0] for r in kept), default=0)
+    return torch.stack([next(r[p] for r in kept if r.shape[0] > p) for p in range(rows)])
+
+
+def splice_restarting_each_turn(prompt_len: int, attempts: Sequence[Attempt]) -> torch.Tensor:
+    """The correct splice within a turn, but a new turn's payload overwrites every earlier row."""
+    turn_start = max((i + 1 for i, a in enumerate(attempts[:-1]) if a.finish_reason == "stop"), default=0)
+    earlier = sum(a.new_tokens for a in attempts[:turn_start])
+    merged = Attempt(earlier + attempts[turn_start].new_tokens, attempts[turn_start].routes)
+    return splice(prompt_len, [merged, *attempts[turn_start + 1 :]])
+
+
+def truncate_tokens_only(
+    tokens: torch.Tensor, routes: torch.Tensor, prompt_len: int, max_response_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut the response to the budget but keep every row."""
+    return tokens[: prompt_len + max_response_len], routes
+
+
+MUTANTS = (
+    Mutant(
+        "duplication-on-resume",
+        "duplication on resume",
+        "verl #5430 (fixed #6029): partial-rollout resume concatenated every attempt's payload",
+        mutate("duplication-on-resume", splice=concatenate_payloads),
+    ),
+    Mutant(
+        "policy-version-mixing",
+        "policy-version mixing",
+        "verl #6046: the latest payload replaces the trace; earlier rows re-prefilled under newer weights "
+        "(hides unless weights change between attempts)",
+        mutate("policy-version-mixing", splice=splice_replace),
+    ),
+    Mutant(
+        "minus-zero-slice",
+        "[-0:] slice",
+        "verl FullyAsyncLLMServerClient before its guard: payload[-0:] is the whole payload "
+        "(hides unless an attempt adds 0 tokens but returns a payload)",
+        mutate("minus-zero-slice", splice=append_last_rows_unguarded),
+    ),
+    Mutant(
+        "lost-on-cancel",
+        "lost on cancel",
+        "verl #5344 review: routes not saved when an attempt is aborted or cut by the length budget",
+        mutate("lost-on-cancel", splice=splice_dropping_cancelled),
+    ),
+    Mutant(
+        "multi-turn-staleness",
+        "multi-turn staleness",
+        "verl #6054: each turn overwrites earlier turns' rows (hides unless weights change between turns)",
+        mutate("multi-turn-staleness", splice=splice_restarting_each_turn),
+    ),
+    Mutant(
+        "truncation",
+        "truncation",
+        "verl #6027 (fixed #6089): response truncated to the budget but rows not",
+        mutate("truncation", truncate=truncate_tokens_only),
+    ),
+)
