@@ -15,12 +15,13 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 from harness.errors import SubjectError
-from harness.subjects import DEFAULT_SUBJECT, Subject, load_subject
+from harness.subjects import DEFAULT_SUBJECT, MissingCapability, Subject, load_subject
 
 settings.register_profile(
     "ci", derandomize=True, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
@@ -106,6 +107,59 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             _availability[name] = available()
         if not _availability[name]:
             pytest.skip(f"{name}: {missing}")
+
+
+_requested: list[str] = []  # capabilities the running test asked for (one test at a time per process)
+
+
+def require(subject: Subject, capability: str) -> Any:
+    """The subject's ``capability``, or skip the test with a reason naming it.
+
+    Suites call this for every capability they exercise; the run's summary counts them.
+    """
+    _requested.append(capability)
+    try:
+        return subject.require(capability)
+    except MissingCapability as err:
+        pytest.skip(str(err))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    if call.when == "setup":
+        _requested.clear()
+    outcome = yield
+    report = outcome.get_result()
+    if _requested and (call.when == "call" or report.skipped):
+        report.user_properties.append(("rr_capabilities", tuple(dict.fromkeys(_requested))))
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """Say which capabilities of the subject the run exercised, so a green run cannot hide an empty one."""
+    exercised: dict[str, int] = {}
+    missing: set[str] = set()
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            caps = dict(getattr(report, "user_properties", ())).get("rr_capabilities", ())
+            for cap in caps:
+                if getattr(report, "skipped", False) and "does not provide" in str(report.longrepr):
+                    missing.add(cap)
+                elif getattr(report, "when", "") == "call":
+                    exercised[cap] = exercised.get(cap, 0) + 1
+    if not exercised and not missing:
+        return
+    subject = _subject_spec(config)
+    done = ", ".join(f"{cap} ({n} tests)" for cap, n in sorted(exercised.items())) or "NONE"
+    terminalreporter.write_sep("-", "routing-replay harness")
+    terminalreporter.write_line(f"subject {subject}: capabilities exercised: {done}")
+    if missing - set(exercised):
+        terminalreporter.write_line(
+            f"not provided by the subject (skipped): {', '.join(sorted(missing - set(exercised)))}"
+        )
+    if not exercised:
+        terminalreporter.write_line(
+            "WARNING: no capability of the subject was exercised; nothing was verified"
+        )
 
 
 @pytest.fixture(scope="session")

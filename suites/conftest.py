@@ -1,17 +1,8 @@
-"""Suites run against the subject chosen with ``--rr-subject``; a missing capability is a skip."""
+"""Suites run against the subject chosen with ``--rr-subject``; a missing capability is a skip.
 
-from __future__ import annotations
+``require`` lives in the plugin so that the run's summary can count the capabilities exercised.
+"""
 
-from typing import Any
+from harness.pytest_plugin import require
 
-import pytest
-
-from harness.subjects import MissingCapability, Subject
-
-
-def require(subject: Subject, capability: str) -> Any:
-    """The subject's ``capability``, or skip the test with a reason naming it."""
-    try:
-        return subject.require(capability)
-    except MissingCapability as err:
-        pytest.skip(str(err))
+__all__ = ["require"]

@@ -1,0 +1,71 @@
+"""Subjects: loading, capabilities, and what a run says about them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.errors import SubjectError
+from harness.subjects import CAPABILITIES, Subject, load_subject
+from harness.subjects.reference import REFERENCE
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("no_colon", "expected 'package.module:object'"),
+        ("harness.nope:X", "cannot import module 'harness.nope'"),
+        ("harness.subjects:NOPE", "has no attribute 'NOPE'"),
+        ("harness.subjects:CAPABILITIES", "is a tuple, expected a harness.subjects.Subject"),
+    ],
+)
+def test_bad_subject_specs_raise_subject_error(spec: str, message: str) -> None:
+    with pytest.raises(SubjectError, match=message):
+        load_subject(spec)
+
+
+def test_reference_provides_every_capability() -> None:
+    assert REFERENCE.capabilities() == list(CAPABILITIES)
+    assert Subject("empty").capabilities() == []
+
+
+def _pytest(
+    *args: str, cwd: Path = ROOT, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_unknown_subject_is_a_usage_error_not_a_traceback() -> None:
+    run = _pytest("suites/test_training.py", "--rr-subject", "harness.nope:X")
+    assert run.returncode == 4, run.stdout + run.stderr
+    assert "--rr-subject: cannot import module 'harness.nope'" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_a_subject_without_capabilities_is_reported_as_untested(tmp_path: Path) -> None:
+    (tmp_path / "empty_subject.py").write_text(
+        "from harness.subjects import Subject\nEMPTY = Subject(name='empty')\n"
+    )
+    run = _pytest(
+        "suites/test_training.py",
+        "--rr-subject",
+        "empty_subject:EMPTY",
+        env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "rrh subject: empty" in run.stdout and "capabilities: none" in run.stdout
+    assert "not provided by the subject (skipped): training" in run.stdout
+    assert "WARNING: no capability of the subject was exercised" in run.stdout
