@@ -1,8 +1,10 @@
 """Benchmarks that print numbers (never timed tests).
 
 ``rrh bench trace`` measures the trace core on a production-sized batch: validation, set
-disagreement against a perturbed copy, and save + load, each as throughput and as a ratio to a
-plain numpy copy of the same bytes measured in the same run (so the figures travel across machines).
+disagreement against a perturbed copy (twice: lanes in the same order, and lanes in another
+order as another kernel would return them), and save + load, each as throughput and as a ratio to
+a plain numpy copy of the same bytes measured in the same run (so the figures travel across
+machines).
 """
 
 from __future__ import annotations
@@ -50,6 +52,15 @@ def perturb(
     return out
 
 
+def _time_disagreement(
+    trace: RoutingTrace, routes: npt.NDArray[np.uint8], repeats: int
+) -> tuple[float, float]:
+    """``compare(trace, other).disagreement`` for a trace of ``routes``, and its median seconds."""
+    other = RoutingTrace(routes, num_experts=trace.num_experts)
+    seconds = _median_seconds(lambda: compare(trace, other).disagreement, repeats)
+    return compare(trace, other).disagreement, seconds
+
+
 def bench_trace(
     sequences: int = 256,
     positions: int = 4096,
@@ -66,9 +77,14 @@ def bench_trace(
     copy_s = _median_seconds(routes.copy, repeats)
     validate_s = _median_seconds(lambda: validate_routes(routes, num_experts), repeats)
     trace = RoutingTrace(routes, num_experts=num_experts)
-    other = RoutingTrace(perturb(routes, 0.1, num_experts, rng), num_experts=num_experts)
-    disagreement = compare(trace, other).disagreement
-    compare_s = _median_seconds(lambda: compare(trace, other).disagreement, repeats)
+    perturbed = perturb(routes, 0.1, num_experts, rng)
+    disagreement, compare_s = _time_disagreement(trace, perturbed, repeats)
+    # The same sets, each route's lanes shuffled as another kernel might order them: no route
+    # matches word for word, so this measures the set comparison itself.
+    shuffled = rng.permuted(perturbed, axis=-1)
+    del perturbed
+    disagreement_permuted, compare_permuted_s = _time_disagreement(trace, shuffled, repeats)
+    del shuffled
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.safetensors"
 
@@ -90,6 +106,9 @@ def bench_trace(
         "disagreement_gbps": gbps(compare_s),
         "disagreement_vs_copy": copy_s / compare_s,
         "disagreement_measured": disagreement,
+        "disagreement_permuted_gbps": gbps(compare_permuted_s),
+        "disagreement_permuted_vs_copy": copy_s / compare_permuted_s,
+        "disagreement_permuted_measured": disagreement_permuted,
         "save_load_gbps": gbps(save_load_s),
         "save_load_vs_copy": copy_s / save_load_s,
         "stored_bytes_per_position_layer": trace.experts.nbytes / (routes.shape[0] * layers),

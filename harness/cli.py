@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from harness import __version__
 from harness.subjects import DEFAULT_SUBJECT, load_subject
@@ -57,6 +58,7 @@ def _cmd_bench_trace(args: argparse.Namespace) -> int:
     for key, label in (
         ("validate", "validation"),
         ("disagreement", "disagreement"),
+        ("disagreement_permuted", "disagr. permuted"),
         ("save_load", "save + load"),
     ):
         print(f"  {label:<17} {result[key + '_gbps']:6.2f} GB/s  ({result[key + '_vs_copy']:.2f}× copy)")
@@ -74,7 +76,7 @@ def _cmd_mutants(args: argparse.Namespace) -> int:
 
     chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
     seeds: list[int | None] = list(range(1, args.seeds + 1)) if args.seeds else [None]
-    report: dict[str, object] = {"reference_failures": reference_failures(kill_args(None))}
+    report: dict[str, Any] = {"reference_failures": reference_failures(kill_args(None))}
     rows, results = [], []
     for mutant in chosen:
         runs = [run_mutant(mutant, first_kill_only=args.fast, extra=kill_args(seed)) for seed in seeds]

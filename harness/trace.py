@@ -11,21 +11,28 @@ Ids are stored in the narrowest unsigned dtype that holds ``num_experts`` (uint8
 experts, uint16 up to 65536), after a range check on the input dtype, so nothing ever wraps
 (verl #7407 cast ids to uint8 on a 384-expert model).
 
-The checks and the comparison are vectorised and run over cache-sized chunks of rows: a trace of
-256 × 4096 positions × 48 layers × top-8 is 400 MB, and both must run near memory speed.
+The checks and the comparison are vectorised and run over cache-sized chunks of rows, in one
+thread per CPU: a trace of 256 × 4096 positions × 48 layers × top-8 is 400 MB, and both must run
+near memory speed. When a route fits a machine word (``top_k · itemsize`` of 2, 4 or 8 bytes, e.g.
+top-8 of uint8) they compare whole words and their lane rotations (SWAR) instead of transposing.
+Files are safetensors written and parsed here, so that saving streams the ids straight from the
+array and loading reads them into the buffer the trace keeps; a CRC-32 still covers the ids.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 import json
+import math
 import os
 import tempfile
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -40,8 +47,12 @@ FORMAT_VERSION = 1
 _METADATA_KEY = "routing_trace"
 _TENSOR_NAME = "experts"
 
-# (row, layer) pairs examined per chunk; k bytes each, so a chunk stays in L2 cache.
-_CHUNK_PAIRS = 1 << 15
+# Bytes of routes per chunk: a chunk and the kernels' few temporaries of its size stay in L2 cache.
+_CHUNK_BYTES = 1 << 17
+# Arrays smaller than this are processed on the calling thread only.
+_PARALLEL_MIN_BYTES = 1 << 23
+
+_T = TypeVar("_T")
 
 
 class LayerAxis(str, enum.Enum):
@@ -117,17 +128,90 @@ def _as_integer_array(experts: object) -> npt.NDArray[np.integer[Any]]:
     return array
 
 
-def _chunk_rows(layers: int) -> int:
-    """Rows per chunk so that a chunk holds about ``_CHUNK_PAIRS`` (row, layer) pairs."""
-    return max(1, _CHUNK_PAIRS // max(1, layers))
+# --- chunked, threaded kernels ----------------------------------------------------------------
+#
+# The kernels walk cache-sized chunks of rows. Large arrays are split into one contiguous span of
+# chunks per CPU, each scanned by its own thread: numpy releases the GIL inside every vector
+# operation, so the spans run in parallel.
+
+
+def _chunk_rows(row_bytes: int) -> int:
+    """Rows per chunk so that a chunk of routes holds about ``_CHUNK_BYTES`` bytes."""
+    return max(1, _CHUNK_BYTES // max(1, row_bytes))
+
+
+def _workers() -> int:
+    """CPUs this process may run on (never more threads than that: no oversubscription)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _map_spans(fn: Callable[[int, int], _T], length: int, nbytes: int) -> list[_T]:
+    """``fn(lo, hi)`` over contiguous spans covering ``[0, length)``, in order.
+
+    One span per CPU, each in its own thread, when the work is at least ``_PARALLEL_MIN_BYTES``;
+    otherwise one span on the calling thread (threads would cost more than they save).
+    """
+    spans = _workers() if nbytes >= _PARALLEL_MIN_BYTES else 1
+    bounds = [length * i // spans for i in range(spans + 1)]
+    pairs = [(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
+    if len(pairs) <= 1:
+        return [fn(lo, hi) for lo, hi in pairs]
+    with ThreadPoolExecutor(max_workers=len(pairs)) as pool:
+        return list(pool.map(lambda span: fn(*span), pairs))
+
+
+@dataclass(frozen=True)
+class _Words:
+    """A route as one unsigned machine *word* whose *lanes* are its ids (SWAR).
+
+    When ``k`` ids of ``itemsize`` bytes make 2, 4 or 8 bytes, a chunk of routes viewed as words
+    is processed with whole-word operations: no transpose, and one vector operation handles every
+    lane of every route. Lane ``i`` of ``rotate(w, s)`` is lane ``(i + s) mod k`` of ``w`` (lanes
+    are whole ids in any byte order), so comparing ``w`` with its rotations compares id pairs.
+    """
+
+    k: int
+    lane: np.dtype[Any]
+    word: np.dtype[Any]
+
+    @classmethod
+    def of(cls, dtype: np.dtype[Any], k: int) -> _Words | None:
+        """The word view of routes of ``k`` ids of ``dtype``, or None when no word fits them."""
+        width = k * dtype.itemsize
+        if width not in (2, 4, 8):
+            return None
+        return cls(k, np.dtype(f"u{dtype.itemsize}"), np.dtype(f"u{width}"))
+
+    def view(self, routes: npt.NDArray[np.integer[Any]]) -> npt.NDArray[np.unsignedinteger[Any]]:
+        """One word per route of ``routes [rows, layers, k]`` (a view when already contiguous)."""
+        return np.ascontiguousarray(routes).reshape(-1).view(self.word)
+
+    def lanes(self, words: npt.NDArray[np.unsignedinteger[Any]]) -> npt.NDArray[np.unsignedinteger[Any]]:
+        return words.view(self.lane)
+
+    def rotate(
+        self, words: npt.NDArray[Any], s: int, out: npt.NDArray[Any], scratch: npt.NDArray[Any]
+    ) -> None:
+        """``out = rotate(words, s)``: lanes shifted down by ``s``, the low ones wrapping to the top."""
+        bits = 8 * self.lane.itemsize * s
+        np.right_shift(words, self.word.type(bits), out=out)
+        np.left_shift(words, self.word.type(8 * self.word.itemsize - bits), out=scratch)
+        np.bitwise_or(out, scratch, out=out)
+
+
+def _in_range(chunk: npt.NDArray[np.integer[Any]], num_experts: int) -> bool:
+    """All ids of ``chunk`` lie in ``[0, num_experts)``; compared in the chunk's own dtype."""
+    if chunk.size == 0:
+        return True
+    return bool(chunk.max() < num_experts) and (chunk.dtype.kind == "u" or bool(chunk.min() >= 0))
 
 
 def _check_range(routes: npt.NDArray[np.integer[Any]], num_experts: int, start: int) -> None:
     """Every slot holds an id in ``[0, num_experts)``; checked on the input dtype, before any cast."""
-    if routes.size == 0:
-        return
-    lo, hi = routes.min(), routes.max()
-    if lo >= 0 and hi < num_experts:
+    if _in_range(routes, num_experts):
         return
     bad = np.argwhere((routes < 0) | (routes >= num_experts))[0]
     row, layer, slot = (int(i) for i in bad)
@@ -140,8 +224,8 @@ def _check_range(routes: npt.NDArray[np.integer[Any]], num_experts: int, start: 
 def _repeated_pairs(chunk: npt.NDArray[np.integer[Any]]) -> npt.NDArray[np.bool_]:
     """For a chunk ``[rows, layers, k]``: which (row, layer) routes repeat an id.
 
-    The chunk is transposed to ``[k, rows·layers]`` so that each of the k·(k−1)/2 pairwise
-    comparisons is one contiguous vector operation.
+    The general kernel, for any ``k`` and dtype: the chunk is transposed to ``[k, rows·layers]``
+    so that each of the k·(k−1)/2 pairwise comparisons is one contiguous vector operation.
     """
     rows, layers, k = chunk.shape
     columns = np.ascontiguousarray(chunk.reshape(-1, k).T)
@@ -152,6 +236,59 @@ def _repeated_pairs(chunk: npt.NDArray[np.integer[Any]]) -> npt.NDArray[np.bool_
             np.equal(columns[i], columns[j], out=equal)
             repeated |= equal
     return repeated.reshape(rows, layers)
+
+
+def _repeat_lanes(
+    spec: _Words, words: npt.NDArray[Any], acc: npt.NDArray[Any], scratch: tuple[npt.NDArray[Any], ...]
+) -> npt.NDArray[Any]:
+    """Lanes of ``min over s = 1..k//2 of words ^ rotate(words, s)``: a route repeats an id iff a lane is 0.
+
+    Rotations by ``s`` and ``k − s`` compare the same pairs, so ``k // 2`` rotations cover all
+    k·(k−1)/2 pairs; the lane-wise minimum keeps a zero wherever any pair was equal.
+    """
+    tmp, tmp2 = scratch
+    for s in range(1, spec.k // 2 + 1):
+        target = acc if s == 1 else tmp
+        spec.rotate(words, s, out=target, scratch=tmp2)
+        np.bitwise_xor(target, words, out=target)
+        if s > 1:
+            np.minimum(spec.lanes(acc), spec.lanes(tmp), out=spec.lanes(acc))
+    return spec.lanes(acc)
+
+
+def _first_invalid_chunk(
+    routes: npt.NDArray[np.integer[Any]], num_experts: int, moe_mask: npt.NDArray[np.bool_], step: int
+) -> int | None:
+    """Row of the first chunk holding an out-of-range id or a repeated id in a MoE slot, if any.
+
+    Exact, and fast: one pass over ``routes``, with a range check and (for top_k > 1) a
+    distinctness check on each chunk while it is in cache, spans of chunks in parallel threads.
+    """
+    rows, layers, k = routes.shape
+    spec = _Words.of(routes.dtype, k)
+    check_repeats = k > 1 and bool(moe_mask.any())
+    dense = np.flatnonzero(~moe_mask)
+
+    def chunk_repeats(chunk: npt.NDArray[np.integer[Any]], buffers: tuple[npt.NDArray[Any], ...]) -> bool:
+        if spec is None:
+            return bool((_repeated_pairs(chunk) & moe_mask).any())
+        words = spec.view(chunk)
+        acc, *scratch = (buffer[: words.size] for buffer in buffers)
+        lanes = _repeat_lanes(spec, words, acc, tuple(scratch))
+        if dense.size:  # dense slots may repeat ids (filler): mark them distinct
+            acc.reshape(-1, layers)[:, dense] = np.iinfo(spec.word).max
+        return bool(lanes.min() == 0)
+
+    def scan(lo: int, hi: int) -> int | None:
+        buffers = tuple(np.empty(step * layers, spec.word) for _ in range(3)) if spec else ()
+        for r0 in range(lo, hi, step):
+            chunk = routes[r0 : min(r0 + step, hi)]
+            if not _in_range(chunk, num_experts) or (check_repeats and chunk_repeats(chunk, buffers)):
+                return r0
+        return None
+
+    found = [r0 for r0 in _map_spans(scan, rows, routes.nbytes) if r0 is not None]
+    return found[0] if found else None
 
 
 def validate_routes(
@@ -165,31 +302,29 @@ def validate_routes(
     Every slot holds an id in ``[0, num_experts)``. MoE slots (``moe_slots``; all slots when
     None) hold ``top_k`` distinct ids; dense slots are not checked for distinctness. An all-zero
     MoE row with top_k > 1 is reported as such: it is how a skipped capture looks (vLLM #33013).
+    An out-of-range id anywhere is reported before any repeated id.
     """
     _check_num_experts(num_experts)
     rows, layers, k = routes.shape
     if not 1 <= k <= num_experts:
         raise TraceError(f"top_k: expected a value in [1, num_experts={num_experts}], got {k}")
-    _check_range(routes, num_experts, start)
-    if k == 1 or rows == 0:
-        return
     moe_mask = np.zeros(layers, dtype=bool)
-    moe_mask[list(range(layers)) if moe_slots is None else list(moe_slots)] = True
-    if not moe_mask.any():
+    if k > 1 and rows:  # only then do the slots matter (and only then are they looked at)
+        moe_mask[list(range(layers)) if moe_slots is None else list(moe_slots)] = True
+    step = _chunk_rows(layers * k * routes.dtype.itemsize)
+    r0 = _first_invalid_chunk(routes, num_experts, moe_mask, step)
+    if r0 is None:
         return
-    step = _chunk_rows(layers)
-    for r0 in range(0, rows, step):
-        chunk = routes[r0 : r0 + step]
-        bad = _repeated_pairs(chunk) & moe_mask
-        if bad.any():
-            row, layer = (int(i) for i in np.argwhere(bad)[0])
-            route = [int(x) for x in chunk[row, layer]]
-            row += r0
-            what = "all-zero MoE route (a skipped capture)" if not any(route) else "repeated expert id"
-            raise TraceError(
-                f"experts[{row}, {layer}] (position {start + row}, layer {layer}): {what} in route "
-                f"{route}; expected top_k={k} distinct ids"
-            )
+    _check_range(routes, num_experts, start)  # an id out of range anywhere comes first
+    chunk = routes[r0 : r0 + step]
+    row, layer = (int(i) for i in np.argwhere(_repeated_pairs(chunk) & moe_mask)[0])
+    route = [int(x) for x in chunk[row, layer]]
+    row += r0
+    what = "all-zero MoE route (a skipped capture)" if not any(route) else "repeated expert id"
+    raise TraceError(
+        f"experts[{row}, {layer}] (position {start + row}, layer {layer}): {what} in route "
+        f"{route}; expected top_k={k} distinct ids"
+    )
 
 
 class RoutingTrace:
@@ -226,6 +361,31 @@ class RoutingTrace:
         start: int = 0,
         provenance: Provenance | None = None,
     ) -> None:
+        self._build(experts, True, num_experts, moe_layers, num_layers, layer_axis, start, provenance)
+
+    @classmethod
+    def _adopt(cls, experts: npt.NDArray[np.integer[Any]], **kwargs: Any) -> RoutingTrace:
+        """Like the constructor, but keeps ``experts`` itself when it already has the stored dtype.
+
+        Only for arrays nobody else can write to — a view of immutable ``bytes``, or a buffer just
+        read from a file — where it saves a copy of the whole trace. Validation is the same.
+        """
+        trace = cls.__new__(cls)
+        trace._build(experts, False, **kwargs)
+        return trace
+
+    def _build(
+        self,
+        experts: object,
+        copy: bool,
+        num_experts: int,
+        moe_layers: Sequence[int] | None = None,
+        num_layers: int | None = None,
+        layer_axis: LayerAxis | str = LayerAxis.DECODER,
+        start: int = 0,
+        provenance: Provenance | None = None,
+    ) -> None:
+        """The constructor's work; ``copy=False`` keeps a C-contiguous array of the stored dtype."""
         array = _as_integer_array(experts)
         _check_num_experts(num_experts)
         try:
@@ -255,7 +415,9 @@ class RoutingTrace:
             )
         slots = moe if axis is LayerAxis.DECODER else range(len(moe))
         validate_routes(array, int(num_experts), slots, int(start))
-        stored = np.array(array, dtype=storage_dtype(int(num_experts)), order="C")
+        dtype = storage_dtype(int(num_experts))
+        keep = not copy and array.dtype == dtype and array.flags.c_contiguous
+        stored: npt.NDArray[Any] = array if keep else np.array(array, dtype=dtype, order="C")
         stored.flags.writeable = False
         self._experts = stored
         self.num_experts = int(num_experts)
@@ -365,49 +527,52 @@ class RoutingTrace:
 
     # --- storage ------------------------------------------------------------------------------
 
-    def to_bytes(self) -> bytes:
-        """The trace as a safetensors file: one tensor ``experts`` and JSON metadata with a CRC32."""
-        from safetensors.numpy import save
-
+    def _file_parts(self) -> tuple[bytes, memoryview]:
+        """The safetensors file as its header (length + JSON) and the tensor bytes, uncopied."""
+        data = _byte_view(self._experts.astype(self._experts.dtype.newbyteorder("<"), copy=False))
         meta = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
-            "crc32": zlib.crc32(self._experts.data),
+            "crc32": _crc32(data),
+            "metadata_crc32": _metadata_crc32(self.metadata()),
             **self.metadata(),
         }
-        return save({_TENSOR_NAME: self._experts}, metadata={_METADATA_KEY: json.dumps(meta)})
+        return _safetensors_header(meta, self._experts), data
+
+    def to_bytes(self) -> bytes:
+        """The trace as a safetensors file: one tensor ``experts`` and JSON metadata with a CRC32."""
+        return b"".join(self._file_parts())
 
     @classmethod
     def from_bytes(cls, data: bytes, *, source: str = "<bytes>") -> RoutingTrace:
         """Read a trace written by ``to_bytes``; anything else raises ``TraceFileError``."""
-        meta = _read_header_metadata(data, source)
-        from safetensors import SafetensorError
-        from safetensors.numpy import load
+        return cls._decode(data, source, owned=isinstance(data, bytes))
 
-        try:
-            tensors = load(data)
-        except (SafetensorError, ValueError) as err:
-            raise TraceFileError(f"{source}: not a readable safetensors file ({err})") from None
-        if set(tensors) != {_TENSOR_NAME}:
-            raise TraceFileError(
-                f"{source}: expected exactly one tensor {_TENSOR_NAME!r}, got {sorted(tensors)}"
-            )
-        experts = tensors[_TENSOR_NAME]
-        if zlib.crc32(np.ascontiguousarray(experts).data) != meta.get("crc32"):
+    @classmethod
+    def _decode(cls, data: bytes | npt.NDArray[np.uint8], source: str, owned: bool) -> RoutingTrace:
+        """Check and read a trace file's bytes; ``owned``: nobody else can write to ``data``.
+
+        The ids are a view of ``data`` (an owned buffer is adopted, not copied); their CRC32 is
+        checked and the trace validated like any other.
+        """
+        meta, experts = _read_trace_file(data, source)
+        if _crc32(_byte_view(experts)) != meta.get("crc32"):
             raise TraceFileError(
                 f"{source}: crc32 of {_TENSOR_NAME!r} does not match its metadata (corrupted)"
             )
+        if _metadata_crc32({k: meta.get(k) for k in _METADATA_FIELDS}) != meta.get("metadata_crc32"):
+            raise TraceFileError(f"{source}: metadata_crc32 does not match the metadata (corrupted)")
         try:
             prov = meta["provenance"]
-            return cls(
-                experts,
-                num_experts=meta["num_experts"],
-                moe_layers=meta["moe_layers"],
-                num_layers=meta["num_layers"],
-                layer_axis=meta["layer_axis"],
-                start=meta["start"],
-                provenance=Provenance(prov["engine"], prov["version"], prov["convention"]),
-            )
+            fields = {
+                "num_experts": meta["num_experts"],
+                "moe_layers": meta["moe_layers"],
+                "num_layers": meta["num_layers"],
+                "layer_axis": meta["layer_axis"],
+                "start": meta["start"],
+                "provenance": Provenance(prov["engine"], prov["version"], prov["convention"]),
+            }
+            return cls._adopt(experts, **fields) if owned else cls(experts, **fields)
         except (KeyError, TypeError) as err:
             raise TraceFileError(f"{source}: metadata field missing or malformed: {err}") from None
         except TraceError as err:
@@ -416,10 +581,11 @@ class RoutingTrace:
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the trace to ``path`` atomically (a temporary file, then a rename)."""
         target = Path(path)
-        data = self.to_bytes()
+        header, data = self._file_parts()
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
         try:
             with os.fdopen(fd, "wb") as handle:
+                handle.write(header)
                 handle.write(data)
             os.replace(tmp, target)
         except BaseException:
@@ -430,23 +596,116 @@ class RoutingTrace:
     def load(cls, path: str | os.PathLike[str]) -> RoutingTrace:
         """Read a trace written by ``save``."""
         try:
-            data = Path(path).read_bytes()
+            data = _read_file(Path(path))
         except OSError as err:
             raise TraceFileError(f"{path}: cannot read ({err.strerror})") from None
-        return cls.from_bytes(data, source=str(path))
+        return cls._decode(data, str(path), owned=True)
 
 
-def _read_header_metadata(data: bytes, source: str) -> dict[str, Any]:
-    """Parse the safetensors header ourselves, so every failure gets a precise message."""
+# --- the file format: safetensors with one tensor and JSON metadata ---------------------------
+
+_SAFETENSORS_DTYPES = {
+    name: np.dtype(code)
+    for name, code in (
+        ("U8", "<u1"),
+        ("I8", "<i1"),
+        ("U16", "<u2"),
+        ("I16", "<i2"),
+        ("U32", "<u4"),
+        ("I32", "<i4"),
+        ("U64", "<u8"),
+        ("I64", "<i8"),
+    )
+}
+"""safetensors' names of the integer dtypes (the stored ids are U8 or U16; the rest are read too)."""
+
+_CRC32_POLY = 0xEDB88320
+
+
+def _safetensors_header(meta: dict[str, Any], experts: npt.NDArray[Any]) -> bytes:
+    """The bytes before the tensor data, exactly as ``safetensors.numpy.save`` writes them.
+
+    An 8-byte little-endian length, then the compact JSON header padded with spaces to a multiple
+    of 8 bytes (so the data is aligned). Writing it ourselves lets ``save`` stream the ids to the
+    file without building the whole file in memory first.
+    """
+    names = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
+    header = {
+        "__metadata__": {_METADATA_KEY: json.dumps(meta)},
+        _TENSOR_NAME: {
+            "dtype": names[experts.dtype.newbyteorder("<")],
+            "shape": list(experts.shape),
+            "data_offsets": [0, experts.nbytes],
+        },
+    }
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def _read_file(path: Path) -> npt.NDArray[np.uint8]:
+    """The bytes of ``path`` in a new numpy buffer: one copy out of the page cache, none after."""
+    with open(path, "rb", buffering=0) as handle:
+        buffer = np.empty(os.fstat(handle.fileno()).st_size, dtype=np.uint8)
+        view, filled = buffer.data, 0
+        while filled < buffer.size and (count := handle.readinto(view[filled:])):
+            filled += count
+    return buffer[:filled]
+
+
+def _read_trace_file(
+    data: bytes | npt.NDArray[np.uint8], source: str
+) -> tuple[dict[str, Any], npt.NDArray[np.integer[Any]]]:
+    """The routing-trace metadata and a view of the ids in a safetensors file's bytes.
+
+    Parses and checks the header ourselves (one tensor ``experts`` of an integer dtype whose
+    offsets and shape account for every byte after the header), so that each failure raises
+    ``TraceFileError`` with a precise message and the ids need not be copied.
+    """
+    size, header, meta = _read_header(data, source)
+    tensors = {name: info for name, info in header.items() if name != "__metadata__"}
+    if set(tensors) != {_TENSOR_NAME}:
+        raise TraceFileError(f"{source}: expected exactly one tensor {_TENSOR_NAME!r}, got {sorted(tensors)}")
+    info = tensors[_TENSOR_NAME]
+    info = info if isinstance(info, dict) else {}
+    raw_dtype = info.get("dtype")
+    dtype = _SAFETENSORS_DTYPES.get(raw_dtype) if isinstance(raw_dtype, str) else None
+    shape = info.get("shape")
+    if dtype is None or not isinstance(shape, list) or not all(_is_count(n) for n in shape):
+        raise TraceFileError(
+            f"{source}: not a readable safetensors file (tensor {_TENSOR_NAME!r}: expected an integer dtype "
+            f"and a shape of non-negative integers, got {info!r})"
+        )
+    count = math.prod(shape)
+    available = len(data) - 8 - size
+    if info.get("data_offsets") != [0, count * dtype.itemsize] or available != count * dtype.itemsize:
+        raise TraceFileError(
+            f"{source}: not a readable safetensors file (tensor {_TENSOR_NAME!r} of shape {shape} needs "
+            f"{count * dtype.itemsize} bytes at offsets [0, {count * dtype.itemsize}], header says "
+            f"{info.get('data_offsets')!r} and {available} bytes follow the header: truncated or corrupted)"
+        )
+    experts = np.frombuffer(data, dtype=dtype, count=count, offset=8 + size).reshape(shape)
+    return meta, experts
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _read_header(
+    data: bytes | npt.NDArray[np.uint8], source: str
+) -> tuple[int, dict[str, Any], dict[str, Any]]:
+    """The header length, the JSON header and the routing-trace metadata of a safetensors file."""
     if len(data) < 8:
         raise TraceFileError(f"{source}: {len(data)} bytes is too short for a safetensors header (truncated)")
-    size = int.from_bytes(data[:8], "little")
+    size = int.from_bytes(bytes(data[:8]), "little")
     if size > len(data) - 8:
         raise TraceFileError(
-            f"{source}: header length {size} exceeds the {len(data) - 8} bytes that follow (truncated or foreign)"
+            f"{source}: header length {size} exceeds the {len(data) - 8} bytes that follow "
+            "(truncated or foreign)"
         )
     try:
-        header = json.loads(data[8 : 8 + size])
+        header = json.loads(bytes(data[8 : 8 + size]))
         meta = json.loads(header["__metadata__"][_METADATA_KEY])
     except (ValueError, KeyError, TypeError):
         raise TraceFileError(
@@ -458,7 +717,54 @@ def _read_header_metadata(data: bytes, source: str) -> dict[str, Any]:
         raise TraceFileError(
             f"{source}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}"
         )
-    return meta
+    return size, header, meta
+
+
+def _byte_view(array: npt.NDArray[Any]) -> memoryview:
+    """The bytes of a C-contiguous array as a flat memoryview (no copy; empty arrays too)."""
+    return array.reshape(-1).view(np.uint8).data
+
+
+_METADATA_FIELDS = ("num_experts", "num_layers", "moe_layers", "layer_axis", "start", "provenance")
+
+
+def _metadata_crc32(metadata: dict[str, Any]) -> int:
+    """CRC-32 of the metadata's canonical JSON: a flipped byte in a stored value cannot go unseen."""
+    return zlib.crc32(json.dumps(metadata, sort_keys=True, separators=(",", ":")).encode())
+
+
+def _crc32(data: memoryview) -> int:
+    """zlib's CRC-32 of a flat byte buffer; large ones in parallel spans, combined exactly."""
+    parts = _map_spans(lambda lo, hi: (zlib.crc32(data[lo:hi]), hi - lo), len(data), len(data))
+    crc = 0
+    for part, length in parts:
+        crc = _crc32_combine(crc, part, length)
+    return crc
+
+
+def _crc32_combine(crc1: int, crc2: int, length2: int) -> int:
+    """The CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (zlib's crc32_combine).
+
+    ``crc(A + B) = crc(A) · x^(8·len(B)) + crc(B)`` over GF(2) modulo the CRC polynomial; the power
+    is built by repeated squaring from x^8 (one byte), so this costs ~32 small multiplications.
+    """
+    power, square = 1 << 31, 1 << 23  # x^0 and x^8, in the reflected bit order of CRC-32
+    while length2:
+        if length2 & 1:
+            power = _gf2_multiply(square, power)
+        square = _gf2_multiply(square, square)
+        length2 >>= 1
+    return _gf2_multiply(power, crc1) ^ crc2
+
+
+def _gf2_multiply(a: int, b: int) -> int:
+    """``a · b`` modulo the CRC-32 polynomial, both in reflected bit order (zlib's multmodp)."""
+    product = 0
+    for bit in range(31, -1, -1):
+        if a >> bit & 1:
+            product ^= b
+        b = (b >> 1) ^ _CRC32_POLY if b & 1 else b >> 1
+    return product
 
 
 # --- set-based comparison (DESIGN §3.3) -------------------------------------------------------
@@ -484,7 +790,8 @@ class RoutingComparison:
     @property
     def disagreement(self) -> float:
         """Mean over (position, MoE layer) of [sets differ]; nan when there is nothing to compare."""
-        return float(self.differs.mean()) if self.overlap.size else float("nan")
+        # A count, not ``differs.mean()``: the same float, without converting every flag to float64.
+        return np.count_nonzero(self.differs) / self.overlap.size if self.overlap.size else float("nan")
 
     @property
     def per_layer(self) -> npt.NDArray[np.float64]:
@@ -504,11 +811,86 @@ class RoutingComparison:
         return float(self.overlap.mean() / self.top_k) if self.overlap.size else float("nan")
 
 
+def _overlap_pairs(
+    a: npt.NDArray[np.integer[Any]], b: npt.NDArray[np.integer[Any]], out: npt.NDArray[np.uint8]
+) -> None:
+    """``out = |A ∩ B|`` per route of two chunks ``[rows, layers, k]``; the general kernel.
+
+    With distinct ids per route, ``|A ∩ B| = Σ_i Σ_j [a_i = b_j]``: k² vector comparisons on the
+    chunks transposed to ``[k, rows·layers]``.
+    """
+    k = a.shape[-1]
+    ca = np.ascontiguousarray(a.reshape(-1, k).T)
+    cb = np.ascontiguousarray(b.reshape(-1, k).T)
+    out.fill(0)
+    equal = np.empty(ca.shape[1], dtype=bool)
+    for i in range(k):
+        for j in range(k):
+            np.equal(ca[i], cb[j], out=equal)
+            out += equal
+
+
+def _overlap_lanes(spec: _Words, a: npt.NDArray[Any], b: npt.NDArray[Any]) -> npt.NDArray[np.uint8]:
+    """``|A ∩ B|`` per route of two word arrays whose routes hold distinct ids (SWAR).
+
+    Lane i of ``a ^ rotate(b, s)`` is 0 iff ``a_i = b_(i+s) mod k``; as b's ids are distinct, lane
+    i of the minimum over all k rotations is 0 iff ``a_i ∈ B``, so ``|A ∩ B|`` is the number of
+    zero lanes: a popcount of the zero-lane flags (one 0/1 byte per lane, k bytes per route).
+    """
+    acc = np.bitwise_xor(a, b)
+    rotated, scratch = np.empty_like(b), np.empty_like(b)
+    for s in range(1, spec.k):
+        spec.rotate(b, s, out=rotated, scratch=scratch)
+        np.bitwise_xor(rotated, a, out=rotated)
+        np.minimum(spec.lanes(acc), spec.lanes(rotated), out=spec.lanes(acc))
+    return np.bitwise_count((spec.lanes(acc) == 0).view(f"u{spec.k}"))
+
+
+class _OverlapScan:
+    """``|A ∩ B|`` per route over a span of word chunks: equal words first, sets only where they differ.
+
+    Two recordings of one sample mostly agree word for word, and an identical word is an
+    identical set (overlap k) after one comparison. The set kernel ``_overlap_lanes`` runs on the
+    other routes only: on the whole chunk when most differ (lanes permuted by another kernel),
+    otherwise on differing routes gathered over several chunks, so that each of its vector
+    operations still covers a chunk's worth of routes rather than paying numpy's per-call cost.
+    """
+
+    def __init__(self, spec: _Words, out: npt.NDArray[np.uint8], batch: int) -> None:
+        self.spec, self.out, self.batch = spec, out, batch
+        self.pending: list[tuple[npt.NDArray[np.intp], npt.NDArray[Any], npt.NDArray[Any]]] = []
+        self.pending_size = 0
+
+    def chunk(self, offset: int, a: npt.NDArray[Any], b: npt.NDArray[Any]) -> None:
+        """Fill ``out[offset : offset + len(a)]`` now, or queue the routes whose words differ."""
+        target = self.out[offset : offset + a.size]
+        differ = a != b
+        count = int(np.count_nonzero(differ))
+        if count * 4 > a.size:
+            target[:] = _overlap_lanes(self.spec, a, b)
+            return
+        target.fill(self.spec.k)
+        if count:
+            where = np.flatnonzero(differ)
+            self.pending.append((where + offset, a[where], b[where]))
+            self.pending_size += count
+            if self.pending_size >= self.batch:
+                self.flush()
+
+    def flush(self) -> None:
+        """Run the set kernel on the queued routes and scatter their overlaps into ``out``."""
+        if self.pending:
+            where, a, b = (np.concatenate(parts) for parts in zip(*self.pending, strict=True))
+            self.out[where] = _overlap_lanes(self.spec, a, b)
+            self.pending, self.pending_size = [], 0
+
+
 def route_overlap(a: npt.NDArray[np.integer[Any]], b: npt.NDArray[np.integer[Any]]) -> npt.NDArray[np.uint8]:
     """``|A ∩ B|`` for each (row, layer) of two valid route arrays ``[rows, layers, top_k]``.
 
-    With distinct ids per route, ``|A ∩ B| = Σ_i Σ_j [a_i = b_j]``: k² vector comparisons on
-    transposed, cache-sized chunks.
+    Both arrays must hold distinct ids in every route (as every ``RoutingTrace`` MoE slot does).
+    Routes that fit a machine word use the SWAR kernels (``_OverlapScan``), others the general
+    one; cache-sized chunks, spans of chunks in parallel threads.
     """
     if a.shape != b.shape:
         raise TraceError(
@@ -516,17 +898,23 @@ def route_overlap(a: npt.NDArray[np.integer[Any]], b: npt.NDArray[np.integer[Any
         )
     rows, layers, k = a.shape
     out = np.empty((rows, layers), dtype=np.uint8)
-    step = _chunk_rows(layers)
-    for r0 in range(0, rows, step):
-        ca = np.ascontiguousarray(a[r0 : r0 + step].reshape(-1, k).T)
-        cb = np.ascontiguousarray(b[r0 : r0 + step].reshape(-1, k).T)
-        count = np.zeros(ca.shape[1], dtype=np.uint8)
-        equal = np.empty(ca.shape[1], dtype=bool)
-        for i in range(k):
-            for j in range(k):
-                np.equal(ca[i], cb[j], out=equal)
-                count += equal
-        out[r0 : r0 + step] = count.reshape(-1, layers)
+    flat = out.reshape(-1)
+    spec = _Words.of(a.dtype, k) if a.dtype == b.dtype else None
+    step = _chunk_rows(layers * k * a.dtype.itemsize)
+
+    def scan(lo: int, hi: int) -> None:
+        words = _OverlapScan(spec, flat, step * layers) if spec else None
+        for r0 in range(lo, hi, step):
+            r1 = min(r0 + step, hi)
+            if words is None:
+                _overlap_pairs(a[r0:r1], b[r0:r1], flat[r0 * layers : r1 * layers])
+            else:
+                assert spec is not None  # words exist only for a word-sized route
+                words.chunk(r0 * layers, spec.view(a[r0:r1]), spec.view(b[r0:r1]))
+        if words is not None:
+            words.flush()
+
+    _map_spans(scan, rows, a.nbytes + b.nbytes)
     return out
 
 

@@ -12,7 +12,7 @@ from harness.trace import LayerAxis, RoutingTrace
 
 
 def _rebuilt(trace: RoutingTrace, experts: Any, **changes: Any) -> RoutingTrace:
-    meta = {
+    meta: dict[str, Any] = {
         "num_experts": trace.num_experts,
         "moe_layers": trace.moe_layers,
         "num_layers": trace.num_layers,

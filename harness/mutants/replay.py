@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from torch import Tensor
@@ -32,8 +33,7 @@ class WeightRuleOverride(ReferenceReplay):
 
     def replay(self, targets: Tensor, mask: Tensor | None = None) -> None:
         for router in self.model.routers():
-            family = router.family
-            family.weights = lambda logits, ids, family=family: type(self).rule(family, logits, ids)  # type: ignore[method-assign]
+            router.family.weights = functools.partial(type(self).rule, router.family)  # type: ignore[method-assign]
         super().replay(targets, mask)
 
     def disarm(self) -> None:
