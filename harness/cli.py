@@ -13,19 +13,33 @@ from harness.subjects import DEFAULT_SUBJECT, load_subject
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from harness.check import run_suites
+    from harness.check import run_suites, suites_dir
     from harness.report import format_outcomes
 
-    print(f"rrh check: subject {args.subject}; running the invariant suites…", flush=True)
-    outcomes, log = run_suites(args.subject, select=args.select)
+    print(
+        f"rrh check: subject {args.subject}, engine {args.engine}; running the invariant suites…", flush=True
+    )
+    if args.engine == "hf":
+        outcomes, log = run_suites(
+            args.subject, select=f"hf and ({args.select})", paths=[str(suites_dir() / "test_hf.py")]
+        )
+    else:
+        outcomes, log = run_suites(args.subject, select=f"not hf and ({args.select})")
     if not outcomes:
         print(log, file=sys.stderr)
         print("rrh check: no check ran; nothing was verified", file=sys.stderr)
         return 2
     print(format_outcomes(outcomes))
     subject = load_subject(args.subject)
-    if subject.install_replay is not None:
-        from harness.lab import format_lab, run_mismatch_lab
+    from harness.lab import format_lab
+
+    if args.engine == "hf" and subject.install_hf_replay is not None:
+        from harness.engines.hf import run_hf_mismatch_lab
+
+        print()
+        print(format_lab(run_hf_mismatch_lab()))
+    elif args.engine == "reference" and subject.install_replay is not None:
+        from harness.lab import run_mismatch_lab
 
         print()
         print(format_lab(run_mismatch_lab(install_replay=subject.install_replay)))
@@ -33,6 +47,14 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if failed:
         print(f"\n{len(failed)} invariant(s) violated; rerun one with: pytest {failed[0].nodeid}")
     return 1 if failed else 0
+
+
+def _cmd_bench_replay(args: argparse.Namespace) -> int:
+    from harness.bench_replay import bench_replay, format_bench_replay
+
+    result = bench_replay(repeats=args.repeats)
+    print(json.dumps(result, indent=2) if args.json else format_bench_replay(result))
+    return 0
 
 
 def _cmd_bench_trace(args: argparse.Namespace) -> int:
@@ -126,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = commands.add_parser("check", help="run the invariant suites against a subject")
     check.add_argument("--subject", default=DEFAULT_SUBJECT, metavar="MODULE:ATTR")
+    check.add_argument(
+        "--engine",
+        choices=("reference", "hf"),
+        default="reference",
+        help="reference: the reference model and engine; hf: real transformers models (extra 'hf')",
+    )
     check.add_argument("-m", dest="select", default="not slow and not gpu", help="pytest marker expression")
     check.set_defaults(func=_cmd_check)
 
@@ -149,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--num-experts", type=int, default=128)
     trace.add_argument("--repeats", type=int, default=3)
     trace.set_defaults(func=_cmd_bench_trace)
+    replay = benches.add_parser(
+        "replay", help="forward time with replay hooks armed vs without (transformers)"
+    )
+    replay.add_argument("--json", action="store_true", help="print the figures as JSON")
+    replay.add_argument("--repeats", type=int, default=15, help="interleaved repetitions per dtype")
+    replay.set_defaults(func=_cmd_bench_replay)
     return parser
 
 

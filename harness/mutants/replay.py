@@ -5,9 +5,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import torch
 from torch import Tensor
 
 from harness.mutants import Mutant, mutate
+from harness.subjects import ReplayHandle
 from harness.subjects.reference import ReferenceReplay
 from reference_impl import MoELM
 
@@ -67,6 +69,14 @@ def _installer(handle: type[ReferenceReplay]) -> Callable[[MoELM], ReferenceRepl
     return install_replay
 
 
+def structural_softmax_hook(model: torch.nn.Module) -> ReplayHandle:
+    """SkyRL's hook: softmax(logits, fp32).gather(ids), renormalised, whatever the router family."""
+    from harness.trainers.hf import install_replay as install
+    from harness.trainers.hf import softmax_rule as rule
+
+    return install(model, rule=rule, self_check=False)
+
+
 MUTANTS = (
     Mutant(
         "silent-no-op",
@@ -94,5 +104,12 @@ MUTANTS = (
         "Mixtral/MiniMax keep fp32 routing weights; casting them to the model dtype moves bf16 logits "
         "~3e-3 (hides in fp32)",
         mutate("fp32-scores-cast-down", install_replay=_installer(ScoresCastDown)),
+    ),
+    Mutant(
+        "hf-softmax-hook",
+        "wrong gate rule",
+        "SkyRL hf_router_replay (PR #1772) on real transformers models: the mlp.gate softmax hook is right "
+        "for Qwen/OlMoE, wrong for DeepSeek-V3/GLM4 (sigmoid ×scale) and Mixtral in bf16 (fp32 weights)",
+        mutate("hf-softmax-hook", install_hf_replay=structural_softmax_hook),
     ),
 )

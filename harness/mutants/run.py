@@ -16,6 +16,7 @@ SUITES_BY_CAPABILITY: dict[str, tuple[str, ...]] = {
     "truncate": ("test_splice.py",),
     "layouts": ("test_layouts.py",),
     "install_replay": ("test_replay.py", "test_r2.py", "test_mismatch_lab.py"),
+    "install_hf_replay": ("test_hf.py",),
     "training": ("test_training.py",),
 }
 """The suites that exercise each capability, the most telling first."""

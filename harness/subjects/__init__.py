@@ -18,7 +18,15 @@ from harness.errors import SubjectError
 
 DEFAULT_SUBJECT = "harness.subjects.reference:REFERENCE"
 
-CAPABILITIES = ("decode_payload", "splice", "truncate", "layouts", "install_replay", "training")
+CAPABILITIES = (
+    "decode_payload",
+    "splice",
+    "truncate",
+    "layouts",
+    "install_replay",
+    "install_hf_replay",
+    "training",
+)
 """The pieces a subject may provide, in the order the suites exercise them."""
 
 
@@ -60,6 +68,8 @@ class Subject:
         truncate: ``(tokens, routes, prompt_len, max_response_len) -> (tokens, routes)``.
         layouts: an object with the layout functions of ``reference_impl.layouts``.
         install_replay: ``(model) -> ReplayHandle``: record/replay control over a model's routers.
+        install_hf_replay: ``(transformers model) -> ReplayHandle``: the same control over a
+            transformers MoE model (hooks on its routers; the SkyRL / FSDP path).
         training: an object with the trainer passes of ``reference_impl.training`` (``check_mode``,
             ``reference_logprobs``, …): the R2/R3 configuration rules and the reference pass.
     """
@@ -70,6 +80,7 @@ class Subject:
     truncate: Callable[..., Any] | None = None
     layouts: Any | None = None
     install_replay: Callable[..., Any] | None = None
+    install_hf_replay: Callable[..., Any] | None = None
     training: Any | None = None
 
     def capabilities(self) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from harness.conventions import decode_payload
-from harness.subjects import Subject
+from harness.subjects import ReplayHandle, Subject
 from reference_impl import MoELM, RoutingMode, layouts, splice, training
 
 
@@ -49,6 +49,13 @@ def install_replay(model: MoELM) -> ReferenceReplay:
     return ReferenceReplay(model)
 
 
+def install_hf_replay(model: torch.nn.Module) -> ReplayHandle:
+    """The harness's own transformers hooks (imported lazily: transformers is an optional extra)."""
+    from harness.trainers.hf import install_replay as install
+
+    return install(model)
+
+
 REFERENCE = Subject(
     name="reference",
     decode_payload=decode_payload,
@@ -56,5 +63,6 @@ REFERENCE = Subject(
     truncate=splice.truncate,
     layouts=layouts,
     install_replay=install_replay,
+    install_hf_replay=install_hf_replay,
     training=training,
 )

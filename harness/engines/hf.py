@@ -1,0 +1,195 @@
+"""A transformers model as the inference engine: KV-cache rollouts that return their routes.
+
+``generate_rollouts`` samples the way an inference engine does — one prefill of the prompts, then
+one-token decode steps through the model's own cache (``past_key_values``) — while an ``HFReplay``
+records the routing of every forward. Each rollout is canonical (DESIGN §3.1): routes for positions
+``[0, P + R − 1)`` (the last sampled token is never fed back, so it has no row), MoE-ordinal layer
+axis, and the sampled tokens' log-probs from the engine's own logits.
+
+``run_hf_mismatch_lab`` is DESIGN §6's mismatch lab on a real transformers model: a bf16 Qwen3-MoE
+(SDPA, 64 experts top-8) rolls out with its KV cache, the trainer recomputes with one full forward,
+without replay and with R3 (the rollout routes replayed through ``install_replay``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from harness.lab import LabArm, LabConfig, LabResult
+from harness.metrics import logprob_gap
+from harness.trace import LayerAxis, Provenance, RoutingComparison, RoutingTrace, route_overlap
+from harness.trainers.hf.replay import HFReplay, install_replay
+
+
+@dataclass(frozen=True)
+class HFRollout:
+    """One sample: its response, the sampled tokens' log-probs and the routes of every input position.
+
+    ``routes`` is ``[P + R − 1, num_moe_layers, top_k]`` int64: row ``i`` is the routing computed when
+    position ``i`` of ``prompt ⊕ tokens`` was the model input.
+    """
+
+    prompt: torch.Tensor
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    routes: torch.Tensor
+
+    def trace(self, handle: HFReplay) -> RoutingTrace:
+        """The routes as a validated ``RoutingTrace`` (MoE-ordinal axis) of ``handle``'s model."""
+        return RoutingTrace(
+            self.routes.numpy(),
+            num_experts=handle.num_experts,
+            moe_layers=handle.moe_layers,
+            num_layers=_num_layers(handle.model),
+            layer_axis=LayerAxis.MOE_ORDINAL,
+            provenance=Provenance("hf", _transformers_version(), "kv-cache decode"),
+        )
+
+
+def _num_layers(model: Any) -> int:
+    """Decoder layers of a transformers model (``Any``: its config is no attribute ``nn.Module`` types)."""
+    return int(model.config.num_hidden_layers)
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
+
+
+@torch.no_grad()
+def generate_rollouts(
+    model: nn.Module,
+    handle: HFReplay,
+    prompts: torch.Tensor,
+    response_len: int,
+    *,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+) -> list[HFRollout]:
+    """Sample ``response_len`` tokens after each of ``prompts`` ``[B, P]`` through the KV cache.
+
+    One prefill forward of the prompts, then ``response_len − 1`` decode forwards of one token
+    each; ``handle`` records every forward (it is disarmed afterwards). Log-probs are the fp32
+    log-softmax of the logits the token was sampled from.
+    """
+    if prompts.ndim != 2 or prompts.shape[1] == 0:
+        raise ValueError(f"prompts: shape {list(prompts.shape)}, expected [batch, prompt_len ≥ 1]")
+    if response_len < 1:
+        raise ValueError(f"response_len = {response_len}, expected ≥ 1")
+    batch, prompt_len = prompts.shape
+    device = next(model.parameters()).device
+    handle.record()
+    out = model(input_ids=prompts.to(device), use_cache=True)
+    sampled: list[torch.Tensor] = []
+    logprobs: list[torch.Tensor] = []
+    routes = [handle.recording().reshape(batch, prompt_len, len(handle.moe_layers), handle.top_k)]
+    for step in range(response_len):
+        logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1).cpu()
+        if greedy:
+            token = logp.argmax(-1)
+        else:
+            token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+        sampled.append(token)
+        logprobs.append(logp.gather(1, token[:, None]).squeeze(1))
+        if step == response_len - 1:
+            break  # the last sampled token is never fed back: it has no row
+        handle.record()
+        out = model(input_ids=token[:, None].to(device), past_key_values=out.past_key_values, use_cache=True)
+        routes.append(handle.recording().reshape(batch, 1, len(handle.moe_layers), handle.top_k))
+    handle.disarm()
+    tokens, lps, rows = torch.stack(sampled, 1), torch.stack(logprobs, 1), torch.cat(routes, 1)
+    return [HFRollout(prompts[b], tokens[b], lps[b], rows[b]) for b in range(batch)]
+
+
+def lab_model(cfg: LabConfig) -> nn.Module:
+    """The lab's Qwen3-MoE (``cfg``'s experts, top-k, layers, hidden size, dtype), SDPA attention."""
+    from harness.trainers.hf.models import tiny_model
+
+    return tiny_model(
+        "qwen3_moe",
+        getattr(torch, cfg.dtype),
+        seed=cfg.seed,
+        vocab_size=256,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=cfg.hidden_size // 4,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.top_k,
+        moe_intermediate_size=32,
+    )
+
+
+def run_hf_mismatch_lab(cfg: LabConfig | None = None) -> LabResult:
+    """KV-cache rollouts vs a full-forward recompute of a transformers Qwen3-MoE, without replay and with R3.
+
+    Every sample has the same prompt length, so the trainer batch needs no padding: rollout row
+    ``i`` is trainer row ``b·W + i`` for ``i < W − 1``; each sample's last position has no rollout
+    row and routes natively (replay mask False). ``cfg.family`` is informational ("qwen3_moe").
+    """
+    cfg = cfg or LabConfig(family="qwen3_moe")
+    model = lab_model(cfg)
+    handle = install_replay(model)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    prompts = torch.randint(0, 256, (cfg.batch, cfg.prompt_len), generator=gen)
+    rollouts = generate_rollouts(model, handle, prompts, cfg.response_len, generator=gen)
+
+    width = cfg.prompt_len + cfg.response_len
+    tokens = torch.stack([torch.cat([r.prompt, r.tokens]) for r in rollouts])
+    layers, k = len(handle.moe_layers), handle.top_k
+    targets = torch.zeros(cfg.batch, width, layers, k, dtype=torch.int64)
+    targets[:, :-1] = torch.stack([r.routes for r in rollouts])
+    mask = torch.ones(cfg.batch, width, dtype=torch.bool)
+    mask[:, -1] = False
+    targets, mask = targets.reshape(-1, layers, k), mask.reshape(-1)
+    rows = mask.nonzero().squeeze(1)
+
+    def token_logprobs() -> torch.Tensor:
+        logits = model(input_ids=tokens, use_cache=False).logits
+        picked = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+        return torch.cat([picked.new_zeros(cfg.batch, 1), picked], dim=1)
+
+    with torch.no_grad():
+        handle.record()
+        lp_native = token_logprobs()
+        native_routes = handle.recording()
+        handle.replay(targets, mask)
+        lp_r3 = token_logprobs()
+        r3_routes = handle.dispatched()
+        handle.disarm()
+    handle.remove()
+
+    def compare_rows(routes: torch.Tensor) -> RoutingComparison:
+        overlap = route_overlap(targets[rows].numpy(), routes[rows].numpy())
+        return RoutingComparison(overlap, k, handle.moe_layers)
+
+    without, with_r3 = compare_rows(native_routes), compare_rows(r3_routes)
+    response = torch.zeros(cfg.batch, width, dtype=torch.bool)
+    response[:, cfg.prompt_len :] = True
+    # Response token at column c was sampled from the logits of input column c − 1.
+    flipped_rows = torch.zeros(cfg.batch * width, dtype=torch.bool)
+    flipped_rows[rows] = torch.from_numpy(without.differs.any(axis=1))
+    flipped = torch.zeros_like(response)
+    flipped[:, 1:] = flipped_rows.reshape(cfg.batch, width)[:, :-1]
+    flipped &= response
+    infer = torch.zeros(cfg.batch, width)
+    infer[:, cfg.prompt_len :] = torch.stack([r.logprobs for r in rollouts])
+
+    def arm(name: str, lp: torch.Tensor, routing: RoutingComparison) -> LabArm:
+        return LabArm(
+            name, routing, logprob_gap(lp, infer, response.numpy()), logprob_gap(lp, infer, flipped.numpy())
+        )
+
+    return LabResult(
+        cfg,
+        arm("no replay", lp_native, without),
+        arm("R3", lp_r3, with_r3),
+        int(flipped.sum()),
+        int(response.sum()),
+    )

@@ -1,0 +1,427 @@
+"""Record/replay on a transformers MoE model through module hooks (the ``hf`` trainer backend).
+
+``install_replay(model)`` finds every router of a supported family (``families.FAMILIES``), hooks
+it and returns an ``HFReplay`` (a ``harness.subjects.ReplayHandle``):
+
+- *record*: a forward hook on each router keeps the ids it chose;
+- *replay*: the same hook replaces the ids with the targets and the gate weights with the family's
+  rule at the targets, computed from the router's live logits, so the router still gets gradients
+  (DESIGN §3.7). Rows whose mask is False keep the router's own choice;
+- *dispatched*: a forward pre-hook on the layer's experts module reads the ids the experts received
+  (Llama 4, whose experts get dense scores, not ids: the router's final output).
+
+DeepSeek-V3 and GLM4-MoE routers of transformers ≤ 5.12 return the logits only and their block
+chooses in ``route_tokens_to_experts``; for those the block's method is wrapped instead (detected at
+install from whether the block has that method; at forward time, from what the router returns).
+
+At install a self-check replays the model's natural choice on a small probe batch and requires the
+logits to be bit-identical; a family whose rule or dtype is wrong fails there, by name.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from harness.errors import HarnessError
+from harness.trainers.hf.families import (
+    FAMILIES,
+    ROUTER_PATHS,
+    RouterFamily,
+    WeightRule,
+    family_of,
+    routing_param,
+    supported,
+)
+
+
+class HFReplayError(HarnessError, ValueError):
+    """Replay on a transformers model is misconfigured or did not take effect."""
+
+
+class Mode(enum.Enum):
+    """What the routers do on the next forward (Megatron-core ``RouterReplayAction`` + NATIVE)."""
+
+    NATIVE = "native"
+    RECORD = "record"
+    REPLAY_FORWARD = "replay_forward"
+    REPLAY_BACKWARD = "replay_backward"
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
+_INSTALLED = "_rr_hf_replay"
+
+
+@dataclass
+class HookedRouter:
+    """One MoE layer's router (decoder index ``layer`` read from its module name), its experts
+    module and its replay state."""
+
+    name: str
+    layer: int
+    family: RouterFamily
+    module: nn.Module
+    experts: nn.Module
+    num_experts: int
+    top_k: int
+    block_routing: Callable[..., Any] | None = None  # ≤ 5.12 DeepSeek/GLM: the block's own routing
+    recorded: list[torch.Tensor] = field(default_factory=list)
+    target: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    fifo: deque[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=deque)
+    dispatched: torch.Tensor | None = None
+
+
+class HFReplay:
+    """``ReplayHandle`` over a transformers model's routers (see the module docstring).
+
+    Routes are ``[tokens, num_moe_layers, top_k]`` int64, row ``b·T + t`` of each forward, MoE layers
+    in decoder order (``moe_layers``). Targets apply to every later forward until ``disarm``; each
+    replayed forward also queues its targets for activation recompute, which ``prepare_backward``
+    switches to (one FIFO entry per forward, as Megatron-core's ``REPLAY_BACKWARD``).
+    """
+
+    def __init__(self, model: nn.Module, routers: list[HookedRouter]) -> None:
+        self.model = model
+        self.routers = routers
+        self.mode = Mode.NATIVE
+        self._hooks: list[RemovableHandle] = []
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Decoder indices of the MoE layers, in the order of the routes' layer axis."""
+        return tuple(r.layer for r in self.routers)
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        """The router families of this model (one, for every model transformers ships)."""
+        return tuple(dict.fromkeys(r.family.name for r in self.routers))
+
+    @property
+    def top_k(self) -> int:
+        """Experts per token (the same at every MoE layer of the models transformers ships)."""
+        return self.routers[0].top_k
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer."""
+        return self.routers[0].num_experts
+
+    # --- ReplayHandle ---------------------------------------------------------------------------
+
+    def record(self) -> None:
+        """Route natively on the next forwards and keep the chosen ids."""
+        self._clear()
+        self.mode = Mode.RECORD
+
+    def recording(self) -> torch.Tensor:
+        """The ids chosen since ``record()`` (forwards concatenated along tokens); stops recording."""
+        counts = [len(r.recorded) for r in self.routers]
+        if counts[0] == 0 or len(set(counts)) != 1:
+            raise HFReplayError(
+                f"recording: forwards recorded per MoE layer {counts}, expected the same non-zero "
+                "number for every layer (call record() and run a forward first)"
+            )
+        routes = torch.stack([torch.cat(r.recorded) for r in self.routers], dim=1)
+        for r in self.routers:
+            r.recorded.clear()
+        self.mode = Mode.NATIVE
+        return routes
+
+    def replay(self, targets: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Force ``targets`` ``[tokens, num_moe_layers, top_k]`` on every later forward.
+
+        Rows where ``mask`` (``[tokens]`` bool) is False route natively. Replayed rows must hold
+        ``top_k`` distinct ids in ``[0, num_experts)``; anything else raises ``HFReplayError``.
+        """
+        targets = torch.as_tensor(targets)
+        expected = f"[tokens, {len(self.routers)}, {self.top_k}] (MoE layers {list(self.moe_layers)})"
+        if targets.ndim != 3 or targets.shape[1:] != (len(self.routers), self.top_k):
+            raise HFReplayError(f"replay targets: shape {list(targets.shape)}, expected {expected}")
+        if targets.is_floating_point() or targets.dtype == torch.bool:
+            raise HFReplayError(f"replay targets: dtype {targets.dtype}, expected an integer dtype")
+        targets = targets.to(torch.int64)
+        if mask is not None:
+            mask = torch.as_tensor(mask)
+            if mask.dtype != torch.bool or mask.shape != (targets.shape[0],):
+                raise HFReplayError(
+                    f"replay mask: shape {list(mask.shape)}, dtype {mask.dtype}; "
+                    f"expected [{targets.shape[0]}] bool"
+                )
+        self._check_ids(targets if mask is None else targets[mask])
+        for ordinal, r in enumerate(self.routers):
+            r.target = (targets[:, ordinal], mask)  # the recompute FIFO keeps earlier forwards' targets
+        self.mode = Mode.REPLAY_FORWARD
+
+    def prepare_backward(self) -> None:
+        """Activation recompute replays what each forward used, oldest first."""
+        self.mode = Mode.REPLAY_BACKWARD
+
+    def dispatched(self) -> torch.Tensor:
+        """The ids ``[tokens, num_moe_layers, top_k]`` the experts received in the last forward."""
+        missing = [r.name for r in self.routers if r.dispatched is None]
+        if missing:
+            raise HFReplayError(f"dispatched: no forward has reached the experts of {missing[0]} yet")
+        return torch.stack([r.dispatched for r in self.routers if r.dispatched is not None], dim=1)
+
+    def disarm(self) -> None:
+        """Native routing; drop targets, queues and recordings."""
+        self._clear()
+        self.mode = Mode.NATIVE
+
+    def remove(self) -> None:
+        """Take every hook off the model (it routes exactly as before ``install_replay``)."""
+        self.disarm()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        for r in self.routers:
+            if r.block_routing is not None:
+                del _parent(self.model, r.name).route_tokens_to_experts
+        delattr(self.model, _INSTALLED)
+
+    # --- hooks ----------------------------------------------------------------------------------
+
+    def _clear(self) -> None:
+        for r in self.routers:
+            r.recorded.clear()
+            r.target = None
+            r.fifo.clear()
+
+    def _check_ids(self, targets: torch.Tensor) -> None:
+        if targets.numel() == 0:
+            return
+        low, high = int(targets.min()), int(targets.max())
+        if low < 0 or high >= self.num_experts:
+            raise HFReplayError(
+                f"replay targets: expert id {low if low < 0 else high} out of range, expected ids in "
+                f"[0, {self.num_experts})"
+            )
+        ordered = targets.sort(dim=-1).values
+        repeated = (ordered[..., 1:] == ordered[..., :-1]).any(-1)
+        if bool(repeated.any()):
+            row, ordinal = (int(i) for i in repeated.nonzero()[0])
+            raise HFReplayError(
+                f"replay targets: row {row}, MoE layer {self.routers[ordinal].layer} repeats an expert "
+                f"({targets[row, ordinal].tolist()}), expected top_k={self.top_k} distinct ids"
+            )
+
+    def _route(self, r: HookedRouter, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+        """The ids this forward must use at router ``r`` (``None``: keep the router's own)."""
+        if self.mode is Mode.NATIVE:
+            return None
+        if self.mode is Mode.RECORD:
+            r.recorded.append(ids.detach().to("cpu", torch.int64))
+            return None
+        if self.mode is Mode.REPLAY_FORWARD:
+            if r.target is None:
+                raise HFReplayError(f"{r.name}: replay is on but this router has no targets")
+            target = r.target
+            r.fifo.append(target)
+        else:
+            if not r.fifo:
+                raise HFReplayError(f"{r.name}: recompute found no queued targets (no replayed forward)")
+            target = r.fifo.popleft()
+        forced, mask = target
+        if forced.shape[0] != logits.shape[0]:
+            raise HFReplayError(
+                f"{r.name}: replay targets have {forced.shape[0]} rows, expected {logits.shape[0]} "
+                "(one per token this forward routes)"
+            )
+        forced = forced.to(ids.device)
+        return forced if mask is None else torch.where(mask.to(ids.device)[:, None], forced, ids)
+
+    def _router_hook(self, r: HookedRouter) -> Callable[[nn.Module, Any, Any], Any]:
+        readout, rule = r.family.readout, r.family.rule
+
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if isinstance(output, torch.Tensor):  # logits only (≤ 5.12): the block routes
+                if r.block_routing is None:
+                    raise HFReplayError(
+                        f"{r.name} ({r.family.name}) returned logits only and its block has no "
+                        "route_tokens_to_experts to hook"
+                    )
+                return None
+            if self.mode is Mode.NATIVE:
+                return None
+            logits, ids = readout.read(module, output)
+            forced = self._route(r, logits, ids)
+            if forced is None:
+                return None
+            return readout.build(output, logits, rule(module, logits, forced), forced)
+
+        return hook
+
+    def _block_routing(self, r: HookedRouter, original: Callable[..., Any]) -> Callable[..., Any]:
+        """≤ 5.12 DeepSeek-V3/GLM4: ``route_tokens_to_experts(logits) -> (ids, weights)``."""
+        rule = r.family.rule
+
+        def route_tokens_to_experts(router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            ids, weights = original(router_logits)
+            forced = self._route(r, router_logits, ids)
+            if forced is None:
+                return ids, weights
+            return forced, rule(r.module, router_logits, forced)
+
+        return route_tokens_to_experts
+
+    def _dispatch_hooks(self, r: HookedRouter) -> list[RemovableHandle]:
+        """Read the dispatched ids where the family's experts receive them (see ``Readout``)."""
+        read = r.family.readout.dispatched
+
+        def before_experts(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            r.dispatched = read(args, kwargs, r.num_experts, r.top_k).detach().to("cpu", torch.int64)
+
+        def after_router(module: nn.Module, args: Any, output: Any) -> None:
+            r.dispatched = read(output, {}, r.num_experts, r.top_k).detach().to("cpu", torch.int64)
+
+        if r.family.readout.dispatched_at == "router":  # registered after the replay hook: sees its output
+            return [r.module.register_forward_hook(after_router)]
+        return [r.experts.register_forward_pre_hook(before_experts, with_kwargs=True)]
+
+    def _attach(self) -> None:
+        for r in self.routers:
+            if r.block_routing is not None:
+                _parent(self.model, r.name).route_tokens_to_experts = self._block_routing(r, r.block_routing)
+            self._hooks.append(r.module.register_forward_hook(self._router_hook(r)))
+            self._hooks.extend(self._dispatch_hooks(r))
+        setattr(self.model, _INSTALLED, self)
+
+    # --- install-time self-check ----------------------------------------------------------------
+
+    def self_check(self, tokens: int = 12, seed: int = 0) -> float:
+        """Replay the natural choice on a probe batch; raise unless the logits are bit-identical.
+
+        Runs in eval mode (PhiMoE samples its experts, Mixtral jitters its input in training mode)
+        and restores the model's mode. Returns the max |difference| (0.0).
+        """
+        embeddings: Any = self.model.get_input_embeddings()  # type: ignore[operator]
+        vocab = int(embeddings.num_embeddings)
+        probe = torch.randint(0, vocab, (2, tokens), generator=torch.Generator().manual_seed(seed))
+        device = next(self.model.parameters()).device
+        with _eval(self.model), torch.no_grad():
+            self.record()
+            native = _logits(self.model(input_ids=probe.to(device), use_cache=False))
+            self.replay(self.recording())
+            replayed = _logits(self.model(input_ids=probe.to(device), use_cache=False))
+            self.disarm()
+        diff = (native.float() - replayed.float()).abs().max().item()
+        if not torch.equal(native, replayed):
+            raise HFReplayError(
+                f"self-check: replaying the natural routing of {'/'.join(self.families)} routers "
+                f"({', '.join(sorted({type(r.module).__name__ for r in self.routers}))}, {native.dtype}) "
+                f"moved the logits by up to {diff:.3e}, expected 0 (bit-exact): the gate-weight rule "
+                "or its dtype does not match the router"
+            )
+        return diff
+
+
+@contextmanager
+def _eval(model: nn.Module) -> Iterator[None]:
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def _logits(output: Any) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output[0]
+
+
+def _parent(model: nn.Module, name: str) -> Any:
+    """The module that holds ``name`` (typed ``Any``: transformers blocks carry untyped attributes)."""
+    return model.get_submodule(name.rpartition(".")[0])
+
+
+def find_routers(model: nn.Module, families: dict[str, RouterFamily] | None = None) -> list[HookedRouter]:
+    """Every MoE router of ``model`` in decoder order, with its family and experts module.
+
+    A module at a router path (``layers.{i}.mlp.gate``, ``…mlp.router``, ``…feed_forward.router``)
+    whose class no family lists is an error naming the supported families; dense layers have none.
+    """
+    families = families or FAMILIES
+    routers: list[HookedRouter] = []
+    for name, module in model.named_modules():
+        match = _LAYER.search(name)
+        if match is None or match.group(2) not in ROUTER_PATHS:
+            continue
+        family = family_of(module, families)
+        if family is None:
+            raise HFReplayError(
+                f"{name}: router class {type(module).__name__} belongs to no supported family; "
+                f"supported: {supported()}"
+            )
+        layer = int(match.group(1))
+        prefix = name[: match.start(2)]
+        try:
+            experts = model.get_submodule(prefix + family.experts_path)
+        except AttributeError:
+            raise HFReplayError(
+                f"{name} ({family.name}): no experts module at {prefix + family.experts_path}"
+            ) from None
+        block = _parent(model, name)
+        block_routing = getattr(block, "route_tokens_to_experts", None)
+        if block_routing is not None:  # ≤ 5.12: routing parameters live on the block
+            module._rr_block_params = {p: getattr(block, p) for p in family.params if hasattr(block, p)}
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+            raise HFReplayError(f"{name} ({family.name}): expected a router weight [num_experts, hidden]")
+        try:
+            top_k = routing_param(module, "top_k")
+        except AttributeError as err:
+            raise HFReplayError(f"{name} ({family.name}): {err}") from None
+        routers.append(
+            HookedRouter(
+                name, layer, family, module, experts, int(weight.shape[0]), int(top_k), block_routing
+            )
+        )
+    if not routers:
+        raise HFReplayError(
+            f"{type(model).__name__}: no MoE router found "
+            f"(looked for layers.{{i}}.{{{','.join(ROUTER_PATHS)}}}); "
+            f"supported families: {supported()}"
+        )
+    routers.sort(key=lambda r: r.layer)
+    return routers
+
+
+def install_replay(
+    model: nn.Module,
+    *,
+    rule: WeightRule | None = None,
+    self_check: bool = True,
+) -> HFReplay:
+    """Record/replay control over a transformers MoE model's routers.
+
+    Args:
+        model: a transformers causal LM (``*ForCausalLM``) of a supported family.
+        rule: a gate-weight rule to use for every family instead of each family's own (mutants only,
+            e.g. ``families.softmax_rule``; the self-check then reports how far it moves the logits).
+        self_check: replay the natural routing of a probe batch at install and require bit-identical
+            logits (``HFReplayError`` names the family and the max difference otherwise).
+    """
+    if hasattr(model, _INSTALLED):
+        raise HFReplayError(
+            f"{type(model).__name__}: replay hooks are already installed (call .remove() on the old handle; "
+            "a deepcopy of a hooked model carries its hooks)"
+        )
+    families = FAMILIES if rule is None else {name: f.with_rule(rule) for name, f in FAMILIES.items()}
+    handle = HFReplay(model, find_routers(model, families))
+    handle._attach()
+    if self_check:
+        try:
+            handle.self_check()
+        except BaseException:
+            handle.remove()
+            raise
+    return handle
