@@ -94,8 +94,11 @@ def run_suites(
     profile active before the run is restored after it, so a run inside a test session leaves the
     session's settings alone.
     """
+    from harness import pytest_plugin
+
     collector = _Collector()
     profile = settings.get_current_profile_name()
+    requested = list(pytest_plugin._requested)  # an enclosing test's own capabilities
     args = [
         *(paths or [str(suites_dir())]),
         "-q",
@@ -115,4 +118,5 @@ def run_suites(
             pytest.main(args, plugins=[collector])
     finally:
         settings.load_profile(profile)
+        pytest_plugin._requested[:] = requested
     return collector.outcomes, log.getvalue()

@@ -38,23 +38,34 @@ class Placed:
     ``tokens`` ``[B, W]`` (0 where padding), ``attention_mask`` ``[B, W]`` bool (True on real
     tokens), ``routes`` ``[B, W, layers, top_k]`` (0 where there is no row) and ``replay_mask``
     ``[B, W]`` bool: True exactly where a real row exists, so padding and each sample's last token
-    are False.
+    are False. ``response_mask`` ``[B, W]`` bool is True on response tokens when the prompt
+    lengths were given (the trainer's loss mask), else None.
     """
 
     tokens: torch.Tensor
     attention_mask: torch.Tensor
     routes: torch.Tensor
     replay_mask: torch.Tensor
+    response_mask: torch.Tensor | None = None
 
 
-def place_left_padded(samples: Sequence[tuple[torch.Tensor, torch.Tensor]], width: int) -> Placed:
+def place_left_padded(
+    samples: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    width: int,
+    prompt_lens: Sequence[int] | None = None,
+) -> Placed:
     """Left-pad each ``(tokens [n], routes [n - 1, layers, top_k])`` sample to ``width`` columns.
 
     Token position ``p`` of sample ``i`` goes to column ``width - n_i + p``, and so does its row.
     The last column of every sample holds its last token, which has no row (it was never fed to
     the engine): its ``replay_mask`` is False, like the padding. verl's agent loop places rows the
-    same way, at the same offset as ``input_ids``.
+    same way, at the same offset as ``input_ids``. With ``prompt_lens`` the placement also carries
+    the response mask — which is NOT the replay mask: prompt rows are replayed too (verl #6325).
     """
+    if prompt_lens is not None and len(prompt_lens) != len(samples):
+        raise LayoutError(
+            f"prompt_lens has {len(prompt_lens)} entries, expected one per sample ({len(samples)})"
+        )
     if not samples:
         raise LayoutError("samples is empty")
     first_tokens, first_routes = samples[0]
@@ -72,7 +83,16 @@ def place_left_padded(samples: Sequence[tuple[torch.Tensor, torch.Tensor]], widt
         attention_mask[index, start:] = True
         placed_routes[index, start : width - 1] = routes
         replay_mask[index, start : width - 1] = True
-    return Placed(placed_tokens, attention_mask, placed_routes, replay_mask)
+    if prompt_lens is None:
+        return Placed(placed_tokens, attention_mask, placed_routes, replay_mask)
+    response_mask = torch.zeros(batch, width, dtype=torch.bool)
+    for index, ((tokens, _), prompt_len) in enumerate(zip(samples, prompt_lens, strict=True)):
+        if not 1 <= prompt_len <= tokens.shape[0]:
+            raise LayoutError(
+                f"sample {index}: prompt_lens[{index}] = {prompt_len}, expected in [1, {tokens.shape[0]}]"
+            )
+        response_mask[index, width - tokens.shape[0] + prompt_len :] = True
+    return Placed(placed_tokens, attention_mask, placed_routes, replay_mask, response_mask)
 
 
 def unplace(placed: Placed) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -61,3 +61,20 @@ def test_reference_logprobs_never_replay(subject: Subject) -> None:
     assert torch.equal(reference, native), (
         f"reference log-probs moved by {(reference - native).abs().max().item():.3e}: the pass replayed"
     )
+
+
+def test_r3_replays_prompt_rows_too(subject: Subject) -> None:
+    """The R3 replay mask covers every row that exists, prompt rows included (not only the response)."""
+    training = require(subject, "training")
+    model = MoELM(CFG)
+    unlabelled = _batch(model)
+    samples = list(zip(unlabelled.tokens.unbind(), unlabelled.routes.unbind(), strict=True))
+    lengths = unlabelled.attention_mask.sum(1).tolist()
+    trimmed = [(t[-n:], r[-n:-1]) for (t, r), n in zip(samples, lengths, strict=True)]
+    placed = place_left_padded(trimmed, unlabelled.tokens.shape[1], prompt_lens=[3, 2])
+    _, mask = training.replay_targets(placed, CFG.moe_layers, "decoder")
+    missing = placed.replay_mask.reshape(-1) & ~mask
+    assert not missing.any(), (
+        f"{int(missing.sum())} rows that exist are not replayed, e.g. flat row {int(missing.nonzero()[0])} "
+        "(prompt rows shape the response log-probs through attention: verl #6325)"
+    )

@@ -21,7 +21,24 @@ def reference_logprobs_in_current_mode(model_ref: Any, placed: Placed) -> Tensor
     return training.token_logprobs(model_ref, placed.tokens, placed.attention_mask).detach()
 
 
+def replay_targets_response_only(placed: Placed, moe_layers: Any, layer_axis: Any) -> tuple[Tensor, Tensor]:
+    """The R3 mask built from the response mask: prompt rows route natively."""
+    targets, mask = training.replay_targets(placed, moe_layers, layer_axis)
+    if placed.response_mask is None:
+        return targets, mask
+    return targets, mask & placed.response_mask.reshape(-1)
+
+
 MUTANTS = (
+    Mutant(
+        "prompt-rows-native",
+        "prompt rows native",
+        "verl #6325: the R3 replay mask was the response mask, so prompt rows routed natively",
+        mutate(
+            "prompt-rows-native",
+            training=patched_module(training, replay_targets=replay_targets_response_only),
+        ),
+    ),
     Mutant(
         "r2-with-rollout-routes",
         "R2/R3 config",

@@ -423,3 +423,17 @@ def test_ep_errors() -> None:
         ep_global_ids(torch.tensor([-1, 2]), 8, 2, 1)
     with pytest.raises(LayoutError, match=r"rank must be in \[0, ep=2\), got 2"):
         ep_local_ids(torch.tensor([0]), 8, 2, 2)
+
+
+def test_prompt_lens_give_the_response_mask_not_the_replay_mask() -> None:
+    tokens = torch.tensor([5, 6, 7, 8])
+    routes = torch.arange(3 * 2).reshape(3, 1, 2)
+    placed = place_left_padded([(tokens, routes)], width=6, prompt_lens=[2])
+    assert placed.response_mask is not None
+    assert placed.response_mask[0].tolist() == [False, False, False, False, True, True]
+    assert placed.replay_mask[0].tolist() == [False, False, True, True, True, False]  # prompt rows too
+    assert place_left_padded([(tokens, routes)], width=6).response_mask is None
+    with pytest.raises(LayoutError, match="prompt_lens has 2 entries"):
+        place_left_padded([(tokens, routes)], width=6, prompt_lens=[1, 2])
+    with pytest.raises(LayoutError, match=r"prompt_lens\[0\] = 5"):
+        place_left_padded([(tokens, routes)], width=6, prompt_lens=[5])
