@@ -1,0 +1,573 @@
+"""Layout invariants (DESIGN §3.5, §3.6), checked on the subject's ``layouts`` functions.
+
+Every layout moves positions, and must move tokens and routes with the same indices. Batches here
+are random token ids with routes that carry a marker of their ``(sample, position)`` in every
+``(layer, lane)`` slot, so a row that lands next to the wrong token names where it came from. The
+expected indices are derived by hand in each test (left-pad columns, ``cu_seqlens``, contiguous
+SP/TP shards, CP zig-zag chunks, Megatron's interleaved PP/VPP layer ranges, contiguous EP shards),
+never read from the reference. Bug classes (FACTS §4): filler replayed (verl #6473), prompt rows
+native (verl #6325), CP layout (verl #7297), SP/FP8 padding (verl #5989), dense-layer shift
+(verl #5037), PP/VPP offsets and chunk order (verl #5452), local ids leaking into traces.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from suites.conftest import require
+
+LAYERS, TOP_K = 3, 2
+
+
+# --------------------------------------------------------------------------------------------------
+# Coded batches: token ids are random; the row of position p of sample i is marker(i, p)
+# --------------------------------------------------------------------------------------------------
+
+
+def marker(sample: int, position: int) -> torch.Tensor:
+    """The route ``[LAYERS, TOP_K]`` carried by the row of ``position`` of ``sample``: all slots distinct."""
+    code = ((sample + 1) * 1000 + position) * 100
+    return code + 10 * torch.arange(LAYERS).view(-1, 1) + torch.arange(TOP_K).view(1, -1)
+
+
+def decode(row: torch.Tensor) -> str:
+    """Where a route row came from, in words (or that it is filler)."""
+    value = int(row.reshape(-1)[0])
+    if value == 0:
+        return "zeros (filler)"
+    code = value // 100
+    return f"the row of sample {code // 1000 - 1}, position {code % 1000}"
+
+
+def coded_sample(sample: int, length: int, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens [length], routes [length − 1, LAYERS, TOP_K])``: random ids, marked rows."""
+    tokens = torch.from_numpy(rng.integers(1, 50_000, size=length))
+    if length > 1:
+        routes = torch.stack([marker(sample, p) for p in range(length - 1)])
+    else:
+        routes = torch.zeros((0, LAYERS, TOP_K), dtype=torch.long)
+    return tokens, routes
+
+
+def coded_batch(lengths: tuple[int, ...], seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    rng = np.random.default_rng(seed)
+    return [coded_sample(i, n, rng) for i, n in enumerate(lengths)]
+
+
+def coded_sequence(length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed sequence with one row per token (``routes [length, …]``), as SP/CP shard it."""
+    rng = np.random.default_rng(seed)
+    tokens = torch.from_numpy(rng.integers(1, 50_000, size=length))
+    return tokens, torch.stack([marker(0, p) for p in range(length)])
+
+
+def hand_padded(
+    samples: list[tuple[torch.Tensor, torch.Tensor]], width: int, side: str = "left"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(tokens, routes, attention_mask, replay_mask)`` of a padded batch, built by hand."""
+    batch = len(samples)
+    tokens = torch.zeros(batch, width, dtype=torch.long)
+    routes = torch.zeros(batch, width, LAYERS, TOP_K, dtype=torch.long)
+    attention = torch.zeros(batch, width, dtype=torch.bool)
+    replay = torch.zeros(batch, width, dtype=torch.bool)
+    for i, (t, r) in enumerate(samples):
+        n = t.shape[0]
+        start = width - n if side == "left" else 0
+        tokens[i, start : start + n] = t
+        routes[i, start : start + n - 1] = r
+        attention[i, start : start + n] = True
+        replay[i, start : start + n - 1] = True
+    return tokens, routes, attention, replay
+
+
+def describe_batch(lengths: tuple[int, ...], width: int) -> str:
+    return f"batch of {len(lengths)} samples of lengths {list(lengths)}, width {width}"
+
+
+batch_lengths = st.lists(st.one_of(st.just(1), st.integers(1, 12)), min_size=1, max_size=6).map(tuple)
+seeds = st.integers(0, 2**32 - 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. Left padding
+# --------------------------------------------------------------------------------------------------
+
+
+@given(lengths=batch_lengths, extra=st.integers(0, 4), seed=seeds)
+@example(lengths=(3, 1, 5), extra=2, seed=0)
+@example(lengths=(4,), extra=0, seed=1)
+def test_left_padding_places_each_row_at_its_tokens_column(
+    subject: Any, lengths: tuple[int, ...], extra: int, seed: int
+) -> None:
+    """Left padding puts token p of sample i and its row at column W − n_i + p, with the same indices."""
+    layouts = require(subject, "layouts")
+    samples = coded_batch(lengths, seed)
+    width = max(lengths) + extra
+    where = describe_batch(lengths, width)
+    placed = layouts.place_left_padded([(t.clone(), r.clone()) for t, r in samples], width)
+    _, _, attention, _ = hand_padded(samples, width)
+    assert tuple(placed.tokens.shape) == (len(lengths), width), (
+        f"{where}: tokens are {tuple(placed.tokens.shape)}"
+    )
+    assert tuple(placed.routes.shape) == (len(lengths), width, LAYERS, TOP_K), (
+        f"{where}: routes are {tuple(placed.routes.shape)}, expected {(len(lengths), width, LAYERS, TOP_K)}"
+    )
+    assert torch.equal(placed.attention_mask.bool(), attention), (
+        f"{where}: attention_mask is not True exactly on columns [W − n_i, W)"
+    )
+    for i, (tokens, routes) in enumerate(samples):
+        start = width - tokens.shape[0]
+        assert torch.equal(placed.tokens[i, start:].long(), tokens), (
+            f"{where}: sample {i}'s tokens are not at columns [{start}, {width})"
+        )
+        for p in range(tokens.shape[0] - 1):
+            got = placed.routes[i, start + p]
+            assert torch.equal(got.long(), routes[p]), (
+                f"{where}: sample {i}, column {start + p} (token position {p}) holds {decode(got)}, "
+                f"expected the row of sample {i}, position {p}"
+            )
+
+
+@given(lengths=batch_lengths, extra=st.integers(0, 4), seed=seeds)
+@example(lengths=(3, 1, 5), extra=2, seed=0)
+@example(lengths=(2, 2), extra=0, seed=1)
+def test_replay_mask_is_true_exactly_on_rows_that_exist(
+    subject: Any, lengths: tuple[int, ...], extra: int, seed: int
+) -> None:
+    """The replay mask is True on every real row (prompt rows too), False on padding and each last token."""
+    layouts = require(subject, "layouts")
+    samples = coded_batch(lengths, seed)
+    width = max(lengths) + extra
+    placed = layouts.place_left_padded(samples, width)
+    _, _, _, expected = hand_padded(samples, width)
+    got = placed.replay_mask.bool()
+    if not torch.equal(got, expected):
+        filler = (got & ~expected).nonzero().tolist()
+        missing = (expected & ~got).nonzero().tolist()
+        raise AssertionError(
+            f"{describe_batch(lengths, width)}: replay_mask marks filler (padding or a sample's last token) "
+            f"at [sample, column] {filler[:6]} and leaves real rows unreplayed at {missing[:6]}"
+        )
+
+
+@given(lengths=batch_lengths, extra=st.integers(0, 4), seed=seeds)
+@example(lengths=(3, 1, 5), extra=2, seed=0)
+def test_left_padding_round_trip_is_bit_exact(
+    subject: Any, lengths: tuple[int, ...], extra: int, seed: int
+) -> None:
+    """Placing left-padded then unplacing gives back every sample's tokens and rows bit for bit."""
+    layouts = require(subject, "layouts")
+    samples = coded_batch(lengths, seed)
+    width = max(lengths) + extra
+    back = layouts.unplace(layouts.place_left_padded(samples, width))
+    assert len(back) == len(samples), f"{describe_batch(lengths, width)}: unplace gave {len(back)} samples"
+    for i, ((tokens, routes), (back_tokens, back_routes)) in enumerate(zip(samples, back, strict=True)):
+        assert torch.equal(back_tokens, tokens) and torch.equal(back_routes, routes), (
+            f"{describe_batch(lengths, width)}: sample {i} does not survive place → unplace bit for bit "
+            f"({tuple(back_tokens.shape)} tokens, {tuple(back_routes.shape)} rows back)"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. Packing with cu_seqlens
+# --------------------------------------------------------------------------------------------------
+
+
+@given(lengths=batch_lengths, extra=st.integers(0, 3), side=st.sampled_from(["left", "right"]), seed=seeds)
+@example(lengths=(3, 1, 5), extra=1, side="left", seed=0)
+def test_packing_gathers_tokens_and_rows_with_the_same_indices(
+    subject: Any, lengths: tuple[int, ...], extra: int, side: str, seed: int
+) -> None:
+    """Packing keeps exactly the real tokens with their rows (cu_seqlens by hand) and unpacks bit for bit."""
+    layouts = require(subject, "layouts")
+    samples = coded_batch(lengths, seed)
+    width = max(lengths) + extra
+    where = f"{describe_batch(lengths, width)}, {side}-padded"
+    tokens, routes, attention, replay = hand_padded(samples, width, side)
+    packing = layouts.pack(attention)
+    cu = [0, *np.cumsum(lengths).tolist()]
+    assert packing.cu_seqlens.tolist() == cu, (
+        f"{where}: cu_seqlens {packing.cu_seqlens.tolist()}, expected {cu}"
+    )
+    assert packing.cu_seqlens.dtype == torch.int32, (
+        f"{where}: cu_seqlens is {packing.cu_seqlens.dtype}, varlen attention takes int32"
+    )
+    flat = [i * width + c for i in range(len(lengths)) for c in range(width) if attention[i, c]]
+    assert packing.indices.tolist() == flat, (
+        f"{where}: packing indices {packing.indices.tolist()}, expected {flat}"
+    )
+    packed_tokens = packing.gather(tokens)
+    packed_routes = packing.gather(routes)
+    packed_replay = packing.gather(replay)
+    assert torch.equal(packed_tokens, torch.cat([t for t, _ in samples])), (
+        f"{where}: packed tokens are not the samples in order"
+    )
+    for i, (_, rows) in enumerate(samples):
+        for p in range(rows.shape[0]):
+            got = packed_routes[cu[i] + p]
+            assert torch.equal(got, rows[p]), (
+                f"{where}: packed position {cu[i] + p} (sample {i}, position {p}) holds {decode(got)}"
+            )
+        assert packed_replay[cu[i] : cu[i + 1]].tolist() == [True] * rows.shape[0] + [False], (
+            f"{where}: packed replay mask of sample {i} is {packed_replay[cu[i] : cu[i + 1]].tolist()}, "
+            "expected True on its rows and False on its last token"
+        )
+    assert torch.equal(packing.scatter(packed_tokens), tokens), (
+        f"{where}: tokens do not survive pack → unpack"
+    )
+    assert torch.equal(packing.scatter(packed_routes), routes), (
+        f"{where}: routes do not survive pack → unpack"
+    )
+    assert torch.equal(packing.scatter(packed_replay, fill=False), replay), (
+        f"{where}: replay mask does not survive pack → unpack"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. Micro-batches and dynamic-batch reordering
+# --------------------------------------------------------------------------------------------------
+
+
+@given(
+    lengths=st.lists(st.integers(1, 12), min_size=1, max_size=10).map(tuple),
+    slack=st.integers(0, 24),
+    seed=seeds,
+)
+@example(lengths=(5, 3, 4, 2), slack=2, seed=0)
+@example(lengths=(5, 5, 2), slack=1, seed=1)
+def test_micro_batches_stay_within_budget_and_merge_back(
+    subject: Any, lengths: tuple[int, ...], slack: int, seed: int
+) -> None:
+    """Micro-batches partition the batch within the token budget; tokens and rows split alike, merge back."""
+    layouts = require(subject, "layouts")
+    budget = max(lengths) + slack
+    where = f"samples of lengths {list(lengths)}, budget {budget} tokens per micro-batch"
+    plan = layouts.plan_micro_batches(list(lengths), budget)
+    groups = [list(g) for g in plan.groups]
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths))), (
+        f"{where}: groups {groups} are not a partition of the samples"
+    )
+    over = [g for g in groups if sum(lengths[i] for i in g) > budget]
+    assert not over, f"{where}: micro-batches {over} exceed the budget"
+    assert plan.order.tolist() == [i for g in groups for i in g], (
+        f"{where}: order {plan.order.tolist()} is not the groups concatenated"
+    )
+    samples = coded_batch(lengths, seed)
+    tokens, routes, _, replay = hand_padded(samples, max(lengths))
+    for name, x in (("tokens", tokens), ("routes", routes), ("replay mask", replay)):
+        parts = plan.split(x)
+        assert len(parts) == len(groups), (
+            f"{where}: split gave {len(parts)} micro-batches for {len(groups)} groups"
+        )
+        for g, (group, part) in enumerate(zip(groups, parts, strict=True)):
+            assert torch.equal(part, x[group]), (
+                f"{where}: micro-batch {g} of the {name} is not samples {group}"
+            )
+        assert torch.equal(plan.merge(parts), x), f"{where}: {name} do not survive split → merge"
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. SP/TP sequence split
+# --------------------------------------------------------------------------------------------------
+
+
+@given(length=st.integers(1, 40), tp=st.integers(1, 8), seed=seeds)
+@example(length=5, tp=2, seed=0)
+@example(length=3, tp=4, seed=1)
+@example(length=7, tp=4, seed=2)
+def test_sp_shards_are_contiguous_with_padding_never_replayed(
+    subject: Any, length: int, tp: int, seed: int
+) -> None:
+    """SP/TP rank r holds shard r of the sequence padded to a multiple of tp, tokens and rows alike."""
+    layouts = require(subject, "layouts")
+    tokens, routes = coded_sequence(length, seed)
+    size = -(-length // tp)
+    pad_len = size * tp - length
+    where = f"sequence of {length} tokens, tp={tp} (shards of {size}, {pad_len} padding)"
+    _, got_pad = layouts.sp_pad(tokens, tp)
+    assert got_pad == pad_len, f"{where}: sp_pad pads {got_pad} positions, expected {pad_len}"
+    token_shards, route_shards = [], []
+    for rank in range(tp):
+        positions = torch.arange(rank * size, (rank + 1) * size)
+        valid = positions < length
+        token_shard = layouts.sp_shard(tokens, tp, rank)
+        route_shard = layouts.sp_shard(routes, tp, rank)
+        token_shards.append(token_shard)
+        route_shards.append(route_shard)
+        assert token_shard.shape[0] == size and route_shard.shape[0] == size, (
+            f"{where}: rank {rank} holds {token_shard.shape[0]} tokens and {route_shard.shape[0]} rows, "
+            f"expected {size} each"
+        )
+        mask = layouts.sp_valid_mask(length, tp, rank)
+        assert mask.tolist() == valid.tolist(), (
+            f"{where}: rank {rank}'s valid mask is {mask.tolist()}, expected {valid.tolist()} "
+            "(padding is never replayed)"
+        )
+        real = positions[valid]
+        assert torch.equal(token_shard[valid], tokens[real]), (
+            f"{where}: rank {rank} holds tokens other than positions {real.tolist()}"
+        )
+        for j in range(int(valid.sum())):
+            assert torch.equal(route_shard[j], routes[rank * size + j]), (
+                f"{where}: rank {rank}, slot {j} (position {rank * size + j}) holds {decode(route_shard[j])}"
+            )
+    assert torch.equal(layouts.sp_gather(token_shards, pad_len), tokens), (
+        f"{where}: tokens do not survive shard → gather"
+    )
+    assert torch.equal(layouts.sp_gather(route_shards, pad_len), routes), (
+        f"{where}: routes do not survive shard → gather"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# 5. CP zig-zag
+# --------------------------------------------------------------------------------------------------
+
+
+def zigzag_by_hand(padded_len: int, cp: int, rank: int) -> list[int]:
+    """Chunk ``rank`` then chunk ``2·cp − 1 − rank`` of ``2·cp`` equal chunks."""
+    chunk = padded_len // (2 * cp)
+    mirror = 2 * cp - 1 - rank
+    return [*range(rank * chunk, (rank + 1) * chunk), *range(mirror * chunk, (mirror + 1) * chunk)]
+
+
+@given(length=st.integers(1, 40), cp=st.integers(1, 4), seed=seeds)
+@example(length=8, cp=2, seed=0)
+@example(length=9, cp=2, seed=1)
+@example(length=5, cp=3, seed=2)
+def test_cp_zigzag_shards_tokens_and_rows_with_the_same_indices(
+    subject: Any, length: int, cp: int, seed: int
+) -> None:
+    """CP rank r holds chunks r and 2cp−1−r of the padded sequence, tokens and rows alike; merge undoes it."""
+    layouts = require(subject, "layouts")
+    tokens, routes = coded_sequence(length, seed)
+    pad_len = -length % (2 * cp)
+    padded_len = length + pad_len
+    where = f"sequence of {length} tokens, cp={cp} (padded to {padded_len})"
+    _, got_pad = layouts.cp_pad(tokens, cp)
+    assert got_pad == pad_len, f"{where}: cp_pad pads {got_pad} positions, expected {pad_len}"
+    token_shards, route_shards = [], []
+    for rank in range(cp):
+        held = zigzag_by_hand(padded_len, cp, rank)
+        got_held = layouts.cp_zigzag_indices(padded_len, cp, rank).tolist()
+        assert got_held == held, f"{where}: rank {rank} holds positions {got_held}, expected {held}"
+        token_shard = layouts.cp_zigzag_shard(tokens, cp, rank)
+        route_shard = layouts.cp_zigzag_shard(routes, cp, rank)
+        token_shards.append(token_shard)
+        route_shards.append(route_shard)
+        valid = [q < length for q in held]
+        mask = layouts.cp_valid_mask(length, cp, rank)
+        assert mask.tolist() == valid, (
+            f"{where}: rank {rank}'s valid mask is {mask.tolist()}, expected {valid}"
+        )
+        assert token_shard.shape[0] == len(held) and route_shard.shape[0] == len(held), (
+            f"{where}: rank {rank} holds {token_shard.shape[0]} tokens and {route_shard.shape[0]} rows, "
+            f"expected {len(held)}"
+        )
+        for j, q in enumerate(held):
+            if q >= length:
+                continue
+            assert int(token_shard[j]) == int(tokens[q]), (
+                f"{where}: rank {rank}, slot {j} holds a token other than position {q}'s"
+            )
+            assert torch.equal(route_shard[j], routes[q]), (
+                f"{where}: rank {rank}, slot {j} holds the token of position {q} "
+                f"but {decode(route_shard[j])} "
+                "(tokens and routes sharded with different indices)"
+            )
+    assert torch.equal(layouts.cp_zigzag_merge(token_shards, pad_len), tokens), (
+        f"{where}: tokens do not survive shard → merge"
+    )
+    assert torch.equal(layouts.cp_zigzag_merge(route_shards, pad_len), routes), (
+        f"{where}: routes do not survive shard → merge"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# 6. PP/VPP layer ownership with dense layers
+# --------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def pp_models(
+    draw: st.DrawFn, vpp: st.SearchStrategy[int] | None = None
+) -> tuple[int, int, int, tuple[int, ...]]:
+    """``(num_layers, pp, vpp, moe_layers)``: dense-first layers (DeepSeek) or interleaved MoE layers."""
+    pp = draw(st.integers(1, 4))
+    v = draw(vpp if vpp is not None else st.integers(1, 3))
+    num_layers = pp * v * draw(st.integers(1, 3))
+    pattern = draw(st.sampled_from(["first_k_dense", "first_k_dense", "all_moe", "every_other"]))
+    if pattern == "first_k_dense":
+        first = min(draw(st.one_of(st.just(1), st.integers(1, 4))), num_layers - 1)
+        moe = tuple(range(first, num_layers))
+    elif pattern == "every_other":
+        moe = tuple(range(1, num_layers, 2)) or (0,)
+    else:
+        moe = tuple(range(num_layers))
+    return num_layers, pp, v, moe
+
+
+def ranges_by_hand(num_layers: int, pp: int, vpp: int) -> list[list[range]]:
+    """Megatron's interleaved order: virtual chunk c of rank r is model chunk c·pp + r."""
+    size = num_layers // (pp * vpp)
+    return [[range((c * pp + r) * size, (c * pp + r + 1) * size) for c in range(vpp)] for r in range(pp)]
+
+
+def decoder_trace(tokens: int, num_layers: int, moe_layers: tuple[int, ...]) -> torch.Tensor:
+    """Decoder-axis trace: MoE slot l of position p holds a marker of (l, p); dense slots hold 0."""
+    trace = torch.zeros(tokens, num_layers, TOP_K, dtype=torch.long)
+    for layer in moe_layers:
+        trace[:, layer] = ((layer + 1) * 1000 + 10 * torch.arange(tokens)).view(-1, 1) + torch.arange(TOP_K)
+    return trace
+
+
+def layers_of(targets: torch.Tensor) -> list[int]:
+    """The decoder layer each slot of a ``[T, n, k]`` target tensor came from (−1: a dense 0 slot)."""
+    return [int(v) // 1000 - 1 for v in targets[0, :, 0]] if targets.shape[0] else []
+
+
+def as_ranges(ranges: Any) -> list[list[tuple[int, int]]]:
+    return [[(r.start, r.stop) for r in chunks] for chunks in ranges]
+
+
+@given(model=pp_models())
+@example(model=(8, 2, 2, tuple(range(1, 8))))
+@example(model=(6, 3, 1, (3, 4, 5)))
+def test_pp_layer_ranges_cover_every_layer_once(
+    subject: Any, model: tuple[int, int, int, tuple[int, ...]]
+) -> None:
+    """PP/VPP stages own every decoder layer exactly once, in Megatron's interleaved order."""
+    layouts = require(subject, "layouts")
+    num_layers, pp, vpp, _ = model
+    got = as_ranges(layouts.pp_layer_ranges(num_layers, pp, vpp))
+    expected = as_ranges(ranges_by_hand(num_layers, pp, vpp))
+    owned = sorted(layer for chunks in got for start, stop in chunks for layer in range(start, stop))
+    where = f"{num_layers} layers, pp={pp}, vpp={vpp}"
+    assert owned == list(range(num_layers)), (
+        f"{where}: stages own layers {owned}, expected each of 0..{num_layers - 1} once"
+    )
+    assert got == expected, (
+        f"{where}: ranges {got}, expected {expected} (virtual chunk c of rank r is model chunk c·pp + r)"
+    )
+
+
+@given(model=pp_models(), tokens=st.integers(1, 4))
+@example(model=(4, 2, 1, (1, 2, 3)), tokens=3)
+@example(model=(8, 2, 2, (3, 4, 5, 6, 7)), tokens=2)
+def test_stage_targets_give_each_stage_its_own_moe_layers(
+    subject: Any, model: tuple[int, int, int, tuple[int, ...]], tokens: int
+) -> None:
+    """Each PP stage's targets from a decoder-axis trace are exactly its own MoE layers (dense skipped)."""
+    layouts = require(subject, "layouts")
+    num_layers, pp, vpp, moe = model
+    trace = decoder_trace(tokens, num_layers, moe)
+    for rank, chunks in enumerate(ranges_by_hand(num_layers, pp, vpp)):
+        for chunk, layer_range in enumerate(chunks):
+            own = [layer for layer in moe if layer in layer_range]
+            got = layouts.stage_targets(trace.clone(), list(moe), layer_range)
+            assert torch.equal(got, trace[:, own]), (
+                f"{num_layers} layers (MoE layers {list(moe)}), pp={pp}, vpp={vpp}: "
+                f"stage (rank {rank}, chunk {chunk}) owning layers [{layer_range.start}, {layer_range.stop}) "
+                f"got the routes of layers {layers_of(got)}, "
+                f"expected {own}"
+            )
+
+
+@given(model=pp_models(), tokens=st.integers(1, 4))
+@example(model=(4, 2, 1, (1, 2, 3)), tokens=3)
+@example(model=(8, 2, 2, (3, 4, 5, 6, 7)), tokens=2)
+def test_stage_targets_from_moe_ordinal_trace_count_moe_layers(
+    subject: Any, model: tuple[int, int, int, tuple[int, ...]], tokens: int
+) -> None:
+    """Each PP stage's targets from an MoE-ordinal trace are its own MoE layers (offsets count MoE layers)."""
+    layouts = require(subject, "layouts")
+    num_layers, pp, vpp, moe = model
+    ordinal = decoder_trace(tokens, num_layers, moe)[:, list(moe)]
+    for rank, chunks in enumerate(ranges_by_hand(num_layers, pp, vpp)):
+        for chunk, layer_range in enumerate(chunks):
+            slots = [j for j, layer in enumerate(moe) if layer in layer_range]
+            got = layouts.stage_targets_moe_ordinal(ordinal.clone(), list(moe), layer_range)
+            assert torch.equal(got, ordinal[:, slots]), (
+                f"{num_layers} layers (MoE layers {list(moe)}), pp={pp}, vpp={vpp}: "
+                f"stage (rank {rank}, chunk {chunk}) owning layers [{layer_range.start}, {layer_range.stop}) "
+                f"got the routes of layers {layers_of(got)}, "
+                f"expected {[moe[j] for j in slots]}"
+            )
+
+
+@given(model=pp_models(vpp=st.sampled_from([2, 2, 3, 1])), tokens=st.integers(1, 4))
+@example(model=(8, 2, 2, tuple(range(1, 8))), tokens=2)
+@example(model=(12, 3, 2, tuple(range(2, 12))), tokens=1)
+def test_merging_stage_recordings_restores_model_layer_order(
+    subject: Any, model: tuple[int, int, int, tuple[int, ...]], tokens: int
+) -> None:
+    """Per-stage recordings merge into the MoE-ordinal trace in model-layer order, VPP chunks included."""
+    layouts = require(subject, "layouts")
+    num_layers, pp, vpp, moe = model
+    ordinal = decoder_trace(tokens, num_layers, moe)[:, list(moe)]
+    ranges = ranges_by_hand(num_layers, pp, vpp)
+    per_stage = {
+        (rank, chunk): ordinal[:, [j for j, layer in enumerate(moe) if layer in ranges[rank][chunk]]]
+        for rank in range(pp)
+        for chunk in range(vpp)
+    }
+    merged = layouts.merge_stage_recordings(per_stage, ranges, moe_layers=list(moe))
+    assert torch.equal(merged, ordinal), (
+        f"{num_layers} layers (MoE layers {list(moe)}), pp={pp}, vpp={vpp}: "
+        "merged recording has the routes of "
+        f"layers {layers_of(merged)}, expected {list(moe)} in model order"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# 7. EP expert ids
+# --------------------------------------------------------------------------------------------------
+
+EP_SHAPES = ((8, 1), (8, 2), (8, 4), (12, 3), (64, 8), (256, 2), (256, 4), (300, 4), (384, 8))
+
+
+@given(experts_and_ep=st.sampled_from(EP_SHAPES), seed=seeds, rows=st.integers(1, 6))
+@example(experts_and_ep=(256, 2), seed=0, rows=2)
+@example(experts_and_ep=(8, 2), seed=1, rows=1)
+def test_ep_local_ids_round_trip_and_traces_keep_global_ids(
+    subject: Any, experts_and_ep: tuple[int, int], seed: int, rows: int
+) -> None:
+    """Under EP each id has one owner rank, maps to id − r·E/ep there and back; traces keep global ids."""
+    layouts = require(subject, "layouts")
+    num_experts, ep = experts_and_ep
+    rng = np.random.default_rng(seed)
+    dtype = torch.uint8 if num_experts <= 256 else torch.int16  # the narrowest storage (DESIGN §3.2)
+    ids = torch.from_numpy(rng.integers(0, num_experts, size=(rows, LAYERS, TOP_K))).to(dtype)
+    ids[0, 0, 0], ids[-1, -1, -1] = 0, num_experts - 1
+    before = ids.clone()
+    per_rank = num_experts // ep
+    where = f"{num_experts} experts, ep={ep}, ids stored as {dtype}"
+    owners = torch.zeros(ids.shape, dtype=torch.long)
+    for rank in range(ep):
+        local, owned = layouts.ep_local_ids(ids, num_experts, ep, rank)
+        expected_owned = (ids.long() // per_rank) == rank
+        expected_local = torch.where(expected_owned, ids.long() - rank * per_rank, torch.full(ids.shape, -1))
+        assert torch.equal(owned.bool(), expected_owned), (
+            f"{where}: rank {rank} owns the wrong ids (experts [{rank * per_rank}, {(rank + 1) * per_rank}))"
+        )
+        assert torch.equal(local.long(), expected_local), (
+            f"{where}: rank {rank}'s local ids {local.long().flatten().tolist()[:12]} "
+            f"are not id − {rank * per_rank} "
+            f"(−1 where another rank owns the expert), expected {expected_local.flatten().tolist()[:12]}"
+        )
+        back = layouts.ep_global_ids(local[owned], num_experts, ep, rank)
+        assert torch.equal(back.long(), ids[owned].long()), (
+            f"{where}: rank {rank}'s local → global ids do not round trip"
+        )
+        owners += owned.long()
+    assert torch.equal(owners, torch.ones_like(owners)), (
+        f"{where}: some ids are owned by no rank or by several"
+    )
+    assert torch.equal(ids, before) and ids.dtype == before.dtype, (
+        f"{where}: mapping to local ids rewrote the trace's global ids"
+    )

@@ -1,0 +1,394 @@
+"""Splice and truncation invariants (DESIGN §3.4), checked on the subject's ``splice`` and ``truncate``.
+
+The oracle is the simulated engine of ``harness.schedules``: its route for position ``p`` under
+weight version ``v`` is a known function of ``(p, v)``, distinct for every pair here (1024 experts),
+so ``simulate(schedule).expected`` is the trace a correct splice builds, and a wrong row tells which
+position and which weights it really came from. Bug classes (FACTS §4): duplication on resume
+(verl #5430), policy-version mixing (verl #6046), the ``[-0:]`` slice, lost on cancel (verl #5344),
+truncation (verl #6027/#6089), multi-turn staleness (verl #6054).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from harness.schedules import AttemptSpec, Schedule, SimulatedRollout, route, simulate
+from harness.strategies import attempt_schedules
+from reference_impl.splice import Attempt
+from suites.conftest import require
+
+LAYERS, TOP_K = 2, 2
+NUM_EXPERTS = 1024  # 7p + 5v + 3l < 1024 here: every (position, version) has its own route
+
+
+# --------------------------------------------------------------------------------------------------
+# Schedules that reach each bug class on purpose (also used as explicit examples, whatever the seed)
+# --------------------------------------------------------------------------------------------------
+
+A = AttemptSpec
+RESUMED_AFTER_UPDATE = Schedule(4, (A(0, 3, False, "abort"), A(0, 2, True, "stop")))
+"""A partial rollout aborted after 3 tokens and resumed under new weights."""
+IDLE_IN_THE_MIDDLE = Schedule(3, (A(0, 2, False, "abort"), A(0, 0, False, "abort"), A(0, 2, True, "stop")))
+"""An attempt that adds no token between two that do (``payload[-0:]`` is the whole payload)."""
+IDLE_FIRST = Schedule(5, (A(0, 0, False, "abort"), A(0, 3, True, "stop")))
+"""The first attempt aborted before it added a token; the resumed one owns the prompt rows."""
+LENGTH_CUT = Schedule(2, (A(0, 3, False, "abort"), A(0, 2, True, "length")))
+"""Aborted, resumed under new weights, then cut by the length budget."""
+MULTI_TURN = Schedule(3, (A(0, 3, False, "stop"), A(2, 2, True, "stop"), A(1, 2, True, "stop")))
+"""Three turns with tool tokens between them and a weight update before each later turn."""
+TRAILING_TOOL_TURN = Schedule(2, (A(0, 2, False, "stop"), A(3, 0, True, "stop")))
+"""A last turn that only prefilled tool tokens, under new weights."""
+
+
+def _simulate(schedule: Schedule) -> SimulatedRollout:
+    return simulate(schedule, layers=LAYERS, top_k=TOP_K, num_experts=NUM_EXPERTS)
+
+
+def _prefill(context_len: int, version: int) -> torch.Tensor:
+    """The payload of an engine call that prefilled ``context_len`` tokens under ``version``."""
+    if context_len <= 1:
+        return torch.zeros((0, LAYERS, TOP_K), dtype=torch.long)
+    return torch.stack([route(p, version, LAYERS, TOP_K, NUM_EXPERTS) for p in range(context_len - 1)])
+
+
+def _engine_attempts(schedule: Schedule, sim: SimulatedRollout, *, idle_payloads: bool) -> list[Attempt]:
+    """The attempts as the engine returned them.
+
+    With ``idle_payloads`` an attempt that added no token still returns the rows of the context it
+    prefilled (an engine that ran a forward before the abort), not ``None``; a correct splice
+    ignores that payload whatever it holds.
+    """
+    attempts = list(sim.attempts)
+    if not idle_payloads:
+        return attempts
+    version, context_len = 0, schedule.prompt_len
+    for index, spec in enumerate(schedule.attempts):
+        version += spec.weight_update_before
+        if spec.new_tokens == 0:
+            attempts[index] = Attempt(0, _prefill(context_len, version), spec.finish_reason)
+        context_len += spec.new_tokens
+    return attempts
+
+
+def _row_owner(schedule: Schedule, row: int) -> int:
+    """The attempt (1-based) that contributes ``row`` (DESIGN §3.4; prompt rows: the first adding tokens)."""
+    end = schedule.prompt_len - 1
+    for j, spec in enumerate(schedule.attempts, 1):
+        end += spec.new_tokens
+        if spec.new_tokens and row < end:
+            return j
+    return len(schedule.attempts)
+
+
+def _identify(row: torch.Tensor, max_position: int, max_version: int) -> str:
+    """Which (position, weights) of the simulated engine computed ``row``, in words."""
+    target = torch.sort(row, dim=-1).values
+    for position in range(max_position):
+        for version in range(max_version + 1):
+            if torch.equal(route(position, version, LAYERS, TOP_K, NUM_EXPERTS), target):
+                return f"the route of position {position} under weights v{version}"
+    if not bool(row.any()):
+        return "zeros (filler)"
+    return f"{row.tolist()}, a route the engine never computed"
+
+
+def _sets(routes: Any) -> torch.Tensor:
+    """Routes as per-(row, layer) expert sets: ids sorted, int64 (DESIGN §3.3)."""
+    return torch.sort(torch.as_tensor(routes).long(), dim=-1).values
+
+
+def _check_row_count(schedule: Schedule, got: Any) -> torch.Tensor:
+    got = torch.as_tensor(got)
+    expected = schedule.expected_rows
+    assert got.dim() == 3, (
+        f"{schedule.describe()}: spliced trace has shape {tuple(got.shape)}, expected [rows, layers, top_k]"
+    )
+    rows = got.shape[0]
+    hint = ""
+    if rows > expected:
+        hint = (
+            " (rows duplicated: whole payloads appended, "
+            "or an attempt with no new token re-appended its payload)"
+        )
+    elif rows < expected:
+        hint = " (rows lost: an attempt's rows were dropped)"
+    assert rows == expected, (
+        f"{schedule.describe()}: spliced trace has {rows} rows, expected P + Σa − 1 = {expected}{hint}"
+    )
+    assert tuple(got.shape[1:]) == (LAYERS, TOP_K), (
+        f"{schedule.describe()}: spliced rows are {tuple(got.shape[1:])}, "
+        f"expected [layers, top_k] = {(LAYERS, TOP_K)}"
+    )
+    return got
+
+
+def _check_rows(schedule: Schedule, sim: SimulatedRollout, got: Any) -> None:
+    """Every row equals, as expert sets, the route live when its token was sampled."""
+    got = _check_row_count(schedule, got)
+    got_sets, expected_sets = _sets(got), _sets(sim.expected)
+    wrong = [p for p in range(expected_sets.shape[0]) if not torch.equal(got_sets[p], expected_sets[p])]
+    if not wrong:
+        return
+    max_version = sum(s.weight_update_before for s in schedule.attempts)
+    details = []
+    for p in wrong[:3]:
+        details.append(
+            f"row {p} holds {_identify(got_sets[p], schedule.total_len, max_version)}, expected the route of "
+            f"position {p} under weights v{sim.version_of_row[p]} "
+            f"(contributed by attempt {_row_owner(schedule, p)}, "
+            f"live when token {p + 1} was sampled)"
+        )
+    more = f"; and {len(wrong) - 3} more" if len(wrong) > 3 else ""
+    raise AssertionError(f"{schedule.describe()}: {len(wrong)} wrong row(s): " + "; ".join(details) + more)
+
+
+def _splice(subject: Any, schedule: Schedule, attempts: list[Attempt]) -> Any:
+    splice = require(subject, "splice")
+    try:
+        return splice(schedule.prompt_len, attempts)
+    except Exception as err:  # a valid schedule must splice: say so, with the schedule
+        raise AssertionError(
+            f"{schedule.describe()}: splice raised {type(err).__name__}: {err} on a valid schedule"
+        ) from err
+
+
+# --------------------------------------------------------------------------------------------------
+# Targeted strategies
+# --------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def schedules_with_idle_attempts(draw: st.DrawFn) -> Schedule:
+    """A schedule with one or two attempts that add no token, anywhere, often after a contributing one."""
+    specs = list(draw(attempt_schedules(max_attempts=4)).attempts)
+    for _ in range(draw(st.integers(1, 2))):
+        at = draw(st.one_of(st.integers(1, len(specs)), st.integers(0, len(specs))))
+        idle = AttemptSpec(
+            weight_update_before=draw(st.booleans()),
+            finish_reason="length" if at == len(specs) else "abort",
+        )
+        specs.insert(at, idle)
+    return Schedule(draw(st.integers(1, 12)), tuple(specs))
+
+
+@st.composite
+def schedules_with_cut_attempts(draw: st.DrawFn) -> Schedule:
+    """An attempt aborted mid-generation and resumed under new weights, and a last one cut by length."""
+    specs = list(draw(attempt_schedules(max_attempts=4)).attempts)
+    at = draw(st.integers(0, len(specs) - 1))
+    aborted = AttemptSpec(
+        tool_tokens=0 if at == 0 else draw(st.integers(0, 3)),
+        generated=draw(st.integers(1, 6)),
+        weight_update_before=at > 0 and draw(st.booleans()),
+        finish_reason="abort",
+    )
+    specs.insert(at, aborted)
+    specs[at + 1] = replace(specs[at + 1], weight_update_before=True)
+    specs[-1] = replace(specs[-1], generated=max(1, specs[-1].generated), finish_reason="length")
+    return Schedule(draw(st.integers(1, 12)), tuple(specs))
+
+
+@st.composite
+def multi_turn_schedules(draw: st.DrawFn) -> Schedule:
+    """Two to four turns, tool tokens before every later turn, the weights updated before at least one."""
+    turns = draw(st.integers(2, 4))
+    updates = [draw(st.booleans()) for _ in range(turns - 1)]
+    updates[draw(st.integers(0, turns - 2))] = True
+    specs = [AttemptSpec(0, draw(st.integers(1, 6)), False, "stop")]
+    for j in range(1, turns):
+        specs.append(
+            AttemptSpec(
+                tool_tokens=draw(st.integers(1, 6)),
+                generated=draw(st.integers(0, 6)),
+                weight_update_before=updates[j - 1],
+                finish_reason="stop" if j < turns - 1 else draw(st.sampled_from(("stop", "length"))),
+            )
+        )
+    return Schedule(draw(st.integers(1, 12)), tuple(specs))
+
+
+@st.composite
+def missing_payload_cases(draw: st.DrawFn) -> tuple[Schedule, int]:
+    """A schedule and the index of an attempt with new tokens whose payload goes missing."""
+    schedule = draw(attempt_schedules())
+    adding = [j for j, spec in enumerate(schedule.attempts) if spec.new_tokens]
+    return schedule, draw(st.sampled_from(adding))
+
+
+# --------------------------------------------------------------------------------------------------
+# Splice
+# --------------------------------------------------------------------------------------------------
+
+
+@given(schedule=attempt_schedules(), idle_payloads=st.booleans())
+@example(schedule=RESUMED_AFTER_UPDATE, idle_payloads=False)
+@example(schedule=IDLE_IN_THE_MIDDLE, idle_payloads=True)
+@example(schedule=IDLE_FIRST, idle_payloads=True)
+@example(schedule=LENGTH_CUT, idle_payloads=False)
+@example(schedule=MULTI_TURN, idle_payloads=False)
+def test_spliced_trace_has_one_row_per_fed_position(
+    subject: Any, schedule: Schedule, idle_payloads: bool
+) -> None:
+    """The spliced trace has P + Σa − 1 rows after any schedule (no duplicated or lost rows)."""
+    sim = _simulate(schedule)
+    got = _splice(subject, schedule, _engine_attempts(schedule, sim, idle_payloads=idle_payloads))
+    _check_row_count(schedule, got)
+
+
+@given(schedule=attempt_schedules(), idle_payloads=st.booleans())
+@example(schedule=RESUMED_AFTER_UPDATE, idle_payloads=False)
+@example(schedule=IDLE_IN_THE_MIDDLE, idle_payloads=True)
+@example(schedule=IDLE_FIRST, idle_payloads=True)
+@example(schedule=LENGTH_CUT, idle_payloads=False)
+@example(schedule=MULTI_TURN, idle_payloads=False)
+@example(schedule=TRAILING_TOOL_TURN, idle_payloads=False)
+def test_every_row_is_the_route_live_when_its_token_was_sampled(
+    subject: Any, schedule: Schedule, idle_payloads: bool
+) -> None:
+    """Every spliced row is the route that was live when its token was sampled (no newer weights)."""
+    sim = _simulate(schedule)
+    got = _splice(subject, schedule, _engine_attempts(schedule, sim, idle_payloads=idle_payloads))
+    _check_rows(schedule, sim, got)
+
+
+@given(schedule=schedules_with_idle_attempts())
+@example(schedule=IDLE_IN_THE_MIDDLE)
+@example(schedule=IDLE_FIRST)
+@example(schedule=Schedule(1, (A(0, 1, False, "abort"), A(0, 0, True, "abort"), A(0, 0, False, "length"))))
+def test_attempt_with_no_new_tokens_contributes_nothing(subject: Any, schedule: Schedule) -> None:
+    """An attempt that adds no token contributes no row, even when it returned a payload."""
+    sim = _simulate(schedule)
+    got = _splice(subject, schedule, _engine_attempts(schedule, sim, idle_payloads=True))
+    _check_rows(schedule, sim, got)
+
+
+@given(schedule=schedules_with_cut_attempts())
+@example(schedule=RESUMED_AFTER_UPDATE)
+@example(schedule=LENGTH_CUT)
+@example(schedule=Schedule(3, (A(0, 2, False, "abort"), A(0, 1, True, "abort"), A(0, 2, True, "length"))))
+def test_aborted_and_length_cut_attempts_keep_their_rows(subject: Any, schedule: Schedule) -> None:
+    """Rows of attempts that were aborted or cut by the length budget are kept as they were computed."""
+    sim = _simulate(schedule)
+    got = _splice(subject, schedule, _engine_attempts(schedule, sim, idle_payloads=False))
+    _check_rows(schedule, sim, got)
+
+
+@given(schedule=multi_turn_schedules())
+@example(schedule=MULTI_TURN)
+@example(schedule=TRAILING_TOOL_TURN)
+def test_multi_turn_keeps_every_turns_rows(subject: Any, schedule: Schedule) -> None:
+    """Each turn of a multi-turn episode (tool tokens too) keeps its own rows; later turns overwrite none."""
+    sim = _simulate(schedule)
+    got = _splice(subject, schedule, _engine_attempts(schedule, sim, idle_payloads=False))
+    _check_rows(schedule, sim, got)
+
+
+@given(
+    schedule=attempt_schedules(),
+    idle_payloads=st.booleans(),
+    dtype=st.sampled_from([torch.int64, torch.int32, torch.int16]),
+)
+@example(schedule=IDLE_FIRST, idle_payloads=False, dtype=torch.int16)
+@example(schedule=Schedule(1, (A(0, 1, False, "stop"),)), idle_payloads=False, dtype=torch.int64)
+def test_splice_accepts_every_valid_schedule(
+    subject: Any, schedule: Schedule, idle_payloads: bool, dtype: torch.dtype
+) -> None:
+    """The splice does not raise on any valid schedule, whatever the payloads' integer dtype."""
+    sim = _simulate(schedule)
+    attempts = [
+        replace(a, routes=None if a.routes is None else a.routes.to(dtype))
+        for a in _engine_attempts(schedule, sim, idle_payloads=idle_payloads)
+    ]
+    got = _splice(subject, schedule, attempts)
+    _check_row_count(schedule, got)
+
+
+@given(case=missing_payload_cases())
+@example(case=(RESUMED_AFTER_UPDATE, 1))
+@example(case=(RESUMED_AFTER_UPDATE, 0))
+def test_missing_payload_raises_a_value_error(subject: Any, case: tuple[Schedule, int]) -> None:
+    """A missing payload for an attempt with new tokens raises a ValueError subclass, never a filled trace."""
+    splice = require(subject, "splice")
+    schedule, index = case
+    attempts = list(_simulate(schedule).attempts)
+    attempts[index] = replace(attempts[index], routes=None)
+    added = schedule.attempts[index].new_tokens
+    where = f"{schedule.describe()}: attempt {index + 1} added {added} tokens but returned no payload"
+    try:
+        got = splice(schedule.prompt_len, attempts)
+    except ValueError:
+        return
+    except Exception as err:
+        raise AssertionError(
+            f"{where}; splice raised {type(err).__name__}: {err}, expected a ValueError subclass"
+        ) from err
+    raise AssertionError(f"{where}; splice returned {tuple(torch.as_tensor(got).shape)} instead of raising")
+
+
+# --------------------------------------------------------------------------------------------------
+# Truncation
+# --------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def truncation_cases(draw: st.DrawFn) -> tuple[int, int, int, int, torch.dtype]:
+    """``(prompt_len, response_len, budget, seed, dtype)``; the budget is often below the response."""
+    prompt_len = draw(st.integers(1, 12))
+    response_len = draw(st.integers(0, 12))
+    budget = draw(st.one_of(st.integers(0, max(response_len - 1, 0)), st.just(0), st.integers(0, 16)))
+    seed = draw(st.integers(0, 2**32 - 1))
+    dtype = draw(st.sampled_from([torch.int64, torch.int32, torch.int16]))
+    return prompt_len, response_len, budget, seed, dtype
+
+
+def _coded_sample(length: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids, and ``length − 1`` rows each carrying a distinct marker of its row index."""
+    rng = np.random.default_rng(seed)
+    tokens = torch.from_numpy(rng.integers(0, 50_000, size=length))
+    lanes = np.arange(LAYERS * TOP_K).reshape(LAYERS, TOP_K)
+    offset = int(rng.integers(0, 1000))
+    rows = (
+        np.stack([offset + 10 * i + lanes for i in range(length - 1)])
+        if length > 1
+        else np.zeros((0, LAYERS, TOP_K))
+    )
+    return tokens, torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(dtype)
+
+
+@given(case=truncation_cases())
+@example(case=(4, 6, 3, 0, torch.int64))
+@example(case=(1, 3, 0, 1, torch.int16))
+@example(case=(5, 2, 7, 2, torch.int32))
+def test_truncation_cuts_tokens_and_rows_together(
+    subject: Any, case: tuple[int, int, int, int, torch.dtype]
+) -> None:
+    """Truncating the response to the budget keeps len(tokens) − 1 rows, each still its token's row."""
+    truncate = require(subject, "truncate")
+    prompt_len, response_len, budget, seed, dtype = case
+    tokens, routes = _coded_sample(prompt_len + response_len, seed, dtype)
+    where = f"prompt of {prompt_len} tokens, response of {response_len}, budget {budget}"
+    cut_tokens, cut_routes = truncate(tokens.clone(), routes.clone(), prompt_len, budget)
+    cut_tokens, cut_routes = torch.as_tensor(cut_tokens), torch.as_tensor(cut_routes)
+    keep = prompt_len + min(response_len, budget)
+    assert cut_tokens.shape[0] == keep, (
+        f"{where}: {cut_tokens.shape[0]} tokens after truncation, expected {keep} "
+        f"(P + min(R, budget) = {prompt_len} + {min(response_len, budget)})"
+    )
+    assert torch.equal(cut_tokens.long(), tokens[:keep].long()), (
+        f"{where}: truncated tokens are not the first {keep} tokens"
+    )
+    assert cut_routes.shape[0] == keep - 1, (
+        f"{where}: {cut_routes.shape[0]} rows after truncation for {keep} tokens, "
+        f"expected len(tokens) − 1 = {keep - 1}"
+    )
+    assert cut_routes.dtype == routes.dtype, (
+        f"{where}: truncation changed the routes' dtype {routes.dtype} → {cut_routes.dtype}"
+    )
+    moved = [i for i in range(keep - 1) if not torch.equal(cut_routes[i], routes[i])]
+    assert not moved, f"{where}: rows {moved[:5]} changed by truncation; row i must stay the row of token i"
