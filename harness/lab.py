@@ -129,7 +129,6 @@ def run_mismatch_lab(
     placed = place_left_padded(samples, width)
     moe_layers = model.cfg.moe_layers
     targets, mask = training.replay_targets(placed, moe_layers, "decoder")
-    rows = mask.nonzero().squeeze(1)  # every position that has a rollout row
 
     with torch.no_grad():
         handle.record()
@@ -140,21 +139,46 @@ def run_mismatch_lab(
         r3_routes = handle.dispatched()
         handle.disarm()
 
+    infer = torch.stack([r.logprobs for r in rollouts])
+    return lab_result(
+        cfg, tuple(moe_layers), targets, mask, (native_routes, lp_native), (r3_routes, lp_r3), infer
+    )
+
+
+def lab_result(
+    cfg: LabConfig,
+    moe_layers: tuple[int, ...],
+    targets: torch.Tensor,
+    mask: torch.Tensor,
+    native: tuple[torch.Tensor, torch.Tensor],
+    r3: tuple[torch.Tensor, torch.Tensor],
+    infer_logprobs: torch.Tensor,
+) -> LabResult:
+    """Score the trainer's two passes against the rollout (any engine, any model).
+
+    ``targets`` ``[B·W, n_moe, k]`` and ``mask`` ``[B·W]`` are the rollout routes in the trainer's
+    row order (``W = prompt_len + response_len``, no padding); ``native`` and ``r3`` are each
+    pass's dispatched routes and ``[B, W]`` token log-probs; ``infer_logprobs`` ``[B, R]`` are the
+    rollout's sampled-token log-probs.
+    """
+    batch, width = cfg.batch, cfg.prompt_len + cfg.response_len
+    rows = mask.nonzero().squeeze(1)  # every position that has a rollout row
+
     def compare_rows(routes: torch.Tensor) -> RoutingComparison:
         overlap = route_overlap(targets[rows].numpy(), routes[rows].numpy())
-        return RoutingComparison(overlap, cfg.top_k, tuple(moe_layers))
+        return RoutingComparison(overlap, cfg.top_k, moe_layers)
 
-    without, with_r3 = compare_rows(native_routes), compare_rows(r3_routes)
-    # Response token at column c was sampled from the logits of input column c − 1.
-    response = torch.zeros_like(placed.attention_mask, dtype=torch.bool)
+    without, with_r3 = compare_rows(native[0]), compare_rows(r3[0])
+    response = torch.zeros(batch, width, dtype=torch.bool)
     response[:, cfg.prompt_len :] = True
-    flipped_rows = torch.zeros(cfg.batch * width, dtype=torch.bool)
+    # Response token at column c was sampled from the logits of input column c − 1.
+    flipped_rows = torch.zeros(batch * width, dtype=torch.bool)
     flipped_rows[rows] = torch.from_numpy(without.differs.any(axis=1))
     flipped = torch.zeros_like(response)
-    flipped[:, 1:] = flipped_rows.reshape(cfg.batch, width)[:, :-1]
+    flipped[:, 1:] = flipped_rows.reshape(batch, width)[:, :-1]
     flipped &= response
-    infer = torch.zeros(cfg.batch, width)
-    infer[:, cfg.prompt_len :] = torch.stack([r.logprobs for r in rollouts])
+    infer = torch.zeros(batch, width)
+    infer[:, cfg.prompt_len :] = infer_logprobs
 
     def arm(name: str, lp: torch.Tensor, routing: RoutingComparison) -> LabArm:
         return LabArm(
@@ -163,8 +187,8 @@ def run_mismatch_lab(
 
     return LabResult(
         cfg,
-        arm("no replay", lp_native, without),
-        arm("R3", lp_r3, with_r3),
+        arm("no replay", native[1], without),
+        arm("R3", r3[1], with_r3),
         int(flipped.sum()),
         int(response.sum()),
     )

@@ -19,9 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness.lab import LabArm, LabConfig, LabResult
-from harness.metrics import logprob_gap
-from harness.trace import LayerAxis, Provenance, RoutingComparison, RoutingTrace, route_overlap
+from harness.lab import LabConfig, LabResult, lab_result
+from harness.trace import LayerAxis, Provenance, RoutingTrace
 from harness.trainers.hf.replay import HFReplay, install_replay
 
 
@@ -148,7 +147,6 @@ def run_hf_mismatch_lab(cfg: LabConfig | None = None) -> LabResult:
     mask = torch.ones(cfg.batch, width, dtype=torch.bool)
     mask[:, -1] = False
     targets, mask = targets.reshape(-1, layers, k), mask.reshape(-1)
-    rows = mask.nonzero().squeeze(1)
 
     def token_logprobs() -> torch.Tensor:
         logits = model(input_ids=tokens, use_cache=False).logits
@@ -165,31 +163,7 @@ def run_hf_mismatch_lab(cfg: LabConfig | None = None) -> LabResult:
         handle.disarm()
     handle.remove()
 
-    def compare_rows(routes: torch.Tensor) -> RoutingComparison:
-        overlap = route_overlap(targets[rows].numpy(), routes[rows].numpy())
-        return RoutingComparison(overlap, k, handle.moe_layers)
-
-    without, with_r3 = compare_rows(native_routes), compare_rows(r3_routes)
-    response = torch.zeros(cfg.batch, width, dtype=torch.bool)
-    response[:, cfg.prompt_len :] = True
-    # Response token at column c was sampled from the logits of input column c − 1.
-    flipped_rows = torch.zeros(cfg.batch * width, dtype=torch.bool)
-    flipped_rows[rows] = torch.from_numpy(without.differs.any(axis=1))
-    flipped = torch.zeros_like(response)
-    flipped[:, 1:] = flipped_rows.reshape(cfg.batch, width)[:, :-1]
-    flipped &= response
-    infer = torch.zeros(cfg.batch, width)
-    infer[:, cfg.prompt_len :] = torch.stack([r.logprobs for r in rollouts])
-
-    def arm(name: str, lp: torch.Tensor, routing: RoutingComparison) -> LabArm:
-        return LabArm(
-            name, routing, logprob_gap(lp, infer, response.numpy()), logprob_gap(lp, infer, flipped.numpy())
-        )
-
-    return LabResult(
-        cfg,
-        arm("no replay", lp_native, without),
-        arm("R3", lp_r3, with_r3),
-        int(flipped.sum()),
-        int(response.sum()),
+    infer = torch.stack([r.logprobs for r in rollouts])
+    return lab_result(
+        cfg, handle.moe_layers, targets, mask, (native_routes, lp_native), (r3_routes, lp_r3), infer
     )
