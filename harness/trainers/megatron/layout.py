@@ -1,0 +1,274 @@
+"""Canonical traces → per-rank, per-router replay targets in Megatron-core's layout (FACTS §2).
+
+Pure torch, no megatron import: the same functions run on a CPU box without megatron-core.
+
+Megatron's data flow for one micro-batch, and what each step does to the routes:
+
+1. Data parallel: DP rank ``d`` takes samples ``[d·B, (d+1)·B)`` of the global batch.
+2. Embedding output is ``[S, B, H]``; routers flatten it **seq-major**: token ``s·B + b``.
+3. Sequence parallel (required for MoE with TP > 1): TP rank ``t`` holds the contiguous shard
+   ``[t·S/tp, (t+1)·S/tp)`` of the sequence axis (``reference_impl.layouts.sp_shard``).
+4. Pipeline parallel: a (pp rank, vpp chunk) builds only its decoder layers; its routers are its MoE
+   layers, in build order (``pp_layer_ranges``, ``stage_targets``: dense layers have no router).
+5. Expert parallel: routing precedes dispatch, so targets hold **global logical** ids; the
+   dispatcher sends each token to EP rank ``id // (E/ep)`` (``ep_local_ids``).
+
+Every sample's trace must cover exactly the ``S`` input positions (row ``i`` is the routing of the
+token at position ``i``). Megatron-core's ``RouterReplay`` has no per-token mask, so positions
+without a row cannot be fed: ``S`` must be a multiple of ``tp`` and each trace must hold ``S`` rows
+(DESIGN §3.6: no filler is ever replayed; a mismatch is an error here, never padding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.errors import HarnessError
+from harness.trace import RoutingTrace
+from reference_impl import layouts
+
+
+class MegatronReplayError(HarnessError, ValueError):
+    """Replay targets cannot be fed to Megatron-core as asked, or a replay check failed."""
+
+
+@dataclass(frozen=True)
+class MegatronLayout:
+    """The parallel layout and the batch shape of one training step (CP = 1).
+
+    ``moe_layers`` are decoder indices (0-based); the other layers are dense. World size is
+    ``tp · pp · dp``; the ``tp · dp`` ranks of a stage are regrouped for the experts as
+    ``etp · ep · edp`` (expert-TP ``etp`` defaults to ``tp``, Megatron's default), so ``tp · dp`` must
+    be a multiple of ``etp · ep``. ``etp = 1`` lets TP = 2, EP = 2 run on two ranks.
+    """
+
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    seq_len: int
+    micro_batch: int
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    vpp: int = 1
+    dp: int = 1
+    etp: int | None = None
+    moe_layer_freq: list[int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
+        sizes = (
+            "num_layers",
+            "num_experts",
+            "top_k",
+            "seq_len",
+            "micro_batch",
+            "tp",
+            "ep",
+            "pp",
+            "vpp",
+            "dp",
+        )
+        for name in sizes:
+            if getattr(self, name) < 1:
+                raise MegatronReplayError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if list(self.moe_layers) != sorted(set(self.moe_layers)) or any(
+            not 0 <= i < self.num_layers for i in self.moe_layers
+        ):
+            raise MegatronReplayError(
+                f"moe_layers must be increasing decoder indices in [0, {self.num_layers}), "
+                f"got {self.moe_layers}"
+            )
+        if not self.moe_layers:
+            raise MegatronReplayError("moe_layers is empty: nothing to replay")
+        if self.top_k > self.num_experts:
+            raise MegatronReplayError(f"top_k {self.top_k} > num_experts {self.num_experts}")
+        if self.seq_len % self.tp:
+            raise MegatronReplayError(
+                f"seq_len {self.seq_len} is not a multiple of tp = {self.tp}: RouterReplay has no per-token "
+                "mask, so sequence-parallel filler would be replayed (pad tokens and traces explicitly)"
+            )
+        if self.num_experts % self.ep:
+            raise MegatronReplayError(f"num_experts {self.num_experts} is not divisible by ep = {self.ep}")
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
+        assert self.etp is not None
+        if self.etp < 1 or (self.tp * self.dp) % (self.etp * self.ep):
+            raise MegatronReplayError(
+                f"tp·dp = {self.tp * self.dp} is not a multiple of etp·ep = {self.etp}·{self.ep} "
+                "(the experts regroup the tp·dp ranks of a stage)"
+            )
+        if self.num_layers % (self.pp * self.vpp):
+            raise MegatronReplayError(f"num_layers {self.num_layers} is not divisible by pp·vpp")
+        freq = [1 if i in self.moe_layers else 0 for i in range(self.num_layers)]
+        object.__setattr__(self, "moe_layer_freq", freq)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.micro_batch
+
+    @property
+    def local_tokens(self) -> int:
+        """Tokens each router of one rank routes per micro-batch: ``S/tp · B``."""
+        return self.seq_len // self.tp * self.micro_batch
+
+    def stage_layers(self, pp_rank: int, vpp_chunk: int = 0) -> range:
+        """Decoder layers built by ``(pp_rank, vpp_chunk)``."""
+        return layouts.pp_layer_ranges(self.num_layers, self.pp, self.vpp)[pp_rank][vpp_chunk]
+
+    def stage_moe_layers(self, pp_rank: int, vpp_chunk: int = 0) -> list[int]:
+        """Decoder indices of the MoE layers (hence routers) of ``(pp_rank, vpp_chunk)``, in build order."""
+        owned = self.stage_layers(pp_rank, vpp_chunk)
+        return [layer for layer in self.moe_layers if layer in owned]
+
+
+def batch_routes(traces: Sequence[RoutingTrace], layout: MegatronLayout) -> torch.Tensor:
+    """Stack the global batch's canonical traces into decoder-axis routes ``[dp·B, S, layers, k]`` (int64).
+
+    Each trace must start at position 0, cover exactly ``S`` rows, and agree with the layout on
+    ``num_experts``, ``top_k``, the decoder layer count and which layers are MoE. MoE-ordinal
+    traces are converted to the decoder axis first (dense slots are never read).
+    """
+    if len(traces) != layout.global_batch:
+        raise MegatronReplayError(
+            f"traces: expected {layout.global_batch} (dp {layout.dp} × micro_batch {layout.micro_batch}), "
+            f"got {len(traces)}"
+        )
+    rows = []
+    for i, trace in enumerate(traces):
+        where = f"traces[{i}]"
+        if trace.start != 0:
+            raise MegatronReplayError(
+                f"{where}: start = {trace.start}, expected 0 (every input position replayed)"
+            )
+        if trace.rows != layout.seq_len:
+            raise MegatronReplayError(
+                f"{where}: {trace.rows} rows, expected seq_len = {layout.seq_len} (one per input position)"
+            )
+        checks = (
+            ("num_experts", trace.num_experts, layout.num_experts),
+            ("top_k", trace.top_k, layout.top_k),
+            ("num_layers", trace.num_layers, layout.num_layers),
+            ("moe_layers", trace.moe_layers, layout.moe_layers),
+        )
+        for name, got, want in checks:
+            if got != want:
+                raise MegatronReplayError(f"{where}: {name} = {got}, the model has {want}")
+        rows.append(torch.from_numpy(trace.to_decoder_axis().experts.astype("int64")))
+    return torch.stack(rows)
+
+
+def rank_targets(
+    routes: torch.Tensor,
+    layout: MegatronLayout,
+    *,
+    dp_rank: int,
+    tp_rank: int,
+    pp_rank: int,
+    vpp_chunk: int = 0,
+) -> list[torch.Tensor]:
+    """The targets of every router of one rank, in build order: each ``[S/tp · B, k]`` int64.
+
+    ``routes`` is the decoder-axis batch ``[dp·B, S, layers, k]`` of :func:`batch_routes`.
+    """
+    if routes.dim() != 4 or tuple(routes.shape) != (
+        layout.global_batch,
+        layout.seq_len,
+        layout.num_layers,
+        layout.top_k,
+    ):
+        raise MegatronReplayError(
+            f"routes: expected [dp·B={layout.global_batch}, S={layout.seq_len}, layers={layout.num_layers}, "
+            f"k={layout.top_k}], got {tuple(routes.shape)}"
+        )
+    _check_coordinate("dp_rank", dp_rank, layout.dp)
+    _check_coordinate("pp_rank", pp_rank, layout.pp)
+    _check_coordinate("vpp_chunk", vpp_chunk, layout.vpp)
+    b = layout.micro_batch
+    micro = routes[dp_rank * b : (dp_rank + 1) * b]  # [B, S, L, k]
+    seq_major = micro.transpose(0, 1)  # [S, B, L, k]: token s·B + b after flattening
+    shard = layouts.sp_shard(seq_major, layout.tp, tp_rank)  # [S/tp, B, L, k]
+    tokens = shard.reshape(-1, layout.num_layers, layout.top_k)  # [S/tp·B, L, k]
+    stage = layouts.stage_targets(tokens, layout.moe_layers, layout.stage_layers(pp_rank, vpp_chunk))
+    return [stage[:, j].contiguous() for j in range(stage.shape[1])]
+
+
+def merge_recordings(
+    recordings: Mapping[tuple[int, int, int], Sequence[torch.Tensor]], layout: MegatronLayout
+) -> torch.Tensor:
+    """Inverse of :func:`rank_targets` over all ranks (VPP = 1): MoE-ordinal routes ``[dp·B, S, n_moe, k]``.
+
+    ``recordings[(dp_rank, tp_rank, pp_rank)]`` is the list of one rank's per-router recordings in
+    build order (``RouterReplay.get_recorded_data()``), each ``[S/tp · B, k]``.
+    """
+    if layout.vpp != 1:
+        raise MegatronReplayError("merge_recordings: VPP > 1 is not supported")
+    expected = {(d, t, p) for d in range(layout.dp) for t in range(layout.tp) for p in range(layout.pp)}
+    if set(recordings) != expected:
+        raise MegatronReplayError(
+            f"recordings: missing {sorted(expected - set(recordings))}, "
+            f"unexpected {sorted(set(recordings) - expected)}"
+        )
+    ranges = [[layout.stage_layers(p)] for p in range(layout.pp)]
+    samples = []
+    for d in range(layout.dp):
+        per_stage = {}
+        for p in range(layout.pp):
+            shards = []
+            for t in range(layout.tp):
+                per_router = list(recordings[(d, t, p)])
+                if len(per_router) != len(layout.stage_moe_layers(p)):
+                    raise MegatronReplayError(
+                        f"recordings[{(d, t, p)}]: {len(per_router)} routers, "
+                        f"expected {len(layout.stage_moe_layers(p))}"
+                    )
+                for j, rec in enumerate(per_router):
+                    if tuple(rec.shape) != (layout.local_tokens, layout.top_k):
+                        raise MegatronReplayError(
+                            f"recordings[{(d, t, p)}][{j}]: shape {tuple(rec.shape)}, "
+                            f"expected [{layout.local_tokens}, {layout.top_k}]"
+                        )
+                stacked = (
+                    torch.stack([r.long() for r in per_router], dim=1)
+                    if per_router
+                    else torch.zeros(layout.local_tokens, 0, layout.top_k, dtype=torch.long)
+                )
+                shards.append(stacked)  # [S/tp·B, n_stage, k], rows s·B + b of shard t
+            # SP shards are contiguous in s and s is the major index, so concatenating the shards
+            # restores [S·B, n_stage, k] in seq-major order.
+            per_stage[(p, 0)] = layouts.sp_gather(shards, pad_len=0)
+        merged = layouts.merge_stage_recordings(per_stage, ranges, layout.moe_layers)  # [S·B, n_moe, k]
+        merged = merged.reshape(layout.seq_len, layout.micro_batch, -1, layout.top_k)
+        samples.append(merged.transpose(0, 1))  # [B, S, n_moe, k]
+    return torch.cat(samples, dim=0)
+
+
+def expected_local_map(gathered_targets: torch.Tensor, layout: MegatronLayout, ep_rank: int) -> torch.Tensor:
+    """Which tokens each local expert of EP rank ``ep_rank`` must receive: bool ``[N, E/ep]``.
+
+    ``gathered_targets [N, k]`` are the global targets of every token the dispatcher gathers (for
+    the all-gather dispatcher: the ``tp·ep`` group's tokens in group-rank order).
+    """
+    local, owned = layouts.ep_local_ids(gathered_targets, layout.num_experts, layout.ep, ep_rank)
+    out = torch.zeros(gathered_targets.shape[0], layout.num_experts // layout.ep + 1, dtype=torch.bool)
+    out.scatter_(1, torch.where(owned, local, torch.full_like(local, out.shape[1] - 1)), True)
+    return out[:, :-1]
+
+
+def ids_to_map(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routes ``[N, k]`` → bool membership ``[N, E]`` (sets: the order of the k ids does not matter)."""
+    out = torch.zeros(ids.shape[0], num_experts, dtype=torch.bool)
+    return out.scatter_(1, ids.long(), True)
+
+
+def _check_coordinate(name: str, value: int, size: int) -> None:
+    if not 0 <= value < size:
+        raise MegatronReplayError(f"{name} must be in [0, {size}), got {value}")

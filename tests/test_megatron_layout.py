@@ -1,0 +1,112 @@
+"""The Megatron target layout (pure torch: runs without megatron-core)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.trace import RoutingTrace
+from harness.trainers.megatron.layout import (
+    MegatronLayout,
+    MegatronReplayError,
+    batch_routes,
+    expected_local_map,
+    ids_to_map,
+    merge_recordings,
+    rank_targets,
+)
+
+LAYOUT = MegatronLayout(
+    num_layers=4, moe_layers=(1, 3), num_experts=8, top_k=2, seq_len=6, micro_batch=3, tp=2, ep=2, dp=2
+)
+
+
+def _traces(layout: MegatronLayout, seed: int = 0) -> list[RoutingTrace]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(layout.global_batch):
+        ids = torch.zeros(layout.seq_len, layout.num_layers, layout.top_k, dtype=torch.long)
+        scores = torch.rand(layout.seq_len, len(layout.moe_layers), layout.num_experts, generator=gen)
+        ids[:, list(layout.moe_layers)] = scores.topk(layout.top_k, dim=-1).indices
+        out.append(RoutingTrace(ids.numpy(), num_experts=layout.num_experts, moe_layers=layout.moe_layers))
+    return out
+
+
+def test_rank_targets_are_seq_major_sp_shards_of_the_moe_layers() -> None:
+    traces = _traces(LAYOUT)
+    routes = batch_routes(traces, LAYOUT)
+    s_local = LAYOUT.seq_len // LAYOUT.tp
+    for dp in range(LAYOUT.dp):
+        for tp in range(LAYOUT.tp):
+            targets = rank_targets(routes, LAYOUT, dp_rank=dp, tp_rank=tp, pp_rank=0)
+            assert len(targets) == 2
+            for j, layer in enumerate(LAYOUT.moe_layers):
+                assert targets[j].shape == (LAYOUT.local_tokens, LAYOUT.top_k)
+                for s in range(s_local):
+                    for b in range(LAYOUT.micro_batch):
+                        sample = traces[dp * LAYOUT.micro_batch + b].experts
+                        expected = torch.from_numpy(sample[tp * s_local + s, layer].astype("int64"))
+                        assert torch.equal(targets[j][s * LAYOUT.micro_batch + b], expected)
+
+
+def test_merge_recordings_inverts_rank_targets() -> None:
+    routes = batch_routes(_traces(LAYOUT, 1), LAYOUT)
+    per_rank = {
+        (d, t, 0): rank_targets(routes, LAYOUT, dp_rank=d, tp_rank=t, pp_rank=0)
+        for d in range(LAYOUT.dp)
+        for t in range(LAYOUT.tp)
+    }
+    assert torch.equal(merge_recordings(per_rank, LAYOUT), routes[:, :, list(LAYOUT.moe_layers)])
+
+
+def test_pipeline_stage_gets_only_its_moe_layers() -> None:
+    layout = MegatronLayout(
+        num_layers=4, moe_layers=(1, 3), num_experts=8, top_k=2, seq_len=6, micro_batch=1, pp=2
+    )
+    routes = batch_routes(_traces(layout, 2), layout)
+    assert layout.stage_moe_layers(0) == [1] and layout.stage_moe_layers(1) == [3]
+    (second,) = rank_targets(routes, layout, dp_rank=0, tp_rank=0, pp_rank=1)
+    assert torch.equal(second, routes[0, :, 3])
+
+
+def test_expected_local_map_splits_global_ids_by_ep_rank() -> None:
+    ids = torch.tensor([[0, 5], [3, 4], [6, 7]])
+    assert expected_local_map(ids, LAYOUT, 0).tolist() == [
+        [True, False, False, False],
+        [False, False, False, True],
+        [False] * 4,
+    ]
+    assert expected_local_map(ids, LAYOUT, 1).tolist() == [
+        [False, True, False, False],
+        [True, False, False, False],
+        [False, False, True, True],
+    ]
+    full = torch.cat([expected_local_map(ids, LAYOUT, r) for r in range(2)], dim=1)
+    assert torch.equal(full, ids_to_map(ids, 8))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"seq_len": 5}, "multiple of tp"),
+        ({"dp": 1}, "etp·ep"),
+        ({"num_experts": 6, "ep": 4, "dp": 4}, "divisible by ep"),
+    ],
+)
+def test_layouts_megatron_cannot_run_are_rejected(change: dict[str, int], message: str) -> None:
+    kwargs = dict(
+        num_layers=4, moe_layers=(1, 3), num_experts=8, top_k=2, seq_len=6, micro_batch=3, tp=2, ep=2, dp=2
+    )
+    kwargs.update(change)
+    with pytest.raises(MegatronReplayError, match=message):
+        MegatronLayout(**kwargs)  # type: ignore[arg-type]
+
+
+def test_traces_that_do_not_cover_every_input_position_are_rejected() -> None:
+    traces = _traces(LAYOUT)
+    short = RoutingTrace(traces[0].experts[:-1], num_experts=8, moe_layers=(1, 3))
+    with pytest.raises(MegatronReplayError, match="rows, expected seq_len"):
+        batch_routes([short, *traces[1:]], LAYOUT)
+    wrong_moe = RoutingTrace(traces[0].experts, num_experts=8, moe_layers=(1,))
+    with pytest.raises(MegatronReplayError, match="moe_layers"):
+        batch_routes([wrong_moe, *traces[1:]], LAYOUT)
