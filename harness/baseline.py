@@ -1,0 +1,272 @@
+"""Gate baselines: what one engine version did, stored as JSON, and the comparison the gate runs.
+
+A baseline records, for one engine at one version (``fixtures/baselines/<engine>.json``):
+
+- ``convention``: the observed payload convention — ``dtype``, ``row_rule``, ``layer_axis`` (and
+  whatever else the engine's observer adds);
+- ``observations``: engine-specific facts compared exactly (for ``hf``: per model family, what the
+  router returns and which gate-weight rules reproduce its weights);
+- ``invariants``: the outcome of every suite test (``passed`` / ``failed`` / ``skipped``);
+- ``metrics``: ``{"value", "tolerance", "better"}`` where ``better`` is ``"lower"``, ``"higher"`` or
+  ``"equal"`` (two-sided).
+
+``compare(baseline, observed)`` returns a ``GateReport``: *regressions* (the gate fails) and *notes*.
+A change of convention or observation, an invariant that passed and now does not (or was not
+run), a metric worse than its baseline by more than the tolerance, or a different engine are
+regressions; a new engine version, a newly passing invariant or a better metric are notes.
+Structured differences are computed with deepdiff and printed readably.
+
+Writes are atomic: a temporary file in the target directory, then ``os.replace``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.errors import HarnessError
+
+FORMAT_NAME = "rrh.gate_baseline"
+FORMAT_VERSION = 1
+BETTER = ("lower", "higher", "equal")
+OUTCOMES = ("passed", "failed", "skipped")
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "BaselineError",
+    "GateReport",
+    "compare",
+    "load_baseline",
+    "metric",
+    "new_baseline",
+    "save_baseline",
+    "validate_baseline",
+]
+
+
+class BaselineError(HarnessError, ValueError):
+    """A baseline file is missing, unreadable or malformed."""
+
+
+def metric(value: float, tolerance: float, better: str = "equal") -> dict[str, Any]:
+    """One metric entry: ``value`` with an absolute ``tolerance`` in the direction ``better``."""
+    if better not in BETTER:
+        raise BaselineError(f"metric.better: expected one of {BETTER}, got {better!r}")
+    if not tolerance >= 0:
+        raise BaselineError(f"metric.tolerance: expected a non-negative number, got {tolerance!r}")
+    return {"value": _json_float(value), "tolerance": float(tolerance), "better": better}
+
+
+def _json_float(value: float) -> float | None:
+    value = float(value)
+    return None if math.isnan(value) else value  # JSON has no NaN: null means "undefined"
+
+
+def new_baseline(
+    engine: str,
+    version: str,
+    *,
+    convention: dict[str, Any],
+    invariants: dict[str, str],
+    metrics: dict[str, dict[str, Any]],
+    observations: dict[str, Any] | None = None,
+    harness_version: str = "",
+) -> dict[str, Any]:
+    """A baseline document (validated)."""
+    doc = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "engine": engine,
+        "version": version,
+        "harness_version": harness_version,
+        "convention": convention,
+        "observations": observations or {},
+        "invariants": dict(sorted(invariants.items())),
+        "metrics": dict(sorted(metrics.items())),
+    }
+    validate_baseline(doc)
+    return doc
+
+
+def validate_baseline(doc: object, source: str = "baseline") -> dict[str, Any]:
+    """Check the document's shape; ``BaselineError`` names the field and the expected value."""
+    if not isinstance(doc, dict):
+        raise BaselineError(f"{source}: expected a JSON object, got {type(doc).__name__}")
+    if doc.get("format") != FORMAT_NAME:
+        raise BaselineError(f"{source}: format: expected {FORMAT_NAME!r}, got {doc.get('format')!r}")
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise BaselineError(
+            f"{source}: format_version: expected {FORMAT_VERSION}, got {doc.get('format_version')!r}"
+        )
+    for key in ("engine", "version"):
+        if not isinstance(doc.get(key), str) or (not doc[key] and key == "engine"):
+            raise BaselineError(f"{source}: {key}: expected a string, got {doc.get(key)!r}")
+    for key in ("convention", "observations", "invariants", "metrics"):
+        if not isinstance(doc.get(key), dict):
+            raise BaselineError(f"{source}: {key}: expected an object, got {type(doc.get(key)).__name__}")
+    for name, outcome in doc["invariants"].items():
+        if outcome not in OUTCOMES:
+            raise BaselineError(
+                f"{source}: invariants[{name!r}]: expected one of {OUTCOMES}, got {outcome!r}"
+            )
+    for name, entry in doc["metrics"].items():
+        where = f"{source}: metrics[{name!r}]"
+        if not isinstance(entry, dict):
+            raise BaselineError(f"{where}: expected an object with value, tolerance, better")
+        value, tol, better = entry.get("value"), entry.get("tolerance"), entry.get("better")
+        if value is not None and not isinstance(value, (int, float)):
+            raise BaselineError(f"{where}.value: expected a number or null, got {value!r}")
+        if not isinstance(tol, (int, float)) or tol < 0:
+            raise BaselineError(f"{where}.tolerance: expected a non-negative number, got {tol!r}")
+        if better not in BETTER:
+            raise BaselineError(f"{where}.better: expected one of {BETTER}, got {better!r}")
+    return doc
+
+
+def load_baseline(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and validate a baseline file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise BaselineError(f"{path}: no baseline; record one with --update") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise BaselineError(f"{path}: not valid JSON ({err})") from None
+    return validate_baseline(doc, str(path))
+
+
+def save_baseline(doc: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Validate and write ``doc`` atomically (temporary file in the same directory, then ``os.replace``)."""
+    validate_baseline(doc)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(doc, handle, indent=2, sort_keys=False, allow_nan=False)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# comparison
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GateReport:
+    """What changed between a baseline and an observation."""
+
+    regressions: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.regressions
+
+    def format(self) -> str:
+        lines = []
+        if self.regressions:
+            lines.append(f"REGRESSIONS ({len(self.regressions)}):")
+            lines += [f"  - {r}" for r in self.regressions]
+        if self.notes:
+            lines.append(f"notes ({len(self.notes)}):")
+            lines += [f"  - {n}" for n in self.notes]
+        if not lines:
+            lines.append("no difference from the baseline")
+        return "\n".join(lines)
+
+
+def _structured_diff(section: str, old: Any, new: Any) -> list[str]:
+    from deepdiff import DeepDiff
+
+    diff = DeepDiff(old, new, ignore_order=True, significant_digits=None, verbose_level=2)
+    if not diff:
+        return []
+    return [
+        f"{section}: {line.replace('root', section, 1)}"
+        for line in diff.pretty().splitlines()
+        if line.strip()
+    ]
+
+
+def _metric_regression(name: str, base: dict[str, Any], value: float | None) -> str | None:
+    old, tol, better = base["value"], float(base["tolerance"]), base["better"]
+    expected = {
+        "lower": f"at most {old} + {tol}",
+        "higher": f"at least {old} − {tol}",
+        "equal": f"{old} ± {tol}",
+    }[better]
+    if old is None or value is None:
+        if old is None and value is None:
+            return None
+        return f"metrics.{name}: value {value}, expected {expected} (one side is undefined)"
+    if math.isnan(value):
+        return f"metrics.{name}: value nan, expected {expected}"
+    delta = value - old
+    worse = {"lower": delta > tol, "higher": -delta > tol, "equal": abs(delta) > tol}[better]
+    return f"metrics.{name}: value {value:.6g}, expected {expected}" if worse else None
+
+
+def compare(baseline: dict[str, Any], observed: dict[str, Any]) -> GateReport:
+    """Compare an observation with its baseline (both validated documents); see the module docstring."""
+    validate_baseline(baseline, "baseline")
+    validate_baseline(observed, "observed")
+    report = GateReport()
+    if baseline["engine"] != observed["engine"]:
+        report.regressions.append(
+            f"engine: observed {observed['engine']!r}, expected {baseline['engine']!r} (wrong baseline file?)"
+        )
+        return report
+    if baseline["version"] != observed["version"]:
+        report.notes.append(f"version: {baseline['version']} → {observed['version']}")
+    for section in ("convention", "observations"):
+        report.regressions += _structured_diff(section, baseline[section], observed[section])
+
+    old_inv, new_inv = baseline["invariants"], observed["invariants"]
+    for name, old in old_inv.items():
+        new = new_inv.get(name)
+        if new is None:
+            if old == "passed":
+                report.regressions.append(f"invariants[{name}]: not run, expected passed")
+            else:
+                report.notes.append(f"invariants[{name}]: no longer collected (was {old})")
+        elif old == "passed" and new != "passed":
+            report.regressions.append(f"invariants[{name}]: {new}, expected passed")
+        elif old != new:
+            report.notes.append(f"invariants[{name}]: {old} → {new}")
+    for name in sorted(set(new_inv) - set(old_inv)):
+        (report.regressions if new_inv[name] == "failed" else report.notes).append(
+            f"invariants[{name}]: new test, {new_inv[name]}"
+            + (", expected passed" if new_inv[name] == "failed" else "")
+        )
+
+    old_m, new_m = baseline["metrics"], observed["metrics"]
+    for name, base in old_m.items():
+        if name not in new_m:
+            report.regressions.append(f"metrics.{name}: not measured, expected {base['value']}")
+            continue
+        value = new_m[name]["value"]
+        problem = _metric_regression(name, base, value)
+        if problem:
+            report.regressions.append(problem)
+        elif value != base["value"]:
+            report.notes.append(f"metrics.{name}: {base['value']} → {value} (within ±{base['tolerance']})")
+    for name in sorted(set(new_m) - set(old_m)):
+        report.notes.append(f"metrics.{name}: new metric, {new_m[name]['value']}")
+    return report

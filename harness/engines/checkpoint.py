@@ -1,0 +1,427 @@
+"""What the vLLM and SGLang adapters share: the tiny checkpoint, rollout records, attempts, the trainer.
+
+- **The checkpoint.** ``write_checkpoint(dir)`` writes a random-init Qwen3-MoE (``config.json`` +
+  ``model.safetensors``, no tokenizer: the engines run with ``skip_tokenizer_init``) built by
+  ``harness.trainers.hf.models.tiny_model``. The engine default (``ENGINE_OVERRIDES``) is sized for
+  GPU kernels (head_dim 64, 16 experts top-4) and has a dense first layer (``mlp_only_layers=[0]``),
+  so the decoder-index layer axis has a dense slot an engine must fill with 0. Both spellings of the
+  expert count (``num_experts``, ``num_local_experts``) and of the rope base are written, so the
+  transformers pinned by an engine (4.x or 5.x) reads the same model.
+- **Rollouts.** ``EngineRollout``: one engine call — prompt, generated tokens, their log-probs, the
+  canonical ``RoutingTrace`` decoded through the conventions registry, and the raw payload's dtype.
+- **Attempts.** ``partial_rollout`` (abort/resume: resubmit ``prompt ⊕ partial response`` with a
+  small ``max_tokens`` budget) and ``multi_turn`` (append tool tokens, generate again) drive any
+  ``generate(context, max_tokens) -> EngineRollout`` and splice the payloads with the reference
+  splice (DESIGN §3.4): each attempt contributes only the rows of its own new positions.
+- **The trainer.** ``trainer_recompute`` loads the checkpoint into transformers, recomputes the
+  rollouts with one full forward, and measures routing disagreement with the engine and the log-prob
+  gap without replay and with R3 (the engine's routes replayed through ``install_replay``).
+
+Nothing here imports an engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from harness.conventions import ModelSpec
+from harness.errors import HarnessError
+from harness.trace import LayerAxis, Provenance, RoutingComparison, RoutingTrace, compare
+from reference_impl.splice import Attempt, SpliceError, splice
+
+__all__ = [
+    "ENGINE_OVERRIDES",
+    "EngineRollout",
+    "EngineUnavailable",
+    "SplicedRollout",
+    "TinyCheckpoint",
+    "TrainerComparison",
+    "load_checkpoint",
+    "model_spec",
+    "multi_turn",
+    "partial_rollout",
+    "trainer_recompute",
+    "write_checkpoint",
+]
+
+
+class EngineUnavailable(HarnessError, RuntimeError):
+    """An engine adapter cannot start: the engine is not installed, or needs a CUDA device."""
+
+
+# --------------------------------------------------------------------------------------------
+# the checkpoint
+# --------------------------------------------------------------------------------------------
+
+ENGINE_OVERRIDES: dict[str, Any] = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=2048,
+    num_experts=16,
+    num_experts_per_tok=4,
+    moe_intermediate_size=128,
+    norm_topk_prob=True,
+    mlp_only_layers=[0],
+    decoder_sparse_step=1,
+    eos_token_id=2,
+    bos_token_id=1,
+    pad_token_id=0,
+)
+"""The engine checkpoint: a Qwen3-MoE with kernel-friendly sizes and a dense first decoder layer."""
+
+
+@dataclass(frozen=True)
+class TinyCheckpoint:
+    """A checkpoint directory the harness wrote, and what decoders need to know about its model."""
+
+    path: Path
+    model_type: str
+    dtype: str  # "bfloat16" | "float32" | "float16"
+    spec: ModelSpec
+    config: dict[str, Any] = field(repr=False, default_factory=dict)
+    seed: int = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])
+
+
+def model_spec(config: Any) -> ModelSpec:
+    """Decoder layers, experts, top-k and MoE layer indices of a Qwen2/3-MoE-style config (object or dict).
+
+    A layer is MoE unless it is in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``
+    (the rule transformers, vLLM and SGLang apply to Qwen-MoE configs).
+    """
+
+    def get(key: str, default: Any = None) -> Any:
+        return config.get(key, default) if isinstance(config, dict) else getattr(config, key, default)
+
+    layers = int(get("num_hidden_layers"))
+    experts = get("num_experts", None) or get("num_local_experts", None) or get("n_routed_experts", None)
+    if experts is None:
+        raise HarnessError(
+            "config: no num_experts / num_local_experts / n_routed_experts; expected a MoE config"
+        )
+    dense = set(get("mlp_only_layers", None) or [])
+    step = int(get("decoder_sparse_step", 1) or 1)
+    first_dense = int(get("first_k_dense_replace", 0) or 0)
+    moe = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0 and i >= first_dense)
+    return ModelSpec(layers, int(experts), int(get("num_experts_per_tok")), moe)
+
+
+def write_checkpoint(
+    directory: str | os.PathLike[str],
+    *,
+    model_type: str = "qwen3_moe",
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    **overrides: Any,
+) -> TinyCheckpoint:
+    """Write a random-init MoE checkpoint (``config.json`` + ``model.safetensors``) into ``directory``.
+
+    ``overrides`` update ``ENGINE_OVERRIDES`` (for ``qwen3_moe``) or the tiny config of another
+    ``model_type``. The weights are ``tiny_model(model_type, dtype, seed)``'s, saved with
+    ``save_pretrained`` (per-expert tensors, the layout every engine loads); no tokenizer is written.
+    """
+    from harness.trainers.hf.models import tiny_model
+
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    settings = {**(ENGINE_OVERRIDES if model_type == "qwen3_moe" else {}), **overrides}
+    model: Any = tiny_model(model_type, dtype, seed=seed, **settings)
+    model.save_pretrained(path, safe_serialization=True)
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    # The transformers an engine pins may be 4.x: write both spellings of renamed fields.
+    if "num_local_experts" in config and "num_experts" not in config:
+        config["num_experts"] = config["num_local_experts"]
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" in rope and "rope_theta" not in config:
+        config["rope_theta"] = rope["rope_theta"]
+    dtype_name = str(dtype).removeprefix("torch.")
+    config.setdefault("dtype", dtype_name)
+    config["torch_dtype"] = dtype_name
+    _atomic_write_text(config_file, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return TinyCheckpoint(path, model_type, dtype_name, model_spec(config), config, seed)
+
+
+def load_checkpoint(
+    checkpoint: TinyCheckpoint | str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> torch.nn.Module:
+    """The checkpoint as a transformers causal LM in eval mode (SDPA attention)."""
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoint.path if isinstance(checkpoint, TinyCheckpoint) else Path(checkpoint)
+    if dtype is None and isinstance(checkpoint, TinyCheckpoint):
+        dtype = getattr(torch, checkpoint.dtype)
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype or torch.float32, attn_implementation="sdpa"
+    )
+    return model.to(device).eval()  # type: ignore[no-any-return]
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------
+# rollouts and attempts
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineRollout:
+    """One engine call: ``prompt`` (the context it was given), the ``tokens`` it generated, their
+    log-probs (None when the engine did not return them), the canonical trace of positions
+    ``[start, len(prompt) + len(tokens) − 1)``, how the call ended, and the raw payload's dtype."""
+
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...] | None
+    trace: RoutingTrace
+    finish_reason: str = "length"
+    raw_dtype: str = ""
+    cached_tokens: int | None = None
+
+    @property
+    def sequence(self) -> tuple[int, ...]:
+        return self.prompt + self.tokens
+
+    def routes(self) -> torch.Tensor:
+        """The trace's routes on the decoder axis as int64 ``[rows, num_hidden_layers, top_k]``."""
+        return torch.from_numpy(self.trace.to_decoder_axis().experts.astype(np.int64))
+
+
+Generate = Callable[[Sequence[int], int], EngineRollout]
+"""``(context token ids, max_tokens) -> EngineRollout``: one engine call, full payload (start 0)."""
+
+
+@dataclass(frozen=True)
+class SplicedRollout:
+    """One sample built from several engine calls, and the trace the splice built from their payloads."""
+
+    prompt_len: int
+    tokens: tuple[int, ...]  # prompt ⊕ response (tool tokens included)
+    attempts: tuple[Attempt, ...]
+    calls: tuple[EngineRollout, ...]
+    logprobs: tuple[float | None, ...]  # per response token; None for tool tokens
+    trace: RoutingTrace
+
+    @property
+    def response_len(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+def _spliced(
+    prompt_len: int,
+    tokens: list[int],
+    calls: list[EngineRollout],
+    attempts: list[Attempt],
+    logprobs: list[float | None],
+) -> SplicedRollout:
+    try:
+        routes = splice(prompt_len, attempts)
+    except SpliceError as err:
+        raise HarnessError(f"splice: {err}") from None
+    first = calls[0].trace
+    trace = RoutingTrace(
+        routes.numpy(),
+        num_experts=first.num_experts,
+        moe_layers=first.moe_layers,
+        num_layers=first.num_layers,
+        layer_axis=LayerAxis.DECODER,
+        provenance=Provenance(
+            first.provenance.engine, first.provenance.version, first.provenance.convention + "+splice"
+        ),
+    )
+    trace.check_coverage(prompt_len, len(tokens) - prompt_len)
+    return SplicedRollout(prompt_len, tuple(tokens), tuple(attempts), tuple(calls), tuple(logprobs), trace)
+
+
+def _check_call(call: EngineRollout, context: Sequence[int], budget: int, what: str) -> None:
+    if list(call.prompt) != list(context):
+        raise HarnessError(f"{what}: the engine echoed another prompt than the context it was given")
+    if not 1 <= len(call.tokens) <= budget:
+        raise HarnessError(f"{what}: {len(call.tokens)} tokens generated, expected 1..{budget} (max_tokens)")
+    if call.trace.start != 0:
+        raise HarnessError(
+            f"{what}: payload starts at position {call.trace.start}, expected 0 (full payload)"
+        )
+
+
+def partial_rollout(generate: Generate, prompt: Sequence[int], budgets: Sequence[int]) -> SplicedRollout:
+    """Abort/resume: attempt j resubmits ``prompt ⊕ response so far`` with ``max_tokens = budgets[j]``.
+
+    Each attempt is cut by its budget (an abort after ``budgets[j]`` tokens) and resumed by the next;
+    the payloads are spliced so attempt j contributes only the rows of its own new positions.
+    """
+    if not prompt or not budgets or min(budgets) < 1:
+        raise ValueError(
+            f"partial_rollout: prompt {len(prompt)} tokens, budgets {list(budgets)}; expected ≥ 1 each"
+        )
+    context: list[int] = list(prompt)
+    calls: list[EngineRollout] = []
+    attempts: list[Attempt] = []
+    logprobs: list[float | None] = []
+    for j, budget in enumerate(budgets):
+        call = generate(tuple(context), budget)
+        _check_call(call, context, budget, f"attempt {j + 1}")
+        calls.append(call)
+        attempts.append(
+            Attempt(len(call.tokens), call.routes(), "abort" if j < len(budgets) - 1 else "length")
+        )
+        logprobs += list(call.logprobs) if call.logprobs is not None else [None] * len(call.tokens)
+        context += call.tokens
+    return _spliced(len(prompt), context, calls, attempts, logprobs)
+
+
+def multi_turn(
+    generate: Generate, prompt: Sequence[int], turns: Sequence[tuple[Sequence[int], int]]
+) -> SplicedRollout:
+    """Multi-turn: turn j appends its tool tokens ``turns[j][0]`` then generates ``turns[j][1]`` tokens.
+
+    Tool tokens count as new tokens of the attempt that prefilled them (DESIGN §3.4).
+    """
+    if not prompt or not turns:
+        raise ValueError("multi_turn: expected a non-empty prompt and at least one turn")
+    context: list[int] = list(prompt)
+    calls: list[EngineRollout] = []
+    attempts: list[Attempt] = []
+    logprobs: list[float | None] = []
+    for j, (tool, budget) in enumerate(turns):
+        context += list(tool)
+        call = generate(tuple(context), budget)
+        _check_call(call, context, budget, f"turn {j + 1}")
+        calls.append(call)
+        attempts.append(Attempt(len(tool) + len(call.tokens), call.routes(), "stop"))
+        logprobs += [None] * len(tool)
+        logprobs += list(call.logprobs) if call.logprobs is not None else [None] * len(call.tokens)
+        context += call.tokens
+    return _spliced(len(prompt), context, calls, attempts, logprobs)
+
+
+# --------------------------------------------------------------------------------------------
+# the trainer's recompute
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainerComparison:
+    """The transformers trainer against engine rollouts (response tokens only for the gap)."""
+
+    routing: RoutingComparison  # engine routes vs the trainer's native routes, all rows
+    r3_routing: RoutingComparison  # engine routes vs what the trainer dispatched under R3
+    mean_abs_gap: float  # mean |log π_train − log π_engine| over response tokens, no replay
+    mean_abs_gap_r3: float  # the same with the engine's routes replayed
+    tokens: int
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "trainer_disagreement": float(self.routing.disagreement),
+            "trainer_token_disagreement": float(self.routing.token_disagreement),
+            "r3_disagreement": float(self.r3_routing.disagreement),
+            "mean_abs_gap": self.mean_abs_gap,
+            "mean_abs_gap_r3": self.mean_abs_gap_r3,
+        }
+
+
+def _trace_of(routes: torch.Tensor, like: RoutingTrace) -> RoutingTrace:
+    return RoutingTrace(
+        routes.numpy(),
+        num_experts=like.num_experts,
+        moe_layers=like.moe_layers,
+        num_layers=like.num_layers,
+        layer_axis=LayerAxis.MOE_ORDINAL,
+        provenance=Provenance("hf", "", "trainer recompute"),
+    )
+
+
+def trainer_recompute(
+    model: torch.nn.Module, rollouts: Sequence[EngineRollout | SplicedRollout], *, handle: Any = None
+) -> TrainerComparison:
+    """Recompute each rollout with one full forward of ``model`` (transformers), without and with R3.
+
+    Routes are compared per (position, MoE layer) as sets over every row the engine returned; the
+    gap is over the sampled response tokens whose engine log-prob is known. ``handle`` is an
+    ``install_replay`` handle of ``model`` (installed here when None, removed afterwards).
+    """
+    from harness.trainers.hf import install_replay
+
+    own = handle is None
+    handle = handle or install_replay(model)
+    device = next(model.parameters()).device
+    overlaps, overlaps_r3, gaps, gaps_r3 = [], [], [], []
+    try:
+        for rollout in rollouts:
+            if isinstance(rollout, SplicedRollout):
+                tokens, prompt_len, trace = list(rollout.tokens), rollout.prompt_len, rollout.trace
+                engine_lp = list(rollout.logprobs)
+            else:
+                tokens, prompt_len, trace = list(rollout.sequence), len(rollout.prompt), rollout.trace
+                engine_lp = (
+                    list(rollout.logprobs) if rollout.logprobs is not None else [None] * len(rollout.tokens)
+                )
+            if trace.start != 0:
+                raise HarnessError(f"trainer_recompute: trace starts at {trace.start}, expected 0")
+            ids = torch.tensor([tokens], device=device)
+            rows = trace.rows
+            engine_routes = torch.from_numpy(trace.to_moe_ordinal().experts.astype(np.int64))
+            targets = torch.zeros(
+                len(tokens), engine_routes.shape[1], engine_routes.shape[2], dtype=torch.int64
+            )
+            targets[:rows] = engine_routes
+            mask = torch.zeros(len(tokens), dtype=torch.bool)
+            mask[:rows] = True
+            with torch.no_grad():
+                handle.record()
+                lp = _token_logprobs(model, ids)
+                native = handle.recording()[:rows]
+                handle.replay(targets, mask)
+                lp_r3 = _token_logprobs(model, ids)
+                dispatched = handle.dispatched()[:rows]
+                handle.disarm()
+            overlaps.append(compare(trace, _trace_of(native, trace)).overlap)
+            overlaps_r3.append(compare(trace, _trace_of(dispatched, trace)).overlap)
+            for i, elp in enumerate(engine_lp):
+                if elp is None:
+                    continue
+                pos = prompt_len + i  # the response token at this position
+                gaps.append(abs(float(lp[pos]) - elp))
+                gaps_r3.append(abs(float(lp_r3[pos]) - elp))
+    finally:
+        if own:
+            handle.remove()
+    first = rollouts[0].trace
+    k, moe = first.top_k, first.moe_layers
+    return TrainerComparison(
+        RoutingComparison(np.concatenate(overlaps), k, moe),
+        RoutingComparison(np.concatenate(overlaps_r3), k, moe),
+        float(np.mean(gaps)) if gaps else float("nan"),
+        float(np.mean(gaps_r3)) if gaps_r3 else float("nan"),
+        len(gaps),
+    )
+
+
+def _token_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """``lp[p]`` = log-prob of token p given tokens ``< p`` (``lp[0] = 0``), fp32, on the CPU."""
+    logits = model(input_ids=ids, use_cache=False).logits[0]
+    picked = torch.log_softmax(logits[:-1].float(), -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    return torch.cat([picked.new_zeros(1), picked]).cpu()

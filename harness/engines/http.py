@@ -1,0 +1,159 @@
+"""The engines' HTTP payloads: request bodies that ask for routed experts, and response decoders.
+
+- vLLM (OpenAI ``/v1/completions``): ``choices[i].routed_experts`` is base64 of an ``np.save`` .npy
+  on 0.22–0.26 (``vllm_completion_trace``); 0.21 sends nested int lists, prompt rows at the response
+  level (``prompt_routed_experts``); 0.14–0.20 send nothing over HTTP. The server needs
+  ``--enable-return-routed-experts`` (no per-request switch).
+- SGLang: ``/generate`` → ``meta_info["routed_experts"]`` (``sglang_generate_trace``); OpenAI
+  endpoints → response-level ``sglext.routed_experts`` (``sglang_openai_trace``); both base64 of
+  raw little-endian int32. The request needs ``return_routed_experts: true`` and the server
+  ``--enable-return-routed-experts``.
+
+Every decoder takes the parsed JSON (a dict) and returns a canonical ``RoutingTrace`` through the
+conventions registry; a missing field is a ``ConventionError`` naming it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from harness.conventions import ModelSpec, decode_sglang_meta, decode_vllm_021, decode_vllm_http, resolve
+from harness.errors import ConventionError
+from harness.trace import RoutingTrace
+
+__all__ = [
+    "sglang_generate_request",
+    "sglang_generate_trace",
+    "sglang_openai_trace",
+    "vllm_completion_request",
+    "vllm_completion_trace",
+]
+
+
+def _get(mapping: object, key: str | int, where: str) -> Any:
+    try:
+        return mapping[key]  # type: ignore[index]
+    except (KeyError, IndexError, TypeError):
+        raise ConventionError(f"{where}: missing; expected it in the response") from None
+
+
+# --- vLLM ----------------------------------------------------------------------------------------
+
+
+def vllm_completion_request(
+    prompt_token_ids: Sequence[int],
+    max_tokens: int,
+    *,
+    temperature: float = 0.0,
+    start: int = 0,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A ``/v1/completions`` body from token ids that also returns the sampled token ids and log-probs."""
+    body: dict[str, Any] = {
+        "prompt": [int(t) for t in prompt_token_ids],
+        "max_tokens": int(max_tokens),
+        "temperature": temperature,
+        "ignore_eos": True,
+        "logprobs": 0,
+        "return_token_ids": True,
+    }
+    if start:
+        body["routed_experts_prompt_start"] = int(start)
+    body.update(extra)
+    return body
+
+
+def vllm_completion_trace(
+    response: Mapping[str, Any],
+    *,
+    model: ModelSpec,
+    prompt_len: int,
+    response_len: int | None = None,
+    index: int = 0,
+    start: int = 0,
+    version: str | None = None,
+) -> RoutingTrace:
+    """``choices[index].routed_experts`` of a vLLM completion response as a canonical trace.
+
+    ``response_len`` defaults to ``len(choices[index].token_ids)`` (``return_token_ids``) or, for a
+    single choice, ``usage.completion_tokens``. ``version`` is the server's vLLM version (None:
+    0.22–0.26, base64 .npy); 0.21's nested lists are read with the response-level
+    ``prompt_routed_experts``.
+    """
+    choice = _get(_get(response, "choices", "choices"), index, f"choices[{index}]")
+    if response_len is None:
+        token_ids = choice.get("token_ids") if isinstance(choice, Mapping) else None
+        if token_ids is not None:
+            response_len = len(token_ids)
+        elif len(response["choices"]) == 1:
+            response_len = int(
+                _get(_get(response, "usage", "usage"), "completion_tokens", "usage.completion_tokens")
+            )
+        else:
+            raise ConventionError(
+                f"choices[{index}].token_ids: missing; expected it (request return_token_ids) or response_len"
+            )
+    field = choice.get("routed_experts") if isinstance(choice, Mapping) else None
+    if version is not None and resolve("vllm", version).name == "vllm-0.21":
+        prompt_rows = response.get("prompt_routed_experts")
+        if start:
+            raise ConventionError(f"vllm {version}: start: 0.21 has no prompt skip; expected 0, got {start}")
+        return decode_vllm_021(
+            prompt_rows, field, model=model, prompt_len=prompt_len, response_len=response_len, version=version
+        )
+    return decode_vllm_http(
+        field, model=model, prompt_len=prompt_len, response_len=response_len, start=start, version=version
+    )
+
+
+# --- SGLang --------------------------------------------------------------------------------------
+
+
+def sglang_generate_request(
+    input_ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0, start: int = 0, **extra: Any
+) -> dict[str, Any]:
+    """A ``/generate`` body from token ids that returns routed experts and log-probs."""
+    body: dict[str, Any] = {
+        "input_ids": [int(t) for t in input_ids],
+        "sampling_params": {
+            "max_new_tokens": int(max_new_tokens),
+            "temperature": temperature,
+            "ignore_eos": True,
+        },
+        "return_logprob": True,
+        "return_routed_experts": True,
+    }
+    if start:
+        body["routed_experts_start_len"] = int(start)
+    body.update(extra)
+    return body
+
+
+def sglang_generate_trace(
+    response: Mapping[str, Any], *, model: ModelSpec, start: int = 0, version: str | None = None
+) -> RoutingTrace:
+    """``meta_info["routed_experts"]`` of a ``/generate`` response; lengths from ``meta_info``
+    (``prompt_tokens``, ``completion_tokens``)."""
+    meta = _get(response, "meta_info", "meta_info")
+    payload = _get(meta, "routed_experts", 'meta_info["routed_experts"]')
+    prompt_len = int(_get(meta, "prompt_tokens", "meta_info.prompt_tokens"))
+    response_len = int(_get(meta, "completion_tokens", "meta_info.completion_tokens"))
+    return decode_sglang_meta(
+        payload, model=model, prompt_len=prompt_len, response_len=response_len, start=start, version=version
+    )
+
+
+def sglang_openai_trace(
+    response: Mapping[str, Any], *, model: ModelSpec, start: int = 0, version: str | None = None
+) -> RoutingTrace:
+    """Response-level ``sglext.routed_experts`` of an SGLang OpenAI-endpoint response (one choice);
+    lengths from ``usage``."""
+    sglext = _get(response, "sglext", "sglext")
+    payload = _get(sglext, "routed_experts", "sglext.routed_experts")
+    usage = _get(response, "usage", "usage")
+    prompt_len = int(_get(usage, "prompt_tokens", "usage.prompt_tokens"))
+    response_len = int(_get(usage, "completion_tokens", "usage.completion_tokens"))
+    return decode_sglang_meta(
+        payload, model=model, prompt_len=prompt_len, response_len=response_len, start=start, version=version
+    )

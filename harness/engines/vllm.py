@@ -1,0 +1,252 @@
+"""vLLM as the inference engine: offline rollouts that return canonical routing traces (FACTS §1).
+
+``VLLMEngine(checkpoint)`` starts ``vllm.LLM(model=dir, enable_return_routed_experts=True,
+skip_tokenizer_init=True, …)`` on the harness's tiny checkpoint, generates from token ids
+(``TokensPrompt``) and decodes each ``CompletionOutput.routed_experts`` with the convention of the
+installed vLLM (``resolve("vllm", installed_version())``): an ndarray on 0.14–0.20, the prompt/generated
+split on 0.21 (``RequestOutput.prompt_routed_experts``), uint8/uint16 with
+``SamplingParams.routed_experts_prompt_start`` on 0.22–0.26. A version no convention covers is a
+``ConventionError`` at construction, before the engine starts.
+
+vLLM is imported lazily: importing this module never needs it; ``VLLMEngine`` raises
+``EngineUnavailable`` naming what is missing. ``decode_request_output`` is the pure decoding step
+(tested here on objects shaped like vLLM's).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import importlib.metadata
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from harness.conventions import VLLM_0_21, Convention, ModelSpec, resolve
+from harness.engines.checkpoint import (
+    EngineRollout,
+    EngineUnavailable,
+    SplicedRollout,
+    TinyCheckpoint,
+    multi_turn,
+    partial_rollout,
+)
+from harness.errors import ConventionError
+
+ENGINE = "vllm"
+DISTRIBUTION = "vllm"
+
+
+def installed_version() -> str | None:
+    """The installed vLLM's version (``importlib.metadata``), or None when it is not installed."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def convention(version: str | None = None) -> Convention:
+    """The convention of ``version`` (default: the installed vLLM); ``ConventionError`` if none covers it."""
+    version = version or installed_version()
+    if version is None:
+        raise EngineUnavailable(
+            "vllm: not installed (pip install 'routing-replay-harness[vllm]'); no version to resolve"
+        )
+    return resolve(ENGINE, version)
+
+
+def _import_vllm() -> Any:
+    if installed_version() is None:
+        raise EngineUnavailable("vllm: vLLM is not installed (extra 'vllm'); the vLLM adapter cannot start")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise EngineUnavailable("vllm: no CUDA device on this machine; the vLLM adapter needs a GPU")
+    return importlib.import_module("vllm")
+
+
+def _logprobs(completion: Any, tokens: Sequence[int]) -> tuple[float, ...] | None:
+    """The sampled tokens' log-probs from ``CompletionOutput.logprobs`` (``list[dict[id, Logprob]]``)."""
+    entries = getattr(completion, "logprobs", None)
+    if entries is None:
+        return None
+    out = []
+    for position, (entry, token) in enumerate(zip(entries, tokens, strict=True)):
+        if entry is None or token not in entry:
+            raise ConventionError(
+                f"vllm: CompletionOutput.logprobs[{position}]: no entry for the sampled token {token}"
+            )
+        value = entry[token]
+        out.append(float(getattr(value, "logprob", value)))
+    return tuple(out)
+
+
+def decode_request_output(
+    output: Any,
+    *,
+    conv: Convention,
+    model: ModelSpec,
+    version: str,
+    start: int = 0,
+    index: int = 0,
+) -> EngineRollout:
+    """One ``RequestOutput`` (its ``outputs[index]``) as an ``EngineRollout`` with a canonical trace.
+
+    The payload is read where ``conv`` says: ``CompletionOutput.routed_experts``, plus
+    ``RequestOutput.prompt_routed_experts`` on 0.21. Row count, dtype and layer-axis width are
+    checked by the convention (``ConventionError`` names the field and the expected value).
+    """
+    if conv.engine != ENGINE:
+        raise ConventionError(f"convention: {conv.name} is not a vLLM convention")
+    completion = output.outputs[index]
+    prompt = tuple(int(t) for t in output.prompt_token_ids)
+    tokens = tuple(int(t) for t in completion.token_ids)
+    raw = completion.routed_experts
+    if conv is VLLM_0_21:
+        payload: Any = (getattr(output, "prompt_routed_experts", None), raw)
+        raw = payload[0] if raw is None else raw
+    else:
+        payload = raw
+    if hasattr(payload, "detach") and hasattr(payload, "cpu"):  # a torch tensor: the ids as numpy
+        payload = payload.detach().cpu().numpy()
+    trace = conv.decode(
+        payload, model=model, prompt_len=len(prompt), response_len=len(tokens), start=start, version=version
+    )
+    raw_dtype = str(np.asarray(raw).dtype) if isinstance(raw, np.ndarray) else type(raw).__name__
+    return EngineRollout(
+        prompt,
+        tokens,
+        _logprobs(completion, tokens),
+        trace,
+        str(getattr(completion, "finish_reason", None) or "abort"),
+        raw_dtype,
+        getattr(output, "num_cached_tokens", None),
+    )
+
+
+class VLLMEngine:
+    """Offline vLLM on a harness checkpoint, returning canonical traces.
+
+    Args:
+        checkpoint: the model (``write_checkpoint``).
+        version: the vLLM version whose convention decodes payloads (default: the installed one).
+        seed: the engine seed.
+        enable_prefix_caching: vLLM's automatic prefix caching.
+        max_num_batched_tokens: the scheduler's token budget per step; a prompt longer than it is
+            prefilled in chunks (chunked prefill).
+        engine_kwargs: further ``vllm.LLM`` arguments.
+    """
+
+    name = ENGINE
+
+    def __init__(
+        self,
+        checkpoint: TinyCheckpoint,
+        *,
+        version: str | None = None,
+        seed: int = 0,
+        enable_prefix_caching: bool = True,
+        max_num_batched_tokens: int | None = 64,
+        gpu_memory_utilization: float = 0.3,
+        enforce_eager: bool = True,
+        max_model_len: int = 1024,
+        **engine_kwargs: Any,
+    ) -> None:
+        self.version = version or installed_version() or ""
+        self.convention = convention(self.version or None)  # refuse unknown versions before starting
+        vllm = _import_vllm()
+        self.checkpoint = checkpoint
+        kwargs: dict[str, Any] = dict(
+            model=str(checkpoint.path),
+            enable_return_routed_experts=True,
+            skip_tokenizer_init=True,
+            seed=seed,
+            dtype=checkpoint.dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching,
+            max_model_len=max_model_len,
+        )
+        if max_num_batched_tokens is not None:
+            kwargs.update(
+                enable_chunked_prefill=True,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=min(16, max_num_batched_tokens),
+            )
+        kwargs.update(engine_kwargs)
+        self.llm = vllm.LLM(**kwargs)
+
+    def sampling_params(self, max_tokens: int, *, temperature: float, seed: int | None, start: int) -> Any:
+        from vllm import SamplingParams
+
+        extra: dict[str, Any] = {}
+        if start:
+            if self.convention.start_param is None:
+                raise ConventionError(
+                    f"{self.convention.name}: start: vLLM {self.version} has no routed_experts_prompt_start; "
+                    f"expected start 0, got {start}"
+                )
+            extra["routed_experts_prompt_start"] = start
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
+            logprobs=0,
+            ignore_eos=True,
+            detokenize=False,
+            **extra,
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: int,
+        *,
+        temperature: float = 0.0,
+        seed: int | None = 0,
+        start: int = 0,
+    ) -> list[EngineRollout]:
+        """Generate ``max_tokens`` after each prompt (token ids); greedy by default."""
+        from vllm.inputs import TokensPrompt
+
+        params = self.sampling_params(max_tokens, temperature=temperature, seed=seed, start=start)
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts], params, use_tqdm=False
+        )
+        return [
+            decode_request_output(
+                o, conv=self.convention, model=self.checkpoint.spec, version=self.version, start=start
+            )
+            for o in outputs
+        ]
+
+    def generate_one(self, context: Sequence[int], max_tokens: int) -> EngineRollout:
+        return self.generate([context], max_tokens)[0]
+
+    def partial_rollout(self, prompt: Sequence[int], budgets: Sequence[int]) -> SplicedRollout:
+        """Abort/resume by budget: resubmit ``prompt ⊕ partial response`` for each budget, splice."""
+        return partial_rollout(self.generate_one, prompt, budgets)
+
+    def multi_turn(self, prompt: Sequence[int], turns: Sequence[tuple[Sequence[int], int]]) -> SplicedRollout:
+        """Append each turn's tool tokens, generate, splice."""
+        return multi_turn(self.generate_one, prompt, turns)
+
+    def close(self) -> None:
+        """Shut the engine down and free the GPU memory it held."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is None:
+            return
+        shutdown = getattr(getattr(llm, "llm_engine", None), "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        del llm
+        gc.collect()
+        try:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+        except Exception:
+            import torch
+
+            torch.cuda.empty_cache()

@@ -1,0 +1,309 @@
+"""``rrh gate``: baseline documents, the comparison, atomic writes, and the gate on reference and hf."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness import baseline as bl
+from harness import gate
+
+ROOT = Path(__file__).resolve().parent.parent
+BASELINES = ROOT / "fixtures" / "baselines"
+
+
+def _doc(**changes: Any) -> dict[str, Any]:
+    doc = bl.new_baseline(
+        "vllm",
+        "0.22.0",
+        convention={"dtype": "uint8", "row_rule": "prompt + generated − 1", "layer_axis": "decoder"},
+        invariants={
+            "test_a.py::test_one": "passed",
+            "test_a.py::test_two": "failed",
+            "test_b.py::test_x": "skipped",
+        },
+        metrics={
+            "trainer.disagreement": bl.metric(0.04, 0.02, "lower"),
+            "lab.no_replay.disagreement": bl.metric(0.025, 0.01, "equal"),
+            "engine.same_tokens": bl.metric(1.0, 0.0, "higher"),
+        },
+        observations={"families": {"qwen3_moe": {"returns": "tuple[3]"}}},
+    )
+    for dotted, value in changes.items():
+        *path, last = dotted.split("__")
+        target = doc
+        for key in path:
+            target = target[key]
+        target[last] = value
+    return doc
+
+
+# --------------------------------------------------------------------------------------------
+# the comparison
+# --------------------------------------------------------------------------------------------
+
+
+def test_identical_documents_pass() -> None:
+    report = bl.compare(_doc(), _doc())
+    assert report.ok and not report.notes, report.format()
+
+
+def test_a_new_engine_version_alone_is_a_note() -> None:
+    report = bl.compare(_doc(), _doc(version="0.23.0"))
+    assert report.ok, report.format()
+    assert report.notes == ["version: 0.22.0 → 0.23.0"]
+
+
+def test_a_convention_change_is_a_regression_with_a_readable_diff() -> None:
+    observed = _doc(version="0.23.0")
+    observed["convention"]["dtype"] = "int32"
+    report = bl.compare(_doc(), observed)
+    assert not report.ok
+    assert report.regressions == [
+        'convention: Value of convention[\'dtype\'] changed from "uint8" to "int32".'
+    ]
+
+
+def test_metric_worse_than_its_tolerance_names_value_and_expectation() -> None:
+    observed = _doc()
+    observed["metrics"]["trainer.disagreement"]["value"] = 0.07
+    observed["metrics"]["lab.no_replay.disagreement"]["value"] = 0.01
+    observed["metrics"]["engine.same_tokens"]["value"] = 0.0
+    report = bl.compare(_doc(), observed)
+    assert sorted(report.regressions) == [
+        "metrics.engine.same_tokens: value 0, expected at least 1.0 − 0.0",
+        "metrics.lab.no_replay.disagreement: value 0.01, expected 0.025 ± 0.01",
+        "metrics.trainer.disagreement: value 0.07, expected at most 0.04 + 0.02",
+    ], report.format()
+
+
+def test_metric_within_tolerance_or_better_is_a_note() -> None:
+    observed = _doc()
+    observed["metrics"]["trainer.disagreement"]["value"] = 0.001  # better
+    observed["metrics"]["lab.no_replay.disagreement"]["value"] = 0.03  # within ± 0.01
+    report = bl.compare(_doc(), observed)
+    assert report.ok, report.format()
+    assert len(report.notes) == 2
+
+
+def test_invariant_outcomes() -> None:
+    observed = _doc()
+    observed["invariants"] = {
+        "test_a.py::test_one": "skipped",  # passed → skipped: coverage lost
+        "test_a.py::test_two": "passed",  # failed → passed: a note
+        "test_c.py::test_new": "failed",  # new and failing
+    }
+    report = bl.compare(_doc(), observed)
+    assert "invariants[test_a.py::test_one]: skipped, expected passed" in report.regressions
+    assert "invariants[test_c.py::test_new]: new test, failed, expected passed" in report.regressions
+    assert "invariants[test_a.py::test_two]: failed → passed" in report.notes
+    assert "invariants[test_b.py::test_x]: no longer collected (was skipped)" in report.notes
+    observed["invariants"] = {}
+    assert (
+        "invariants[test_a.py::test_one]: not run, expected passed"
+        in bl.compare(_doc(), observed).regressions
+    )
+
+
+def test_a_missing_metric_and_another_engine_are_regressions() -> None:
+    observed = _doc()
+    del observed["metrics"]["trainer.disagreement"]
+    assert bl.compare(_doc(), observed).regressions == [
+        "metrics.trainer.disagreement: not measured, expected 0.04"
+    ]
+    assert "wrong baseline file" in bl.compare(_doc(), _doc(engine="sglang")).regressions[0]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"format": "other"}, "format: expected 'rrh.gate_baseline'"),
+        ({"format_version": 2}, "format_version: expected 1, got 2"),
+        ({"invariants__t": "crashed"}, r"invariants\['t'\]: expected one of"),
+        (
+            {"metrics__m": {"value": 1.0, "tolerance": -1, "better": "lower"}},
+            r"metrics\['m'\].tolerance: expected a non-negative",
+        ),
+        (
+            {"metrics__m": {"value": 1.0, "tolerance": 0, "better": "up"}},
+            r"metrics\['m'\].better: expected one of",
+        ),
+        ({"convention": []}, "convention: expected an object"),
+    ],
+)
+def test_malformed_baselines_name_the_field(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(bl.BaselineError, match=message):
+        bl.validate_baseline(_doc(**change))
+
+
+# --------------------------------------------------------------------------------------------
+# files: atomic writes, the command
+# --------------------------------------------------------------------------------------------
+
+
+def test_save_is_atomic_and_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "baselines" / "vllm.json"
+    bl.save_baseline(_doc(), path)
+    assert bl.load_baseline(path) == _doc()
+    before = path.read_bytes()
+
+    def broken_dump(*args: Any, **kwargs: Any) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(bl.json, "dump", broken_dump)
+    with pytest.raises(OSError, match="disk full"):
+        bl.save_baseline(_doc(version="9"), path)
+    assert path.read_bytes() == before, "a failed write changed the baseline"
+    assert os.listdir(path.parent) == ["vllm.json"], f"left behind: {os.listdir(path.parent)}"
+
+
+def test_nan_metrics_are_stored_as_null() -> None:
+    entry = bl.metric(float("nan"), 0.1)
+    assert entry["value"] is None
+    json.dumps(entry, allow_nan=False)
+
+
+def test_run_gate_update_then_compare_then_regress(tmp_path: Path) -> None:
+    path = tmp_path / "vllm.json"
+    out = io.StringIO()
+    passing = _doc()
+    passing["invariants"] = {k: "passed" for k in passing["invariants"]}
+    assert gate.run_gate("vllm", baseline=path, observed=passing, stream=out) == 2  # no baseline yet
+    assert gate.run_gate("vllm", baseline=path, update=True, observed=passing, stream=out) == 0
+    assert gate.run_gate("vllm", baseline=path, observed={**passing, "version": "0.23.0"}, stream=out) == 0
+    changed = copy.deepcopy(passing)
+    changed["convention"]["layer_axis"] = "moe_ordinal"
+    out = io.StringIO()
+    assert gate.run_gate("vllm", baseline=path, observed=changed, stream=out) == 1
+    text = out.getvalue()
+    assert 'Value of convention[\'layer_axis\'] changed from "decoder" to "moe_ordinal"' in text, text
+    assert "rrh gate: FAILED — 1 regression(s)" in text
+
+
+def test_update_refuses_failing_invariants(tmp_path: Path) -> None:
+    doc = _doc()  # test_two failed
+    assert (
+        gate.run_gate("vllm", baseline=tmp_path / "b.json", update=True, observed=doc, stream=io.StringIO())
+        == 1
+    )
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_add_parser_registers_rrh_gate() -> None:
+    parser = argparse.ArgumentParser(prog="rrh")
+    gate.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["gate", "--engine", "hf", "--baseline", "x.json", "--update", "--no-suites"])
+    assert (args.engine, args.baseline, args.update, args.no_suites, args.func) == (
+        "hf",
+        "x.json",
+        True,
+        True,
+        gate._cmd_gate,
+    )
+    with pytest.raises(SystemExit):
+        parser.parse_args(["gate", "--engine", "tensorrt"])
+
+
+def test_gate_on_an_engine_that_is_not_here_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from harness.engines import vllm
+
+    if vllm.installed_version() is not None:
+        pytest.skip("vLLM is installed here")
+    assert gate.main(["gate", "--engine", "vllm", "--baseline", str(BASELINES / "reference.json")]) == 2
+    assert "cannot observe vllm" in capsys.readouterr().err
+
+
+def test_default_baselines_are_versioned_fixtures() -> None:
+    assert gate.default_baseline("hf") == BASELINES / "hf.json"
+    for engine in ("reference", "hf"):
+        doc = bl.load_baseline(BASELINES / f"{engine}.json")
+        assert doc["engine"] == engine and doc["invariants"], f"{engine}.json: no invariants recorded"
+        assert all(o != "failed" for o in doc["invariants"].values())
+
+
+# --------------------------------------------------------------------------------------------
+# the gate on this machine: reference and hf
+# --------------------------------------------------------------------------------------------
+
+
+def test_reference_gate_passes_against_its_committed_baseline(capsys: pytest.CaptureFixture[str]) -> None:
+    """Convention and mismatch-lab metrics of the reference engine match fixtures/baselines/reference.json."""
+    status = gate.main(["gate", "--engine", "reference", "--no-suites"])
+    out = capsys.readouterr()
+    assert status == 0, out.out + out.err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["reference", "hf"])
+def test_full_gate_passes_against_its_committed_baseline(
+    engine: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The whole gate (suites, metrics, observations) against the committed baseline."""
+    status = gate.main(["gate", "--engine", engine])
+    out = capsys.readouterr()
+    assert status == 0, out.out + out.err
+
+
+FAMILIES = ("qwen3_moe", "deepseek_v3", "llama4_text")
+
+
+@pytest.fixture(scope="module")
+def hf_pair() -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the committed hf baseline restricted to FAMILIES, a fresh observation of them here)."""
+    pytest.importorskip("transformers")
+    committed = bl.load_baseline(BASELINES / "hf.json")
+    observed = gate.observe_hf(suites=False, lab=False, model_types=FAMILIES)
+    base = copy.deepcopy(committed)
+    base["observations"]["families"] = {m: committed["observations"]["families"][m] for m in FAMILIES}
+    base["metrics"] = {k: v for k, v in committed["metrics"].items() if k in observed["metrics"]}
+    base["invariants"] = {}
+    return base, observed
+
+
+@pytest.mark.hf
+def test_hf_families_match_the_committed_baseline(hf_pair: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    base, observed = hf_pair
+    report = bl.compare(base, observed)
+    assert report.ok, report.format()
+    assert observed["observations"]["families"]["deepseek_v3"]["returns"] == "tuple[3]"
+
+
+@pytest.mark.hf
+def test_hf_router_returning_logits_only_fails_the_gate(
+    hf_pair: tuple[dict[str, Any], dict[str, Any]], tmp_path: Path
+) -> None:
+    """A baseline recorded where DeepSeek-V3's router returned logits only (transformers ≤ 5.12) fails."""
+    base, observed = hf_pair
+    edited = copy.deepcopy(base)
+    edited["observations"]["families"]["deepseek_v3"]["returns"] = "tensor"
+    path = tmp_path / "hf.json"
+    bl.save_baseline(edited, path)
+    out = io.StringIO()
+    assert gate.run_gate("hf", baseline=path, observed=observed, suites=False, stream=out) == 1
+    assert (
+        "observations: Value of observations['families']['deepseek_v3']['returns'] changed from "
+        '"tensor" to "tuple[3]".' in out.getvalue()
+    ), out.getvalue()
+
+
+@pytest.mark.hf
+def test_hf_weight_rule_change_fails_the_gate(hf_pair: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    """A baseline where Qwen3-MoE matched other rules, or the softmax rule moved other logits, fails."""
+    base, observed = hf_pair
+    edited = copy.deepcopy(base)
+    edited["observations"]["families"]["qwen3_moe"]["bit_exact_rules"] = ["sigmoid_grouped"]
+    edited["metrics"]["hf.deepseek_v3.softmax_rule_logit_move"]["value"] = 0.0
+    edited["metrics"]["hf.deepseek_v3.softmax_rule_logit_move"]["tolerance"] = 1e-6
+    report = bl.compare(edited, observed)
+    text = report.format()
+    assert "observations['families']['qwen3_moe']['bit_exact_rules']" in text, text
+    assert any(
+        r.startswith("metrics.hf.deepseek_v3.softmax_rule_logit_move: value") for r in report.regressions
+    ), text
