@@ -18,7 +18,7 @@ R3 must make the disagreement exactly 0 and shrink the gap on the flipped tokens
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -55,6 +55,8 @@ class LabArm:
     routing: RoutingComparison
     gap: LogprobGap
     gap_on_flipped: LogprobGap
+    abs_delta: np.ndarray | None = field(default=None, repr=False, compare=False)
+    """|Δ log-prob| of every response token, in (sample, position) order (for histograms)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -76,6 +78,8 @@ class LabResult:
     with_r3: LabArm
     flipped_tokens: int
     response_tokens: int
+    flipped_mask: np.ndarray | None = field(default=None, repr=False, compare=False)
+    """Per response token, aligned with ``LabArm.abs_delta``: True where its routing had flipped."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -181,9 +185,12 @@ def lab_result(
     infer[:, cfg.prompt_len :] = infer_logprobs
 
     def arm(name: str, lp: torch.Tensor, routing: RoutingComparison) -> LabArm:
-        return LabArm(
-            name, routing, logprob_gap(lp, infer, response.numpy()), logprob_gap(lp, infer, flipped.numpy())
+        gap, gap_on_flipped = (
+            logprob_gap(lp, infer, response.numpy()),
+            logprob_gap(lp, infer, flipped.numpy()),
         )
+        abs_delta = (lp.double() - infer.double()).abs()[response].numpy()
+        return LabArm(name, routing, gap, gap_on_flipped, abs_delta)
 
     return LabResult(
         cfg,
@@ -191,6 +198,7 @@ def lab_result(
         arm("R3", r3[1], with_r3),
         int(flipped.sum()),
         int(response.sum()),
+        flipped[response].numpy(),
     )
 
 

@@ -157,7 +157,9 @@ def test_recompute_replays_the_forward_targets(subject: Subject, family: str) ->
     loss_first.backward()
     handle.disarm()
     got = [p.grad for p in model.parameters() if p.grad is not None]
-    assert len(got) == len(expected)
+    assert len(got) == len(expected), (
+        f"{family}: {len(got)} parameters got gradients, expected {len(expected)}"
+    )
     for g, e in zip(got, expected, strict=True):
         assert torch.equal(g, e), f"{family}: recompute replayed other targets than the forward"
 

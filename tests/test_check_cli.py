@@ -1,0 +1,171 @@
+"""``rrh check``: what a framework author sees in the terminal, the exit status, the HTML/JSON files.
+
+The runs here select one small suite (``--suite training`` / one splice test) and replace the
+mismatch lab by a prebuilt result, so the whole file takes a few seconds.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness import cli
+from harness.check import CheckOutcome
+from harness.report import Progress
+from harness.report_doc import schema, validate
+from tests.test_report_doc import fake_lab
+
+FAST = ["--pytest-args", "--hypothesis-profile ci"]
+
+
+@pytest.fixture
+def quick_lab(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    """Replace the mismatch lab by a prebuilt result; record which lab was asked for."""
+    calls: list[tuple[str, Any]] = []
+
+    def run_lab(kind: str, subject: Any, family: str | None) -> Any:
+        calls.append((kind, family))
+        return fake_lab()[0]
+
+    monkeypatch.setattr(cli, "_run_lab", run_lab)
+    return calls
+
+
+@pytest.mark.parametrize(("engine", "name"), [("vllm", "vLLM"), ("sglang", "SGLang")])
+def test_gpu_engines_say_they_need_a_gpu_runner_and_exit_2(
+    engine: str, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["check", "--engine", engine]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert f"the {name} engine suites need a GPU runner with {name} installed" in err
+    assert "Traceback" not in err and "Nothing was checked" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--family", "no_such_family"], "neither a transformers model type"),
+        (["--engine", "hf", "--family", "sigmoid_grouped"], "is a router family"),
+        (["--engine", "reference", "--family", "mixtral"], "is a transformers model type"),
+        (["--subject", "no_such_module:X"], "cannot import module"),
+    ],
+)
+def test_usage_errors_are_one_line_and_exit_2(
+    argv: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["check", *argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+
+
+def test_plan_of_the_default_run_and_of_family(quick_lab: Any) -> None:
+    """No arguments: reference suites + transformers qwen3_moe cases + the reference lab."""
+    args = cli.build_parser().parse_args(["check"])
+    runs, labs, notes = cli._check_plan(args)
+    assert [r["name"] for r in runs] == ["reference suites", "transformers suites (qwen3_moe)"]
+    assert runs[0]["select"] == "not hf and (not slow and not gpu and not distributed)"
+    assert runs[1]["keyword"] == "qwen3_moe" and runs[1]["paths"][0].endswith("test_hf.py")
+    assert labs == ["reference"] and any("--distributed" in n for n in notes)
+    args = cli.build_parser().parse_args(["check", "--engine", "hf", "--family", "mixtral"])
+    runs, labs, _ = cli._check_plan(args)
+    assert [(r["name"], r["keyword"]) for r in runs] == [("transformers suites (mixtral)", "mixtral")]
+    assert labs == ["hf"]
+    args = cli.build_parser().parse_args(["check", "--family", "sigmoid_grouped", "--distributed"])
+    runs, labs, notes = cli._check_plan(args)
+    assert cli._lab_config("reference", args.family).family == "sigmoid_grouped"
+    assert runs[0]["select"] == "not hf and (not slow and not gpu)" and not notes
+
+
+def test_passing_run_prints_header_legend_table_lab_and_verdict_and_writes_reports(
+    quick_lab: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    html, js = tmp_path / "out" / "report.html", tmp_path / "report.json"
+    argv = ["check", "--engine", "reference", "--suite", "training", "--html", str(html), "--json", str(js)]
+    assert cli.main([*argv, *FAST]) == 0
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[0].startswith("rrh check ") and "reference suites + reference mismatch lab" in lines[0]
+    assert "against subject 'reference' (harness.subjects.reference:REFERENCE)" in lines[0]
+    assert "legend:" in out and "  PASS  " in out and "  FAIL  " in out and "  skip  " in out
+    assert "PASS    training" in out and "4 passed, 0 failed, 0 skipped" in out
+    assert "mismatch lab:" in out
+    assert "verdict: PASS" in out and "behaves as specified" in out
+    # Progress went to stderr, one plain line per test (stderr is not a TTY here).
+    progress = [ln for ln in err.splitlines() if ln.startswith("[")]
+    assert progress[0].startswith("[1/4] training PASS: ") and progress[3].startswith("[4/4] ")
+    assert quick_lab == [("reference", None)]
+    doc = json.loads(js.read_text())
+    validate(doc, schema())
+    assert doc["verdict"]["status"] == "pass" and doc["counts"]["passed"] == 4
+    assert doc["command"].startswith("rrh check --engine reference --suite training")
+    page = html.read_text()
+    assert "<svg" in page and "training" in page and doc["verdict"]["text"] in page.replace("&#x27;", "'")
+
+
+def test_failing_subject_shows_the_counterexample_in_words_and_exits_1(
+    quick_lab: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = "harness.mutants.registry:duplication-on-resume"
+    one_test = "--hypothesis-profile ci -k test_spliced_trace_has_one_row_per_fed_position"
+    argv = ["check", "--subject", spec, "--engine", "reference", "--suite", "splice", "--no-lab"]
+    assert cli.main([*argv, "--pytest-args", one_test, "--json", str(tmp_path / "r.json")]) == 1
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    row = next(i for i, ln in enumerate(lines) if ln.startswith("FAIL    splice"))
+    assert "The spliced trace has P + Σa − 1 rows" in lines[row]
+    # Under the row, in words: the suite's message (no ``assert`` noise), then the counterexample.
+    detail = " ".join(ln.strip() for ln in lines[row + 1 : row + 8] if ln.startswith(" "))
+    assert detail.startswith("↳ prompt of ") and "assert " not in detail
+    assert re.search(r"spliced trace has \d+ rows, expected P \+ Σa − 1 = \d+", detail)
+    rerun = (
+        f"pytest suites/test_splice.py::test_spliced_trace_has_one_row_per_fed_position --rr-subject {spec}"
+    )
+    assert f"rerun a failure on its own:\n  {rerun}" in out
+    assert "verdict: FAIL" in out and "NOT right" in out
+    assert quick_lab == []  # --no-lab
+    doc = json.loads((tmp_path / "r.json").read_text())
+    validate(doc, schema())
+    assert doc["invariants"][0]["result"] == "FAIL" and doc["labs"] == []
+
+
+def test_progress_updates_one_line_in_place_on_a_tty_and_prints_lines_otherwise() -> None:
+    outcome = CheckOutcome("s::t", "splice", "Rows are kept.", "passed", "", 0.1)
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    plain, tty = io.StringIO(), Tty()
+    for stream in (plain, tty):
+        progress = Progress(stream)
+        progress(1, 2, outcome)
+        progress(2, 2, outcome)
+        progress.done()
+    assert plain.getvalue() == "[1/2] splice PASS: Rows are kept.\n[2/2] splice PASS: Rows are kept.\n"
+    assert "\n" not in tty.getvalue() and tty.getvalue().count("\r\x1b[2K") == 3
+    assert "[2/2] splice PASS" in tty.getvalue()
+
+
+def test_a_lab_that_raises_is_a_finding_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def broken_lab(kind: str, subject: Any, family: str | None) -> Any:
+        raise ValueError("targets for 3 MoE layers, the model has 4")
+
+    monkeypatch.setattr(cli, "_run_lab", broken_lab)
+    argv = ["check", "--engine", "reference", "--suite", "training", "--html", str(tmp_path / "r.html")]
+    assert cli.main([*argv, *FAST]) == 1
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    assert (
+        "\nerror: The reference mismatch lab raised ValueError: targets for 3 MoE layers, the model has 4"
+        in out
+    )
+    assert "verdict: FAIL" in out and "the model has 4" in " ".join(out[out.index("verdict:") :].split())
+    assert "the model has 4" in (tmp_path / "r.html").read_text()

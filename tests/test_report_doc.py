@@ -1,0 +1,376 @@
+"""The ``rrh check`` report: failure text in plain words, the JSON document and its schema, the HTML page."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from html.parser import HTMLParser
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+from harness.check import CheckOutcome, reduce_example, split_failure
+from harness.lab import LabArm, LabConfig, LabResult
+from harness.metrics import logprob_gap
+from harness.report_doc import (
+    HIST_EDGES,
+    LabRun,
+    SchemaError,
+    SuiteRun,
+    build_report,
+    histogram,
+    schema,
+    svg_grouped_bars,
+    to_html,
+    to_json,
+    validate,
+)
+from harness.trace import RoutingComparison
+
+# What pytest reports (``reprcrash.message``) for a hypothesis failure of a splice suite.
+SPLICE_CRASH = """AssertionError: prompt of 5 tokens; attempt 1: 0 tool + 0 generated (abort); \
+weights updated; attempt 2: 0 tool + 3 generated (stop): spliced trace has 11 rows, \
+expected P + Σa − 1 = 7 (rows duplicated)
+assert 11 == 7
+(note: 4 other explicit examples also failed with this error; use Verbosity.verbose to view)
+Falsifying example: test_spliced_trace_has_one_row_per_fed_position(
+    subject=Subject(name='mutant:duplication-on-resume',
+     splice=concatenate_payloads,
+     layouts=<module 'reference_impl.layouts' from '/work/main/reference_impl/layouts.py'>),
+    schedule=Schedule(prompt_len=5,
+     attempts=(AttemptSpec(tool_tokens=0,
+       generated=0,
+       weight_update_before=False,
+       finish_reason='abort'),
+      AttemptSpec(tool_tokens=0,
+       generated=3,
+       weight_update_before=True,
+       finish_reason='stop'))),
+    idle_payloads=True,
+    dtype=torch.int64,  # or any other generated value
+)"""
+
+
+# --------------------------------------------------------------------------------------------
+# failure text
+# --------------------------------------------------------------------------------------------
+
+
+def test_failure_message_is_the_suites_own_words_without_assert_noise() -> None:
+    message, example = split_failure(SPLICE_CRASH)
+    assert message.startswith("prompt of 5 tokens; attempt 1: 0 tool + 0 generated (abort)")
+    assert message.endswith("spliced trace has 11 rows, expected P + Σa − 1 = 7 (rows duplicated)")
+    assert "assert" not in message and "AssertionError" not in message and "\n" not in message
+    # The schedule is already in the message: the example keeps only what the message does not say.
+    assert example == "idle_payloads=True; dtype=torch.int64"
+
+
+def test_falsifying_example_is_reduced_to_words() -> None:
+    text = SPLICE_CRASH[SPLICE_CRASH.index("Falsifying example") :]
+    words = reduce_example(text)
+    assert "subject" not in words and "<module" not in words and "AttemptSpec" not in words
+    assert words.startswith(
+        "schedule: prompt of 5 tokens; attempt 1: 0 tool + 0 generated (abort); weights updated; "
+        "attempt 2: 0 tool + 3 generated (stop)"
+    )
+    assert words.endswith("idle_payloads=True; dtype=torch.int64")
+
+
+def test_example_of_a_tuple_holding_a_schedule_and_of_plain_values() -> None:
+    text = """Falsifying example: test_missing(
+    subject=Subject(name='x'),
+    case=(Schedule(prompt_len=4,
+      attempts=(AttemptSpec(tool_tokens=0,
+        generated=3,
+        weight_update_before=False,
+        finish_reason='abort'),)),
+     0),
+    rows=[1, 2,
+     3],
+)"""
+    assert reduce_example(text) == (
+        "case: (prompt of 4 tokens; attempt 1: 0 tool + 3 generated (abort), 0); rows=[1, 2, 3]"
+    )
+    said = "prompt of 4 tokens; attempt 1: 0 tool + 3 generated (abort): boom"
+    assert reduce_example(text, already_said=said) == "case: (as above, 0); rows=[1, 2, 3]"
+
+
+def test_a_short_example_on_one_line_is_reduced_too() -> None:
+    text = (
+        "Falsifying example: test_x(subject=Subject(name='x', layouts=<module 'a'>), seed=0, pair=(1, 'a,b'))"
+    )
+    assert reduce_example(text) == "seed=0; pair=(1, 'a,b')"
+
+
+def test_other_exceptions_keep_their_type_and_bare_asserts_stay_recognisable() -> None:
+    assert split_failure("ValueError: 3 rows for 2 positions\nmore") == (
+        "ValueError: 3 rows for 2 positions",
+        "",
+    )
+    message, _ = split_failure("AssertionError: assert False\n +  where False = f()")
+    assert message == "assert False"  # failure_summary replaces it with the failing source line
+
+
+def test_run_suites_reports_a_mutants_counterexample_in_words() -> None:
+    """End to end through pytest: one splice test against the duplication mutant."""
+    from harness.check import run_suites, suites_dir
+
+    seen: list[tuple[int, int]] = []
+    outcomes, _ = run_suites(
+        "harness.mutants.registry:duplication-on-resume",
+        paths=[str(suites_dir() / "test_splice.py")],
+        keyword="test_spliced_trace_has_one_row_per_fed_position",
+        extra=["--hypothesis-profile", "ci"],
+        progress=lambda done, total, _o: seen.append((done, total)),
+    )
+    assert [o.outcome for o in outcomes] == ["failed"]
+    failure = outcomes[0]
+    assert re.search(r"spliced trace has \d+ rows, expected P \+ Σa − 1 = \d+", failure.detail)
+    assert failure.detail.startswith("prompt of ") and "assert " not in failure.detail
+    assert failure.invariant.startswith("The spliced trace has P + Σa − 1 rows")
+    assert "subject" not in failure.example
+    assert failure.capabilities == ("splice",)
+    assert seen == [(1, 1)]
+
+
+# --------------------------------------------------------------------------------------------
+# the document
+# --------------------------------------------------------------------------------------------
+
+
+def fake_lab(flips: bool = True) -> tuple[LabResult, dict[str, np.ndarray], np.ndarray]:
+    """A small LabResult built from real parts (no model run): 3 MoE layers, top-2; its |Δ| and flips."""
+    rng = np.random.default_rng(0)
+    rows, layers, k = 40, 3, 2
+    overlap = np.full((rows, layers), k, dtype=np.uint8)
+    if flips:
+        overlap[::7, 1] = 1
+        overlap[::5, 2] = 0
+    without = RoutingComparison(overlap, k, (1, 2, 3))
+    r3 = RoutingComparison(np.full((rows, layers), k, dtype=np.uint8), k, (1, 2, 3))
+    infer = -rng.uniform(0.1, 3.0, size=(4, 10))
+    train_native = infer + rng.normal(0, 3e-2, size=infer.shape)
+    train_r3 = infer + rng.normal(0, 3e-3, size=infer.shape)
+    response = np.zeros((4, 10), dtype=bool)
+    response[:, 4:] = True
+    flipped = response & (rng.uniform(size=(4, 10)) < (0.3 if flips else 0.0))
+
+    def arm(name: str, train: np.ndarray, routing: RoutingComparison) -> LabArm:
+        return LabArm(name, routing, logprob_gap(train, infer, response), logprob_gap(train, infer, flipped))
+
+    cfg = LabConfig(batch=4, prompt_len=4, response_len=6, num_layers=4, num_experts=8, top_k=k)
+    result = LabResult(
+        cfg, arm("no replay", train_native, without), arm("R3", train_r3, r3), int(flipped.sum()), 24
+    )
+    deltas = {"no replay": np.abs(train_native - infer)[response], "R3": np.abs(train_r3 - infer)[response]}
+    return result, deltas, flipped[response]
+
+
+ENV = {
+    "python": "3.11.7",
+    "platform": "Linux-x86_64",
+    "harness": "0.1.0",
+    "torch": "2.13.0+cpu",
+    "numpy": "2.4.6",
+    "transformers": None,
+    "hypothesis": "6.155.2",
+    "pytest": "9.0.3",
+    "engines": {"vllm": None, "sglang": None, "megatron-core": None},
+    "cpu": "test CPU",
+    "cores": 2,
+    "gpu": None,
+}
+
+
+def outcomes(failing: bool) -> list[CheckOutcome]:
+    out = [
+        CheckOutcome("suites/test_splice.py::test_a", "splice", "Rows are kept.", "passed", "", 0.1),
+        CheckOutcome(
+            "suites/test_replay.py::test_b", "replay", "Replay works.", "skipped",
+            "subject 'x' does not provide 'install_replay'", 0.0,
+        ),
+    ]  # fmt: skip
+    if failing:
+        out.append(
+            CheckOutcome(
+                "suites/test_splice.py::test_rows[x]",
+                "splice",
+                "The spliced trace has P + Σa − 1 rows <after any schedule> & more.",
+                "failed",
+                "prompt of 2 tokens; attempt 1: 0 tool + 2 generated (stop): "
+                "spliced trace has 9 rows, expected 6",
+                0.3,
+                example="idle_payloads=True",
+                capabilities=("splice",),
+            )
+        )
+    return out
+
+
+def make_doc(failing: bool = False, with_deltas: bool = True, flips: bool = True) -> dict[str, Any]:
+    lab, deltas, flipped = fake_lab(flips)
+    return build_report(
+        subject_spec="my_pkg.sub:SUBJECT",
+        subject_name="my-framework",
+        capabilities=["splice"],
+        engine="reference",
+        family=None,
+        runs=[SuiteRun("reference suites", "reference", "suites/ -m 'not hf'", outcomes(failing), 1.5)],
+        labs=[
+            LabRun("reference", lab, 0.7, deltas if with_deltas else None, flipped if with_deltas else None)
+        ],
+        command="rrh check --subject my_pkg.sub:SUBJECT",
+        wall_seconds=2.25,
+        notes=["distributed suites not run: add --distributed."],
+        env=ENV,
+    )
+
+
+def test_the_report_follows_its_schema_and_the_validator_rejects_violations() -> None:
+    for doc in (make_doc(), make_doc(failing=True), make_doc(with_deltas=False, flips=False)):
+        validate(json.loads(to_json(doc)), schema())
+    doc = json.loads(to_json(make_doc(failing=True)))
+    broken = copy.deepcopy(doc)
+    del broken["verdict"]
+    with pytest.raises(SchemaError, match=r"required property 'verdict'"):
+        validate(broken, schema())
+    broken = copy.deepcopy(doc)
+    broken["invariants"][0]["result"] = "OK"
+    with pytest.raises(SchemaError, match=r"\$\.invariants\[0\]\.result"):
+        validate(broken, schema())
+    broken = copy.deepcopy(doc)
+    broken["labs"][0]["arms"][0]["abs_delta_histogram"]["counts"][0] = -1
+    with pytest.raises(SchemaError, match="minimum"):
+        validate(broken, schema())
+    broken = copy.deepcopy(doc)
+    broken["environment"]["cores"] = True  # a bool is not an integer
+    with pytest.raises(SchemaError, match="cores"):
+        validate(broken, schema())
+    with pytest.raises(SchemaError, match="not supported"):
+        validate({}, {"type": "object", "patternProperties": {}})
+
+
+def test_the_schema_agrees_with_jsonschema_where_it_is_installed() -> None:
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed (optional)")
+    jsonschema.Draft202012Validator.check_schema(schema())
+    jsonschema.validate(
+        json.loads(to_json(make_doc(failing=True))), schema(), cls=jsonschema.Draft202012Validator
+    )
+
+
+def test_report_content_counts_verdict_and_nan_as_null() -> None:
+    doc = make_doc(failing=True)
+    assert doc["counts"] == {"passed": 1, "failed": 1, "skipped": 1}
+    assert doc["verdict"]["status"] == "fail"
+    text = doc["verdict"]["text"]
+    assert "NOT right" in text and "spliced trace has 9 rows" in text and "idle_payloads=True" in text
+    assert "pytest suites/test_splice.py::test_rows[x] --rr-subject my_pkg.sub:SUBJECT" in text
+    assert doc["header"].startswith("rrh check 0.1.0: reference suites + reference mismatch lab")
+    assert "'my-framework' (my_pkg.sub:SUBJECT)" in doc["header"]
+    assert make_doc()["verdict"]["status"] == "pass"
+    assert "1 were not checked" in make_doc()["verdict"]["text"]
+    no_flips = make_doc(flips=False)
+    assert no_flips["labs"][0]["arms"][0]["gap_on_flipped"]["mean_abs_diff"] is None  # nan → null
+    assert "NaN" not in to_json(no_flips)
+    arm = make_doc()["labs"][0]["arms"][0]
+    assert sum(arm["abs_delta_histogram"]["counts"]) == 24
+    assert arm["abs_delta_histogram"]["flipped_counts"] is not None
+    assert make_doc(with_deltas=False)["labs"][0]["arms"][0]["abs_delta_histogram"] is None
+
+
+def test_lab_arms_that_carry_abs_delta_feed_the_histogram() -> None:
+    """Once LabArm has ``abs_delta`` (and LabResult ``flipped_mask``), nothing needs passing in."""
+    lab, deltas, flipped = fake_lab()
+    for arm in (lab.without_replay, lab.with_r3):
+        object.__setattr__(arm, "abs_delta", deltas[arm.name])
+    object.__setattr__(lab, "flipped_mask", flipped)
+    doc = build_report(
+        subject_spec="a:b", subject_name="b", capabilities=[], engine="reference", family=None, runs=[],
+        labs=[LabRun("reference", lab, 0.1)], command="rrh check", wall_seconds=0.1, env=ENV,
+    )  # fmt: skip
+    hist = doc["labs"][0]["arms"][1]["abs_delta_histogram"]
+    assert hist["counts"] == histogram(deltas["R3"]) and hist["flipped_counts"] == histogram(
+        deltas["R3"][flipped]
+    )
+
+
+def test_histogram_bins() -> None:
+    counts = histogram([0.0, 5e-8, 1e-7, 0.011, 20.0, float("nan")])
+    assert len(counts) == len(HIST_EDGES) - 1 and sum(counts) == 5
+    assert counts[0] == 2 and counts[1] == 1 and counts[-1] == 1  # zeros in the first bin, ≥ 10 in the last
+
+
+# --------------------------------------------------------------------------------------------
+# HTML
+# --------------------------------------------------------------------------------------------
+
+
+class _Tags(HTMLParser):
+    VOID: ClassVar[set[str]] = {
+        "meta",
+        "br",
+        "line",
+        "rect",
+        "path",
+        "circle",
+        "img",
+        "input",
+        "link",
+        "hr",
+        "col",
+    }
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = []
+        self.seen: list[str] = []
+        self.errors: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: Any) -> None:
+        self.seen.append(tag)
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_startendtag(self, tag: str, attrs: Any) -> None:
+        self.seen.append(tag)
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in self.VOID:
+            return
+        if not self.stack or self.stack[-1] != tag:
+            self.errors.append(f"</{tag}> closes {self.stack[-1:] or 'nothing'}")
+            return
+        self.stack.pop()
+
+
+def test_html_is_self_contained_balanced_and_says_everything() -> None:
+    page = to_html(make_doc(failing=True))
+    parser = _Tags()
+    parser.feed(page)
+    assert not parser.errors and parser.stack == [], (parser.errors, parser.stack)
+    assert "script" not in parser.seen and "link" not in parser.seen and "img" not in parser.seen
+    urls = set(re.findall(r"https?://[^\s\"'<>]+", page))
+    assert urls <= {"http://www.w3.org/2000/svg"}, urls  # only the SVG namespace, nothing fetched
+    assert page.count("<svg") == 3  # per-layer bars, |Δ| histogram, |Δ| histogram on flipped tokens
+    # The invariant text is escaped, the failure's words, counterexample and rerun command are there.
+    assert "&lt;after any schedule&gt; &amp; more." in page
+    assert "spliced trace has 9 rows, expected 6" in page and "counterexample: idle_payloads=True" in page
+    assert "pytest suites/test_splice.py::test_rows[x] --rr-subject my_pkg.sub:SUBJECT" in page
+    for word in ("PASS", "FAIL", "skip", "Environment", "2.13.0+cpu", "not installed", "verdict fail"):
+        assert word in page.replace('class="verdict fail"', "verdict fail"), word
+    assert "distributed suites not run" in page
+
+
+def test_html_without_per_token_deltas_says_why_there_is_no_histogram() -> None:
+    page = to_html(make_doc(with_deltas=False))
+    assert page.count("<svg") == 1 and "LabArm.abs_delta" in page
+
+
+def test_bar_chart_draws_zero_bars_and_scales_to_the_largest_value() -> None:
+    svg = svg_grouped_bars("t", ["L0", "L1"], [("a", [0.5, 0.0], "#111"), ("b", [0.0, 0.0], "#222")],
+                           y_label="y", percent=True)  # fmt: skip
+    assert svg.startswith("<svg") and svg.endswith("</svg>")
+    assert svg.count("<rect") == 4 + 2  # four bars (zeros drawn as hairlines) + two legend swatches
+    assert "50%" in svg and ">0<" in svg
