@@ -48,7 +48,7 @@ _METADATA_KEY = "routing_trace"
 _TENSOR_NAME = "experts"
 
 # Bytes of routes per chunk: a chunk and the kernels' few temporaries of its size stay in L2 cache.
-_CHUNK_BYTES = 1 << 17
+_CHUNK_BYTES = 1 << 19
 # Arrays smaller than this are processed on the calling thread only.
 _PARALLEL_MIN_BYTES = 1 << 23
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.mutants import Mutant, conventions, layouts, replay, splice, training
+from harness.mutants import Mutant, conventions, layouts, parallel, replay, splice, training
 from harness.subjects import Subject
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -11,6 +11,7 @@ MUTANTS: tuple[Mutant, ...] = (
     *replay.MUTANTS,
     *conventions.MUTANTS,
     *training.MUTANTS,
+    *parallel.MUTANTS,
 )
 
 _BY_NAME = {m.name: m for m in MUTANTS}

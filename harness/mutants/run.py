@@ -14,8 +14,8 @@ SUITES_BY_CAPABILITY: dict[str, tuple[str, ...]] = {
     "decode_payload": ("test_conventions.py",),
     "splice": ("test_splice.py", "test_rollout_coverage.py"),
     "truncate": ("test_splice.py",),
-    "layouts": ("test_layouts.py",),
-    "install_replay": ("test_replay.py", "test_r2.py", "test_mismatch_lab.py"),
+    "layouts": ("test_layouts.py", "test_distributed.py"),
+    "install_replay": ("test_replay.py", "test_r2.py", "test_mismatch_lab.py", "test_distributed.py"),
     "install_hf_replay": ("test_hf.py",),
     "training": ("test_training.py",),
 }

@@ -1,0 +1,335 @@
+"""Process-group test support: run a function on N freshly spawned ranks, safely.
+
+``run_ranks(fn, world_size, ...)`` starts ``world_size`` processes with the ``spawn`` start method
+(never fork: a forked torch with threads is undefined behaviour), joins them into one
+``torch.distributed`` process group through a fresh rendezvous (a new file, or a free TCP port),
+calls ``fn(rank, world_size, *args)`` in each, and returns every rank's return value. Hygiene, so a
+distributed test can fail but never hang or leak:
+
+* **hard timeout** — the whole run has ``timeout`` seconds (default 60); past that every rank still
+  running is killed and `RanksTimedOut` names them. The process group's own collective timeout is
+  the same, so a rank stuck in a collective also errors out by itself.
+* **dead ranks** — a rank that exits without reporting (killed by a signal, ``os._exit``, OOM)
+  is noticed as soon as it exits; its peers are killed and `RankDied` names it, its exit code or
+  signal, and what the other ranks said. A rank that raises is reported by `RankFailed` (an
+  ``AssertionError`` when the rank's own error was one, so a failed check reads as a failed test)
+  with the rank's traceback.
+* **cleanup** — only the processes this call started are killed (by their handles), the rendezvous
+  file is removed, and pipes are closed, whatever happens.
+
+The backend is chosen by device: NCCL when CUDA has a device per rank, gloo otherwise. ``fn`` must
+be importable by the spawned processes (a module-level function). Return values may hold tensors;
+they travel as ``torch.save`` bytes and are loaded with ``weights_only=True``, so keep them to
+tensors, numbers, strings, None and lists/tuples/dicts of those.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+import resource
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+DEFAULT_TIMEOUT_S = 60.0
+_GRACE_S = 2.0  # after a rank fails, how long to wait for its peers' own reports
+
+
+class DistributedRunError(RuntimeError):
+    """A distributed run did not complete; the message names the rank(s) and why."""
+
+
+class RankDied(DistributedRunError):
+    """A rank exited without reporting a result (signal, ``os._exit``, out of memory)."""
+
+    def __init__(self, message: str, ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
+
+
+class RanksTimedOut(DistributedRunError, TimeoutError):
+    """The run exceeded its hard timeout; ``ranks`` were still running and were killed."""
+
+    def __init__(self, message: str, ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
+
+
+class RankFailed(AssertionError):
+    """A rank raised. ``rank``, ``error_type`` and ``remote_traceback`` say which, what and where.
+
+    An ``AssertionError`` so that a check failing inside a rank is reported as a failed test.
+    """
+
+    def __init__(self, message: str, rank: int, error_type: str, remote_traceback: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.error_type = error_type
+        self.remote_traceback = remote_traceback
+
+
+@dataclass(frozen=True)
+class DistributedRun:
+    """What a completed run returned, and what it cost.
+
+    ``results[r]`` is rank r's return value; ``cpu_seconds[r]`` its process's user + system CPU
+    time (imports included); ``wall_seconds`` the whole run, spawn to join.
+    """
+
+    results: list[Any]
+    cpu_seconds: list[float]
+    wall_seconds: float
+    backend: str
+
+    @property
+    def total_cpu_seconds(self) -> float:
+        return sum(self.cpu_seconds)
+
+
+def default_backend(world_size: int) -> str:
+    """``"nccl"`` when CUDA has at least one device per rank, else ``"gloo"``."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read it, release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: Sequence[Any] = (),
+    timeout: float = DEFAULT_TIMEOUT_S,
+    backend: str | None = None,
+    init: str = "file",
+    threads_per_rank: int = 1,
+) -> DistributedRun:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks of one process group.
+
+    ``init`` is ``"file"`` (a fresh rendezvous file) or ``"tcp"`` (a free port on 127.0.0.1).
+    Raises `RankFailed`, `RankDied` or `RanksTimedOut`; otherwise returns a `DistributedRun`.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size = {world_size}: expected an int >= 1")
+    if timeout <= 0:
+        raise ValueError(f"timeout = {timeout}: expected seconds > 0")
+    if init not in ("file", "tcp"):
+        raise ValueError(f"init = {init!r}: expected 'file' or 'tcp'")
+    qualname = getattr(fn, "__qualname__", "")
+    if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in qualname:
+        raise ValueError(
+            f"fn = {qualname or fn!r}: spawned ranks import it, so it must be a module-level "
+            "function of an importable module"
+        )
+    backend = backend or default_backend(world_size)
+    context = multiprocessing.get_context("spawn")
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="rrh-dist-") as scratch:
+        if init == "file":
+            init_method = f"file://{os.path.join(scratch, 'rendezvous')}"
+        else:
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+        processes, readers = [], []
+        reports: list[tuple[Any, ...]] = []
+        try:
+            for rank in range(world_size):
+                reader, writer = context.Pipe(duplex=False)
+                process = context.Process(
+                    target=_rank_main,
+                    args=(
+                        fn,
+                        rank,
+                        world_size,
+                        tuple(args),
+                        init_method,
+                        backend,
+                        timeout,
+                        threads_per_rank,
+                        writer,
+                    ),
+                    name=f"rrh-rank-{rank}",
+                    daemon=True,
+                )
+                process.start()
+                writer.close()  # the child holds the only write end: EOF on the reader = it is gone
+                processes.append(process)
+                readers.append(reader)
+            reports = _collect(processes, readers, start + timeout, timeout)
+        finally:
+            settle = time.perf_counter() + (2.0 if reports else 0.0)  # let finished ranks leave the group
+            for process in processes:
+                process.join(timeout=max(0.0, settle - time.perf_counter()))
+                if process.is_alive():
+                    process.kill()  # only processes this call started, by handle
+            for process in processes:
+                process.join(timeout=5)
+            for reader in readers:
+                reader.close()
+    results = [_loads(report[1]) for report in reports]
+    return DistributedRun(results, [report[2] for report in reports], time.perf_counter() - start, backend)
+
+
+def _collect(
+    processes: list[Any], readers: list[Connection], deadline: float, timeout: float
+) -> list[tuple[Any, ...]]:
+    """Wait for every rank's report; raise as soon as one fails, dies, or time runs out."""
+    reports: dict[int, tuple[Any, ...]] = {}
+    failures: dict[int, tuple[Any, ...]] = {}  # in the order they arrived
+    dead: dict[int, str] = {}
+    failed_at: float | None = None
+    while len(reports) < len(processes):
+        waiting = [
+            r for r in range(len(processes)) if r not in reports and r not in failures and r not in dead
+        ]
+        if not waiting:
+            break
+        now = time.perf_counter()
+        if failed_at is not None and now - failed_at > _GRACE_S:
+            break
+        if now >= deadline:
+            raise RanksTimedOut(
+                f"ranks {waiting} of {len(processes)} did not finish within {timeout:g} s and were killed "
+                f"(finished: {sorted(reports)}); a rank waiting in a collective for a peer that never "
+                "arrives looks like this",
+                waiting,
+            )
+        limit = deadline - now if failed_at is None else _GRACE_S - (now - failed_at)
+        ready = wait(
+            [readers[r] for r in waiting] + [processes[r].sentinel for r in waiting],
+            timeout=max(0.0, min(limit, 1.0)),
+        )
+        for rank in waiting:
+            if readers[rank] in ready or processes[rank].sentinel in ready:
+                message = _read(readers[rank])
+                if message is None:
+                    if processes[rank].sentinel in ready or not processes[rank].is_alive():
+                        processes[rank].join(timeout=1)
+                        dead[rank] = _exit_reason(processes[rank].exitcode)
+                        failed_at = failed_at or time.perf_counter()
+                    continue
+                if message[0] == "ok":
+                    reports[rank] = message
+                else:
+                    failures[rank] = message
+                    failed_at = failed_at or time.perf_counter()
+    if dead:
+        said = "; ".join(f"rank {r} raised {m[1]}: {m[2][:200]}" for r, m in failures.items())
+        names = ", ".join(f"rank {r} ({why})" for r, why in sorted(dead.items()))
+        raise RankDied(
+            f"{names} died without reporting a result; the other ranks were stopped"
+            + (f" (what they reported: {said})" if said else ""),
+            sorted(dead),
+        )
+    if failures:
+        # The first rank to fail is the cause; peers then typically fail with "connection closed".
+        rank = next(iter(failures))
+        _, error_type, text, remote = failures[rank]
+        others = [r for r in failures if r != rank]
+        also = (
+            f" (then ranks {others} failed too, e.g. rank {others[0]}: {failures[others[0]][2][:200]})"
+            if others
+            else ""
+        )
+        raise RankFailed(
+            f"rank {rank} raised {error_type}: {text}{also}\n--- rank {rank} traceback ---\n{remote}",
+            rank,
+            error_type,
+            remote,
+        )
+    return [reports[r] for r in range(len(processes))]
+
+
+def _read(reader: Connection) -> tuple[Any, ...] | None:
+    """The rank's report, or None if it has none (nothing yet, or it closed its pipe by dying)."""
+    try:
+        if reader.poll():
+            return reader.recv()  # type: ignore[no-any-return]
+    except (EOFError, OSError):
+        return None
+    return None
+
+
+def _exit_reason(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by signal {-exitcode} ({signal.Signals(-exitcode).name})"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def _dumps(value: Any) -> bytes:
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: tuple[Any, ...],
+    init_method: str,
+    backend: str,
+    timeout: float,
+    threads: int,
+    writer: Connection,
+) -> None:
+    """Body of a spawned rank: join the group, run ``fn``, report, leave."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+        value = fn(rank, world_size, *args)
+        writer.send(("ok", _dumps(value), _cpu_seconds()))
+    except BaseException as err:  # report anything, then exit non-zero
+        try:
+            writer.send(("error", type(err).__name__, str(err), traceback.format_exc()))
+        finally:
+            writer.close()
+            os._exit(1)  # peers may be blocked in a collective with us: do not wait on the group
+    writer.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
