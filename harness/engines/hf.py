@@ -6,6 +6,10 @@ records the routing of every forward. Each rollout is canonical (DESIGN §3.1): 
 ``[0, P + R − 1)`` (the last sampled token is never fed back, so it has no row), MoE-ordinal layer
 axis, and the sampled tokens' log-probs from the engine's own logits.
 
+``hf_generate(model, handle)`` adapts ``generate_rollouts`` to the ``Generate`` callable of the generic
+attempt drivers in ``harness.engines.checkpoint`` (``partial_rollout``, ``multi_turn``), so abort/resume
+and multi-turn run through real HF generation and its KV cache.
+
 ``run_hf_mismatch_lab`` is DESIGN §6's mismatch lab on a real transformers model: a bf16 Qwen3-MoE
 (SDPA, 64 experts top-8) rolls out with its KV cache, the trainer recomputes with one full forward,
 without replay and with R3 (the rollout routes replayed through ``install_replay``).
@@ -13,12 +17,14 @@ without replay and with R3 (the rollout routes replayed through ``install_replay
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from harness.engines.checkpoint import EngineRollout, Generate
 from harness.lab import LabConfig, LabResult, lab_result
 from harness.trace import LayerAxis, Provenance, RoutingTrace
 from harness.trainers.hf.replay import HFReplay, install_replay
@@ -103,6 +109,32 @@ def generate_rollouts(
     handle.disarm()
     tokens, lps, rows = torch.stack(sampled, 1), torch.stack(logprobs, 1), torch.cat(routes, 1)
     return [HFRollout(prompts[b], tokens[b], lps[b], rows[b]) for b in range(batch)]
+
+
+def hf_generate(
+    model: nn.Module, handle: HFReplay, *, greedy: bool = False, generator: torch.Generator | None = None
+) -> Generate:
+    """The ``(context, max_tokens) -> EngineRollout`` callable of ``partial_rollout`` / ``multi_turn``.
+
+    Each call is one engine call: a fresh KV cache, a prefill of the whole context, then decode
+    steps (``generate_rollouts`` on a batch of one) for exactly ``max_tokens`` tokens (no stop token,
+    so ``finish_reason`` is ``"length"``). Its trace is the full payload: rows ``[0, len(context) +
+    max_tokens − 1)`` on the MoE-ordinal axis of ``handle``'s model, start 0.
+    """
+
+    def generate(context: Sequence[int], max_tokens: int) -> EngineRollout:
+        prompt = torch.tensor([list(context)], dtype=torch.long)
+        (rollout,) = generate_rollouts(model, handle, prompt, max_tokens, greedy=greedy, generator=generator)
+        return EngineRollout(
+            prompt=tuple(int(t) for t in context),
+            tokens=tuple(int(t) for t in rollout.tokens.tolist()),
+            logprobs=tuple(float(lp) for lp in rollout.logprobs.tolist()),
+            trace=rollout.trace(handle),
+            finish_reason="length",
+            raw_dtype="int64",
+        )
+
+    return generate
 
 
 def lab_model(cfg: LabConfig) -> nn.Module:

@@ -13,16 +13,14 @@ SGLang is imported lazily: importing this module never needs it; ``SGLangEngine`
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
 import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from harness.conventions import Convention, ModelSpec, resolve
+from harness.conventions import Convention, ModelSpec
+from harness.engines import installed
 from harness.engines.checkpoint import (
     EngineRollout,
-    EngineUnavailable,
     SplicedRollout,
     TinyCheckpoint,
     multi_turn,
@@ -31,37 +29,16 @@ from harness.engines.checkpoint import (
 from harness.errors import ConventionError
 
 ENGINE = "sglang"
-DISTRIBUTION = "sglang"
 
 
 def installed_version() -> str | None:
-    """The installed SGLang's version (``importlib.metadata``), or None when it is not installed."""
-    try:
-        return importlib.metadata.version(DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    """The installed SGLang's version, or None when it is not installed."""
+    return installed.installed_version(ENGINE)
 
 
 def convention(version: str | None = None) -> Convention:
     """The convention of ``version`` (default: the installed SGLang); ``ConventionError`` if none."""
-    version = version or installed_version()
-    if version is None:
-        raise EngineUnavailable(
-            "sglang: not installed (pip install 'routing-replay-harness[sglang]'); no version to resolve"
-        )
-    return resolve(ENGINE, version)
-
-
-def _import_sglang() -> Any:
-    if installed_version() is None:
-        raise EngineUnavailable(
-            "sglang: SGLang is not installed (extra 'sglang'); the SGLang adapter cannot start"
-        )
-    import torch
-
-    if not torch.cuda.is_available():
-        raise EngineUnavailable("sglang: no CUDA device on this machine; the SGLang adapter needs a GPU")
-    return importlib.import_module("sglang")
+    return installed.installed_convention(ENGINE, version)
 
 
 def _logprobs(meta: Mapping[str, Any], tokens: Sequence[int]) -> tuple[float, ...] | None:
@@ -165,7 +142,7 @@ class SGLangEngine:
     ) -> None:
         self.version = version or installed_version() or ""
         self.convention = convention(self.version or None)  # refuse unknown versions before starting
-        sglang = _import_sglang()
+        sglang = installed.import_engine(ENGINE)
         self.checkpoint = checkpoint
         kwargs: dict[str, Any] = dict(
             model_path=str(checkpoint.path),

@@ -16,17 +16,15 @@ vLLM is imported lazily: importing this module never needs it; ``VLLMEngine`` ra
 from __future__ import annotations
 
 import gc
-import importlib
-import importlib.metadata
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from harness.conventions import VLLM_0_21, Convention, ModelSpec, resolve
+from harness.conventions import VLLM_0_21, Convention, ModelSpec
+from harness.engines import installed
 from harness.engines.checkpoint import (
     EngineRollout,
-    EngineUnavailable,
     SplicedRollout,
     TinyCheckpoint,
     multi_turn,
@@ -35,35 +33,16 @@ from harness.engines.checkpoint import (
 from harness.errors import ConventionError
 
 ENGINE = "vllm"
-DISTRIBUTION = "vllm"
 
 
 def installed_version() -> str | None:
-    """The installed vLLM's version (``importlib.metadata``), or None when it is not installed."""
-    try:
-        return importlib.metadata.version(DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    """The installed vLLM's version, or None when it is not installed."""
+    return installed.installed_version(ENGINE)
 
 
 def convention(version: str | None = None) -> Convention:
-    """The convention of ``version`` (default: the installed vLLM); ``ConventionError`` if none covers it."""
-    version = version or installed_version()
-    if version is None:
-        raise EngineUnavailable(
-            "vllm: not installed (pip install 'routing-replay-harness[vllm]'); no version to resolve"
-        )
-    return resolve(ENGINE, version)
-
-
-def _import_vllm() -> Any:
-    if installed_version() is None:
-        raise EngineUnavailable("vllm: vLLM is not installed (extra 'vllm'); the vLLM adapter cannot start")
-    import torch
-
-    if not torch.cuda.is_available():
-        raise EngineUnavailable("vllm: no CUDA device on this machine; the vLLM adapter needs a GPU")
-    return importlib.import_module("vllm")
+    """The convention of ``version`` (default: the installed vLLM); ``ConventionError`` if none."""
+    return installed.installed_convention(ENGINE, version)
 
 
 def _logprobs(completion: Any, tokens: Sequence[int]) -> tuple[float, ...] | None:
@@ -155,7 +134,7 @@ class VLLMEngine:
     ) -> None:
         self.version = version or installed_version() or ""
         self.convention = convention(self.version or None)  # refuse unknown versions before starting
-        vllm = _import_vllm()
+        vllm = installed.import_engine(ENGINE)
         self.checkpoint = checkpoint
         kwargs: dict[str, Any] = dict(
             model=str(checkpoint.path),
