@@ -5,8 +5,10 @@ is built tiny at random init, in fp32 and bf16, and checked through ``install_re
 its own recording is bit-exact, the experts receive the targets whatever the live logits say, the
 router gets gradients at targets its live top-k would not pick, targets placed into a left-padded
 batch land on their tokens, activation recompute replays each forward's targets, KV-cache rollouts
-cover ``[0, P + R − 1)``, and the mismatch lab on a bf16 Qwen3-MoE shows R3 removing the routing
-disagreement and shrinking the gap where routing had flipped.
+cover ``[0, P + R − 1)``, packed (unpadded) and SP-padded batches keep every row on its token,
+abort/resume and multi-turn through real HF generation splice to the first-computed rows, and the
+mismatch lab on a bf16 Qwen3-MoE shows R3 removing the routing disagreement and shrinking the gap where
+routing had flipped.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from hypothesis import strategies as st
 
 from harness.subjects import Subject
 from harness.trainers.hf import MODEL_TYPES, HFReplay, tiny_model
-from reference_impl.layouts import place_left_padded
+from reference_impl.layouts import pack, place_left_padded, sp_pad, sp_shard, sp_valid_mask
+from reference_impl.splice import splice_replace
 from suites.conftest import require
 
 pytestmark = pytest.mark.hf
@@ -60,6 +63,23 @@ def _random_targets(handle: HFReplay, rows: int, seed: int) -> torch.Tensor:
 
 def _sets(routes: torch.Tensor) -> torch.Tensor:
     return routes.sort(dim=-1).values
+
+
+_ROUTER_SUFFIXES = ("mlp.gate", "mlp.router", "feed_forward.router")
+
+
+def _perturb_routers(model: torch.nn.Module, seed: int | None = None) -> None:
+    """Negate the router weights (``seed`` None) or add N(0, 1)/sqrt(hidden) noise: live routing changes."""
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith(_ROUTER_SUFFIXES):
+                weight = module.weight
+                if gen is None:
+                    weight.neg_()
+                else:
+                    noise = torch.randn(weight.shape, generator=gen) / weight.shape[1] ** 0.5
+                    weight.add_(noise.to(weight.dtype))
 
 
 def _forward(model: torch.nn.Module, tokens: torch.Tensor, **kwargs: object) -> torch.Tensor:
@@ -264,3 +284,266 @@ def test_mismatch_lab_on_a_real_qwen3_moe(size: dict[str, int]) -> None:
         f"R3 did not shrink the gap on flipped tokens: {r3.gap_on_flipped.mean_abs_diff:.3e} vs "
         f"{without.gap_on_flipped.mean_abs_diff:.3e} without replay"
     )
+
+
+def _block_causal_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive ``[1, 1, N, N]`` mask: query q sees key j iff same sample and j ≤ q (0 there, min elsewhere).
+
+    transformers 5.x ``masking_utils._preprocess_mask_arguments`` returns a user-supplied 4-D mask as
+    is (early exit), so this is what every attention layer gets. An additive float mask works for
+    SDPA (``sdpa_attention_forward`` passes a non-bool mask to ``scaled_dot_product_attention`` as an
+    additive bias) and for eager attention (which adds it to the scores) alike.
+    """
+    n = segments.shape[0]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    allowed = causal & (segments[:, None] == segments[None, :])
+    mask = torch.zeros(n, n, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
+def test_packed_batch_keeps_every_row_on_its_token(subject: Subject, model_type: str) -> None:
+    """Samples packed into one ``[1, N]`` row (``pack`` indices) route and replay exactly as alone (§3.5).
+
+    The packed row restarts ``position_ids`` per sample and carries a block-diagonal causal 4-D mask
+    (the varlen layout of FlashAttention / verl ``use_remove_padding``). (a) The packed forward's
+    native recording, unpacked with the same indices, is each sample's solo recording. (b) With the
+    routers negated (live routing prefers other experts), replaying each sample's solo routes gathered
+    into packed order dispatches exactly them, and the logits unpacked equal each sample's solo replay:
+    every target sits on its own token.
+    """
+    model = _fresh(model_type)
+    handle = require(subject, "install_hf_replay")(model)
+    lengths = (5, 3, 7)
+    batch, width, layers = len(lengths), max(lengths), len(handle.moe_layers)
+    attention = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]  # right-padded [B, W]
+    tokens = torch.zeros(batch, width, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        tokens[b, :n] = _tokens(20 + b, batch=1, seq=n)[0]
+    packing = pack(attention)
+    packed = packing.gather(tokens)[None]
+    position_ids = packing.gather(torch.arange(width).expand(batch, width))[None]
+    segments = packing.gather(torch.arange(batch)[:, None].expand(batch, width))
+    mask4d = _block_causal_mask(segments, torch.float32)
+
+    def packed_forward() -> torch.Tensor:
+        return _forward(model, packed, attention_mask=mask4d, position_ids=position_ids)[0]
+
+    with torch.no_grad():
+        solo_routes = torch.zeros(batch, width, layers, handle.top_k, dtype=torch.long)
+        solo_logits = []
+        for b, n in enumerate(lengths):
+            handle.record()
+            solo_logits.append(_forward(model, tokens[b : b + 1, :n])[0])
+            solo_routes[b, :n] = handle.recording()
+        handle.record()
+        logits = packing.scatter(packed_forward())
+        native = packing.scatter(handle.recording())
+        for b, n in enumerate(lengths):
+            differs = (_sets(native[b, :n]) != _sets(solo_routes[b, :n])).any(-1)
+            assert not differs.any(), (
+                f"{model_type}: packed sample {b} routed {int(differs.sum())} (token, layer) routes "
+                f"other than alone, first at (token, MoE ordinal) {tuple(differs.nonzero()[0].tolist())}"
+            )
+            torch.testing.assert_close(logits[b, :n], solo_logits[b], rtol=0, atol=1e-4)
+
+        _perturb_routers(model)
+        solo_replayed = []
+        live_differs = 0
+        for b, n in enumerate(lengths):
+            handle.record()
+            _forward(model, tokens[b : b + 1, :n])
+            live_differs += int((_sets(handle.recording()) != _sets(solo_routes[b, :n])).any(-1).sum())
+            handle.replay(solo_routes[b, :n])
+            solo_replayed.append(_forward(model, tokens[b : b + 1, :n])[0])
+        assert live_differs > 0, f"{model_type}: negated routers still pick the targets: replay is untested"
+        targets = packing.gather(solo_routes)
+        handle.replay(targets)
+        replayed = packing.scatter(packed_forward())
+        dispatched = handle.dispatched()
+    handle.disarm()
+    differs = (_sets(dispatched) != _sets(targets)).any(-1)
+    assert not differs.any(), (
+        f"{model_type}: packed replay dispatched other experts than the targets at {int(differs.sum())} "
+        f"(token, layer) routes, first at (packed position, MoE ordinal) "
+        f"{tuple(differs.nonzero()[0].tolist())}"
+    )
+    for b, n in enumerate(lengths):
+        torch.testing.assert_close(
+            replayed[b, :n],
+            solo_replayed[b],
+            rtol=0,
+            atol=1e-4,
+            msg=lambda m, b=b: f"{model_type}: packed sample {b}'s replayed logits differ from alone: {m}",
+        )
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_sp_padded_shards_replay_their_own_targets(subject: Subject, model_type: str, tp: int) -> None:
+    """SP slicing, single process: each TP rank's shard of the dispatched ids is its targets' shard (§3.6).
+
+    This is the single-process alignment check of the SP slicing (Megatron sequence parallel / slime,
+    verl): one sequence is padded with ``sp_pad`` to a multiple of ``tp`` (pad token id 0 at the end,
+    attention mask 0 there), its routes padded the same way and marked with ``sp_valid_mask``; the
+    padded targets are replayed with that mask through the real model, and for every rank the rows
+    of ``sp_shard(dispatched)`` equal ``sp_shard(targets)`` at the valid positions. Padded positions
+    are never replayed with the zero filler: they route natively. The true multi-rank path (each rank
+    routing only its shard, Ulysses all-to-all) is not run here; ``suites/test_distributed.py`` runs
+    the reference model's SP shards under real process groups.
+
+    Two replays: (1) targets = the model's own native routes, so the logits are bit-exact (every row
+    sits on its token) and a padded position routes exactly as in the native run; (2) the routers
+    negated, so the live routing prefers other experts and every valid row must still be its target
+    (padded rows: native at the first MoE layer, which no replayed layer precedes, and never the
+    filler anywhere).
+    """
+    model = _fresh(model_type)
+    handle = require(subject, "install_hf_replay")(model)
+    seq_len = 9
+    tokens, pad_len = sp_pad(_tokens(30, batch=1, seq=seq_len)[0], tp)
+    assert pad_len > 0, "no padding: the test cannot see filler"
+    attention = torch.ones(1, seq_len + pad_len, dtype=torch.long)
+    attention[0, seq_len:] = 0
+    valid = torch.cat([sp_valid_mask(seq_len, tp, rank) for rank in range(tp)])
+    padded_positions = (~valid).nonzero().squeeze(1).tolist()
+
+    def forward() -> torch.Tensor:
+        return _forward(model, tokens[None], attention_mask=attention)
+
+    with torch.no_grad():
+        handle.record()
+        native_logits = forward()
+        native = handle.recording()
+        targets, _ = sp_pad(native[:seq_len], tp)  # real rows, then zero filler rows
+        handle.replay(targets, valid)
+        own_logits = forward()
+        own = handle.dispatched()
+        _perturb_routers(model)
+        handle.record()
+        forward()
+        live = handle.recording()
+        handle.replay(targets, valid)
+        forward()
+        negated = handle.dispatched()
+    handle.disarm()
+    assert bool((_sets(live[valid]) != _sets(targets[valid])).any()), (
+        f"{model_type}: negated routers still pick the targets: replay is untested"
+    )
+    for run, dispatched in (("own routes", own), ("negated routers", negated)):
+        for rank in range(tp):
+            rank_valid = sp_valid_mask(seq_len, tp, rank)
+            got = _sets(sp_shard(dispatched, tp, rank)[rank_valid])
+            want = _sets(sp_shard(targets, tp, rank)[rank_valid])
+            bad = (got != want).any(-1)
+            assert not bad.any(), (
+                f"{model_type} tp={tp} ({run}): rank {rank}'s shard dispatched other experts than its "
+                f"targets at {int(bad.sum())} routes, first at (shard row, MoE ordinal) "
+                f"{tuple(bad.nonzero()[0].tolist())}"
+            )
+        pad_rows = _sets(dispatched[~valid])
+        filler = (pad_rows[..., 1:] == pad_rows[..., :-1]).any(-1) if handle.top_k > 1 else pad_rows == 0
+        assert not filler.any(), f"{model_type} tp={tp} ({run}): padded positions replayed the zero filler"
+    diff = (own_logits - native_logits).abs().max().item()
+    assert torch.equal(own_logits, native_logits), (
+        f"{model_type} tp={tp}: replaying the model's own padded routes changed the logits by {diff:.3e}: "
+        "rows are off their tokens"
+    )
+    assert torch.equal(_sets(own[~valid]), _sets(native[~valid])), (
+        f"{model_type} tp={tp}: padded positions {padded_positions} did not route natively"
+    )
+    assert torch.equal(_sets(negated[~valid, 0]), _sets(live[~valid, 0])), (
+        f"{model_type} tp={tp}: padded positions {padded_positions} did not route natively at the first "
+        "MoE layer"
+    )
+
+
+def _first_computed_rows(attempts, rows: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Row p from the first attempt whose payload covers p: the routing live when p was fed."""
+    out = []
+    for p in range(rows):
+        payload = next(a.routes for a in attempts if a.routes is not None and a.routes.shape[0] > p)
+        out.append(payload[p])
+    return torch.stack(out)
+
+
+EPISODES = {
+    "abort-resume": ("partial", (3, 2, 4)),
+    "multi-turn": ("turns", (((), 3), ((5, 6, 7), 2), ((8, 9), 3))),
+}
+
+
+@pytest.mark.parametrize("perturbed", [False, True], ids=["same-weights", "weights-updated"])
+@pytest.mark.parametrize("episode", list(EPISODES))
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_hf_generation_attempts_splice_to_first_computed_rows(
+    subject: Subject, model_type: str, episode: str, perturbed: bool
+) -> None:
+    """Abort/resume and multi-turn through real HF generation (KV cache) splice to P + Σa − 1 rows (§3.4).
+
+    ``hf_generate`` drives ``generate_rollouts`` from the generic ``partial_rollout`` / ``multi_turn``
+    drivers; every engine call re-prefills the whole context. Each spliced row — the drivers' and the
+    subject's splice of the same attempts — is the row of the first attempt that computed it, and
+    each ``hf_generate`` payload is the routing of a full forward of its sequence (fp32). With
+    ``weights-updated`` the routers change before every later attempt (the fully-async case), so the
+    later re-prefills route earlier positions differently and a replace-with-latest splice (verl
+    #6046) would differ; with the same weights, fp32 re-prefill reproduces the decode routing.
+    """
+    from harness.engines.checkpoint import multi_turn, partial_rollout
+    from harness.engines.hf import hf_generate
+
+    splice = require(subject, "splice")
+    model = _fresh(model_type)
+    handle = require(subject, "install_hf_replay")(model)
+    engine = hf_generate(model, handle, generator=torch.Generator().manual_seed(7))
+    calls = 0
+
+    def generate(context, max_tokens):  # type: ignore[no-untyped-def]
+        """One engine call; its payload must be the routing of a full forward of its sequence (fp32)."""
+        nonlocal calls
+        if perturbed and calls:
+            _perturb_routers(model, seed=calls)
+        calls += 1
+        call = engine(context, max_tokens)
+        with torch.no_grad():
+            handle.record()
+            _forward(model, torch.tensor([call.sequence]))
+            full = handle.recording()[:-1]
+        payload = torch.tensor(call.trace.to_moe_ordinal().experts).long()
+        assert call.trace.start == 0 and torch.equal(_sets(payload), _sets(full)), (
+            f"{model_type} {episode}: call {calls}'s payload is not the routing of its positions "
+            f"[0, {len(call.sequence) - 1})"
+        )
+        return call
+
+    prompt = _tokens(40, batch=1, seq=4)[0].tolist()
+    kind, schedule = EPISODES[episode]
+    if kind == "partial":
+        spliced = partial_rollout(generate, prompt, schedule)
+    else:
+        spliced = multi_turn(generate, prompt, schedule)
+    added = sum(a.new_tokens for a in spliced.attempts)
+    expected_rows = len(prompt) + added - 1
+    assert len(spliced.tokens) == len(prompt) + added
+    assert spliced.trace.rows == expected_rows, (
+        f"{model_type} {episode}: spliced trace has {spliced.trace.rows} rows, expected P + Σa − 1 = "
+        f"{expected_rows}"
+    )
+    want = _sets(_first_computed_rows(spliced.attempts, expected_rows))
+    drivers = _sets(torch.tensor(spliced.trace.experts).long())
+    got = _sets(torch.as_tensor(splice(spliced.prompt_len, list(spliced.attempts))).long())
+    for who, rows in (("drivers' splice", drivers), ("subject's splice", got)):
+        assert rows.shape == want.shape, f"{model_type} {episode}: {who} has shape {tuple(rows.shape)}"
+        bad = (rows != want).any(-1).any(-1).nonzero()
+        assert not len(bad), (
+            f"{model_type} {episode}: {who} row {int(bad[0])} is not the first-computed routing"
+        )
+    latest = _sets(splice_replace(spliced.prompt_len, list(spliced.attempts)))
+    if perturbed:
+        assert not torch.equal(latest, want), (
+            f"{model_type} {episode}: the weight update changed no re-prefilled row: the test has no teeth"
+        )
+    else:
+        assert torch.equal(latest, want), (
+            f"{model_type} {episode}: with the same weights, re-prefill did not reproduce decode routing"
+        )
