@@ -109,7 +109,7 @@ MUTANTS = (
     ),
     Mutant(
         "ep-local-ids-in-place",
-        "physical ids",
+        "EP local/global ids",
         "EP dispatch maps global → local expert ids in place, so traces record local ids (as vLLM 0.14 "
         "recorded post-remap physical ids, fixed by #33013; hides unless ep >= 2)",
         mutate("ep-local-ids-in-place", layouts=_layouts(ep_local_ids=ep_local_ids_in_place)),
