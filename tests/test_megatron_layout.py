@@ -13,6 +13,7 @@ from harness.trainers.megatron.layout import (
     expected_local_map,
     ids_to_map,
     merge_recordings,
+    random_traces,
     rank_targets,
 )
 
@@ -21,19 +22,8 @@ LAYOUT = MegatronLayout(
 )
 
 
-def _traces(layout: MegatronLayout, seed: int = 0) -> list[RoutingTrace]:
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(layout.global_batch):
-        ids = torch.zeros(layout.seq_len, layout.num_layers, layout.top_k, dtype=torch.long)
-        scores = torch.rand(layout.seq_len, len(layout.moe_layers), layout.num_experts, generator=gen)
-        ids[:, list(layout.moe_layers)] = scores.topk(layout.top_k, dim=-1).indices
-        out.append(RoutingTrace(ids.numpy(), num_experts=layout.num_experts, moe_layers=layout.moe_layers))
-    return out
-
-
 def test_rank_targets_are_seq_major_sp_shards_of_the_moe_layers() -> None:
-    traces = _traces(LAYOUT)
+    traces = random_traces(LAYOUT, 0)
     routes = batch_routes(traces, LAYOUT)
     s_local = LAYOUT.seq_len // LAYOUT.tp
     for dp in range(LAYOUT.dp):
@@ -50,7 +40,7 @@ def test_rank_targets_are_seq_major_sp_shards_of_the_moe_layers() -> None:
 
 
 def test_merge_recordings_inverts_rank_targets() -> None:
-    routes = batch_routes(_traces(LAYOUT, 1), LAYOUT)
+    routes = batch_routes(random_traces(LAYOUT, 1), LAYOUT)
     per_rank = {
         (d, t, 0): rank_targets(routes, LAYOUT, dp_rank=d, tp_rank=t, pp_rank=0)
         for d in range(LAYOUT.dp)
@@ -63,7 +53,7 @@ def test_pipeline_stage_gets_only_its_moe_layers() -> None:
     layout = MegatronLayout(
         num_layers=4, moe_layers=(1, 3), num_experts=8, top_k=2, seq_len=6, micro_batch=1, pp=2
     )
-    routes = batch_routes(_traces(layout, 2), layout)
+    routes = batch_routes(random_traces(layout, 2), layout)
     assert layout.stage_moe_layers(0) == [1] and layout.stage_moe_layers(1) == [3]
     (second,) = rank_targets(routes, layout, dp_rank=0, tp_rank=0, pp_rank=1)
     assert torch.equal(second, routes[0, :, 3])
@@ -103,7 +93,7 @@ def test_layouts_megatron_cannot_run_are_rejected(change: dict[str, int], messag
 
 
 def test_traces_that_do_not_cover_every_input_position_are_rejected() -> None:
-    traces = _traces(LAYOUT)
+    traces = random_traces(LAYOUT, 0)
     short = RoutingTrace(traces[0].experts[:-1], num_experts=8, moe_layers=(1, 3))
     with pytest.raises(MegatronReplayError, match="rows, expected seq_len"):
         batch_routes([short, *traces[1:]], LAYOUT)

@@ -46,6 +46,7 @@ from harness.trainers.megatron.layout import (
     expected_local_map,
     ids_to_map,
     merge_recordings,
+    random_traces,
     rank_targets,
 )
 from harness.trainers.megatron.model import batch_tokens, build_gpt, tiny_config
@@ -87,18 +88,6 @@ def init_parallel(layout: MegatronLayout, seed: int) -> Coordinates:
         pp=ps.get_pipeline_model_parallel_rank(),
         ep=ps.get_expert_model_parallel_rank(),
     )
-
-
-def random_traces(layout: MegatronLayout, seed: int) -> list[RoutingTrace]:
-    """Canonical decoder-axis traces of random distinct routes (dense slots 0), one per sample."""
-    gen = torch.Generator().manual_seed(seed)
-    traces = []
-    for _ in range(layout.global_batch):
-        ids = torch.zeros(layout.seq_len, layout.num_layers, layout.top_k, dtype=torch.long)
-        scores = torch.rand(layout.seq_len, len(layout.moe_layers), layout.num_experts, generator=gen)
-        ids[:, list(layout.moe_layers)] = scores.topk(layout.top_k, dim=-1).indices
-        traces.append(RoutingTrace(ids.numpy(), num_experts=layout.num_experts, moe_layers=layout.moe_layers))
-    return traces
 
 
 class _Rank:

@@ -272,3 +272,15 @@ def ids_to_map(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 def _check_coordinate(name: str, value: int, size: int) -> None:
     if not 0 <= value < size:
         raise MegatronReplayError(f"{name} must be in [0, {size}), got {value}")
+
+
+def random_traces(layout: MegatronLayout, seed: int) -> list[RoutingTrace]:
+    """Canonical decoder-axis traces of random distinct routes (dense slots 0), one per sample."""
+    gen = torch.Generator().manual_seed(seed)
+    traces = []
+    for _ in range(layout.global_batch):
+        ids = torch.zeros(layout.seq_len, layout.num_layers, layout.top_k, dtype=torch.long)
+        scores = torch.rand(layout.seq_len, len(layout.moe_layers), layout.num_experts, generator=gen)
+        ids[:, list(layout.moe_layers)] = scores.topk(layout.top_k, dim=-1).indices
+        traces.append(RoutingTrace(ids.numpy(), num_experts=layout.num_experts, moe_layers=layout.moe_layers))
+    return traces
