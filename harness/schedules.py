@@ -80,9 +80,25 @@ def route(position: int, version: int, layers: int, top_k: int, num_experts: int
 
 
 def simulate(
-    schedule: Schedule, *, layers: int = 2, top_k: int = 2, num_experts: int = 64
+    schedule: Schedule,
+    *,
+    layers: int = 2,
+    top_k: int = 2,
+    num_experts: int = 64,
+    idle_payloads: bool = False,
 ) -> SimulatedRollout:
-    """Play ``schedule`` through the model engine (rows ``[0, context + generated − 1)`` per call)."""
+    """Play ``schedule`` through the model engine (rows ``[0, context + generated − 1)`` per call).
+
+    An attempt that adds no token returns None, or with ``idle_payloads`` the rows of the context
+    it prefilled before the abort (vLLM ≥ 0.22 returns the rows so far); either way a correct
+    splice takes nothing from it.
+    """
+
+    def rows_under(version: int, count: int) -> torch.Tensor:
+        if count <= 0:
+            return torch.zeros((0, layers, top_k), dtype=torch.long)
+        return torch.stack([route(p, version, layers, top_k, num_experts) for p in range(count)])
+
     version = 0
     context = schedule.prompt_len
     attempts: list[Attempt] = []
@@ -90,20 +106,15 @@ def simulate(
     for spec in schedule.attempts:
         version += spec.weight_update_before
         fed = context + spec.tool_tokens + spec.generated
-        rows = fed - 1
         ran_forward = spec.new_tokens > 0
-        payload = None
-        if ran_forward and rows > 0:
-            payload = torch.stack([route(p, version, layers, top_k, num_experts) for p in range(rows)])
-        elif ran_forward:
-            payload = torch.zeros((0, layers, top_k), dtype=torch.long)
+        payload = rows_under(version, fed - 1) if ran_forward or idle_payloads else None
         if ran_forward:  # rows first computed by this attempt carry its weight version
-            version_of_row += [version] * (rows - len(version_of_row))
+            version_of_row += [version] * (fed - 1 - len(version_of_row))
         attempts.append(Attempt(new_tokens=spec.new_tokens, routes=payload, finish_reason=spec.finish_reason))
         context = fed
     expected = (
         torch.stack([route(p, v, layers, top_k, num_experts) for p, v in enumerate(version_of_row)])
         if version_of_row
-        else torch.zeros((0, layers, top_k), dtype=torch.long)
+        else rows_under(0, 0)
     )
     return SimulatedRollout(tuple(attempts), expected, tuple(version_of_row))

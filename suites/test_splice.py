@@ -46,34 +46,12 @@ TRAILING_TOOL_TURN = Schedule(2, (A(0, 2, False, "stop"), A(3, 0, True, "stop"))
 """A last turn that only prefilled tool tokens, under new weights."""
 
 
-def _simulate(schedule: Schedule) -> SimulatedRollout:
-    return simulate(schedule, layers=LAYERS, top_k=TOP_K, num_experts=NUM_EXPERTS)
-
-
-def _prefill(context_len: int, version: int) -> torch.Tensor:
-    """The payload of an engine call that prefilled ``context_len`` tokens under ``version``."""
-    if context_len <= 1:
-        return torch.zeros((0, LAYERS, TOP_K), dtype=torch.long)
-    return torch.stack([route(p, version, LAYERS, TOP_K, NUM_EXPERTS) for p in range(context_len - 1)])
-
-
-def _engine_attempts(schedule: Schedule, sim: SimulatedRollout, *, idle_payloads: bool) -> list[Attempt]:
-    """The attempts as the engine returned them.
-
-    With ``idle_payloads`` an attempt that added no token still returns the rows of the context it
-    prefilled (an engine that ran a forward before the abort), not ``None``; a correct splice
-    ignores that payload whatever it holds.
-    """
-    attempts = list(sim.attempts)
-    if not idle_payloads:
-        return attempts
-    version, context_len = 0, schedule.prompt_len
-    for index, spec in enumerate(schedule.attempts):
-        version += spec.weight_update_before
-        if spec.new_tokens == 0:
-            attempts[index] = Attempt(0, _prefill(context_len, version), spec.finish_reason)
-        context_len += spec.new_tokens
-    return attempts
+def _simulate(schedule: Schedule, *, idle_payloads: bool = False) -> SimulatedRollout:
+    """The engine's attempts for ``schedule``; with ``idle_payloads`` an attempt that added no token
+    still returns the rows of the context it prefilled, which a correct splice ignores."""
+    return simulate(
+        schedule, layers=LAYERS, top_k=TOP_K, num_experts=NUM_EXPERTS, idle_payloads=idle_payloads
+    )
 
 
 def _row_owner(schedule: Schedule, row: int) -> int:
@@ -236,8 +214,8 @@ def test_spliced_trace_has_one_row_per_fed_position(
     subject: Any, schedule: Schedule, idle_payloads: bool
 ) -> None:
     """The spliced trace has P + Σa − 1 rows after any schedule (no duplicated or lost rows)."""
-    sim = _simulate(schedule)
-    got = _splice(subject, schedule, _engine_attempts(schedule, sim, idle_payloads=idle_payloads))
+    sim = _simulate(schedule, idle_payloads=idle_payloads)
+    got = _splice(subject, schedule, list(sim.attempts))
     _check_row_count(schedule, got)
 
 
@@ -252,8 +230,8 @@ def test_every_row_is_the_route_live_when_its_token_was_sampled(
     subject: Any, schedule: Schedule, idle_payloads: bool
 ) -> None:
     """Every spliced row is the route that was live when its token was sampled (no newer weights)."""
-    sim = _simulate(schedule)
-    got = _splice(subject, schedule, _engine_attempts(schedule, sim, idle_payloads=idle_payloads))
+    sim = _simulate(schedule, idle_payloads=idle_payloads)
+    got = _splice(subject, schedule, list(sim.attempts))
     _check_rows(schedule, sim, got)
 
 
@@ -263,8 +241,8 @@ def test_every_row_is_the_route_live_when_its_token_was_sampled(
 @example(schedule=Schedule(1, (A(0, 1, False, "abort"), A(0, 0, True, "abort"), A(0, 0, False, "length"))))
 def test_attempt_with_no_new_tokens_contributes_nothing(subject: Any, schedule: Schedule) -> None:
     """An attempt that adds no token contributes no row, even when it returned a payload."""
-    sim = _simulate(schedule)
-    got = _splice(subject, schedule, _engine_attempts(schedule, sim, idle_payloads=True))
+    sim = _simulate(schedule, idle_payloads=True)
+    got = _splice(subject, schedule, list(sim.attempts))
     _check_rows(schedule, sim, got)
 
 
@@ -274,8 +252,8 @@ def test_attempt_with_no_new_tokens_contributes_nothing(subject: Any, schedule: 
 @example(schedule=Schedule(3, (A(0, 2, False, "abort"), A(0, 1, True, "abort"), A(0, 2, True, "length"))))
 def test_aborted_and_length_cut_attempts_keep_their_rows(subject: Any, schedule: Schedule) -> None:
     """Rows of attempts that were aborted or cut by the length budget are kept as they were computed."""
-    sim = _simulate(schedule)
-    got = _splice(subject, schedule, _engine_attempts(schedule, sim, idle_payloads=False))
+    sim = _simulate(schedule, idle_payloads=False)
+    got = _splice(subject, schedule, list(sim.attempts))
     _check_rows(schedule, sim, got)
 
 
@@ -284,8 +262,8 @@ def test_aborted_and_length_cut_attempts_keep_their_rows(subject: Any, schedule:
 @example(schedule=TRAILING_TOOL_TURN)
 def test_multi_turn_keeps_every_turns_rows(subject: Any, schedule: Schedule) -> None:
     """Each turn of a multi-turn episode (tool tokens too) keeps its own rows; later turns overwrite none."""
-    sim = _simulate(schedule)
-    got = _splice(subject, schedule, _engine_attempts(schedule, sim, idle_payloads=False))
+    sim = _simulate(schedule, idle_payloads=False)
+    got = _splice(subject, schedule, list(sim.attempts))
     _check_rows(schedule, sim, got)
 
 
@@ -300,11 +278,8 @@ def test_splice_accepts_every_valid_schedule(
     subject: Any, schedule: Schedule, idle_payloads: bool, dtype: torch.dtype
 ) -> None:
     """The splice does not raise on any valid schedule, whatever the payloads' integer dtype."""
-    sim = _simulate(schedule)
-    attempts = [
-        replace(a, routes=None if a.routes is None else a.routes.to(dtype))
-        for a in _engine_attempts(schedule, sim, idle_payloads=idle_payloads)
-    ]
+    sim = _simulate(schedule, idle_payloads=idle_payloads)
+    attempts = [replace(a, routes=None if a.routes is None else a.routes.to(dtype)) for a in sim.attempts]
     got = _splice(subject, schedule, attempts)
     _check_row_count(schedule, got)
 
