@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from harness.metrics import LogprobGap, logprob_gap
-from harness.subjects import ReplayHandle
+from harness.subjects.capabilities import ReplayController
 from harness.trace import RoutingComparison, route_overlap
 from reference_impl import MoEConfig, MoELM, RolloutEngine, training
 from reference_impl.layouts import place_left_padded
@@ -113,7 +113,7 @@ def build_model(cfg: LabConfig) -> MoELM:
 
 
 def run_mismatch_lab(
-    cfg: LabConfig | None = None, install_replay: Callable[[MoELM], ReplayHandle] | None = None
+    cfg: LabConfig | None = None, install_replay: Callable[[MoELM], ReplayController] | None = None
 ) -> LabResult:
     """Roll out with the KV cache, recompute with a full forward, without and with R3."""
     from harness.subjects.reference import install_replay as reference_install

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, Phase, settings
 
 from harness.errors import SubjectError
 from harness.subjects import DEFAULT_SUBJECT, MissingCapability, Subject, load_subject
+from harness.subjects.capabilities import CapabilityView
 
 settings.register_profile(
     "ci", derandomize=True, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
@@ -119,9 +120,16 @@ def require(subject: Subject, capability: str) -> Any:
     """
     _requested.append(capability)
     try:
-        return subject.require(capability)
+        value = subject.require(capability)
     except MissingCapability as err:
         pytest.skip(str(err))
+    if capability in _NAMESPACES:  # a member the object lacks is a skip naming it, not an AttributeError
+        return CapabilityView(value, capability, subject.name, on_missing=pytest.skip)
+    return value
+
+
+_NAMESPACES = ("layouts", "training", "megatron_data")
+"""Capabilities whose value is an object of functions (a module, an instance, a namespace)."""
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -167,3 +175,10 @@ def subject(request: pytest.FixtureRequest) -> Subject:
     """The implementation under test, loaded from ``--rr-subject`` / ``RR_SUBJECT``."""
     spec = _subject_spec(request.config)
     return load_subject(spec)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Undo the subject drivers' global patches, so the next subject in this process starts clean."""
+    from harness.subjects.replay import unpatch_all
+
+    unpatch_all()

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.subjects import ReplayHandle, Subject
+from harness.subjects import Subject
+from harness.subjects.capabilities import ReplayController as ReplayHandle
 from reference_impl import ROUTER_FAMILIES, MoEConfig, MoELM
 from suites.conftest import require
 

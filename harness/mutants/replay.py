@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from harness.mutants import Mutant, mutate
-from harness.subjects import ReplayHandle
+from harness.subjects.capabilities import ReplayController
 from harness.subjects.reference import ReferenceReplay
 from reference_impl import MoELM
 
@@ -69,7 +69,7 @@ def _installer(handle: type[ReferenceReplay]) -> Callable[[MoELM], ReferenceRepl
     return install_replay
 
 
-def structural_softmax_hook(model: torch.nn.Module) -> ReplayHandle:
+def structural_softmax_hook(model: torch.nn.Module) -> ReplayController:
     """SkyRL's hook: softmax(logits, fp32).gather(ids), renormalised, whatever the router family."""
     from harness.trainers.hf import install_replay as install
     from harness.trainers.hf import softmax_rule as rule

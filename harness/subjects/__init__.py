@@ -10,9 +10,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, Protocol
-
-import torch
+from typing import Any
 
 from harness.errors import SubjectError
 
@@ -25,35 +23,11 @@ CAPABILITIES = (
     "layouts",
     "install_replay",
     "install_hf_replay",
+    "install_megatron_replay",
+    "megatron_data",
     "training",
 )
 """The pieces a subject may provide, in the order the suites exercise them."""
-
-
-class ReplayHandle(Protocol):
-    """Record/replay control over one model's routers, as a subject implements it.
-
-    Routes are ``[tokens, num_moe_layers, top_k]`` in the model's token order (row ``b·T + t``),
-    MoE layers in model order. Megatron-core's ``RouterReplay`` actions map onto these methods.
-    """
-
-    def record(self) -> None:
-        """Route natively on the next forward and keep the chosen ids."""
-
-    def recording(self) -> torch.Tensor:
-        """The ids chosen by the recorded forward; stops recording."""
-
-    def replay(self, targets: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-        """Force ``targets`` on every later forward (rows where ``mask`` is False route natively)."""
-
-    def prepare_backward(self) -> None:
-        """Before backward: activation recompute must replay what each forward used (a FIFO)."""
-
-    def dispatched(self) -> torch.Tensor:
-        """The ids the experts actually received in the last forward."""
-
-    def disarm(self) -> None:
-        """Back to native routing; drop targets, queues and recordings."""
 
 
 @dataclass(frozen=True)
@@ -66,12 +40,16 @@ class Subject:
         splice: ``(prompt_len, attempts) -> routes`` building one sample's trace from its attempts
             (``reference_impl.splice.Attempt``).
         truncate: ``(tokens, routes, prompt_len, max_response_len) -> (tokens, routes)``.
-        layouts: an object with the layout functions of ``reference_impl.layouts``.
-        install_replay: ``(model) -> ReplayHandle``: record/replay control over a model's routers.
-        install_hf_replay: ``(transformers model) -> ReplayHandle``: the same control over a
-            transformers MoE model (hooks on its routers; the SkyRL / FSDP path).
-        training: an object with the trainer passes of ``reference_impl.training`` (``check_mode``,
-            ``reference_logprobs``, …): the R2/R3 configuration rules and the reference pass.
+        layouts: any object with the functions of ``capabilities.LayoutsCapability``.
+        install_replay: a ``capabilities.ReplayDriver`` (or a bare ``model -> ReplayController``
+            callable) for the reference ``MoELM``.
+        install_hf_replay: the same for a transformers MoE model (the SkyRL / FSDP path).
+        install_megatron_replay: a ``capabilities.MegatronReplayDriver`` for Megatron-core models.
+        megatron_data: a ``capabilities.MegatronDataMovement``: canonical routes ↔ one rank's routers.
+        training: any object with the functions of ``capabilities.TrainingCapability``.
+
+    Capability objects need not be hashable (a ``SimpleNamespace`` is fine); a member one lacks is
+    a skip naming it (``capabilities.CapabilityView``).
     """
 
     name: str
@@ -79,8 +57,10 @@ class Subject:
     splice: Callable[..., Any] | None = None
     truncate: Callable[..., Any] | None = None
     layouts: Any | None = None
-    install_replay: Callable[..., Any] | None = None
-    install_hf_replay: Callable[..., Any] | None = None
+    install_replay: Any | None = None
+    install_hf_replay: Any | None = None
+    install_megatron_replay: Any | None = None
+    megatron_data: Any | None = None
     training: Any | None = None
 
     def capabilities(self) -> list[str]:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch
 
 from harness.conventions import decode_payload
-from harness.subjects import ReplayHandle, Subject
+from harness.subjects import Subject
+from harness.subjects.capabilities import ReplayController
+from harness.trainers.megatron.subject import MEGATRON_DATA, MEGATRON_DRIVER
 from reference_impl import MoELM, RoutingMode, layouts, splice, training
 
 
 class ReferenceReplay:
-    """``ReplayHandle`` of the reference model, whose routers carry Megatron-style replay state."""
+    """``ReplayController`` of the reference model, whose routers carry Megatron-style replay state."""
 
     def __init__(self, model: MoELM) -> None:
         self.model = model
@@ -49,7 +51,7 @@ def install_replay(model: MoELM) -> ReferenceReplay:
     return ReferenceReplay(model)
 
 
-def install_hf_replay(model: torch.nn.Module) -> ReplayHandle:
+def install_hf_replay(model: torch.nn.Module) -> ReplayController:
     """The harness's own transformers hooks (imported lazily: transformers is an optional extra)."""
     from harness.trainers.hf import install_replay as install
 
@@ -64,5 +66,7 @@ REFERENCE = Subject(
     layouts=layouts,
     install_replay=install_replay,
     install_hf_replay=install_hf_replay,
+    install_megatron_replay=MEGATRON_DRIVER,
+    megatron_data=MEGATRON_DATA,
     training=training,
 )

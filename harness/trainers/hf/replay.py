@@ -1,7 +1,7 @@
 """Record/replay on a transformers MoE model through module hooks (the ``hf`` trainer backend).
 
 ``install_replay(model)`` finds every router of a supported family (``families.FAMILIES``), hooks
-it and returns an ``HFReplay`` (a ``harness.subjects.ReplayHandle``):
+it and returns an ``HFReplay`` (a ``harness.subjects.capabilities.ReplayController``):
 
 - *record*: a forward hook on each router keeps the ids it chose;
 - *replay*: the same hook replaces the ids with the targets and the gate weights with the family's
@@ -81,7 +81,7 @@ class HookedRouter:
 
 
 class HFReplay:
-    """``ReplayHandle`` over a transformers model's routers (see the module docstring).
+    """``ReplayController`` over a transformers model's routers (see the module docstring).
 
     Routes are ``[tokens, num_moe_layers, top_k]`` int64, row ``b·T + t`` of each forward, MoE layers
     in decoder order (``moe_layers``). Targets apply to every later forward until ``disarm``; each
@@ -115,7 +115,7 @@ class HFReplay:
         """Routed experts per MoE layer."""
         return self.routers[0].num_experts
 
-    # --- ReplayHandle ---------------------------------------------------------------------------
+    # --- ReplayController-----------------------------------------------------------------------
 
     def record(self) -> None:
         """Route natively on the next forwards and keep the chosen ids."""
