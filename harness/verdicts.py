@@ -1,0 +1,188 @@
+"""Recorded verdicts of released framework code (``fixtures/verdicts/<release>.json``).
+
+A verdict is what the invariant suites say about one subject of ``harness.subjects.frameworks``:
+for every test that exercised (or skipped for lack of) one of its capabilities, ``pass``, ``fail``
+with the counterexample in one line and its triage (the upstream issue/PR, or the finding
+described from the release's source), or ``skip`` naming the missing capability. Tests that use no
+capability of the subject check the harness itself and are left out.
+
+``python -m harness.verdicts RELEASE`` observes the installed release's subjects and compares them
+with the recorded file: exit 0 when every verdict matches, 1 with a readable diff when one changed
+(a new release that fixes or breaks something), 2 when it cannot run. ``--record`` writes the
+observation, keeping the triage of failures that stay failures; a new failure is recorded
+``UNTRIAGED`` and the env stays red until someone explains it from the source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.errors import HarnessError
+
+VERDICTS_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "verdicts"
+UNTRIAGED = "UNTRIAGED"
+SELECT = "not slow and not gpu and not distributed"
+"""The tests a verdict covers: the default CPU selection without multi-process groups."""
+
+
+class VerdictError(HarnessError, ValueError):
+    """A verdict file is missing or malformed."""
+
+
+@dataclass(frozen=True)
+class Release:
+    """One release under test: its PyPI pin, the subjects that wrap it, the tox env that installs it."""
+
+    name: str  # file stem and tox env: "verl-0.9.1"
+    distribution: str
+    version: str
+    subjects: tuple[str, ...]  # module:attr specs
+    suites: tuple[str, ...]  # suite files the subjects' capabilities are checked by
+
+
+RELEASES: dict[str, Release] = {
+    r.name: r
+    for r in (
+        Release(
+            "verl-0.8.0",
+            "verl",
+            "0.8.0",
+            ("harness.subjects.frameworks.verl:VERL_0_8_0", "harness.subjects.frameworks.verl:VERL_0_8_0_SGLANG"),
+            ("test_splice.py",),
+        ),
+        Release("verl-0.9.0", "verl", "0.9.0", ("harness.subjects.frameworks.verl:VERL_0_9_0",), ("test_splice.py",)),
+        Release("verl-0.9.1", "verl", "0.9.1", ("harness.subjects.frameworks.verl:VERL_0_9_1",), ("test_splice.py",)),
+    )
+}
+
+
+def verdict_of(outcome: Any) -> dict[str, str] | None:
+    """One ``CheckOutcome`` as a verdict entry, or ``None`` when it used no capability of the subject."""
+    if not outcome.capabilities:
+        return None
+    if outcome.outcome == "passed":
+        return {"invariant": outcome.invariant, "verdict": "pass"}
+    if outcome.outcome == "skipped":
+        reason = outcome.detail.strip().splitlines()[0] if outcome.detail.strip() else "skipped"
+        return {"invariant": outcome.invariant, "verdict": "skip", "detail": reason}
+    detail = outcome.detail + (f" [{outcome.example}]" if outcome.example else "")
+    return {"invariant": outcome.invariant, "verdict": "fail", "detail": detail}
+
+
+def observe(release: Release) -> dict[str, dict[str, dict[str, str]]]:
+    """Run the release's suites against each of its subjects: ``{spec: {test id: entry}}``."""
+    from harness.check import run_suites, suites_dir
+
+    observed: dict[str, dict[str, dict[str, str]]] = {}
+    for spec in release.subjects:
+        outcomes, log = run_suites(spec, select=SELECT, paths=[str(suites_dir() / s) for s in release.suites])
+        if not outcomes:
+            raise VerdictError(f"{spec}: no test ran\n" + "\n".join(log.strip().splitlines()[-8:]))
+        entries = {}
+        for outcome in outcomes:
+            entry = verdict_of(outcome)
+            if entry is not None:
+                entries[outcome.nodeid.split("/")[-1]] = entry
+        observed[spec] = entries
+    return observed
+
+
+def load(release: Release, directory: Path = VERDICTS_DIR) -> dict[str, Any]:
+    """The recorded verdicts of ``release``."""
+    path = directory / f"{release.name}.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise VerdictError(f"no recorded verdicts for {release.name}: {path} (record with --record)") from None
+    except json.JSONDecodeError as err:
+        raise VerdictError(f"{path}: not JSON ({err})") from None
+    if data.get("release") != f"{release.distribution}=={release.version}" or "subjects" not in data:
+        raise VerdictError(f"{path}: expected release {release.distribution}=={release.version} and 'subjects'")
+    return data
+
+
+def diff(recorded: dict[str, Any], observed: dict[str, dict[str, dict[str, str]]]) -> list[str]:
+    """Every verdict that differs, one readable line each ([] when all match).
+
+    Verdicts are compared, not the wording of a failure: a counterexample that reads differently
+    is not a change. A recorded failure without triage is a difference too.
+    """
+    lines: list[str] = []
+    subjects = recorded["subjects"]
+    for spec in sorted(set(subjects) | set(observed)):
+        old, new = subjects.get(spec), observed.get(spec)
+        if old is None or new is None:
+            lines.append(f"{spec}: {'not recorded' if old is None else 'not observed'}")
+            continue
+        for test in sorted(set(old) | set(new)):
+            before, after = old.get(test), new.get(test)
+            if before is None:
+                lines.append(f"{spec} {test}: new invariant, now {_words(after)}")
+            elif after is None:
+                lines.append(f"{spec} {test}: recorded {before['verdict']}, no longer run")
+            elif before["verdict"] != after["verdict"]:
+                lines.append(f"{spec} {test}: recorded {_words(before)}, now {_words(after)}")
+            elif before["verdict"] == "fail" and before.get("triage", UNTRIAGED) == UNTRIAGED:
+                lines.append(f"{spec} {test}: failure not triaged ({before.get('detail', '')})")
+    return lines
+
+
+def _words(entry: dict[str, str] | None) -> str:
+    if entry is None:
+        return "absent"
+    detail = entry.get("detail")
+    return entry["verdict"].upper() + (f" ({detail})" if detail else "")
+
+
+def merged(release: Release, observed: dict[str, dict[str, dict[str, str]]], recorded: dict[str, Any] | None) -> dict[str, Any]:
+    """The file to record: the observation, with the triage of failures that are still failures."""
+    old = recorded["subjects"] if recorded else {}
+    subjects: dict[str, Any] = {}
+    for spec, entries in observed.items():
+        subjects[spec] = {}
+        for test, entry in sorted(entries.items()):
+            entry = dict(entry)
+            if entry["verdict"] == "fail":
+                before = old.get(spec, {}).get(test, {})
+                entry["triage"] = before.get("triage", UNTRIAGED) if before.get("verdict") == "fail" else UNTRIAGED
+            subjects[spec][test] = entry
+    return {"release": f"{release.distribution}=={release.version}", "subjects": subjects}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from harness.subjects.frameworks import installed_version
+
+    parser = argparse.ArgumentParser(prog="python -m harness.verdicts", description=__doc__.split("\n\n")[0])
+    parser.add_argument("release", choices=sorted(RELEASES))
+    parser.add_argument("--record", action="store_true", help="write the observation as the recorded verdicts")
+    args = parser.parse_args(argv)
+    release = RELEASES[args.release]
+    found = installed_version(release.distribution)
+    if found != release.version:
+        print(f"{release.name}: {release.distribution} is {found or 'not installed'} (tox -e {release.name})", file=sys.stderr)
+        return 2
+    observed = observe(release)
+    if args.record:
+        try:
+            recorded = load(release)
+        except VerdictError:
+            recorded = None
+        path = VERDICTS_DIR / f"{release.name}.json"
+        path.write_text(json.dumps(merged(release, observed, recorded), indent=1, ensure_ascii=False) + "\n")
+        print(f"recorded {path}")
+        return 0
+    changes = diff(load(release), observed)
+    for line in changes:
+        print(line)
+    print(f"{release.name}: " + (f"{len(changes)} verdict(s) changed" if changes else "every verdict matches"))
+    return 1 if changes else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Recorded verdicts of released framework code (``harness.verdicts``).
+
+``test_release_verdicts_match[<release>]`` runs the suites against the installed release's subjects
+and compares with ``fixtures/verdicts/<release>.json``: it runs in that release's tox env
+(``tox -e verl-0.9.1``) and skips, naming the env, everywhere else. The other tests check the
+comparison itself and the recorded files, without any framework installed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness.subjects.frameworks import installed_version
+from harness.verdicts import RELEASES, UNTRIAGED, VERDICTS_DIR, diff, load, merged
+
+SPEC = "pkg.mod:SUBJECT"
+
+
+def _recorded(entries: dict[str, dict[str, str]]) -> dict[str, object]:
+    return {"release": "verl==0.9.1", "subjects": {SPEC: entries}}
+
+
+PASS = {"invariant": "rows", "verdict": "pass"}
+FAIL = {"invariant": "rows", "verdict": "fail", "detail": "9 rows, expected 7", "triage": "verl #5430"}
+
+
+def test_matching_verdicts_give_no_difference() -> None:
+    assert diff(_recorded({"t::a": PASS, "t::b": FAIL}), {SPEC: {"t::a": PASS, "t::b": dict(FAIL, detail="other words")}}) == []
+
+
+def test_a_verdict_that_changes_is_a_readable_difference() -> None:
+    lines = diff(_recorded({"t::a": PASS}), {SPEC: {"t::a": {**FAIL, "detail": "8 rows, expected 7"}}})
+    assert lines == [f"{SPEC} t::a: recorded PASS, now FAIL (8 rows, expected 7)"]
+    fixed = diff(_recorded({"t::b": FAIL}), {SPEC: {"t::b": PASS}})
+    assert fixed == [f"{SPEC} t::b: recorded FAIL (9 rows, expected 7), now PASS"]
+
+
+def test_new_vanished_and_untriaged_invariants_are_differences() -> None:
+    untriaged = dict(FAIL, triage=UNTRIAGED)
+    lines = diff(_recorded({"t::gone": PASS, "t::u": untriaged}), {SPEC: {"t::new": PASS, "t::u": untriaged}})
+    assert lines == [
+        f"{SPEC} t::gone: recorded pass, no longer run",
+        f"{SPEC} t::new: new invariant, now PASS",
+        f"{SPEC} t::u: failure not triaged (9 rows, expected 7)",
+    ]
+    assert diff(_recorded({}), {}) == [f"{SPEC}: not observed"]
+
+
+def test_recording_keeps_the_triage_of_failures_that_stay_failures() -> None:
+    release = RELEASES["verl-0.9.1"]
+    observed = {SPEC: {"t::b": {k: v for k, v in FAIL.items() if k != "triage"}, "t::c": dict(FAIL, triage="x")}}
+    out = merged(release, observed, _recorded({"t::b": FAIL}))
+    assert out["subjects"][SPEC]["t::b"]["triage"] == "verl #5430"
+    assert out["subjects"][SPEC]["t::c"]["triage"] == UNTRIAGED  # a new failure is never pre-explained
+
+
+@pytest.mark.parametrize("name", sorted(RELEASES))
+def test_recorded_failures_are_triaged(name: str) -> None:
+    """Every recorded failure says why: an upstream issue/PR or the finding, from the release's source."""
+    if not (VERDICTS_DIR / f"{name}.json").exists():
+        pytest.skip(f"{name}: no recorded verdicts yet")
+    recorded = load(RELEASES[name])
+    for spec, entries in recorded["subjects"].items():
+        assert entries, f"{name} {spec}: no verdict recorded"
+        for test, entry in entries.items():
+            assert entry["verdict"] in ("pass", "fail", "skip"), f"{name} {spec} {test}: {entry['verdict']!r}"
+            if entry["verdict"] == "fail":
+                assert entry.get("detail"), f"{name} {spec} {test}: a failure without its counterexample"
+                assert entry.get("triage", UNTRIAGED) != UNTRIAGED, f"{name} {spec} {test}: failure not triaged"
+    json.dumps(recorded)
+
+
+@pytest.mark.parametrize("name", sorted(RELEASES))
+def test_release_verdicts_match(name: str) -> None:
+    """The installed release's verdicts are the recorded ones (run in its tox env)."""
+    release = RELEASES[name]
+    if installed_version(release.distribution) != release.version:
+        pytest.skip(f"{release.distribution}=={release.version} is not installed (tox -e {name})")
+    from harness.verdicts import observe
+
+    changes = diff(load(release), observe(release))
+    assert not changes, f"{name}: {len(changes)} verdict(s) changed:\n" + "\n".join(changes)
