@@ -134,6 +134,27 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Dispatch(nn.Module):
+    """The step where tokens reach their experts: out = Σ_k w_k · expert_{id_k}(x).
+
+    A module of its own (no parameters) so that the point where routing takes effect can be watched
+    from outside the router: a forward pre-hook sees `(tokens, ids, weights, experts)`, the ids and
+    gate weights each token's hidden state is actually sent with (transformers' `mlp.experts`
+    receives the same `(hidden, ids, weights)`).
+    """
+
+    def forward(self, tokens: Tensor, ids: Tensor, weights: Tensor, experts: nn.ModuleList) -> Tensor:
+        out = torch.zeros_like(tokens)
+        for expert_id, expert in enumerate(experts):
+            rows, slots = torch.where(ids == expert_id)
+            if rows.numel() == 0:
+                continue
+            # Weights may be fp32 (Mixtral rule): multiply in their precision, then cast back.
+            contribution = expert(tokens[rows]) * weights[rows, slots, None]
+            out = out.index_add(0, rows, contribution.to(out.dtype))
+        return out
+
+
 class MoEBlock(nn.Module):
     """Router + routed experts (+ optional shared expert): out = Σ_k w_k · expert_{id_k}(x).
 
@@ -148,6 +169,7 @@ class MoEBlock(nn.Module):
             SwiGLU(cfg.hidden_size, cfg.expert_hidden) for _ in range(cfg.num_experts))
         self.shared_expert = (SwiGLU(cfg.hidden_size, cfg.expert_hidden)
                               if cfg.shared_expert else None)
+        self.dispatch = Dispatch()
         self.last_dispatch: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
@@ -155,14 +177,7 @@ class MoEBlock(nn.Module):
         tokens = x.reshape(batch * new, hidden)  # router row b*T + t
         ids, weights, _ = self.router(tokens)
         self.last_dispatch = ids.detach()
-        out = torch.zeros_like(tokens)
-        for expert_id, expert in enumerate(self.experts):
-            rows, slots = torch.where(ids == expert_id)
-            if rows.numel() == 0:
-                continue
-            # Weights may be fp32 (Mixtral rule): multiply in their precision, then cast back.
-            contribution = expert(tokens[rows]) * weights[rows, slots, None]
-            out = out.index_add(0, rows, contribution.to(out.dtype))
+        out = self.dispatch(tokens, ids, weights, self.experts)
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)
         return out.view(batch, new, hidden)

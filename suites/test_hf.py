@@ -1,64 +1,67 @@
-"""Routing replay on real transformers MoE models (DESIGN §3.1, §3.5–3.8, §3.10), the ``hf`` backend.
+"""Real transformers MoE models beyond the replay invariants (DESIGN §3.1, §3.4–3.6, §3.10).
 
-Every model family transformers ships with a supported router (``harness.trainers.hf.MODEL_TYPES``)
-is built tiny at random init, in fp32 and bf16, and checked through ``install_replay``: replaying
-its own recording is bit-exact, the experts receive the targets whatever the live logits say, the
-router gets gradients at targets its live top-k would not pick, targets placed into a left-padded
-batch land on their tokens, activation recompute replays each forward's targets, KV-cache rollouts
-cover ``[0, P + R − 1)``, packed (unpadded) and SP-padded batches keep every row on its token,
-abort/resume and multi-turn through real HF generation splice to the first-computed rows, and the
-mismatch lab on a bf16 Qwen3-MoE shows R3 removing the routing disagreement and shrinking the gap where
-routing had flipped.
+The replay invariants every family must meet (targets reach the experts, bit-exact replay of a
+recording, gradients at unpicked targets, recompute FIFO, masked rows native, no fallback) are in
+``suites/test_replay.py``, parametrised over (model kind × family). Here: KV-cache rollouts of the
+harness's HF engine cover ``[0, P + R − 1)``; packed (unpadded) and SP-padded batches keep every
+replayed row on its token, observed by the harness's probe (``harness.probes.hf``); abort/resume
+and multi-turn through real HF generation splice to the first-computed rows; and the mismatch lab
+on a bf16 Qwen3-MoE shows R3 removing the routing disagreement and shrinking the gap where routing
+had flipped.
 """
 
 from __future__ import annotations
 
-import copy
-import functools
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
+from harness.probes import RouteProbe
 from harness.subjects import Subject
-from harness.trainers.hf import MODEL_TYPES, HFReplay, tiny_model
-from reference_impl.layouts import pack, place_left_padded, sp_pad, sp_shard, sp_valid_mask
+from harness.subjects.capabilities import ReplayController
+from harness.subjects.replay import controlled
+from harness.trainers.hf import install_replay
+from harness.trainers.kinds import Routing, hf_kind
+from reference_impl.layouts import pack, sp_pad, sp_shard, sp_valid_mask
 from reference_impl.splice import splice_replace
 from suites.conftest import require
 
 pytestmark = pytest.mark.hf
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BATCH, SEQ = 2, 6
-
-family_dtype = pytest.mark.parametrize(
-    ("model_type", "dtype"),
-    [pytest.param(m, d, id=f"{m}-{d}") for m in MODEL_TYPES for d in DTYPES],
-)
+KIND = hf_kind()
 
 
-@functools.cache
-def _base(model_type: str, dtype: str) -> torch.nn.Module:
-    return tiny_model(model_type, DTYPES[dtype])
+@pytest.fixture
+def arm(
+    subject: Subject,
+) -> Iterator[Callable[[str], tuple[torch.nn.Module, ReplayController, RouteProbe, Routing]]]:
+    """``arm(model_type)``: a fresh fp32 model, the subject's controller on it, then the harness's probe;
+    all torn down after the test."""
+    stack = ExitStack()
+
+    def arm_model(model_type: str) -> tuple[torch.nn.Module, ReplayController, RouteProbe, Routing]:
+        model = KIND.build(model_type, "fp32")
+        controller = stack.enter_context(
+            controlled(require(subject, KIND.capability), model, KIND.capability)
+        )
+        probe = KIND.probe(model)
+        stack.callback(probe.remove)
+        return model, controller, probe, KIND.routing(model)
+
+    with stack:
+        yield arm_model
 
 
-def _fresh(model_type: str, dtype: str = "fp32") -> torch.nn.Module:
-    """A private copy of the cached model (copied before any hook is installed on it)."""
-    return copy.deepcopy(_base(model_type, dtype))
+def _fresh(model_type: str) -> torch.nn.Module:
+    return KIND.build(model_type, "fp32")
 
 
 def _tokens(seed: int, batch: int = BATCH, seq: int = SEQ) -> torch.Tensor:
-    vocab = 128
-    return torch.randint(3, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
-
-
-def _random_targets(handle: HFReplay, rows: int, seed: int) -> torch.Tensor:
-    """Valid targets ``[rows, n_moe, k]``: distinct uniformly random ids per route."""
-    gen = torch.Generator().manual_seed(seed)
-    n = rows * len(handle.moe_layers)
-    ids = torch.argsort(torch.rand(n, handle.num_experts, generator=gen), dim=-1)[:, : handle.top_k]
-    return ids.reshape(rows, len(handle.moe_layers), handle.top_k)
+    return torch.randint(3, KIND.vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
 def _sets(routes: torch.Tensor) -> torch.Tensor:
@@ -86,158 +89,13 @@ def _forward(model: torch.nn.Module, tokens: torch.Tensor, **kwargs: object) -> 
     return model(input_ids=tokens, use_cache=False, **kwargs).logits
 
 
-@family_dtype
-def test_replaying_own_recording_is_bit_exact(subject: Subject, model_type: str, dtype: str) -> None:
-    """Replaying a model's own recording reproduces its un-replayed logits bit for bit (§3.7)."""
-    model = _fresh(model_type, dtype)
-    handle = require(subject, "install_hf_replay")(model)
-    tokens = _tokens(1)
-    with torch.no_grad():
-        handle.record()
-        native = _forward(model, tokens)
-        recording = handle.recording()
-        handle.replay(recording)
-        replayed = _forward(model, tokens)
-        dispatched = handle.dispatched()
-    handle.disarm()
-    expected_shape = (BATCH * SEQ, len(handle.moe_layers), handle.top_k)
-    assert recording.shape == expected_shape, (
-        f"{model_type} {dtype}: recording {tuple(recording.shape)}, expected {expected_shape}"
-    )
-    differs = int((_sets(dispatched) != _sets(recording)).any(-1).sum())
-    assert differs == 0, (
-        f"{model_type} {dtype}: replay dispatched other experts than the recording at {differs} routes"
-    )
-    diff = (native - replayed).float().abs().max().item()
-    assert torch.equal(native, replayed), f"{model_type} {dtype}: replayed logits differ by {diff:.3e}"
-
-
-@family_dtype
-@settings(max_examples=3)
-@given(seed=st.integers(0, 2**31 - 1))
-def test_dispatched_experts_equal_targets_under_perturbed_logits(
-    subject: Subject, model_type: str, dtype: str, seed: int
-) -> None:
-    """With the router weights negated (live logits prefer other experts), the experts receive the targets."""
-    model = _fresh(model_type, dtype)
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if name.endswith(("mlp.gate", "mlp.router", "feed_forward.router")):
-                module.weight.neg_()
-    handle = require(subject, "install_hf_replay")(model)
-    targets = _random_targets(handle, BATCH * SEQ, seed)
-    handle.replay(targets)
-    with torch.no_grad():
-        _forward(model, _tokens(seed))
-    dispatched = handle.dispatched()
-    handle.disarm()
-    differs = (_sets(dispatched) != _sets(targets)).any(-1)
-    assert not differs.any(), (
-        f"{model_type} {dtype}: {int(differs.sum())} of {differs.numel()} (token, layer) routes dispatched "
-        f"other experts than their targets, first at (token, MoE ordinal) "
-        f"{tuple(differs.nonzero()[0].tolist())}"
-    )
-
-
-@family_dtype
-def test_router_gets_gradient_at_targets_live_top_k_would_not_pick(
-    subject: Subject, model_type: str, dtype: str
-) -> None:
-    """Gate weights come from the live logits at the targets, so the router weight gets a gradient there."""
-    model = _fresh(model_type, dtype)
-    handle = require(subject, "install_hf_replay")(model)
-    tokens = _tokens(0)
-    handle.record()
-    with torch.no_grad():
-        _forward(model, tokens)
-    natural = handle.recording()
-    unpicked = next(e for e in range(handle.num_experts) if e not in natural[0, 0].tolist())
-    targets = natural.clone()
-    targets[0, 0, -1] = unpicked  # token 0, first MoE layer: an expert its live top-k did not pick
-    handle.replay(targets)
-    _forward(model, tokens).float().logsumexp(-1).sum().backward()
-    handle.disarm()
-    grad = handle.routers[0].module.weight.grad
-    assert grad is not None, f"{model_type} {dtype}: the router weight received no gradient"
-    assert grad[unpicked].abs().sum() > 0, f"{model_type} {dtype}: no gradient for replayed expert {unpicked}"
-
-
-@pytest.mark.parametrize("model_type", list(MODEL_TYPES))
-def test_targets_placed_left_padded_land_on_their_tokens(subject: Subject, model_type: str) -> None:
-    """Each sample's solo routes, left-padded like its tokens, are dispatched at its tokens (§3.5–3.6).
-
-    Padding and each sample's last token have no row: they route natively, never with the zero filler.
-    """
-    model = _fresh(model_type)
-    handle = require(subject, "install_hf_replay")(model)
-    lengths = (4, 7)
-    samples = []
-    with torch.no_grad():
-        for i, n in enumerate(lengths):
-            tokens = _tokens(10 + i, batch=1, seq=n)
-            handle.record()
-            _forward(model, tokens)
-            samples.append((tokens[0], handle.recording()[:-1]))  # rows [0, n − 1)
-        width = max(lengths) + 2
-        placed = place_left_padded(samples, width)
-        mask = placed.attention_mask.long()
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        targets = placed.routes.reshape(-1, len(handle.moe_layers), handle.top_k)
-        replayed = placed.replay_mask.reshape(-1)
-        handle.record()
-        _forward(model, placed.tokens, attention_mask=mask, position_ids=position_ids)
-        native = handle.recording()
-        handle.replay(targets, replayed)
-        _forward(model, placed.tokens, attention_mask=mask, position_ids=position_ids)
-        dispatched = handle.dispatched()
-    handle.disarm()
-    assert torch.equal(_sets(dispatched[replayed]), _sets(targets[replayed])), (
-        "replayed rows off their tokens"
-    )
-    assert torch.equal(_sets(dispatched[~replayed]), _sets(native[~replayed])), (
-        "rows without a target (padding, last tokens) did not route natively"
-    )
-
-
-def test_recompute_replays_each_forwards_targets(subject: Subject) -> None:
-    """Under HF gradient checkpointing, backward recompute replays its own forward's targets (FIFO, §3.7)."""
-    model = _fresh("qwen3_moe")
-    handle = require(subject, "install_hf_replay")(model)
-    model.train()
-    first, second = _tokens(1), _tokens(2)
-    rows = BATCH * SEQ
-    targets_first, targets_second = _random_targets(handle, rows, 1), _random_targets(handle, rows, 2)
-
-    handle.replay(targets_first)
-    _forward(model, first).float().logsumexp(-1).sum().backward()
-    handle.disarm()
-    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-
-    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers ≥ 5.x; older name below
-    enable() if enable is not None else model.gradient_checkpointing_enable()
-    handle.replay(targets_first)
-    loss_first = _forward(model, first).float().logsumexp(-1).sum()
-    handle.replay(targets_second)
-    _forward(model, second)
-    handle.prepare_backward()
-    loss_first.backward()
-    handle.disarm()
-    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert got.keys() == expected.keys(), (
-        f"recompute saw layers {sorted(got)}, the forward {sorted(expected)}"
-    )
-    for name, grad in got.items():
-        assert torch.equal(grad, expected[name]), f"{name}: recompute replayed other targets than the forward"
-
-
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "gpt_oss", "llama4_text"])
-def test_kv_cache_rollout_covers_all_but_the_last_token(subject: Subject, model_type: str) -> None:
+def test_kv_cache_rollout_covers_all_but_the_last_token(model_type: str) -> None:
     """Rollout routes cover [0, P + R − 1) and, in fp32, equal a full forward's routing (§3.1, §6)."""
     from harness.engines.hf import generate_rollouts
 
     model = _fresh(model_type)
-    handle = require(subject, "install_hf_replay")(model)
+    handle = install_replay(model)  # the harness's HF engine records rollouts with its own hooks
     prompt_len, response_len = 5, 4
     rollouts = generate_rollouts(
         model, handle, _tokens(3, seq=prompt_len), response_len, generator=torch.Generator().manual_seed(0)
@@ -302,7 +160,7 @@ def _block_causal_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tens
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
-def test_packed_batch_keeps_every_row_on_its_token(subject: Subject, model_type: str) -> None:
+def test_packed_batch_keeps_every_row_on_its_token(arm: Any, model_type: str) -> None:
     """Samples packed into one ``[1, N]`` row (``pack`` indices) route and replay exactly as alone (§3.5).
 
     The packed row restarts ``position_ids`` per sample and carries a block-diagonal causal 4-D mask
@@ -312,10 +170,9 @@ def test_packed_batch_keeps_every_row_on_its_token(subject: Subject, model_type:
     into packed order dispatches exactly them, and the logits unpacked equal each sample's solo replay:
     every target sits on its own token.
     """
-    model = _fresh(model_type)
-    handle = require(subject, "install_hf_replay")(model)
+    model, handle, probe, routing = arm(model_type)
     lengths = (5, 3, 7)
-    batch, width, layers = len(lengths), max(lengths), len(handle.moe_layers)
+    batch, width, layers = len(lengths), max(lengths), len(routing.moe_layers)
     attention = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]  # right-padded [B, W]
     tokens = torch.zeros(batch, width, dtype=torch.long)
     for b, n in enumerate(lengths):
@@ -330,7 +187,7 @@ def test_packed_batch_keeps_every_row_on_its_token(subject: Subject, model_type:
         return _forward(model, packed, attention_mask=mask4d, position_ids=position_ids)[0]
 
     with torch.no_grad():
-        solo_routes = torch.zeros(batch, width, layers, handle.top_k, dtype=torch.long)
+        solo_routes = torch.zeros(batch, width, layers, routing.top_k, dtype=torch.long)
         solo_logits = []
         for b, n in enumerate(lengths):
             handle.record()
@@ -360,7 +217,7 @@ def test_packed_batch_keeps_every_row_on_its_token(subject: Subject, model_type:
         targets = packing.gather(solo_routes)
         handle.replay(targets)
         replayed = packing.scatter(packed_forward())
-        dispatched = handle.dispatched()
+        dispatched = probe.last().ids
     handle.disarm()
     differs = (_sets(dispatched) != _sets(targets)).any(-1)
     assert not differs.any(), (
@@ -380,7 +237,7 @@ def test_packed_batch_keeps_every_row_on_its_token(subject: Subject, model_type:
 
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "deepseek_v3"])
-def test_sp_padded_shards_replay_their_own_targets(subject: Subject, model_type: str, tp: int) -> None:
+def test_sp_padded_shards_replay_their_own_targets(arm: Any, model_type: str, tp: int) -> None:
     """SP slicing, single process: each TP rank's shard of the dispatched ids is its targets' shard (§3.6).
 
     This is the single-process alignment check of the SP slicing (Megatron sequence parallel / slime,
@@ -398,8 +255,7 @@ def test_sp_padded_shards_replay_their_own_targets(subject: Subject, model_type:
     (padded rows: native at the first MoE layer, which no replayed layer precedes, and never the
     filler anywhere).
     """
-    model = _fresh(model_type)
-    handle = require(subject, "install_hf_replay")(model)
+    model, handle, probe, routing = arm(model_type)
     seq_len = 9
     tokens, pad_len = sp_pad(_tokens(30, batch=1, seq=seq_len)[0], tp)
     assert pad_len > 0, "no padding: the test cannot see filler"
@@ -418,14 +274,14 @@ def test_sp_padded_shards_replay_their_own_targets(subject: Subject, model_type:
         targets, _ = sp_pad(native[:seq_len], tp)  # real rows, then zero filler rows
         handle.replay(targets, valid)
         own_logits = forward()
-        own = handle.dispatched()
+        own = probe.last().ids
         _perturb_routers(model)
         handle.record()
         forward()
         live = handle.recording()
         handle.replay(targets, valid)
         forward()
-        negated = handle.dispatched()
+        negated = probe.last().ids
     handle.disarm()
     assert bool((_sets(live[valid]) != _sets(targets[valid])).any()), (
         f"{model_type}: negated routers still pick the targets: replay is untested"
@@ -442,7 +298,7 @@ def test_sp_padded_shards_replay_their_own_targets(subject: Subject, model_type:
                 f"{tuple(bad.nonzero()[0].tolist())}"
             )
         pad_rows = _sets(dispatched[~valid])
-        filler = (pad_rows[..., 1:] == pad_rows[..., :-1]).any(-1) if handle.top_k > 1 else pad_rows == 0
+        filler = (pad_rows[..., 1:] == pad_rows[..., :-1]).any(-1) if routing.top_k > 1 else pad_rows == 0
         assert not filler.any(), f"{model_type} tp={tp} ({run}): padded positions replayed the zero filler"
     diff = (own_logits - native_logits).abs().max().item()
     assert torch.equal(own_logits, native_logits), (
@@ -494,7 +350,7 @@ def test_hf_generation_attempts_splice_to_first_computed_rows(
 
     splice = require(subject, "splice")
     model = _fresh(model_type)
-    handle = require(subject, "install_hf_replay")(model)
+    handle = install_replay(model)  # the harness's HF engine records each call's payload itself
     engine = hf_generate(model, handle, generator=torch.Generator().manual_seed(7))
     calls = 0
 

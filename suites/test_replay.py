@@ -1,179 +1,265 @@
-"""Replay effect (DESIGN §3.7–3.8) for every router family, through the subject's ``install_replay``."""
+"""Replay effect (DESIGN §3.6–3.8), one suite over (model kind × router family), observed by the harness.
+
+The subject supplies the driver of each model kind (``install_replay`` for the reference ``MoELM``,
+``install_hf_replay`` for transformers MoE models); the harness builds the model, installs the
+driver, and attaches its *own* route probe (``harness.probes``) at the dispatch step, after the
+subject's hooks. Every check compares what the subject was asked to do with what the probe saw the
+experts receive; nothing the subject reports about itself (``dispatched()``) is used.
+
+- the experts receive exactly the targets, whatever the live logits prefer (no silent fallback: every
+  live router is replayed);
+- replaying a model's own recording reproduces its logits and gate weights bit for bit (fp32, bf16);
+- the router gets gradients at targets its live top-k would not pick;
+- activation recompute replays each forward's own targets (two forwards in flight);
+- rows without a target (left padding, last tokens) route natively, never with the filler;
+- targets for the wrong number of MoE layers are an error, not native routing.
+"""
 
 from __future__ import annotations
 
-import copy
-import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness.probes import RouteProbe
 from harness.subjects import Subject
-from harness.subjects.capabilities import ReplayController as ReplayHandle
-from reference_impl import ROUTER_FAMILIES, MoEConfig, MoELM
+from harness.subjects.capabilities import MissingMember, ReplayController
+from harness.subjects.replay import controlled
+from harness.trainers.hf.models import MODEL_TYPES
+from harness.trainers.kinds import ModelKind, Routing, hf_kind, reference_kind
+from reference_impl import ROUTER_FAMILIES
+from reference_impl.layouts import place_left_padded
 from suites.conftest import require
 
 BATCH, SEQ = 2, 6
+KINDS = {"reference": reference_kind(), "hf": hf_kind()}
 
 
-@functools.cache
-def _model(family: str, dtype: str = "float32") -> MoELM:
-    """A tiny model with a dense first layer and two MoE layers of ``family`` (built once per family)."""
-    grouped = family == "sigmoid_grouped"
-    cfg = MoEConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_layers=3,
-        first_k_dense=1,
-        num_experts=8,
-        top_k=2,
-        router_family=family,
-        n_group=2 if grouped else 1,
-        topk_group=1,
-        routed_scaling_factor=2.5 if grouped else 1.0,
-        shared_expert=family == "llama4",
-        dtype=dtype,
-        seed=7,
-    )
-    return MoELM(cfg)
+def _cases(dtypes: tuple[str, ...], hf_types: tuple[str, ...] = tuple(MODEL_TYPES)) -> list[object]:
+    cases = [
+        pytest.param("reference", f, d, id=f"reference-{f}-{d}") for f in ROUTER_FAMILIES for d in dtypes
+    ]
+    cases += [
+        pytest.param("hf", m, d, id=f"hf-{m}-{d}", marks=pytest.mark.hf) for m in hf_types for d in dtypes
+    ]
+    return cases
 
 
-def _fresh(family: str, dtype: str = "float32") -> MoELM:
-    return copy.deepcopy(_model(family, dtype))
+every_case = pytest.mark.parametrize(("kind", "family", "dtype"), _cases(("fp32", "bf16")))
+fp32_cases = pytest.mark.parametrize(("kind", "family", "dtype"), _cases(("fp32",)))
 
 
-def _handle(subject: Subject, model: MoELM) -> ReplayHandle:
-    return require(subject, "install_replay")(model)
+@contextmanager
+def _armed(
+    subject: Subject, kind: str, family: str, dtype: str, *, negate: bool = False
+) -> Iterator[tuple[ModelKind, torch.nn.Module, ReplayController, RouteProbe, Routing]]:
+    """A fresh model of ``family``, the subject's controller on it, then the harness's probe."""
+    model_kind = KINDS[kind]
+    model = model_kind.build(family, dtype)
+    if negate:
+        model_kind.negate_routers(model)
+    capability = require(subject, model_kind.capability)
+    try:
+        with controlled(capability, model, model_kind.capability) as controller:
+            probe = model_kind.probe(model)
+            try:
+                yield model_kind, model, controller, probe, model_kind.routing(model)
+            finally:
+                probe.remove()
+    except MissingMember as err:
+        pytest.skip(str(err))
 
 
-def _tokens(seed: int) -> torch.Tensor:
-    return torch.randint(0, 64, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+def _tokens(kind: ModelKind, seed: int, batch: int = BATCH, seq: int = SEQ) -> torch.Tensor:
+    return torch.randint(3, kind.vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def _random_targets(model: MoELM, seed: int) -> torch.Tensor:
-    """Valid targets ``[B·T, n_moe, k]``: distinct uniformly random ids per route."""
-    cfg = model.cfg
+def _random_targets(routing: Routing, rows: int, seed: int) -> torch.Tensor:
+    """Valid targets ``[rows, n_moe, k]``: distinct uniformly random ids per route."""
     gen = torch.Generator().manual_seed(seed)
-    rows = BATCH * SEQ * len(cfg.moe_layers)
-    ids = torch.argsort(torch.rand(rows, cfg.num_experts, generator=gen), dim=-1)[:, : cfg.top_k]
-    return ids.reshape(BATCH * SEQ, len(cfg.moe_layers), cfg.top_k)
+    n = rows * len(routing.moe_layers)
+    ids = torch.argsort(torch.rand(n, routing.num_experts, generator=gen), dim=-1)[:, : routing.top_k]
+    return ids.reshape(rows, len(routing.moe_layers), routing.top_k)
 
 
-def _as_sets(routes: torch.Tensor) -> torch.Tensor:
-    return routes.sort(dim=-1).values
+def _sets(routes: torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(routes).long().sort(dim=-1).values
 
 
-families = pytest.mark.parametrize("family", ROUTER_FAMILIES)
-
-
-@families
-@settings(max_examples=25)
-@given(seed=st.integers(0, 2**31 - 1), negate=st.booleans())
-def test_dispatched_experts_equal_targets(subject: Subject, family: str, seed: int, negate: bool) -> None:
-    """Under replay the experts receive exactly the targets, whatever the live logits say."""
-    model = _fresh(family)
-    if negate:  # live logits now prefer the opposite experts
-        with torch.no_grad():
-            for router in model.routers():
-                router.gate.weight.neg_()
-    handle = _handle(subject, model)
-    targets = _random_targets(model, seed)
-    handle.replay(targets)
-    with torch.no_grad():
-        model(_tokens(seed))
-    dispatched = handle.dispatched()
-    handle.disarm()
-    differs = (_as_sets(dispatched) != _as_sets(targets)).any(-1)
-    assert not differs.any(), (
-        f"{family}: {int(differs.sum())} of {differs.numel()} (token, layer) routes dispatched other experts "
-        f"than their targets, first at (token, layer) {tuple(differs.nonzero()[0].tolist())}"
+def _first_difference(got: torch.Tensor, want: torch.Tensor) -> str:
+    differs = (_sets(got) != _sets(want)).any(-1)
+    if not differs.any():
+        return ""
+    return (
+        f"{int(differs.sum())} of {differs.numel()} (token, MoE layer) routes reached other experts, "
+        f"first at (token, MoE ordinal) {tuple(differs.nonzero()[0].tolist())}"
     )
 
 
-@families
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@settings(max_examples=10)
+@every_case
+@settings(max_examples=4)
 @given(seed=st.integers(0, 2**31 - 1))
-def test_replaying_own_recording_is_bit_exact(subject: Subject, family: str, dtype: str, seed: int) -> None:
-    """Replaying a model's own recording reproduces its un-replayed logits bit for bit (fp32 and bf16)."""
-    model = _fresh(family, dtype)
-    handle = _handle(subject, model)
-    tokens = _tokens(seed)
-    handle.record()
-    with torch.no_grad():
-        native = model(tokens)
-    handle.replay(handle.recording())
-    with torch.no_grad():
-        replayed = model(tokens)
-    handle.disarm()
-    assert torch.equal(native, replayed), (
-        f"{family} {dtype}: replayed logits differ from native by "
-        f"{(native - replayed).float().abs().max().item():.3e}"
-    )
-
-
-@families
-def test_router_gets_gradient_at_targets_live_top_k_would_not_pick(subject: Subject, family: str) -> None:
-    """The gate weights are recomputed from live logits at the targets, so the router gets gradients there."""
-    model = _fresh(family)
-    handle = _handle(subject, model)
-    tokens = _tokens(0)
-    handle.record()
-    with torch.no_grad():
-        model(tokens)
-    natural = handle.recording()
-    unpicked = next(e for e in range(model.cfg.num_experts) if e not in natural[0, 0].tolist())
-    targets = natural.clone()
-    targets[0, 0, -1] = unpicked  # token 0, first MoE layer: one expert its live top-k did not pick
-    handle.replay(targets)
-    model(tokens).float().logsumexp(-1).sum().backward()
-    handle.disarm()
-    grad = model.routers()[0].gate.weight.grad
-    assert grad is not None, f"{family}: the router weight received no gradient"
-    assert grad[unpicked].abs().sum() > 0, f"{family}: no gradient for replayed expert {unpicked}"
-
-
-@families
-def test_recompute_replays_the_forward_targets(subject: Subject, family: str) -> None:
-    """With activation recompute, each backward replays what its own forward used (one FIFO entry each)."""
-    model = _fresh(family)
-    handle = _handle(subject, model)
-    first, second = _tokens(1), _tokens(2)
-    targets_first, targets_second = _random_targets(model, 1), _random_targets(model, 2)
-
-    handle.replay(targets_first)
-    model(first).float().logsumexp(-1).sum().backward()
-    handle.disarm()
-    expected = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    model.zero_grad(set_to_none=True)
-
-    # Two micro-batches forward before the first backward, as under pipeline parallelism.
-    handle.replay(targets_first)
-    loss_first = model(first, use_checkpoint=True).float().logsumexp(-1).sum()
-    handle.replay(targets_second)
-    model(second, use_checkpoint=True)
-    handle.prepare_backward()
-    loss_first.backward()
-    handle.disarm()
-    got = [p.grad for p in model.parameters() if p.grad is not None]
-    assert len(got) == len(expected), (
-        f"{family}: {len(got)} parameters got gradients, expected {len(expected)}"
-    )
-    for g, e in zip(got, expected, strict=True):
-        assert torch.equal(g, e), f"{family}: recompute replayed other targets than the forward"
-
-
-@families
-def test_missing_targets_are_an_error_not_native_routing(subject: Subject, family: str) -> None:
-    """Replay with targets for the wrong number of MoE layers raises instead of routing natively."""
-    model = _fresh(family)
-    handle = _handle(subject, model)
-    too_few = _random_targets(model, 0)[:, :1, :]
-    with pytest.raises(Exception) as info:
-        handle.replay(too_few)
+def test_experts_receive_the_targets_whatever_the_live_logits(
+    subject: Subject, kind: str, family: str, dtype: str, seed: int
+) -> None:
+    """With the routers negated (live logits prefer other experts), every expert receives its targets."""
+    with _armed(subject, kind, family, dtype, negate=True) as (k, model, ctl, probe, routing):
+        targets = _random_targets(routing, BATCH * SEQ, seed)
+        ctl.replay(targets)
         with torch.no_grad():
-            model(_tokens(0))
-    handle.disarm()
+            k.run(model, _tokens(k, seed))
+        seen = probe.last().ids
+    problem = _first_difference(seen, targets)
+    assert not problem, f"{kind} {family} {dtype}: {problem}"
+
+
+@every_case
+@settings(max_examples=3)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_replaying_own_recording_is_bit_exact(
+    subject: Subject, kind: str, family: str, dtype: str, seed: int
+) -> None:
+    """Replaying a model's own recording reproduces its logits, dispatched ids and gate weights bit-exact."""
+    with _armed(subject, kind, family, dtype) as (k, model, ctl, probe, routing):
+        tokens = _tokens(k, seed)
+        with torch.no_grad():
+            ctl.record()
+            native_logits = k.run(model, tokens)
+            native = probe.last()
+            recording = ctl.recording()
+            ctl.replay(recording)
+            replayed_logits = k.run(model, tokens)
+            replayed = probe.last()
+    expected = (BATCH * SEQ, len(routing.moe_layers), routing.top_k)
+    assert tuple(recording.shape) == expected, (
+        f"{kind} {family}: recording {tuple(recording.shape)}, expected {expected}"
+    )
+    problem = _first_difference(native.ids, recording)
+    assert not problem, (
+        f"{kind} {family} {dtype}: the recording is not what the experts received natively: {problem}"
+    )
+    problem = _first_difference(replayed.ids, recording)
+    assert not problem, f"{kind} {family} {dtype}: replay of the recording: {problem}"
+    order = native.ids.argsort(-1), replayed.ids.argsort(-1)
+    w_native, w_replayed = native.weights.gather(-1, order[0]), replayed.weights.gather(-1, order[1])
+    assert w_native.dtype == w_replayed.dtype and torch.equal(w_native, w_replayed), (
+        f"{kind} {family} {dtype}: replayed gate weights ({w_replayed.dtype}) differ from native "
+        f"({w_native.dtype}) by {(w_native.double() - w_replayed.double()).abs().max().item():.3e}"
+    )
+    assert torch.equal(native_logits, replayed_logits), (
+        f"{kind} {family} {dtype}: replayed logits differ from native by "
+        f"{(native_logits - replayed_logits).float().abs().max().item():.3e}"
+    )
+
+
+@every_case
+def test_router_gets_gradient_at_targets_live_top_k_would_not_pick(
+    subject: Subject, kind: str, family: str, dtype: str
+) -> None:
+    """Gate weights come from the live logits at the targets, so the router gets gradients there (§3.7)."""
+    with _armed(subject, kind, family, dtype) as (k, model, ctl, probe, routing):
+        tokens = _tokens(k, 0)
+        ctl.record()
+        with torch.no_grad():
+            k.run(model, tokens)
+        natural = ctl.recording()
+        unpicked = next(e for e in range(routing.num_experts) if e not in natural[0, 0].tolist())
+        targets = natural.clone()
+        targets[0, 0, -1] = unpicked  # token 0, first MoE layer: an expert its live top-k did not pick
+        ctl.replay(targets)
+        k.run(model, tokens).float().logsumexp(-1).sum().backward()
+        seen = probe.last().ids
+    assert unpicked in seen[0, 0].tolist(), f"{kind} {family}: expert {unpicked} never received token 0"
+    grad = k.router_weights(model)[0].grad
+    assert grad is not None, f"{kind} {family} {dtype}: the router weight received no gradient"
+    assert grad[unpicked].abs().sum() > 0, (
+        f"{kind} {family} {dtype}: no gradient for replayed expert {unpicked}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "family", "dtype"), _cases(("fp32",), hf_types=("qwen3_moe", "deepseek_v3"))
+)
+def test_recompute_replays_each_forwards_targets(
+    subject: Subject, kind: str, family: str, dtype: str
+) -> None:
+    """Two forwards in flight, then backward: recompute dispatches the first forward's targets (FIFO)."""
+    with _armed(subject, kind, family, dtype) as (k, model, ctl, probe, routing):
+        first, second = _tokens(k, 1), _tokens(k, 2)
+        rows = BATCH * SEQ
+        targets_first, targets_second = _random_targets(routing, rows, 1), _random_targets(routing, rows, 2)
+        ctl.replay(targets_first)
+        k.run(model, first).float().logsumexp(-1).sum().backward()
+        ctl.disarm()
+        expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        probe.clear()
+
+        ctl.replay(targets_first)
+        loss_first = k.run(model, first, recompute=True).float().logsumexp(-1).sum()
+        ctl.replay(targets_second)
+        k.run(model, second, recompute=True)
+        ctl.prepare_backward()
+        loss_first.backward()
+        calls = probe.calls
+    assert min(calls) >= 3, (
+        f"{kind} {family}: the probe saw {calls} calls per MoE layer, expected 3 (2 + recompute)"
+    )
+    recomputed = probe.call(2).ids
+    problem = _first_difference(recomputed, targets_first)
+    assert not problem, f"{kind} {family}: recompute of the first forward dispatched other targets: {problem}"
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == expected.keys(), (
+        f"{kind} {family}: recompute reached other parameters than the forward"
+    )
+    for name, grad in got.items():
+        assert torch.equal(grad, expected[name]), f"{kind} {family}: {name}: recompute replayed other targets"
+
+
+@fp32_cases
+def test_rows_without_a_target_route_natively(subject: Subject, kind: str, family: str, dtype: str) -> None:
+    """Each sample's solo routes, left-padded like its tokens, reach the experts at its tokens; padding
+    and each sample's last token (no row) route natively, never with the zero filler (§3.5–3.6)."""
+    with _armed(subject, kind, family, dtype) as (k, model, ctl, probe, routing):
+        lengths = (4, 7)
+        samples = []
+        with torch.no_grad():
+            for i, n in enumerate(lengths):
+                tokens = _tokens(k, 10 + i, batch=1, seq=n)
+                ctl.record()
+                k.run(model, tokens)
+                samples.append((tokens[0], ctl.recording()[:-1]))  # rows [0, n − 1)
+            placed = place_left_padded(samples, max(lengths) + 2)
+            mask = placed.attention_mask.long()
+            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+            targets = placed.routes.reshape(-1, len(routing.moe_layers), routing.top_k)
+            replayed = placed.replay_mask.reshape(-1)
+            k.run(model, placed.tokens, attention_mask=mask, position_ids=position_ids)
+            native = probe.last().ids
+            ctl.replay(targets, replayed)
+            k.run(model, placed.tokens, attention_mask=mask, position_ids=position_ids)
+            seen = probe.last().ids
+    problem = _first_difference(seen[replayed], targets[replayed])
+    assert not problem, f"{kind} {family}: replayed rows off their tokens: {problem}"
+    problem = _first_difference(seen[~replayed], native[~replayed])
+    assert not problem, f"{kind} {family}: rows without a target did not route natively: {problem}"
+
+
+@fp32_cases
+def test_missing_targets_are_an_error_not_native_routing(
+    subject: Subject, kind: str, family: str, dtype: str
+) -> None:
+    """Targets for fewer MoE layers than the model has raise instead of routing natively (§3.8)."""
+    with _armed(subject, kind, family, dtype) as (k, model, ctl, _, routing):
+        if len(routing.moe_layers) < 2:
+            pytest.skip(f"{family}: one MoE layer, no layer can be missing")
+        too_few = _random_targets(routing, BATCH * SEQ, 0)[:, :1, :]
+        with pytest.raises(Exception) as info:
+            ctl.replay(too_few)
+            with torch.no_grad():
+                k.run(model, _tokens(k, 0))
     assert not isinstance(info.value, AssertionError)

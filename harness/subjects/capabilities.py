@@ -276,6 +276,9 @@ class CallableDriver:
     def patch(self) -> None:
         """Nothing to patch."""
 
+    def unpatch(self) -> None:
+        """Nothing to undo."""
+
     def install(self, model: Any) -> Any:
         return self.install_fn(model)
 
@@ -287,5 +290,7 @@ def as_driver(value: object, capability: str = "install_replay") -> ReplayDriver
     if callable(value):
         return CallableDriver(value)
     missing = missing_members(value, ReplayDriver)
-    raise MissingMember(f"{capability}: {type(value).__name__} is neither callable nor a ReplayDriver "
-                        f"(missing {', '.join(missing)})")
+    raise MissingMember(
+        f"{capability}: {type(value).__name__} is neither callable nor a ReplayDriver "
+        f"(missing {', '.join(missing)})"
+    )

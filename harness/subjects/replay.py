@@ -41,7 +41,7 @@ _patched: list[Any] = []  # drivers whose patch() ran in this process, in order
 
 def ensure_patched(driver: Any) -> None:
     """Run ``driver.patch()`` unless it already ran in this process."""
-    if any(d is driver for d in _patched):
+    if any(d is driver or d == driver for d in _patched):
         return
     stuck = [d for d in _patched if not isinstance(d, Unpatchable)]
     if stuck:
@@ -75,7 +75,8 @@ def install(capability: object, model: Any, name: str = "install_replay") -> Rep
     missing = missing_members(controller, ReplayController)
     if missing:
         raise MissingMember(
-            f"{name}: the controller {type(controller).__name__} has no {', '.join(repr(m) for m in missing)} "
+            f"{name}: the controller {type(controller).__name__} has no "
+            f"{', '.join(repr(m) for m in missing)} "
             "(ReplayController)"
         )
     return controller

@@ -7,8 +7,7 @@ it and returns an ``HFReplay`` (a ``harness.subjects.capabilities.ReplayControll
 - *replay*: the same hook replaces the ids with the targets and the gate weights with the family's
   rule at the targets, computed from the router's live logits, so the router still gets gradients
   (DESIGN §3.7). Rows whose mask is False keep the router's own choice;
-- *dispatched*: a forward pre-hook on the layer's experts module reads the ids the experts received
-  (Llama 4, whose experts get dense scores, not ids: the router's final output).
+- *dispatched*: the harness's own probe (``harness.probes.hf``) reads the ids the experts received.
 
 DeepSeek-V3 and GLM4-MoE routers of transformers ≤ 5.12 return the logits only and their block
 chooses in ``route_tokens_to_experts``; for those the block's method is wrapped instead (detected at
@@ -33,6 +32,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from harness.errors import HarnessError
+from harness.probes import ProbeError, RouteProbe
 from harness.trainers.hf.families import (
     FAMILIES,
     ROUTER_PATHS,
@@ -77,7 +77,6 @@ class HookedRouter:
     recorded: list[torch.Tensor] = field(default_factory=list)
     target: tuple[torch.Tensor, torch.Tensor | None] | None = None
     fifo: deque[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=deque)
-    dispatched: torch.Tensor | None = None
 
 
 class HFReplay:
@@ -94,6 +93,7 @@ class HFReplay:
         self.routers = routers
         self.mode = Mode.NATIVE
         self._hooks: list[RemovableHandle] = []
+        self._probe = RouteProbe(())
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -166,11 +166,12 @@ class HFReplay:
         self.mode = Mode.REPLAY_BACKWARD
 
     def dispatched(self) -> torch.Tensor:
-        """The ids ``[tokens, num_moe_layers, top_k]`` the experts received in the last forward."""
-        missing = [r.name for r in self.routers if r.dispatched is None]
-        if missing:
-            raise HFReplayError(f"dispatched: no forward has reached the experts of {missing[0]} yet")
-        return torch.stack([r.dispatched for r in self.routers if r.dispatched is not None], dim=1)
+        """The ids ``[tokens, num_moe_layers, top_k]`` the experts received in the last forward (read by
+        the harness's probe, ``harness.probes.hf``)."""
+        try:
+            return self._probe.last().ids
+        except ProbeError:
+            raise HFReplayError("dispatched: no forward has reached the experts yet") from None
 
     def disarm(self) -> None:
         """Native routing; drop targets, queues and recordings."""
@@ -183,6 +184,7 @@ class HFReplay:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        self._probe.remove()
         for r in self.routers:
             if r.block_routing is not None:
                 del _parent(self.model, r.name).route_tokens_to_experts
@@ -273,26 +275,14 @@ class HFReplay:
 
         return route_tokens_to_experts
 
-    def _dispatch_hooks(self, r: HookedRouter) -> list[RemovableHandle]:
-        """Read the dispatched ids where the family's experts receive them (see ``Readout``)."""
-        read = r.family.readout.dispatched
-
-        def before_experts(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            r.dispatched = read(args, kwargs, r.num_experts, r.top_k).detach().to("cpu", torch.int64)
-
-        def after_router(module: nn.Module, args: Any, output: Any) -> None:
-            r.dispatched = read(output, {}, r.num_experts, r.top_k).detach().to("cpu", torch.int64)
-
-        if r.family.readout.dispatched_at == "router":  # registered after the replay hook: sees its output
-            return [r.module.register_forward_hook(after_router)]
-        return [r.experts.register_forward_pre_hook(before_experts, with_kwargs=True)]
-
     def _attach(self) -> None:
         for r in self.routers:
             if r.block_routing is not None:
                 _parent(self.model, r.name).route_tokens_to_experts = self._block_routing(r, r.block_routing)
             self._hooks.append(r.module.register_forward_hook(self._router_hook(r)))
-            self._hooks.extend(self._dispatch_hooks(r))
+        from harness.probes.hf import attach  # after the router hooks: Llama 4's probe reads their output
+
+        self._probe = attach(self.model, keep=1)
         setattr(self.model, _INSTALLED, self)
 
     # --- install-time self-check ----------------------------------------------------------------

@@ -20,7 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.trainers.megatron.layout import MegatronLayout, MegatronReplayError, merge_recordings, rank_targets
+from harness.trainers.megatron.layout import (
+    MegatronLayout,
+    MegatronReplayError,
+    merge_recordings,
+    rank_targets,
+)
 from harness.trainers.megatron.replay import MegatronReplay, model_routers
 
 
@@ -111,8 +116,14 @@ class CanonicalMegatronData:
         layout = micro_batch_layout(config, batch, seq_len)
         recorded = [r.router_replay.get_recorded_indices() for r in model_routers(*model)]
         if any(r is None for r in recorded):
-            raise MegatronReplayError("merge_recordings: a router recorded nothing (RECORD and a forward first)")
-        mine = (ps.get_data_parallel_rank(), ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+            raise MegatronReplayError(
+                "merge_recordings: a router recorded nothing (RECORD and a forward first)"
+            )
+        mine = (
+            ps.get_data_parallel_rank(),
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_pipeline_model_parallel_rank(),
+        )
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (mine, [r.detach().cpu().long() for r in recorded]))
         own_dp = {(0, tp, pp): recs for (dp, tp, pp), recs in everyone if dp == mine[0]}
