@@ -16,7 +16,7 @@ case "$dist" in
     ;;
   skyrl)
     pip_install --no-deps "skyrl==$version"
-    pip_install loguru jaxtyping
+    pip_install loguru jaxtyping datasets
     ;;
   mcore)
     pip_install --no-deps "megatron-core==$version"

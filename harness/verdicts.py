@@ -58,6 +58,7 @@ RELEASES: dict[str, Release] = {
         ),
         Release("verl-0.9.0", "verl", "0.9.0", ("harness.subjects.frameworks.verl:VERL_0_9_0",), ("test_splice.py",)),
         Release("verl-0.9.1", "verl", "0.9.1", ("harness.subjects.frameworks.verl:VERL_0_9_1",), ("test_splice.py",)),
+        Release("skyrl-0.3.0", "skyrl", "0.3.0", ("harness.subjects.frameworks.skyrl:SKYRL_0_3_0",), ("test_layouts.py",)),
     )
 }
 
