@@ -1,0 +1,113 @@
+"""SkyRL releases under test (PyPI ``skyrl`` 0.3.0), thin adapters over the release's own functions.
+
+- ``layouts.place_left_padded``: the trainer's batch placement,
+  ``skyrl.train.dataset.preprocess.convert_prompts_responses_to_batch_tensors(...,
+  rollout_expert_indices=…)``. The generator hands it per-sample routes as nested lists (what the
+  inference client returns), ``len(tokens) − 1`` rows each; the release left-pads every sample to
+  the batch's longest one and writes the rows at the same columns as the tokens. SkyRL has no
+  replay mask: Megatron-core's ``RouterReplay`` (which ``replay_utils`` feeds) replays every token it
+  is given, so the placement's effective replay mask is its attention mask. The other layout
+  functions are not SkyRL's (a skip names each).
+
+Importing ``skyrl.backends.…`` on Python 3.11 fails in the Tinker backend's pydantic model; the
+package's ``__init__`` is not needed for these modules (FACTS §6), so it is skipped by registering a
+bare package with the real ``__path__`` first.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from harness.subjects import Subject
+from harness.subjects.frameworks import require_release
+from reference_impl.layouts import Placed
+
+
+def replay_utils(version: str) -> Any:
+    """The release's ``skyrl/backends/skyrl_train/utils/replay_utils.py`` (Megatron R3 over
+    Megatron-core's ``RouterReplay``), imported past the ``skyrl.backends`` package ``__init__``."""
+    require_release("skyrl", version, f"skyrl-{version}")
+    import importlib
+    import importlib.util
+    import sys
+
+    if "skyrl.backends" not in sys.modules:
+        import skyrl
+
+        spec = importlib.util.find_spec("skyrl.backends")
+        if spec is None or spec.submodule_search_locations is None:
+            raise ImportError("skyrl.backends is not part of this SkyRL release")
+        bare = types.ModuleType("skyrl.backends")
+        bare.__path__ = list(spec.submodule_search_locations)
+        sys.modules["skyrl.backends"] = bare
+        skyrl.backends = bare  # type: ignore[attr-defined]
+    return importlib.import_module("skyrl.backends.skyrl_train.utils.replay_utils")
+
+
+def _preprocess(version: str) -> Any:
+    require_release("skyrl", version, f"skyrl-{version}")
+    from skyrl.train.dataset import preprocess
+
+    return preprocess
+
+
+def place_left_padded(
+    version: str,
+    samples: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    width: int,
+    prompt_lens: Sequence[int] | None = None,
+) -> Placed:
+    """``convert_prompts_responses_to_batch_tensors`` on the samples, as a ``Placed`` batch of ``width``.
+
+    The release pads to the longest sample; a wider batch is asked of it the way it happens in a
+    run, by one more sample of ``width`` tokens (dropped from the result).
+    """
+    convert = _preprocess(version).convert_prompts_responses_to_batch_tensors
+    lens = [int(t.shape[0]) for t, _ in samples]
+    splits = list(prompt_lens) if prompt_lens is not None else [min(1, n) for n in lens]
+    prompts = [t[:p].tolist() for (t, _), p in zip(samples, splits, strict=True)]
+    responses = [t[p:].tolist() for (t, _), p in zip(samples, splits, strict=True)]
+    routes = [r.tolist() for _, r in samples]
+    wider = width > max(lens)
+    if wider:  # a sample of exactly `width` tokens with rows shaped like the others
+        shape = samples[0][1].shape[1:]
+        prompts.append([1] * width)
+        responses.append([])
+        routes.append(torch.ones((width - 1, *shape), dtype=torch.long).tolist())
+    count = len(prompts)
+    sequences, attention_mask, action_mask, _, _, _, placed_routes = convert(
+        types.SimpleNamespace(pad_token_id=0),  # the tokenizer: only its pad id is read
+        prompts,
+        responses,
+        [[0.0] * len(r) for r in responses],
+        [[1] * len(r) for r in responses],
+        rollout_expert_indices=routes,
+    )
+    keep = slice(0, count - 1 if wider else count)
+    sequences, attention_mask, action_mask = sequences[keep], attention_mask[keep].bool(), action_mask[keep].bool()
+    if placed_routes is None:  # no sample has a row: the release returns no routes
+        placed_routes = torch.zeros((len(samples), width, *samples[0][1].shape[1:]), dtype=torch.long)
+    else:
+        placed_routes = placed_routes[keep]
+    response_mask = None
+    if prompt_lens is not None:
+        response_mask = torch.zeros_like(attention_mask)
+        response_mask[:, width - action_mask.shape[1] :] = action_mask  # right-aligned response columns
+    return Placed(sequences, attention_mask, placed_routes, attention_mask.clone(), response_mask)
+
+
+class _Layouts:
+    """SkyRL's layout functions (only its own; the rest are a skip naming them)."""
+
+    def __init__(self, version: str) -> None:
+        self.version = version
+
+    def place_left_padded(self, samples: Any, width: int, prompt_lens: Any = None) -> Placed:
+        return place_left_padded(self.version, samples, width, prompt_lens)
+
+
+SKYRL_0_3_0 = Subject(name="skyrl-0.3.0", layouts=_Layouts("0.3.0"))
