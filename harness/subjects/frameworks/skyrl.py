@@ -1,5 +1,13 @@
 """SkyRL releases under test (PyPI ``skyrl`` 0.3.0), thin adapters over the release's own functions.
 
+- ``install_megatron_replay`` / ``megatron_data``: R3 on Megatron-core through
+  ``skyrl/backends/skyrl_train/utils/replay_utils.py``: ``patch_topk_router_layer_number`` is the
+  once-per-process patch, ``setup_per_microbatch_replay_forward(routes, attention_mask, config,
+  remove_microbatch_padding=False)`` gives every router its targets for a padded ``[B, S]``
+  micro-batch (the mode whose model input is the harness's; SkyRL's default packs the micro-batch
+  into one THD sequence), ``setup_per_microbatch_replay_backward`` / ``clear_router_replay`` drive
+  recompute and teardown. SkyRL records nothing (it has R3 only), so the controller's ``record``
+  is Megatron-core's own ``RECORD`` action and ``merge_recordings`` is absent (a skip).
 - ``layouts.place_left_padded``: the trainer's batch placement,
   ``skyrl.train.dataset.preprocess.convert_prompts_responses_to_batch_tensors(...,
   rollout_expert_indices=…)``. The generator hands it per-sample routes as nested lists (what the
@@ -10,8 +18,8 @@
   functions are not SkyRL's (a skip names each).
 
 Importing ``skyrl.backends.…`` on Python 3.11 fails in the Tinker backend's pydantic model; the
-package's ``__init__`` is not needed for these modules (FACTS §6), so it is skipped by registering a
-bare package with the real ``__path__`` first.
+package's ``__init__`` is not needed for ``replay_utils`` (FACTS §6), so it is skipped by
+registering a bare package with the real ``__path__`` first.
 """
 
 from __future__ import annotations
@@ -110,4 +118,70 @@ class _Layouts:
         return place_left_padded(self.version, samples, width, prompt_lens)
 
 
-SKYRL_0_3_0 = Subject(name="skyrl-0.3.0", layouts=_Layouts("0.3.0"))
+class _MegatronController:
+    """Megatron-core's ``RouterReplay`` actions as SkyRL drives them (``MegatronReplayController``)."""
+
+    def __init__(self, version: str) -> None:
+        self.utils = replay_utils(version)
+
+    @staticmethod
+    def _action(name: str) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+        RouterReplay.set_global_router_replay_action(getattr(RouterReplayAction, name))
+
+    def record(self) -> None:
+        self._action("RECORD")
+
+    def replay_forward(self) -> None:
+        self._action("REPLAY_FORWARD")
+
+    def prepare_backward(self) -> None:
+        self.utils.setup_per_microbatch_replay_backward()
+
+    def disarm(self) -> None:
+        self.utils.clear_router_replay()
+
+
+class _MegatronDriver:
+    """SkyRL's Megatron R3 driver (``MegatronReplayDriver``): its patch, Megatron-core's flag."""
+
+    def __init__(self, version: str) -> None:
+        self.version = version
+
+    def patch(self) -> None:
+        replay_utils(self.version).patch_topk_router_layer_number()
+
+    def config_overrides(self) -> dict[str, Any]:
+        return {"moe_enable_routing_replay": True}
+
+    def install(self, model: Sequence[torch.nn.Module], config: Any) -> _MegatronController:
+        return _MegatronController(self.version)
+
+
+class _MegatronData:
+    """SkyRL's per-micro-batch replay setup (``MegatronDataMovement``; no recordings to merge)."""
+
+    def __init__(self, version: str) -> None:
+        self.version = version
+
+    def set_replay_data(
+        self,
+        routes: torch.Tensor,
+        attention_mask: torch.Tensor,
+        config: Any,
+        *,
+        model: Sequence[torch.nn.Module],
+        vp_rank: int | None = None,
+    ) -> None:
+        replay_utils(self.version).setup_per_microbatch_replay_forward(
+            torch.as_tensor(routes), attention_mask, config, remove_microbatch_padding=False
+        )
+
+
+SKYRL_0_3_0 = Subject(
+    name="skyrl-0.3.0",
+    layouts=_Layouts("0.3.0"),
+    install_megatron_replay=_MegatronDriver("0.3.0"),
+    megatron_data=_MegatronData("0.3.0"),
+)
