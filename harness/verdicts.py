@@ -44,6 +44,8 @@ class Release:
     version: str
     subjects: tuple[str, ...]  # module:attr specs
     suites: tuple[str, ...]  # suite files the subjects' capabilities are checked by
+    select: str = SELECT
+    every_test: bool = False  # the suites test the release itself, capability or not (Megatron-core)
 
 
 RELEASES: dict[str, Release] = {
@@ -53,19 +55,50 @@ RELEASES: dict[str, Release] = {
             "verl-0.8.0",
             "verl",
             "0.8.0",
-            ("harness.subjects.frameworks.verl:VERL_0_8_0", "harness.subjects.frameworks.verl:VERL_0_8_0_SGLANG"),
+            (
+                "harness.subjects.frameworks.verl:VERL_0_8_0",
+                "harness.subjects.frameworks.verl:VERL_0_8_0_SGLANG",
+            ),
             ("test_splice.py",),
         ),
-        Release("verl-0.9.0", "verl", "0.9.0", ("harness.subjects.frameworks.verl:VERL_0_9_0",), ("test_splice.py",)),
-        Release("verl-0.9.1", "verl", "0.9.1", ("harness.subjects.frameworks.verl:VERL_0_9_1",), ("test_splice.py",)),
-        Release("skyrl-0.3.0", "skyrl", "0.3.0", ("harness.subjects.frameworks.skyrl:SKYRL_0_3_0",), ("test_layouts.py",)),
+        Release(
+            "verl-0.9.0",
+            "verl",
+            "0.9.0",
+            ("harness.subjects.frameworks.verl:VERL_0_9_0",),
+            ("test_splice.py",),
+        ),
+        Release(
+            "verl-0.9.1",
+            "verl",
+            "0.9.1",
+            ("harness.subjects.frameworks.verl:VERL_0_9_1",),
+            ("test_splice.py",),
+        ),
+        Release(
+            "skyrl-0.3.0",
+            "skyrl",
+            "0.3.0",
+            ("harness.subjects.frameworks.skyrl:SKYRL_0_3_0",),
+            ("test_layouts.py",),
+        ),
+        Release(
+            "mcore-0.16.1",
+            "megatron-core",
+            "0.16.1",
+            ("harness.subjects.frameworks.mcore:MCORE_0_16_1",),
+            ("test_megatron.py",),
+            select="megatron and not slow and not gpu",
+            every_test=True,
+        ),
     )
 }
 
 
-def verdict_of(outcome: Any) -> dict[str, str] | None:
-    """One ``CheckOutcome`` as a verdict entry, or ``None`` when it used no capability of the subject."""
-    if not outcome.capabilities:
+def verdict_of(outcome: Any, every_test: bool = False) -> dict[str, str] | None:
+    """One ``CheckOutcome`` as a verdict entry, or ``None`` when it used no capability of the subject
+    (unless ``every_test``: the suite drives the release itself)."""
+    if not outcome.capabilities and not every_test:
         return None
     if outcome.outcome == "passed":
         return {"invariant": outcome.invariant, "verdict": "pass"}
@@ -82,12 +115,14 @@ def observe(release: Release) -> dict[str, dict[str, dict[str, str]]]:
 
     observed: dict[str, dict[str, dict[str, str]]] = {}
     for spec in release.subjects:
-        outcomes, log = run_suites(spec, select=SELECT, paths=[str(suites_dir() / s) for s in release.suites])
+        outcomes, log = run_suites(
+            spec, select=release.select, paths=[str(suites_dir() / s) for s in release.suites]
+        )
         if not outcomes:
             raise VerdictError(f"{spec}: no test ran\n" + "\n".join(log.strip().splitlines()[-8:]))
         entries = {}
         for outcome in outcomes:
-            entry = verdict_of(outcome)
+            entry = verdict_of(outcome, release.every_test)
             if entry is not None:
                 entries[outcome.nodeid.split("/")[-1]] = entry
         observed[spec] = entries
@@ -100,11 +135,15 @@ def load(release: Release, directory: Path = VERDICTS_DIR) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise VerdictError(f"no recorded verdicts for {release.name}: {path} (record with --record)") from None
+        raise VerdictError(
+            f"no recorded verdicts for {release.name}: {path} (record with --record)"
+        ) from None
     except json.JSONDecodeError as err:
         raise VerdictError(f"{path}: not JSON ({err})") from None
     if data.get("release") != f"{release.distribution}=={release.version}" or "subjects" not in data:
-        raise VerdictError(f"{path}: expected release {release.distribution}=={release.version} and 'subjects'")
+        raise VerdictError(
+            f"{path}: expected release {release.distribution}=={release.version} and 'subjects'"
+        )
     return data
 
 
@@ -141,7 +180,9 @@ def _words(entry: dict[str, str] | None) -> str:
     return entry["verdict"].upper() + (f" ({detail})" if detail else "")
 
 
-def merged(release: Release, observed: dict[str, dict[str, dict[str, str]]], recorded: dict[str, Any] | None) -> dict[str, Any]:
+def merged(
+    release: Release, observed: dict[str, dict[str, dict[str, str]]], recorded: dict[str, Any] | None
+) -> dict[str, Any]:
     """The file to record: the observation, with the triage of failures that are still failures."""
     old = recorded["subjects"] if recorded else {}
     subjects: dict[str, Any] = {}
@@ -151,7 +192,9 @@ def merged(release: Release, observed: dict[str, dict[str, dict[str, str]]], rec
             entry = dict(entry)
             if entry["verdict"] == "fail":
                 before = old.get(spec, {}).get(test, {})
-                entry["triage"] = before.get("triage", UNTRIAGED) if before.get("verdict") == "fail" else UNTRIAGED
+                entry["triage"] = (
+                    before.get("triage", UNTRIAGED) if before.get("verdict") == "fail" else UNTRIAGED
+                )
             subjects[spec][test] = entry
     return {"release": f"{release.distribution}=={release.version}", "subjects": subjects}
 
@@ -161,12 +204,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m harness.verdicts", description=__doc__.split("\n\n")[0])
     parser.add_argument("release", choices=sorted(RELEASES))
-    parser.add_argument("--record", action="store_true", help="write the observation as the recorded verdicts")
+    parser.add_argument(
+        "--record", action="store_true", help="write the observation as the recorded verdicts"
+    )
     args = parser.parse_args(argv)
     release = RELEASES[args.release]
     found = installed_version(release.distribution)
     if found != release.version:
-        print(f"{release.name}: {release.distribution} is {found or 'not installed'} (tox -e {release.name})", file=sys.stderr)
+        print(
+            f"{release.name}: {release.distribution} is {found or 'not installed'} (tox -e {release.name})",
+            file=sys.stderr,
+        )
         return 2
     observed = observe(release)
     if args.record:
@@ -181,7 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     changes = diff(load(release), observed)
     for line in changes:
         print(line)
-    print(f"{release.name}: " + (f"{len(changes)} verdict(s) changed" if changes else "every verdict matches"))
+    print(
+        f"{release.name}: " + (f"{len(changes)} verdict(s) changed" if changes else "every verdict matches")
+    )
     return 1 if changes else 0
 
 

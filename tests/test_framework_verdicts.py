@@ -27,7 +27,13 @@ FAIL = {"invariant": "rows", "verdict": "fail", "detail": "9 rows, expected 7", 
 
 
 def test_matching_verdicts_give_no_difference() -> None:
-    assert diff(_recorded({"t::a": PASS, "t::b": FAIL}), {SPEC: {"t::a": PASS, "t::b": dict(FAIL, detail="other words")}}) == []
+    assert (
+        diff(
+            _recorded({"t::a": PASS, "t::b": FAIL}),
+            {SPEC: {"t::a": PASS, "t::b": dict(FAIL, detail="other words")}},
+        )
+        == []
+    )
 
 
 def test_a_verdict_that_changes_is_a_readable_difference() -> None:
@@ -50,7 +56,9 @@ def test_new_vanished_and_untriaged_invariants_are_differences() -> None:
 
 def test_recording_keeps_the_triage_of_failures_that_stay_failures() -> None:
     release = RELEASES["verl-0.9.1"]
-    observed = {SPEC: {"t::b": {k: v for k, v in FAIL.items() if k != "triage"}, "t::c": dict(FAIL, triage="x")}}
+    observed = {
+        SPEC: {"t::b": {k: v for k, v in FAIL.items() if k != "triage"}, "t::c": dict(FAIL, triage="x")}
+    }
     out = merged(release, observed, _recorded({"t::b": FAIL}))
     assert out["subjects"][SPEC]["t::b"]["triage"] == "verl #5430"
     assert out["subjects"][SPEC]["t::c"]["triage"] == UNTRIAGED  # a new failure is never pre-explained
@@ -68,7 +76,9 @@ def test_recorded_failures_are_triaged(name: str) -> None:
             assert entry["verdict"] in ("pass", "fail", "skip"), f"{name} {spec} {test}: {entry['verdict']!r}"
             if entry["verdict"] == "fail":
                 assert entry.get("detail"), f"{name} {spec} {test}: a failure without its counterexample"
-                assert entry.get("triage", UNTRIAGED) != UNTRIAGED, f"{name} {spec} {test}: failure not triaged"
+                assert entry.get("triage", UNTRIAGED) != UNTRIAGED, (
+                    f"{name} {spec} {test}: failure not triaged"
+                )
     json.dumps(recorded)
 
 

@@ -96,7 +96,11 @@ def place_left_padded(
         rollout_expert_indices=routes,
     )
     keep = slice(0, count - 1 if wider else count)
-    sequences, attention_mask, action_mask = sequences[keep], attention_mask[keep].bool(), action_mask[keep].bool()
+    sequences, attention_mask, action_mask = (
+        sequences[keep],
+        attention_mask[keep].bool(),
+        action_mask[keep].bool(),
+    )
     if placed_routes is None:  # no sample has a row: the release returns no routes
         placed_routes = torch.zeros((len(samples), width, *samples[0][1].shape[1:]), dtype=torch.long)
     else:

@@ -20,10 +20,12 @@ Capabilities, each a thin adapter over the release's own code:
 from __future__ import annotations
 
 import asyncio
+import importlib
 import types
 from collections.abc import Sequence
 from functools import partial
 from typing import Any, Literal
+from unittest import mock
 
 import torch
 
@@ -60,7 +62,7 @@ def _canned_client(version: str, outputs: list[Any]) -> Any:
 
     canned_base = type("CannedEngine", (base,), {"generate": engine_call})
     driver_cls = type("CannedFullyAsyncClient", (client_cls, canned_base), {})
-    client = object.__new__(driver_cls)
+    client: Any = object.__new__(driver_cls)
     # The only config the loop reads: resume aborted attempts (partial rollout on).
     client.config = types.SimpleNamespace(async_training=types.SimpleNamespace(partial_rollout=True))
     return client
@@ -87,7 +89,7 @@ def _as_payload(routes: torch.Tensor | None, payload: Payload) -> Any:
 def splice(version: str, payload: Payload, prompt_len: int, attempts: Sequence[Attempt]) -> Any:
     """Run the release's resume loop over canned engine outputs, one per attempt; its routes."""
     client_cls = _client_class(version)
-    module = __import__(client_cls.__module__, fromlist=["_"])
+    module: Any = importlib.import_module(client_cls.__module__)
     from verl.workers.rollout.replica import TokenOutput
 
     outputs, next_token = [], 1
@@ -105,12 +107,10 @@ def splice(version: str, payload: Payload, prompt_len: int, attempts: Sequence[A
     client = _canned_client(version, outputs)
     # A budget no schedule reaches: the loop ends on the last attempt's stop reason.
     sampling = {"max_tokens": next_token + 1}
-    real_asyncio = module.asyncio
-    module.asyncio = _NoWait()
-    try:
-        final = asyncio.run(client.generate("sample", prompt_ids=list(range(prompt_len)), sampling_params=sampling))
-    finally:
-        module.asyncio = real_asyncio
+    with mock.patch.object(module, "asyncio", _NoWait()):
+        final = asyncio.run(
+            client.generate("sample", prompt_ids=list(range(prompt_len)), sampling_params=sampling)
+        )
     if outputs:
         raise RuntimeError(f"the release's loop stopped with {len(outputs)} attempt(s) not consumed")
     return final.routed_experts
