@@ -17,7 +17,6 @@ R3 must make the disagreement exactly 0 and shrink the gap on the flipped tokens
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -25,7 +24,6 @@ import numpy as np
 import torch
 
 from harness.metrics import LogprobGap, logprob_gap
-from harness.subjects.capabilities import ReplayController
 from harness.trace import RoutingComparison, route_overlap
 from reference_impl import MoEConfig, MoELM, RolloutEngine, training
 from reference_impl.layouts import place_left_padded
@@ -112,15 +110,20 @@ def build_model(cfg: LabConfig) -> MoELM:
     )
 
 
-def run_mismatch_lab(
-    cfg: LabConfig | None = None, install_replay: Callable[[MoELM], ReplayController] | None = None
-) -> LabResult:
-    """Roll out with the KV cache, recompute with a full forward, without and with R3."""
+def run_mismatch_lab(cfg: LabConfig | None = None, install_replay: object | None = None) -> LabResult:
+    """Roll out with the KV cache, recompute with a full forward, without and with R3.
+
+    ``install_replay`` is the subject's driver (or ``model -> ReplayController`` callable; the
+    reference's by default). It controls a model of its own, used only for the R3 pass: rollouts and
+    the native pass run on the harness's copy of the same weights, so a subject that takes a router's
+    forward over for good cannot disturb them. Both passes' routes are what the harness's probe saw.
+    """
+    from harness.probes.reference import attach
     from harness.subjects.reference import install_replay as reference_install
+    from harness.subjects.replay import controlled
 
     cfg = cfg or LabConfig()
     model = build_model(cfg)
-    handle = (install_replay or reference_install)(model)
     gen = torch.Generator().manual_seed(cfg.seed)
     prompts = torch.randint(0, model.cfg.vocab_size, (cfg.batch, cfg.prompt_len), generator=gen)
     rollouts = RolloutEngine(model).generate(list(prompts), cfg.response_len, greedy=False, generator=gen)
@@ -134,14 +137,20 @@ def run_mismatch_lab(
     moe_layers = model.cfg.moe_layers
     targets, mask = training.replay_targets(placed, moe_layers, "decoder")
 
+    native_probe = attach(model)
     with torch.no_grad():
-        handle.record()
         lp_native = training.token_logprobs(model, placed.tokens, placed.attention_mask)
-        native_routes = handle.recording()
-        handle.replay(targets, mask)
-        lp_r3 = training.token_logprobs(model, placed.tokens, placed.attention_mask)
-        r3_routes = handle.dispatched()
-        handle.disarm()
+    native_routes = native_probe.last().ids
+    native_probe.remove()
+
+    subject_model = build_model(cfg)
+    with controlled(install_replay or reference_install, subject_model) as controller:
+        r3_probe = attach(subject_model)
+        controller.replay(targets, mask)
+        with torch.no_grad():
+            lp_r3 = training.token_logprobs(subject_model, placed.tokens, placed.attention_mask)
+        r3_routes = r3_probe.last().ids
+        r3_probe.remove()
 
     infer = torch.stack([r.logprobs for r in rollouts])
     return lab_result(

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from harness.distributed import run_ranks
 from harness.subjects import DEFAULT_SUBJECT, Subject, load_subject
+from harness.subjects.replay import install
 from reference_impl import MoEConfig, MoELM, RoutingMode
 from reference_impl.distributed import (
     ParallelSpec,
@@ -140,13 +141,19 @@ def lengths_for(spec: ParallelSpec, lengths: tuple[tuple[int, ...], ...]) -> tup
 # --------------------------------------------------------------------------------------------------
 
 
+def _dispatched(model: ShardedMoELM) -> torch.Tensor:
+    """What this rank's MoE blocks sent to the experts in the last forward (observed by the model, not
+    reported by the subject)."""
+    return torch.stack([d for d in model.last_dispatch if d is not None], dim=1)
+
+
 def _rank_setup(rank: int, spec: ParallelSpec, subject_spec: str) -> tuple[Any, Any, ShardedMoELM, Any]:
     subject = load_subject(subject_spec)
     layouts = subject.layouts
     groups = new_groups(spec, rank)
     device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
     model = ShardedMoELM(CFG, spec, rank, groups, layouts=layouts, device=device)
-    return subject, layouts, model, subject.install_replay(model)
+    return subject, layouts, model, install(subject.install_replay, model)
 
 
 def layout_worker(rank: int, world_size: int, layout: str, subject_spec: str) -> dict[str, Any] | None:
@@ -207,7 +214,7 @@ def _replay(
             model,
             tokens,
             before_forward=lambda i, targets=targets: handle.replay(*targets[i]),
-            after_forward=lambda i, dispatched=dispatched: dispatched.append(handle.dispatched()),
+            after_forward=lambda i, dispatched=dispatched: dispatched.append(_dispatched(model)),
         )
     handle.disarm()
     logprobs = None
@@ -304,7 +311,7 @@ def single_process(sequence: MicroBatch) -> dict[str, torch.Tensor]:
         model.set_replay_targets(sequence.routes, sequence.mask)
         model.set_routing_mode(RoutingMode.REPLAY_FORWARD)
         logits = model(sequence.tokens[None])[0]
-        dispatched = torch.stack([d for d in model.last_dispatch if d is not None], dim=1)
+        dispatched = _dispatched(model)
     labels, _ = next_token_labels(sequence.tokens)
     return {"recording": recording, "dispatched": dispatched, "logprobs": token_logprobs(logits, labels)}
 

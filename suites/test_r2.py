@@ -8,7 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness.probes.reference import attach
 from harness.subjects import Subject
+from harness.subjects.replay import install
 from reference_impl import MoEConfig, MoELM, training
 from suites.conftest import require
 
@@ -37,7 +39,7 @@ def _batch(seed: int, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 def test_first_on_policy_update_has_zero_kl(subject: Subject, seed: int, lengths: list[int]) -> None:
     """The first on-policy update mini-batch reproduces the old log-probs exactly: ppo_kl == 0 (fp32)."""
     model = _model()
-    handle = require(subject, "install_replay")(model)
+    handle = install(require(subject, "install_replay"), model)
     tokens, mask = _batch(seed, lengths)
     with torch.no_grad():
         handle.record()
@@ -54,7 +56,8 @@ def test_first_on_policy_update_has_zero_kl(subject: Subject, seed: int, lengths
 def test_r2_replay_holds_routes_after_a_weight_update(subject: Subject) -> None:
     """After the router weights move, R2 still dispatches the recorded experts (native routing would not)."""
     model = MoELM(_model().cfg)
-    handle = require(subject, "install_replay")(model)
+    handle = install(require(subject, "install_replay"), model)
+    probe = attach(model)  # the harness observes the dispatch; the subject's word is not taken
     tokens, mask = _batch(0, [12, 12, 12, 12])
     with torch.no_grad():
         handle.record()
@@ -64,10 +67,10 @@ def test_r2_replay_holds_routes_after_a_weight_update(subject: Subject) -> None:
         for router in model.routers():
             router.gate.weight.add_(0.5 * torch.randn(router.gate.weight.shape, generator=gen))
         model(tokens, attention_mask=mask)
-        native = handle.dispatched()
+        native = probe.last().ids
         handle.replay(recording)
         model(tokens, attention_mask=mask)
-        replayed = handle.dispatched()
+        replayed = probe.last().ids
     handle.disarm()
     sets = lambda r: r.sort(-1).values  # noqa: E731
     assert not torch.equal(sets(native), sets(recording)), "the weight update flipped no route: no test"

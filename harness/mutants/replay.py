@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 
@@ -11,7 +12,7 @@ from torch import Tensor
 from harness.mutants import Mutant, mutate
 from harness.subjects.capabilities import ReplayController
 from harness.subjects.reference import ReferenceReplay
-from reference_impl import MoELM
+from reference_impl import MoELM, RoutingMode
 
 
 class OrphanReplay(ReferenceReplay):
@@ -62,6 +63,76 @@ class ScoresCastDown(WeightRuleOverride):
         return type(family).weights(family, logits, ids).to(logits.dtype)  # type: ignore[attr-defined]
 
 
+class ClaimsReplayWithoutArming(ReferenceReplay):
+    """Replay never reaches the routers, yet ``dispatched()`` reports the targets as dispatched.
+
+    Only the harness's probes can kill it: every check that took the subject's word would pass.
+    """
+
+    claimed: Tensor | None = None
+
+    def replay(self, targets: Tensor, mask: Tensor | None = None) -> None:
+        self.claimed = torch.as_tensor(targets)
+
+    def dispatched(self) -> Tensor:
+        if self.claimed is None:
+            return super().dispatched()
+        return self.claimed
+
+    def disarm(self) -> None:
+        self.claimed = None
+        super().disarm()
+
+
+class StaleRouterObjects(ReferenceReplay):
+    """Targets are armed on router objects the model no longer calls (a snapshot taken at install, as
+    when a wrapper re-creates the modules after replay was registered); the report reads the snapshot."""
+
+    def __init__(self, model: MoELM) -> None:
+        super().__init__(model)
+        self.snapshot = copy.deepcopy(model)
+
+    def record(self) -> None:
+        self.snapshot.clear_replay()
+        super().record()
+
+    def replay(self, targets: Tensor, mask: Tensor | None = None) -> None:
+        self.snapshot.set_replay_targets(targets, mask)
+        self.snapshot.set_routing_mode(RoutingMode.REPLAY_FORWARD)
+
+    def prepare_backward(self) -> None:
+        self.snapshot.set_routing_mode(RoutingMode.REPLAY_BACKWARD)
+
+    def dispatched(self) -> Tensor:
+        targets = [r.targets for r in self.snapshot.routers()]
+        if any(t is None for t in targets):
+            return super().dispatched()
+        return torch.stack([t.ids for t in targets if t is not None], dim=1)
+
+    def disarm(self) -> None:
+        self.snapshot.clear_replay()
+        self.snapshot.set_routing_mode(RoutingMode.NATIVE)
+        super().disarm()
+
+
+def hooks_on_a_stale_copy(model: torch.nn.Module) -> ReplayController:
+    """Transformers hooks installed on a copy of the model (routers the model never calls), reporting
+    the targets they were given as dispatched."""
+    from harness.trainers.hf import install_replay as install
+
+    handle = install(copy.deepcopy(model), self_check=False)
+    claimed: list[Tensor] = []
+    replay = handle.replay
+
+    def replay_and_claim(targets: Tensor, mask: Tensor | None = None) -> None:
+        replay(targets, mask)
+        claimed[:] = [torch.as_tensor(targets)]
+
+    handle.replay = replay_and_claim  # type: ignore[method-assign]
+    handle.dispatched = lambda: claimed[0] if claimed else torch.empty(0)  # type: ignore[method-assign]
+    return handle
+
+
 def _installer(handle: type[ReferenceReplay]) -> Callable[[MoELM], ReferenceReplay]:
     def install_replay(model: MoELM) -> ReferenceReplay:
         return handle(model)
@@ -104,6 +175,28 @@ MUTANTS = (
         "Mixtral/MiniMax keep fp32 routing weights; casting them to the model dtype moves bf16 logits "
         "~3e-3 (hides in fp32)",
         mutate("fp32-scores-cast-down", install_replay=_installer(ScoresCastDown)),
+    ),
+    Mutant(
+        "claims-replay-without-arming",
+        "silent no-op",
+        "a replay handle whose own report (dispatched()) says the targets were dispatched while the routers "
+        "never received them (verl #7340-like silent no-op that self-reports success): only harness probes "
+        "see it",
+        mutate("claims-replay-without-arming", install_replay=_installer(ClaimsReplayWithoutArming)),
+    ),
+    Mutant(
+        "stale-router-objects",
+        "silent no-op",
+        "targets armed on router objects the model no longer calls (a snapshot of the routers taken at "
+        "install; verl #7340 orphan routers); the handle reports the snapshot's targets",
+        mutate("stale-router-objects", install_replay=_installer(StaleRouterObjects)),
+    ),
+    Mutant(
+        "hf-hooks-on-stale-copy",
+        "silent no-op",
+        "transformers replay hooks registered on a copy of the model (routers the model never calls), "
+        "reporting its targets as dispatched: only harness probes see it",
+        mutate("hf-hooks-on-stale-copy", install_hf_replay=hooks_on_a_stale_copy),
     ),
     Mutant(
         "hf-softmax-hook",
