@@ -199,15 +199,46 @@ def merged(
     return {"release": f"{release.distribution}=={release.version}", "subjects": subjects}
 
 
+def table(directory: Path = VERDICTS_DIR) -> str:
+    """The README's verdict table: one row per invariant, one column per subject of every recorded
+    release (``pass``, ``FAIL n`` with failure ``n`` listed under the table, ``skip``, ``–`` not
+    checked for that subject), then each failure's counterexample in one line."""
+    columns: list[tuple[str, dict[str, dict[str, str]]]] = []
+    for name in sorted(RELEASES):
+        if (directory / f"{name}.json").exists():
+            for spec, entries in load(RELEASES[name], directory)["subjects"].items():
+                columns.append((spec.rpartition(":")[2], entries))
+    tests = sorted({test for _, entries in columns for test in entries})
+    lines = ["| invariant | " + " | ".join(f"`{c}`" for c, _ in columns) + " |"]
+    lines.append("|---" * (len(columns) + 1) + "|")
+    failures: list[str] = []
+    for test in tests:
+        cells = []
+        for column, entries in columns:
+            entry = entries.get(test)
+            if entry is None:
+                cells.append("–")
+            elif entry["verdict"] == "fail":
+                failures.append(f"{len(failures) + 1}. `{column}`, `{test}`: {entry['detail']}")
+                cells.append(f"FAIL {len(failures)}")
+            else:
+                cells.append(entry["verdict"])
+        lines.append(f"| `{test}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n" + "\n".join(failures) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from harness.subjects.frameworks import installed_version
 
     parser = argparse.ArgumentParser(prog="python -m harness.verdicts", description=__doc__.split("\n\n")[0])
-    parser.add_argument("release", choices=sorted(RELEASES))
+    parser.add_argument("release", choices=[*sorted(RELEASES), "table"], help="a release, or 'table'")
     parser.add_argument(
         "--record", action="store_true", help="write the observation as the recorded verdicts"
     )
     args = parser.parse_args(argv)
+    if args.release == "table":
+        print(table(), end="")
+        return 0
     release = RELEASES[args.release]
     found = installed_version(release.distribution)
     if found != release.version:

@@ -1,8 +1,9 @@
 """Recorded verdicts of released framework code (``harness.verdicts``).
 
 ``test_release_verdicts_match[<release>]`` runs the suites against the installed release's subjects
-and compares with ``fixtures/verdicts/<release>.json``: it runs in that release's tox env
-(``tox -e verl-0.9.1``) and skips, naming the env, everywhere else. The other tests check the
+and compares with ``fixtures/verdicts/<release>.json``: it is ``slow`` (deselected by default) and
+runs in that release's tox env (``tox -e verl-0.9.1``), skipping, naming the env, where the release
+is not the installed one. The other tests check the
 comparison itself and the recorded files, without any framework installed.
 """
 
@@ -82,6 +83,7 @@ def test_recorded_failures_are_triaged(name: str) -> None:
     json.dumps(recorded)
 
 
+@pytest.mark.slow  # it runs whole suites; the release's env selects it (tox -e NAME, .ci/run)
 @pytest.mark.parametrize("name", sorted(RELEASES))
 def test_release_verdicts_match(name: str) -> None:
     """The installed release's verdicts are the recorded ones (run in its tox env)."""
@@ -92,3 +94,13 @@ def test_release_verdicts_match(name: str) -> None:
 
     changes = diff(load(release), observe(release))
     assert not changes, f"{name}: {len(changes)} verdict(s) changed:\n" + "\n".join(changes)
+
+
+def test_readme_table_is_the_recorded_verdicts() -> None:
+    """The README's verdict table is generated from fixtures/verdicts/, never edited by hand."""
+    from pathlib import Path
+
+    from harness.verdicts import table
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert table() in readme, "README verdict table is stale: paste `python -m harness.verdicts table`"
