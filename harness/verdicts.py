@@ -76,6 +76,13 @@ RELEASES: dict[str, Release] = {
             ("test_splice.py",),
         ),
         Release(
+            "skyrl-0.2.0",
+            "skyrl",
+            "0.2.0",
+            ("harness.subjects.frameworks.skyrl:SKYRL_0_2_0",),
+            ("test_layouts.py",),
+        ),
+        Release(
             "skyrl-0.3.0",
             "skyrl",
             "0.3.0",

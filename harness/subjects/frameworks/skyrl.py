@@ -1,13 +1,14 @@
-"""SkyRL releases under test (PyPI ``skyrl`` 0.3.0), thin adapters over the release's own functions.
+"""SkyRL releases under test (PyPI ``skyrl`` 0.2.0, 0.3.0): thin adapters over their own functions.
 
 - ``install_megatron_replay`` / ``megatron_data``: R3 on Megatron-core through
   ``skyrl/backends/skyrl_train/utils/replay_utils.py``: ``patch_topk_router_layer_number`` is the
   once-per-process patch, ``setup_per_microbatch_replay_forward(routes, attention_mask, config,
-  remove_microbatch_padding=False)`` gives every router its targets for a padded ``[B, S]``
-  micro-batch (the mode whose model input is the harness's; SkyRL's default packs the micro-batch
-  into one THD sequence), ``setup_per_microbatch_replay_backward`` / ``clear_router_replay`` drive
-  recompute and teardown. SkyRL records nothing (it has R3 only), so the controller's ``record``
-  is Megatron-core's own ``RECORD`` action and ``merge_recordings`` is absent (a skip).
+  remove_microbatch_padding=False)`` (0.2.0: ``use_sample_packing=False``) gives every router its
+  targets for a padded ``[B, S]`` micro-batch (the mode whose model input is the harness's; SkyRL's
+  default packs the micro-batch into one THD sequence); ``setup_per_microbatch_replay_backward``
+  and ``clear_router_replay`` drive recompute and teardown. SkyRL records nothing (it has R3
+  only), so the controller's ``record`` is Megatron-core's own ``RECORD`` action and
+  ``merge_recordings`` is absent (a skip).
 - ``layouts.place_left_padded``: the trainer's batch placement,
   ``skyrl.train.dataset.preprocess.convert_prompts_responses_to_batch_tensors(...,
   rollout_expert_indices=…)``. The generator hands it per-sample routes as nested lists (what the
@@ -163,6 +164,10 @@ class _MegatronDriver:
         return _MegatronController(self.version)
 
 
+_PACKING_KEYWORD = {"0.2.0": "use_sample_packing", "0.3.0": "remove_microbatch_padding"}
+"""The switch between padded and packed micro-batches, renamed in 0.3.0 (FACTS §6)."""
+
+
 class _MegatronData:
     """SkyRL's per-micro-batch replay setup (``MegatronDataMovement``; no recordings to merge)."""
 
@@ -178,14 +183,20 @@ class _MegatronData:
         model: Sequence[torch.nn.Module],
         vp_rank: int | None = None,
     ) -> None:
+        unpacked = {_PACKING_KEYWORD[self.version]: False}
         replay_utils(self.version).setup_per_microbatch_replay_forward(
-            torch.as_tensor(routes), attention_mask, config, remove_microbatch_padding=False
+            torch.as_tensor(routes), attention_mask, config, **unpacked
         )
 
 
-SKYRL_0_3_0 = Subject(
-    name="skyrl-0.3.0",
-    layouts=_Layouts("0.3.0"),
-    install_megatron_replay=_MegatronDriver("0.3.0"),
-    megatron_data=_MegatronData("0.3.0"),
-)
+def _subject(version: str) -> Subject:
+    return Subject(
+        name=f"skyrl-{version}",
+        layouts=_Layouts(version),
+        install_megatron_replay=_MegatronDriver(version),
+        megatron_data=_MegatronData(version),
+    )
+
+
+SKYRL_0_2_0 = _subject("0.2.0")
+SKYRL_0_3_0 = _subject("0.3.0")
