@@ -95,11 +95,12 @@ class _Rank:
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
         subject = load_subject(subject_spec)
-        driver, self.data = subject.install_megatron_replay, subject.megatron_data
-        if driver is None or self.data is None:
+        driver, data = subject.install_megatron_replay, subject.megatron_data
+        if driver is None or data is None:
             raise MegatronReplayError(
                 f"subject {subject.name!r} needs install_megatron_replay and megatron_data"
             )
+        self.data: Any = data
         self.layout = layout
         self.coords = init_parallel(layout, seed)
         ensure_patched(driver)
