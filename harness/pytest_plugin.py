@@ -73,6 +73,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def subject_spec(config: pytest.Config) -> str:
+    """The ``--rr-subject`` spec (spawned ranks load the subject from it: a spec, not an object)."""
+    return _subject_spec(config)
+
+
 def _subject_spec(config: pytest.Config) -> str:
     return str(config.getoption("--rr-subject") or os.environ.get("RR_SUBJECT") or DEFAULT_SUBJECT)
 

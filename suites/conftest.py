@@ -3,6 +3,6 @@
 ``require`` lives in the plugin so that the run's summary can count the capabilities exercised.
 """
 
-from harness.pytest_plugin import require
+from harness.pytest_plugin import require, subject_spec
 
-__all__ = ["require"]
+__all__ = ["require", "subject_spec"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.mutants import Mutant, conventions, layouts, parallel, replay, splice, training
+from harness.mutants import Mutant, conventions, layouts, megatron, parallel, replay, splice, training
 from harness.subjects import Subject
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -12,6 +12,7 @@ MUTANTS: tuple[Mutant, ...] = (
     *conventions.MUTANTS,
     *training.MUTANTS,
     *parallel.MUTANTS,
+    *megatron.MUTANTS,
 )
 
 _BY_NAME = {m.name: m for m in MUTANTS}

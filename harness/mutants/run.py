@@ -16,7 +16,9 @@ SUITES_BY_CAPABILITY: dict[str, tuple[str, ...]] = {
     "truncate": ("test_splice.py",),
     "layouts": ("test_layouts.py", "test_distributed.py"),
     "install_replay": ("test_replay.py", "test_r2.py", "test_mismatch_lab.py", "test_distributed.py"),
-    "install_hf_replay": ("test_hf.py",),
+    "install_hf_replay": ("test_replay.py", "test_hf.py"),
+    "install_megatron_replay": ("test_megatron.py",),
+    "megatron_data": ("test_megatron.py",),
     "training": ("test_training.py",),
 }
 """The suites that exercise each capability, the most telling first."""

@@ -3,8 +3,8 @@
 - ``layout``: pure torch; a canonical trace batch → per-rank, per-router targets in Megatron's
   layout (DP split, seq-major tokens, SP shard, PP stage routers, EP global ids) and back.
 - ``replay``: ``MegatronReplay`` (RECORD / REPLAY_FORWARD / REPLAY_BACKWARD through
-  ``RouterReplay.set_replay_data``, instance and FIFO checks), ``check_no_bypass``,
-  ``DispatchProbe`` (what routers chose and experts received).
+  ``RouterReplay.set_replay_data``, instance and FIFO checks), ``check_no_bypass``.
+- ``subject``: the reference subject's Megatron capability (driver + data movement).
 - ``model``: tiny GPT MoE configs (local specs, no Transformer Engine).
 - ``checks.run_checks``: the per-rank check run (live, RECORD → canonical, replay own recording
   with bit-exact gradients, foreign targets, two micro-batches through the recompute FIFO).
@@ -23,10 +23,9 @@ from harness.trainers.megatron.layout import (
     merge_recordings,
     rank_targets,
 )
-from harness.trainers.megatron.replay import DispatchProbe, MegatronReplay, check_no_bypass, model_routers
+from harness.trainers.megatron.replay import MegatronReplay, check_no_bypass, model_routers
 
 __all__ = [
-    "DispatchProbe",
     "MegatronLayout",
     "MegatronReplay",
     "MegatronReplayError",

@@ -1,33 +1,31 @@
 """The Megatron-core replay checks, run on every rank of an initialised ``torch.distributed`` world.
 
-:func:`run_checks` builds a tiny GPT MoE for a :class:`MegatronLayout`, and checks DESIGN §3.5–3.8
-against Megatron-core's own ``RouterReplay``:
+:func:`run_checks` loads the subject (a spec: ranks are fresh processes), builds a tiny GPT MoE for a
+:class:`MegatronLayout` with the subject driver's ``config_overrides()``, installs the driver
+(``install_megatron_replay``) and feeds targets through the subject's data movement
+(``megatron_data``); the harness observes every router and expert with its own probe
+(``harness.probes.megatron``) and checks DESIGN §3.5–3.8:
 
 1. **live**: native routing, forward + backward with MoE activation recompute → reference loss
    and gradients.
-2. **record → canonical**: RECORD, gather every rank's per-router recordings, merge them into one
-   canonical decoder-axis ``RoutingTrace`` per sample (``merge_recordings``), and check that
-   placing those traces back through the layout gives each rank exactly what it recorded.
-3. **replay own recording (R2)**: feed the canonical traces through the layout into
-   ``RouterReplay.set_replay_data`` (one tensor per instance, build order), REPLAY_FORWARD,
-   REPLAY_BACKWARD for the recompute; every router — forward *and* recompute — chooses exactly its
-   targets, the dispatcher hands every local expert exactly the tokens whose targets name it (all
-   ranks of the ``tp·ep`` group), the FIFO is drained, and the loss and every gradient equal live
-   routing's **bit for bit**.
-4. **replay foreign targets (R3)**: random canonical traces; the same dispatch, instance and FIFO
-   checks; the router weights still receive gradients; the loss differs from live.
+2. **record → canonical**: RECORD, the subject merges this DP rank's recordings (all TP/PP ranks)
+   into canonical routes; gathered over DP they form one ``RoutingTrace`` per sample, and every
+   router's probed native choice is the canonical route of the position it held.
+3. **replay own recording (R2)**: the canonical traces go back through the subject's
+   ``set_replay_data``, REPLAY_FORWARD, REPLAY_BACKWARD for the recompute; every router — forward
+   *and* recompute — chooses exactly its targets, the dispatcher hands every local expert exactly
+   the tokens whose targets name it (all ranks of the ``tp·ep`` group), the backward FIFO is drained,
+   and the loss and every gradient equal live routing's **bit for bit**.
+4. **replay foreign targets (R3)**: random canonical traces; the same checks; the router weights
+   still receive gradients; the loss differs from live.
 5. **two micro-batches (pipeline schedule)**: forward mb1, forward mb2, then backward mb1, mb2:
-   REPLAY_BACKWARD pops the FIFO in forward order, and the accumulated gradients equal those of
-   the two micro-batches run one at a time.
+   recompute pops the FIFO in forward order, and the accumulated gradients equal those of the two
+   micro-batches run one at a time.
 
 Placement has an oracle independent of the layout functions: every token carries its own position
 into the decoder (channel 0 of the embeddings), so each router row's expected route is read off the
-canonical trace at the position Megatron actually put there.
-
-``mutant`` breaks one step on purpose so the checks can be seen to fail: ``"layer_shift"`` gives
-each router the previous MoE layer's targets (verl #5037), ``"batch_major"`` flattens tokens
-``b·S + s`` instead of seq-major, ``"forward_in_backward"`` leaves REPLAY_FORWARD set through the
-recompute (FACTS §2 "recompute drift").
+canonical trace at the position Megatron actually put there. The bugs these checks catch are
+subjects in the zoo (``harness.mutants.megatron``).
 """
 
 from __future__ import annotations
@@ -38,6 +36,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness.probes.megatron import DispatchProbe
+from harness.subjects import load_subject
+from harness.subjects.replay import ensure_patched
 from harness.trace import LayerAxis, RoutingTrace
 from harness.trainers.megatron.layout import (
     MegatronLayout,
@@ -45,14 +46,10 @@ from harness.trainers.megatron.layout import (
     batch_routes,
     expected_local_map,
     ids_to_map,
-    merge_recordings,
     random_traces,
     rank_targets,
 )
 from harness.trainers.megatron.model import batch_tokens, build_gpt, tiny_config
-from harness.trainers.megatron.replay import DispatchProbe, MegatronReplay
-
-MUTANTS = ("layer_shift", "batch_major", "forward_in_backward")
 
 
 @dataclass(frozen=True)
@@ -91,43 +88,41 @@ def init_parallel(layout: MegatronLayout, seed: int) -> Coordinates:
 
 
 class _Rank:
-    """One rank's model, replay handle, probe and data."""
+    """One rank's model, the subject's controller and data movement, the harness's probe, and data."""
 
-    def __init__(
-        self, layout: MegatronLayout, seed: int, mutant: str | None = None, **config_overrides: Any
-    ) -> None:
+    def __init__(self, layout: MegatronLayout, seed: int, subject_spec: str) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
+        subject = load_subject(subject_spec)
+        driver, data = subject.install_megatron_replay, subject.megatron_data
+        if driver is None or data is None:
+            raise MegatronReplayError(
+                f"subject {subject.name!r} needs install_megatron_replay and megatron_data"
+            )
+        self.data: Any = data
         self.layout = layout
-        self.mutant = mutant
         self.coords = init_parallel(layout, seed)
+        ensure_patched(driver)
         RouterReplay.clear_global_router_replay_instances()
-        self.config = tiny_config(layout, **config_overrides)
+        self.config = tiny_config(layout, **dict(driver.config_overrides()))
         self.model = build_gpt(self.config, layout)
-        self.replay = MegatronReplay.install(self.model, config=self.config)
+        self.control = driver.install([self.model], self.config)
+        self.routers = [m for m in self.model.modules() if isinstance(m, TopKRouter)]
+        self.layer_numbers = [int(r.layer_number) - 1 for r in self.routers]
         self.probe = DispatchProbe.attach(self.model)
         stage = layout.stage_moe_layers(self.coords.pp)
-        if self.replay.layer_numbers != stage:
+        if self.layer_numbers != stage:
             raise MegatronReplayError(
-                f"routers sit on decoder layers {self.replay.layer_numbers}, the layout says {stage}"
+                f"routers sit on decoder layers {self.layer_numbers}, the layout says {stage}"
             )
         self.device = next(self.model.parameters()).device
         self._mark_positions()
-        ids, labels = batch_tokens(layout, seed + 1)
-        b = layout.micro_batch
-        self.micro_batches = [
-            (
-                ids[self.coords.dp * b : (self.coords.dp + 1) * b],
-                labels[self.coords.dp * b : (self.coords.dp + 1) * b],
-            )
-        ]
-        ids2, labels2 = batch_tokens(layout, seed + 2)
-        self.micro_batches.append(
-            (
-                ids2[self.coords.dp * b : (self.coords.dp + 1) * b],
-                labels2[self.coords.dp * b : (self.coords.dp + 1) * b],
-            )
-        )
+        b, d = layout.micro_batch, self.coords.dp
+        self.micro_batches = []
+        for offset in (1, 2):
+            ids, labels = batch_tokens(layout, seed + offset)
+            self.micro_batches.append((ids[d * b : (d + 1) * b], labels[d * b : (d + 1) * b]))
         # Ranks whose tokens the all-gather dispatcher gathers, in group order, with their coordinates.
         from megatron.core import parallel_state as ps
 
@@ -182,18 +177,8 @@ class _Rank:
         }
 
     def _place(self, routes: torch.Tensor, coords: Coordinates) -> list[torch.Tensor]:
-        """``rank_targets`` for ``coords`` (or, for a layout mutant, a known-wrong variant of it)."""
-        layout = self.layout
-        targets = rank_targets(routes, layout, dp_rank=coords.dp, tp_rank=coords.tp, pp_rank=coords.pp)
-        if self.mutant == "layer_shift":  # every router gets the previous MoE layer's targets
-            targets = targets[-1:] + targets[:-1]
-        elif self.mutant == "batch_major":  # tokens flattened b·S + s instead of Megatron's s·B + b
-            s_local = layout.seq_len // layout.tp
-            targets = [
-                t.view(layout.micro_batch, s_local, layout.top_k).transpose(0, 1).reshape(-1, layout.top_k)
-                for t in targets
-            ]
-        return targets
+        """The canonical per-router targets of ``coords`` (the harness's expectation, not the subject's)."""
+        return rank_targets(routes, self.layout, dp_rank=coords.dp, tp_rank=coords.tp, pp_rank=coords.pp)
 
     def targets(self, traces: list[RoutingTrace]) -> list[torch.Tensor]:
         routes = batch_routes(traces, self.layout)
@@ -203,7 +188,7 @@ class _Rank:
         """Per router: the targets of every token the dispatcher gathers onto this rank, in group order."""
         routes = batch_routes(traces, self.layout)
         per_rank = [self._place(routes, self.all_coords[r]) for r in self.gather_ranks]
-        return [torch.cat([rt[j] for rt in per_rank]) for j in range(len(self.replay.routers))]
+        return [torch.cat([rt[j] for rt in per_rank]) for j in range(len(self.routers))]
 
     # --- checks ------------------------------------------------------------------------------
 
@@ -212,7 +197,7 @@ class _Rank:
     ) -> None:
         """Each router chose, and each local expert received, its exact targets in all ``calls`` forwards."""
         layout = self.layout
-        for j, layer in enumerate(self.replay.layer_numbers):
+        for j, layer in enumerate(self.layer_numbers):
             where = f"{what}: rank {self.coords.rank} router {j} (decoder layer {layer})"
             chosen, dispatched = self.probe.chosen[j], self.probe.dispatched[j]
             if len(chosen) != calls or len(dispatched) != calls:
@@ -249,7 +234,7 @@ class _Rank:
         if tuple(positions.shape) != (layout.seq_len // layout.tp, layout.micro_batch):
             raise MegatronReplayError(f"{what}: decoder input holds {tuple(positions.shape)} rows per rank")
         samples = self.coords.dp * layout.micro_batch + torch.arange(layout.micro_batch)
-        for j, layer in enumerate(self.replay.layer_numbers):
+        for j, layer in enumerate(self.layer_numbers):
             want = routes[samples.unsqueeze(0).expand_as(positions), positions, layer].reshape(
                 -1, layout.top_k
             )
@@ -262,34 +247,79 @@ class _Rank:
                         f"{bad} tokens did not get the canonical route of the position they hold"
                     )
 
-    def check_received(self, targets: list[torch.Tensor], what: str) -> None:
-        for j, inst in enumerate(self.replay.instances):
-            if inst.target_topk_idx is None or not torch.equal(inst.target_topk_idx, targets[j]):
-                raise MegatronReplayError(f"{what}: RouterReplay instance {j} does not hold its targets")
+    def pending(self) -> list[int]:
+        """Entries left in each router's ``RouterReplay`` backward FIFO (read off the model)."""
+        return [len(getattr(r.router_replay, "replay_backward_list", ())) for r in self.routers]
 
-    def feed(self, targets: list[torch.Tensor]) -> None:
-        self.replay.feed(list(targets), self.layout.local_tokens)
+    def check_drained(self, what: str) -> None:
+        left = self.pending()
+        if any(left):
+            raise MegatronReplayError(
+                f"{what}: backward FIFO not drained, entries left per router {left} (recompute did not "
+                "replay every forward, or REPLAY_BACKWARD was never set)"
+            )
+
+    def feed(self, traces: list[RoutingTrace]) -> None:
+        """The subject's data movement: this DP rank's micro-batch of canonical routes → its routers."""
+        b, d = self.layout.micro_batch, self.coords.dp
+        routes = batch_routes(traces, self.layout)[d * b : (d + 1) * b]
+        mask = torch.ones(b, self.layout.seq_len, dtype=torch.long)
+        self.data.set_replay_data(routes, mask, self.config, model=[self.model])
+
+    def record(self) -> list[RoutingTrace]:
+        """RECORD one forward; the subject merges the recordings; canonical traces of the global batch."""
+        layout = self.layout
+        self.probe.clear()
+        self.positions.clear()
+        self.control.record()
+        with torch.no_grad():
+            self.forward(0)
+        mask = torch.ones(layout.micro_batch, layout.seq_len, dtype=torch.long)
+        merged = torch.as_tensor(self.data.merge_recordings(mask, self.config, model=[self.model])).long()
+        self.control.disarm()
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (self.coords.dp, merged.cpu()))
+        by_dp = dict(everyone)
+        routes = torch.cat([by_dp[d] for d in range(layout.dp)])
+        width = routes.shape[2]
+        if tuple(routes.shape) != (layout.global_batch, layout.seq_len, width, layout.top_k) or width not in (
+            layout.num_layers,
+            len(layout.moe_layers),
+        ):
+            raise MegatronReplayError(
+                f"merge_recordings: global routes {tuple(routes.shape)}, expected [{layout.global_batch}, "
+                f"{layout.seq_len}, {layout.num_layers} or {len(layout.moe_layers)}, {layout.top_k}]"
+            )
+        axis = LayerAxis.DECODER if width == layout.num_layers else LayerAxis.MOE_ORDINAL
+        return [
+            RoutingTrace(
+                sample.numpy(),
+                num_experts=layout.num_experts,
+                moe_layers=layout.moe_layers,
+                num_layers=layout.num_layers,
+                layer_axis=axis,
+            ).to_decoder_axis()
+            for sample in routes
+        ]
 
     def replay_step(
-        self, traces: list[RoutingTrace], mutant: str | None, what: str
+        self, traces: list[RoutingTrace], what: str
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """REPLAY_FORWARD forward, REPLAY_BACKWARD backward; dispatch / instance / FIFO checks."""
+        """REPLAY_FORWARD forward, REPLAY_BACKWARD backward; dispatch, placement and FIFO checks."""
         targets, gathered = self.targets(traces), self.gathered(traces)
         self.zero_grad()
         self.probe.clear()
         self.positions.clear()
-        self.feed(targets)
-        self.replay.replay_forward()
+        self.feed(traces)
+        self.control.replay_forward()
         loss = self.forward(0)
-        self.check_received(targets, what)
-        if mutant != "forward_in_backward":
-            self.replay.prepare_backward()
+        self.control.prepare_backward()
         loss.backward()
         calls = 2 if self.config.recompute_granularity == "selective" else 1
         self.check_dispatch(targets, gathered, what, calls)
         self.check_placement(traces, what)
-        self.replay.check_drained()
-        self.replay.disarm()
+        self.check_drained(what)
+        self.control.disarm()
         return loss.detach(), self.grads()
 
 
@@ -308,55 +338,35 @@ def _compare_grads(
     return worst
 
 
-def run_checks(layout: MegatronLayout, *, seed: int = 0, mutant: str | None = None) -> dict[str, Any]:
-    """Run the five checks on this rank; raise ``MegatronReplayError`` on the first failure.
+def run_checks(layout: MegatronLayout, *, seed: int = 0, subject: str) -> dict[str, Any]:
+    """Run the five checks on this rank against ``subject`` (a ``module:attr`` spec); raise
+    ``MegatronReplayError`` on the first failure.
 
     Returns a small report (this rank's coordinates, token and router counts, the loss values).
     """
-    if mutant is not None and mutant not in MUTANTS:
-        raise ValueError(f"mutant must be one of {MUTANTS}, got {mutant!r}")
     if layout.pp != 1:
         raise MegatronReplayError("run_checks drives one pipeline stage (pp = 1); layouts cover pp > 1")
-    r = _Rank(layout, seed, mutant)
+    r = _Rank(layout, seed, subject)
     report: dict[str, Any] = {
         "coords": r.coords,
-        "routers": len(r.replay.routers),
+        "routers": len(r.routers),
         "local_tokens": layout.local_tokens,
     }
 
     # 1. live routing, with recompute
-    r.replay.native()
+    r.control.disarm()
     r.zero_grad()
     live_loss = r.forward(0)
     live_loss.backward()
     live_grads = r.grads()
     report["live_loss"] = float(live_loss.detach())
 
-    # 2. record → canonical traces → back through the layout
-    r.replay.record()
-    with torch.no_grad():
-        r.forward(0)
-    recorded = r.replay.recording()
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (r.coords, [t.cpu() for t in recorded]))
-    merged = merge_recordings({(c.dp, c.tp, c.pp): recs for c, recs in everyone}, layout)
-    traces = [
-        RoutingTrace(
-            sample.numpy(),
-            num_experts=layout.num_experts,
-            moe_layers=layout.moe_layers,
-            num_layers=layout.num_layers,
-            layer_axis=LayerAxis.MOE_ORDINAL,
-        ).to_decoder_axis()
-        for sample in merged
-    ]
-    placed = r.targets(traces)
-    for j, (a, b) in enumerate(zip(placed, recorded, strict=True)):
-        if not torch.equal(a.cpu(), b.cpu().long()):
-            raise MegatronReplayError(f"record → canonical → layout is not the identity (router {j})")
+    # 2. record → canonical traces: every router's native choice is the route of the position it held
+    traces = r.record()
+    r.check_placement(traces, "record → canonical traces")
 
     # 3. replay the recording: bit-exact gradients
-    loss, grads = r.replay_step(traces, mutant, "replay of the recording")
+    loss, grads = r.replay_step(traces, "replay of the recording")
     if not torch.equal(loss, live_loss.detach()):
         raise MegatronReplayError(f"replay of the recording: loss {float(loss)} != live {float(live_loss)}")
     report["max_grad_diff_record_replay"] = _compare_grads(
@@ -365,7 +375,7 @@ def run_checks(layout: MegatronLayout, *, seed: int = 0, mutant: str | None = No
 
     # 4. foreign targets (R3): forced dispatch, router still gets gradients
     foreign = random_traces(layout, seed + 3)
-    loss_f, grads_f = r.replay_step(foreign, mutant, "replay of foreign targets")
+    loss_f, grads_f = r.replay_step(foreign, "replay of foreign targets")
     report["foreign_loss"] = float(loss_f)
     for name, g in grads_f.items():
         if name.endswith("router.weight") and not bool(g.abs().sum() > 0):
@@ -378,52 +388,27 @@ def run_checks(layout: MegatronLayout, *, seed: int = 0, mutant: str | None = No
     singles = []
     for mb, tr in ((0, foreign), (1, traces2)):
         r.zero_grad()
-        r.probe.clear()
-        r.feed(r.targets(tr))
-        r.replay.replay_forward()
+        r.feed(tr)
+        r.control.replay_forward()
         loss_mb = r.forward(mb)
-        r.replay.prepare_backward()
+        r.control.prepare_backward()
         loss_mb.backward()
-        r.replay.check_drained()
-        r.replay.disarm()
+        r.control.disarm()
         singles.append(r.grads())
     r.zero_grad()
-    r.probe.clear()
     losses = []
     for mb, tr in ((0, foreign), (1, traces2)):
-        r.feed(r.targets(tr))
-        r.replay.replay_forward()
+        r.feed(tr)
+        r.control.replay_forward()
         losses.append(r.forward(mb))
-    if r.replay.pending() != [2] * len(r.replay.routers):
-        raise MegatronReplayError(f"two queued forwards, FIFO lengths {r.replay.pending()}")
-    if mutant != "forward_in_backward":
-        r.replay.prepare_backward()
+    r.control.prepare_backward()
     for loss_mb in losses:
         loss_mb.backward()
     summed = {name: singles[0][name] + singles[1][name] for name in singles[0]}
     report["max_grad_diff_fifo"] = _compare_grads(
         r.grads(), summed, "two micro-batches vs one at a time", exact=False
     )
-    r.replay.check_drained()
-    r.replay.disarm()
+    r.check_drained("two micro-batches")
+    r.control.disarm()
     r.probe.remove()
     return report
-
-
-def run_mutants(
-    layout: MegatronLayout, *, seed: int = 0, mutants: tuple[str, ...] = MUTANTS
-) -> dict[str, str | None]:
-    """Run :func:`run_checks` once per mutant on a one-rank world; return each mutant's error (None: missed).
-
-    One rank only: on several ranks one rank's failure can leave the others waiting in a collective.
-    """
-    if dist.get_world_size() != 1:
-        raise MegatronReplayError("run_mutants needs a one-rank world")
-    caught: dict[str, str | None] = {}
-    for mutant in mutants:
-        try:
-            run_checks(layout, seed=seed, mutant=mutant)
-            caught[mutant] = None
-        except MegatronReplayError as err:
-            caught[mutant] = str(err)
-    return caught

@@ -85,22 +85,25 @@ class CanonicalMegatronData:
         model: Sequence[torch.nn.Module],
         vp_rank: int | None = None,
     ) -> None:
+        _check_mask(attention_mask)
+        layout = micro_batch_layout(config, *attention_mask.shape)
+        targets = self.targets(torch.as_tensor(routes).long().cpu(), layout, vp_rank or 0)
+        device = next(model[0].parameters()).device
+        feeder = MegatronReplay(model_routers(*model), layout.top_k, layout.num_experts)
+        feeder.feed([t.to(device) for t in targets], layout.local_tokens)
+
+    def targets(self, routes: torch.Tensor, layout: MegatronLayout, vpp_chunk: int) -> list[torch.Tensor]:
+        """This rank's per-router targets, in build order (:func:`layout.rank_targets`)."""
         from megatron.core import parallel_state as ps
 
-        _check_mask(attention_mask)
-        batch, seq_len = attention_mask.shape
-        layout = micro_batch_layout(config, batch, seq_len)
-        targets = rank_targets(
-            torch.as_tensor(routes).long().cpu(),
+        return rank_targets(
+            routes,
             layout,
             dp_rank=0,
             tp_rank=ps.get_tensor_model_parallel_rank(),
             pp_rank=ps.get_pipeline_model_parallel_rank(),
-            vpp_chunk=vp_rank or 0,
+            vpp_chunk=vpp_chunk,
         )
-        device = next(model[0].parameters()).device
-        feeder = MegatronReplay(model_routers(*model), layout.top_k, layout.num_experts)
-        feeder.feed([t.to(device) for t in targets], layout.local_tokens)
 
     def merge_recordings(
         self,
