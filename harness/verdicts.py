@@ -29,6 +29,8 @@ VERDICTS_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "verdicts"
 UNTRIAGED = "UNTRIAGED"
 SELECT = "not slow and not gpu and not distributed"
 """The tests a verdict covers: the default CPU selection without multi-process groups."""
+MEGATRON = "not slow and not gpu"
+"""With the Megatron suite, whose default layouts spawn one and two gloo ranks."""
 
 
 class VerdictError(HarnessError, ValueError):
@@ -45,7 +47,6 @@ class Release:
     subjects: tuple[str, ...]  # module:attr specs
     suites: tuple[str, ...]  # suite files the subjects' capabilities are checked by
     select: str = SELECT
-    every_test: bool = False  # the suites test the release itself, capability or not (Megatron-core)
 
 
 RELEASES: dict[str, Release] = {
@@ -80,14 +81,16 @@ RELEASES: dict[str, Release] = {
             "skyrl",
             "0.2.0",
             ("harness.subjects.frameworks.skyrl:SKYRL_0_2_0",),
-            ("test_layouts.py",),
+            ("test_layouts.py", "test_megatron.py"),
+            select=MEGATRON,
         ),
         Release(
             "skyrl-0.3.0",
             "skyrl",
             "0.3.0",
             ("harness.subjects.frameworks.skyrl:SKYRL_0_3_0",),
-            ("test_layouts.py",),
+            ("test_layouts.py", "test_megatron.py"),
+            select=MEGATRON,
         ),
         Release(
             "mcore-0.16.1",
@@ -95,17 +98,15 @@ RELEASES: dict[str, Release] = {
             "0.16.1",
             ("harness.subjects.frameworks.mcore:MCORE_0_16_1",),
             ("test_megatron.py",),
-            select="megatron and not slow and not gpu",
-            every_test=True,
+            select=MEGATRON,
         ),
     )
 }
 
 
-def verdict_of(outcome: Any, every_test: bool = False) -> dict[str, str] | None:
-    """One ``CheckOutcome`` as a verdict entry, or ``None`` when it used no capability of the subject
-    (unless ``every_test``: the suite drives the release itself)."""
-    if not outcome.capabilities and not every_test:
+def verdict_of(outcome: Any) -> dict[str, str] | None:
+    """One ``CheckOutcome`` as a verdict entry, or ``None`` when it used no capability of the subject."""
+    if not outcome.capabilities:
         return None
     if outcome.outcome == "passed":
         return {"invariant": outcome.invariant, "verdict": "pass"}
@@ -129,7 +130,7 @@ def observe(release: Release) -> dict[str, dict[str, dict[str, str]]]:
             raise VerdictError(f"{spec}: no test ran\n" + "\n".join(log.strip().splitlines()[-8:]))
         entries = {}
         for outcome in outcomes:
-            entry = verdict_of(outcome, release.every_test)
+            entry = verdict_of(outcome)
             if entry is not None:
                 entries[outcome.nodeid.split("/")[-1]] = entry
         observed[spec] = entries

@@ -240,6 +240,12 @@ def _rank_main(
                 pass
 
 
+def _last_line(text: str) -> str:
+    """The last non-empty line of a traceback: the exception and its message."""
+    lines = [line for line in str(text).strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
+
+
 def spawn_ranks(target: str, world_size: int, *, timeout: float, **kwargs: Any) -> list[Any]:
     """Run ``target`` (``"module:function"``) on ``world_size`` spawned ranks; return their results.
 
@@ -286,7 +292,8 @@ def spawn_ranks(target: str, world_size: int, *, timeout: float, **kwargs: Any) 
     errors = {r: p for r, (s, p) in outcomes.items() if s == "error"}
     missing = [r for r in range(world_size) if r not in outcomes]
     if errors or missing:
-        lines = [f"rank {r} failed:\n{errors[r]}" for r in sorted(errors)]
+        # The first line names the error itself (reports keep a failure's first line), then tracebacks.
+        lines = [f"rank {r} failed: {_last_line(errors[r])}\n{errors[r]}" for r in sorted(errors)]
         if missing:
             lines.append(
                 f"ranks {missing} did not report within {timeout:.0f} s "

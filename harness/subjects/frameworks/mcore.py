@@ -1,13 +1,9 @@
-"""Megatron-core's own ``RouterReplay`` (PyPI ``megatron-core`` 0.16.1) as a subject.
+"""Megatron-core's own ``RouterReplay`` (PyPI ``megatron-core`` 0.16.1) as a release subject.
 
-Megatron-core ships replay itself (``megatron/core/transformer/moe/router_replay.py``, enabled with
-``moe_enable_routing_replay=True``): its ``RouterReplay`` actions are the controller and
-``RouterReplay.set_replay_data`` takes one target tensor per router. The harness's Megatron backend
-(``harness.trainers.megatron.subject``) is exactly that, with the canonical data movement in
-front; this subject reuses it rather than a twin, and adds only the release check, so its verdict
-describes 0.16.1. Until the Megatron suites run against a subject's capabilities,
-``suites/test_megatron.py`` (which drives Megatron-core's ``RouterReplay`` through the same backend)
-is its verdict (``harness.verdicts``).
+The shipped subject ``harness.subjects.megatron_core:MEGATRON_CORE`` is Megatron-core's class API
+and nothing else (``moe_enable_routing_replay=True``, ``RouterReplay`` actions, ``set_replay_data``,
+``get_recorded_data``); this subject reuses it rather than a twin, and only adds the release check,
+so that its recorded verdict (``fixtures/verdicts/mcore-0.16.1.json``) describes 0.16.1.
 """
 
 from __future__ import annotations
@@ -19,28 +15,31 @@ import torch
 
 from harness.subjects import Subject
 from harness.subjects.frameworks import require_release
-from harness.trainers.megatron.subject import MEGATRON_DATA, MEGATRON_DRIVER
+from harness.subjects.megatron_core import MEGATRON_CORE
 
 VERSION = "0.16.1"
 
 
 class _ReleaseDriver:
-    """Megatron-core's ``RouterReplay`` driver, refusing to run on another release."""
+    """``MEGATRON_CORE`` 's driver, refusing to run on another Megatron-core release."""
+
+    def __init__(self, driver: Any) -> None:
+        self.driver = driver
 
     def patch(self) -> None:
         require_release("megatron-core", VERSION, f"mcore-{VERSION}")
-        MEGATRON_DRIVER.patch()
+        self.driver.patch()
 
     def config_overrides(self) -> Mapping[str, Any]:
-        return MEGATRON_DRIVER.config_overrides()
+        return self.driver.config_overrides()
 
     def install(self, model: Sequence[torch.nn.Module], config: Any) -> Any:
         require_release("megatron-core", VERSION, f"mcore-{VERSION}")
-        return MEGATRON_DRIVER.install(model, config)
+        return self.driver.install(model, config)
 
 
 MCORE_0_16_1 = Subject(
     name=f"megatron-core-{VERSION}",
-    install_megatron_replay=_ReleaseDriver(),
-    megatron_data=MEGATRON_DATA,
+    install_megatron_replay=_ReleaseDriver(MEGATRON_CORE.install_megatron_replay),
+    megatron_data=MEGATRON_CORE.megatron_data,
 )
