@@ -76,7 +76,7 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]) -> Path:
+def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> Path:
     """Write ``path`` atomically: ``write(handle)`` fills a temporary file that then replaces it.
 
     The directory must exist. See the module docstring for what a killed writer leaves behind.

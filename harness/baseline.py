@@ -68,12 +68,21 @@ def metric(value: float, tolerance: float, better: str = "equal") -> dict[str, A
     """
     if better not in BETTER:
         raise BaselineError(f"metric.better: expected one of {BETTER}, got {better!r}")
-    if _finite(tolerance) is None or tolerance < 0:
+    tol = _finite(_as_float(tolerance))
+    if tol is None or tol < 0:
         raise BaselineError(f"metric.tolerance: expected a finite non-negative number, got {tolerance!r}")
     number = _json_float(value)
     if number is not None and _finite(number) is None:
         raise BaselineError(f"metric.value: expected a finite number or NaN (undefined), got {value!r}")
-    return {"value": number, "tolerance": float(tolerance), "better": better}
+    return {"value": number, "tolerance": tol, "better": better}
+
+
+def _as_float(x: object) -> float | None:
+    """A number of any kind the harness measures (Python, numpy or 0-d torch) as a float, else None."""
+    try:
+        return float(x)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        return None
 
 
 def _finite(x: object) -> float | None:
@@ -162,7 +171,8 @@ def validate_baseline(doc: object, source: str = "baseline") -> dict[str, Any]:
         value, tol, better = entry.get("value"), entry.get("tolerance"), entry.get("better")
         if value is not None and _finite(value) is None:
             raise BaselineError(f"{where}.value: expected a finite number or null, got {value!r:.80}")
-        if _finite(tol) is None or tol < 0:
+        tolerance = _finite(tol)
+        if tolerance is None or tolerance < 0:
             raise BaselineError(f"{where}.tolerance: expected a finite non-negative number, got {tol!r:.80}")
         if better not in BETTER:
             raise BaselineError(f"{where}.better: expected one of {BETTER}, got {better!r}")
