@@ -16,7 +16,10 @@ run), a metric worse than its baseline by more than the tolerance, or a differen
 regressions; a new engine version, a newly passing invariant or a better metric are notes.
 Structured differences are computed with deepdiff and printed readably.
 
-Writes are atomic: a temporary file in the target directory, then ``os.replace``.
+Writes are atomic (``harness.atomic``). Reading trusts nothing: a value or tolerance that is not a
+finite number (``NaN``, ``Infinity``, ``1e999``, an integer too large for a float, a boolean)
+would make every comparison pass or crash, so ``load_baseline`` refuses it with ``BaselineError``,
+like undecodable text, nesting deeper than ``MAX_DEPTH`` and a path that is not a readable file.
 """
 
 from __future__ import annotations
@@ -24,12 +27,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.atomic import atomic_write
 from harness.errors import HarnessError
+
+MAX_DEPTH = 32
+"""The deepest nesting of objects and lists a baseline may have (the recorded ones have 5)."""
 
 FORMAT_NAME = "rrh.gate_baseline"
 FORMAT_VERSION = 1
@@ -55,12 +61,52 @@ class BaselineError(HarnessError, ValueError):
 
 
 def metric(value: float, tolerance: float, better: str = "equal") -> dict[str, Any]:
-    """One metric entry: ``value`` with an absolute ``tolerance`` in the direction ``better``."""
+    """One metric entry: ``value`` with an absolute ``tolerance`` in the direction ``better``.
+
+    A NaN ``value`` is stored as null ("undefined"); an infinite one, or a tolerance that is not a
+    finite non-negative number, is a ``BaselineError``.
+    """
     if better not in BETTER:
         raise BaselineError(f"metric.better: expected one of {BETTER}, got {better!r}")
-    if not tolerance >= 0:
-        raise BaselineError(f"metric.tolerance: expected a non-negative number, got {tolerance!r}")
-    return {"value": _json_float(value), "tolerance": float(tolerance), "better": better}
+    tol = _finite(_as_float(tolerance))
+    if tol is None or tol < 0:
+        raise BaselineError(f"metric.tolerance: expected a finite non-negative number, got {tolerance!r}")
+    number = _json_float(value)
+    if number is not None and _finite(number) is None:
+        raise BaselineError(f"metric.value: expected a finite number or NaN (undefined), got {value!r}")
+    return {"value": number, "tolerance": tol, "better": better}
+
+
+def _as_float(x: object) -> float | None:
+    """A number of any kind the harness measures (Python, numpy or 0-d torch) as a float, else None."""
+    try:
+        return float(x)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def _finite(x: object) -> float | None:
+    """``x`` as a float when it is a finite int or float (not a bool), else None."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    try:
+        number = float(x)
+    except OverflowError:  # an int beyond the float range
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _depth(doc: object) -> int:
+    """How deeply objects and lists nest in ``doc`` (0 for a scalar), without recursion."""
+    deepest, stack = 0, [(doc, 0)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, level + 1)
+            if deepest > MAX_DEPTH:
+                break
+            stack += [(child, level + 1) for child in (node.values() if isinstance(node, dict) else node)]
+    return deepest
 
 
 def _json_float(value: float) -> float | None:
@@ -98,9 +144,12 @@ def validate_baseline(doc: object, source: str = "baseline") -> dict[str, Any]:
     """Check the document's shape; ``BaselineError`` names the field and the expected value."""
     if not isinstance(doc, dict):
         raise BaselineError(f"{source}: expected a JSON object, got {type(doc).__name__}")
+    if _depth(doc) > MAX_DEPTH:
+        raise BaselineError(f"{source}: expected objects and lists nested at most {MAX_DEPTH} deep")
     if doc.get("format") != FORMAT_NAME:
-        raise BaselineError(f"{source}: format: expected {FORMAT_NAME!r}, got {doc.get('format')!r}")
-    if doc.get("format_version") != FORMAT_VERSION:
+        raise BaselineError(f"{source}: format: expected {FORMAT_NAME!r}, got {doc.get('format')!r:.80}")
+    version = doc.get("format_version")
+    if type(version) is not int or version != FORMAT_VERSION:
         raise BaselineError(
             f"{source}: format_version: expected {FORMAT_VERSION}, got {doc.get('format_version')!r}"
         )
@@ -120,47 +169,56 @@ def validate_baseline(doc: object, source: str = "baseline") -> dict[str, Any]:
         if not isinstance(entry, dict):
             raise BaselineError(f"{where}: expected an object with value, tolerance, better")
         value, tol, better = entry.get("value"), entry.get("tolerance"), entry.get("better")
-        if value is not None and not isinstance(value, (int, float)):
-            raise BaselineError(f"{where}.value: expected a number or null, got {value!r}")
-        if not isinstance(tol, (int, float)) or tol < 0:
-            raise BaselineError(f"{where}.tolerance: expected a non-negative number, got {tol!r}")
+        if value is not None and _finite(value) is None:
+            raise BaselineError(f"{where}.value: expected a finite number or null, got {value!r:.80}")
+        tolerance = _finite(tol)
+        if tolerance is None or tolerance < 0:
+            raise BaselineError(f"{where}.tolerance: expected a finite non-negative number, got {tol!r:.80}")
         if better not in BETTER:
             raise BaselineError(f"{where}.better: expected one of {BETTER}, got {better!r}")
     return doc
 
 
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite_float(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"{text} overflows a float")
+    return number
+
+
 def load_baseline(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read and validate a baseline file."""
+    """Read and validate a baseline file; every problem is a ``BaselineError`` naming the path."""
     path = Path(path)
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except FileNotFoundError:
         raise BaselineError(f"{path}: no baseline; record one with --update") from None
+    except OSError as err:
+        raise BaselineError(f"{path}: cannot read the baseline ({err.strerror or err})") from None
     try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise BaselineError(f"{path}: not valid JSON ({err})") from None
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise BaselineError(f"{path}: not UTF-8 text (byte {err.start}); expected a JSON baseline") from None
+    try:
+        doc = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise BaselineError(f"{path}: expected objects and lists nested at most {MAX_DEPTH} deep") from None
+    except ValueError as err:  # JSONDecodeError, non-finite numbers, integers of more than 4,300 digits
+        raise BaselineError(f"{path}: not valid JSON ({str(err)[:200]})") from None
     return validate_baseline(doc, str(path))
 
 
 def save_baseline(doc: dict[str, Any], path: str | os.PathLike[str]) -> Path:
-    """Validate and write ``doc`` atomically (temporary file in the same directory, then ``os.replace``)."""
+    """Validate and write ``doc`` atomically (``harness.atomic``), creating the directory."""
     validate_baseline(doc)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(doc, handle, indent=2, sort_keys=False, allow_nan=False)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    text = json.dumps(doc, indent=2, sort_keys=False, allow_nan=False) + "\n"
+    return atomic_write(path, lambda handle: handle.write(text.encode()))
 
 
 # --------------------------------------------------------------------------------------------

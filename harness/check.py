@@ -98,6 +98,21 @@ def split_failure(message: str) -> tuple[str, str]:
     return first, reduce_example("\n".join(example_lines), already_said=first)
 
 
+def skip_reason(text: str) -> str:
+    """A skip's own reason: its first line, without hypothesis's "Failing explicit example: …" notes.
+
+    A test skipped inside a hypothesis ``@example`` carries the example hypothesis was running in
+    its message; it says nothing about why the test was skipped.
+    """
+    lines = [ln.strip() for ln in text.removeprefix("Skipped: ").splitlines() if ln.strip()]
+    lines = [
+        ln
+        for ln in lines
+        if not ln.startswith(("Failing explicit example", "Falsifying", *_HYPOTHESIS_NOISE))
+    ]
+    return lines[0] if lines else "skipped"
+
+
 def reduce_example(text: str, already_said: str = "") -> str:
     """Hypothesis's ``Falsifying example: test(\\n    arg=…,\\n)`` as ``arg: …; arg=…`` in words.
 
@@ -303,7 +318,7 @@ class _Collector:
         self._seen.add(report.nodeid)
         detail, example = "", ""
         if report.skipped and isinstance(report.longrepr, tuple):
-            detail = str(report.longrepr[2]).removeprefix("Skipped: ")
+            detail = skip_reason(str(report.longrepr[2]))
         elif report.failed:
             detail, example = failure_summary(report)
             if report.when != "call":

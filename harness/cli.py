@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from harness import __version__
+from harness.errors import HarnessError
 from harness.subjects import DEFAULT_SUBJECT, load_subject
 
 _GPU_ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}
@@ -357,8 +359,15 @@ def _cmd_mutants(args: argparse.Namespace) -> int:
     return 1 if survivors or report["reference_failures"] else 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error said in one line (exit status 2) instead of usage + error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rrh", description="Verify MoE routing replay (R2, R3).")
+    parser = _Parser(prog="rrh", description="Verify MoE routing replay (R2, R3).")
     parser.add_argument("--version", action="version", version=f"rrh {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -448,10 +457,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``rrh``: exit 0 on success, 1 on a violation, 2 on a usage or input error (said in one line).
+
+    The current directory is put on ``sys.path`` (last, so it never shadows an installed package),
+    as ``python -m harness`` does: ``rrh check --subject my_subject:SUBJECT`` finds ``my_subject.py``
+    although a console script's path does not include it.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     args = build_parser().parse_args(argv)
     args.argv = argv
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except HarnessError as err:  # bad input found past the argument checks: a usage error too
+        print(f"rrh {args.command}: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

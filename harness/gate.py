@@ -51,6 +51,32 @@ class GateUnavailable(HarnessError, RuntimeError):
     """The gate cannot observe this engine on this machine."""
 
 
+DESCRIPTION = (
+    "Observe an engine (its version, the routing convention it follows, its invariant suites and its "
+    "metrics) and compare the observation with its recorded baseline, fixtures/baselines/<engine>.json; "
+    "with --update, record the observation as the new baseline. Exit status: 0 no regression, "
+    "1 regression (a readable diff), 2 the gate could not run (engine not installed, no GPU, no or "
+    "unreadable baseline)."
+)
+"""``rrh gate --help``'s description: the module docstring's second paragraph in plain text."""
+
+
+def require_engine(engine: str) -> None:
+    """``GateUnavailable`` when ``engine`` is an engine package that is not installed here.
+
+    Checked before the baseline is read, so that a machine without vLLM hears "not installed"
+    rather than "no baseline; record one with --update", which could not work either.
+    """
+    if engine not in ("vllm", "sglang"):
+        return
+    module = __import__(f"harness.engines.{engine}", fromlist=["installed_version"])
+    if module.installed_version() is None:
+        raise GateUnavailable(
+            f"{engine}: not installed on this machine (pip install -e '.[{engine}]'); "
+            "the gate observes the installed engine"
+        )
+
+
 def default_baseline(engine: str) -> Path:
     """``fixtures/baselines/<engine>.json`` of the checkout this harness runs from (else of the cwd)."""
     repo = Path(__file__).resolve().parent.parent / "fixtures"
@@ -449,7 +475,12 @@ def run_gate(
         )
         return 2
     try:
+        if observed is None:
+            require_engine(engine)
         base = None if update else load_baseline(path)
+    except GateUnavailable as err:
+        print(f"rrh gate: cannot observe {engine}: {err}", file=sys.stderr)
+        return 2
     except BaselineError as err:
         print(f"rrh gate: {err}", file=sys.stderr)
         return 2
@@ -459,8 +490,8 @@ def run_gate(
     except (GateUnavailable, HarnessError) as err:
         print(f"rrh gate: cannot observe {engine}: {err}", file=sys.stderr)
         return 2
-    if output is not None:
-        save_baseline(doc, output)
+    if output is not None and not _saved(doc, output):
+        return 2
     failed = sorted(name for name, outcome in doc["invariants"].items() if outcome == "failed")
     conv = ", ".join(f"{k}={v}" for k, v in doc["convention"].items())
     print(f"{engine} {doc['version']}: convention {conv}", file=out)
@@ -476,7 +507,8 @@ def run_gate(
                 file=sys.stderr,
             )
             return 1
-        save_baseline(doc, path)
+        if not _saved(doc, path):
+            return 2
         print(f"baseline written: {path}", file=out)
         return 0
     assert base is not None
@@ -496,6 +528,17 @@ def run_gate(
     return 0
 
 
+def _saved(doc: dict[str, Any], path: str | Path) -> bool:
+    """Write ``doc`` to ``path``; on failure say why in one line (the caller exits 2)."""
+    try:
+        save_baseline(doc, path)
+    except (OSError, BaselineError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        print(f"rrh gate: cannot write {path}: {reason}", file=sys.stderr)
+        return False
+    return True
+
+
 def _cmd_gate(args: argparse.Namespace) -> int:
     return run_gate(
         args.engine, baseline=args.baseline, update=args.update, output=args.output, suites=not args.no_suites
@@ -507,7 +550,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     gate = subparsers.add_parser(
         "gate",
         help="compare an engine's convention, invariants and metrics with its recorded baseline",
-        description=__doc__.split("\n\n")[1] if __doc__ else None,
+        description=DESCRIPTION,
     )
     gate.add_argument("--engine", choices=ENGINES, required=True)
     gate.add_argument(
@@ -526,10 +569,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rrh")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    """``rrh`` itself (``argv`` starts with ``gate``): one parser, one way to report usage errors."""
+    from harness.cli import main as cli_main
+
+    return cli_main(argv)
 
 
 if __name__ == "__main__":

@@ -25,29 +25,75 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], max_widt
     return "\n".join(lines)
 
 
+RULES: dict[str, str] = {
+    "splice": "rule: reference_impl.splice.splice, DESIGN §3.4 (P = prompt length, a_j = new tokens of "
+    "attempt j, Σa = a_1 + … + a_n; the spliced trace has P + Σa − 1 rows)",
+    "rollout_coverage": "rule: DESIGN §3.1 coverage (P = prompt length, R = response length; rows for "
+    "positions [start, P + R − 1)) and reference_impl.splice.splice, §3.4",
+    "conventions": "rule: harness.conventions (the engine's payload → canonical trace), DESIGN §3.1 "
+    "coverage and §3.2 validity (P = prompt length, R = response length)",
+    "layouts": "rule: reference_impl.layouts, DESIGN §3.5 placement and layouts, §3.6 replay mask",
+    "distributed": "rule: reference_impl.distributed (sharded forward), DESIGN §3.5 placement and layouts",
+    "replay": "rule: reference_impl.routers (each family's gate-weight rule) and reference_impl.model, "
+    "DESIGN §3.7 replay effect, §3.8 no silent fallback",
+    "hf": "rule: harness.trainers.hf (each family's own weight rule), DESIGN §3.7 replay effect, §3.8",
+    "megatron": "rule: harness.trainers.megatron (RouterReplay targets), DESIGN §3.5 and §3.7",
+    "training": "rule: reference_impl.training, DESIGN §3.9 modes (R2, R3, reference log-probs)",
+    "r2": "rule: reference_impl.training, DESIGN §3.9 modes (R2: record in old-log-prob, replay in update)",
+    "mismatch_lab": "rule: harness.lab, DESIGN §3.10 effect on the gap",
+}
+"""Where each suite's rule is written down: the reference function and the DESIGN section, with
+the symbols its messages use defined."""
+
+
 def format_outcomes(outcomes: Sequence[CheckOutcome], width: int = 110) -> str:
     """The invariant table of ``rrh check``, then one summary line.
 
-    One row per invariant (result, suite, invariant). Under a FAIL row, indented: the suite's own
-    message in plain words and the falsifying example (hypothesis's shrunk counterexample); under a
-    skip row, the reason.
+    Failures first, each with the suite's own message in plain words, the falsifying example
+    (hypothesis's shrunk counterexample) and the rule it broke (``RULES``); then the invariants
+    that held on the subject; then passes that never called the subject (they check the harness,
+    not the subject, and are listed apart); then skips, one line per reason (a missing capability
+    names it once, however many tests needed it).
     """
     suite_w = max([len("suite"), *(len(o.suite) for o in outcomes)])
     indent = " " * (6 + 2 + suite_w + 2)
     inv_w = max(40, width - len(indent))
     lines = [f"{'result':<6}  {'suite':<{suite_w}}  invariant", f"{'-' * 6}  {'-' * suite_w}  {'-' * inv_w}"]
     wrap = textwrap.TextWrapper(width=width, initial_indent=indent + "↳ ", subsequent_indent=indent + "  ")
-    for o in outcomes:
+
+    def row(o: CheckOutcome, mark: str) -> None:
         invariant = o.invariant if len(o.invariant) <= inv_w else o.invariant[: inv_w - 1] + "…"
-        lines.append(f"{_MARK.get(o.outcome, o.outcome):<6}  {o.suite:<{suite_w}}  {invariant}")
-        if o.outcome == "failed":
-            lines += wrap.wrap(o.detail or "failed")
-            if o.example:
-                lines += wrap.wrap(f"counterexample: {o.example}")
-        elif o.outcome == "skipped" and o.detail:
-            lines += wrap.wrap(o.detail)
-    counts = {k: sum(o.outcome == k for o in outcomes) for k in ("passed", "failed", "skipped")}
-    summary = f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped"
+        lines.append(f"{mark:<6}  {o.suite:<{suite_w}}  {invariant}")
+
+    failed = [o for o in outcomes if o.outcome == "failed"]
+    for o in failed:
+        row(o, "FAIL")
+        lines.extend(wrap.wrap(o.detail or "failed"))
+        if o.example:
+            lines.extend(wrap.wrap(f"counterexample: {o.example}"))
+        if o.suite in RULES:
+            lines.extend(wrap.wrap(RULES[o.suite]))
+    passed = [o for o in outcomes if o.outcome == "passed"]
+    for o in passed:
+        if o.capabilities:
+            row(o, "PASS")
+    for o in passed:
+        if not o.capabilities:
+            row(o, "pass")
+            lines.extend(wrap.wrap("did not call the subject (checks the harness itself)"))
+    skips: dict[str, list[CheckOutcome]] = {}
+    for o in outcomes:
+        if o.outcome == "skipped":
+            skips.setdefault(o.detail or "skipped", []).append(o)
+    for reason, group in skips.items():
+        suites = ", ".join(dict.fromkeys(o.suite for o in group))
+        lines.append(f"{'skip':<6}  {'':<{suite_w}}  {len(group)} test{'s' * (len(group) > 1)} ({suites})")
+        lines.extend(wrap.wrap(reason))
+    used = sum(bool(o.capabilities) for o in passed)
+    summary = (
+        f"{used} passed on the subject, {len(passed) - used} passed without it, {len(failed)} failed, "
+        f"{sum(len(g) for g in skips.values())} skipped"
+    )
     return "\n".join(lines) + "\n\n" + summary
 
 

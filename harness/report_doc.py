@@ -288,6 +288,7 @@ def verdict(doc: Mapping[str, Any]) -> dict[str, str]:
     name = doc["subject"]["name"]
     failed = [i for i in doc["invariants"] if i["result"] == "FAIL"]
     skipped = [i for i in doc["invariants"] if i["result"] == "skip"]
+    used = [i for i in doc["invariants"] if i["result"] == "PASS" and i["capabilities"]]
     sentences: list[str] = []
     lab_broken = []
     for lab in doc["labs"]:
@@ -325,14 +326,17 @@ def verdict(doc: Mapping[str, Any]) -> dict[str, str]:
             f"Routing replay in '{name}' is NOT right: with R3 the lab's routing still disagrees "
             "with the rollout's."
         )
-    elif counts["passed"] == 0:
+    elif not used:  # passes that never called the subject verify the harness, not the subject
         status = "incomplete"
-        opening = f"Nothing was verified for '{name}': no invariant ran (all {len(skipped)} skipped)."
+        opening = (
+            f"Nothing was verified for '{name}': no invariant ran on it "
+            f"({counts['passed']} passed without calling it, {len(skipped)} skipped)."
+        )
     else:
         status = "pass"
         opening = (
             f"Routing replay in '{name}' behaves as specified on everything that was checked: "
-            f"all {counts['passed']} invariants that ran hold."
+            f"all {len(used)} invariants that ran on it hold."
         )
     if skipped:
         reasons = sorted({i["message"] for i in skipped})

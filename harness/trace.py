@@ -25,10 +25,10 @@ import enum
 import itertools
 import json
 import math
+import operator
 import os
-import tempfile
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,10 +37,17 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from harness.atomic import atomic_write
 from harness.errors import TraceError, TraceFileError
 
 MAX_EXPERTS = 1 << 16
 """The largest ``num_experts`` a trace can store (uint16)."""
+
+MAX_LAYERS = 1 << 16
+"""The longest layer axis a trace declares (``num_layers``, MoE layer indices, stored width).
+
+Declared sizes are checked against this bound and against the data before anything is built
+from them, so a forged ``num_layers`` in a 400-byte file cannot make the reader allocate."""
 
 FORMAT_NAME = "rrh.routing_trace"
 FORMAT_VERSION = 1
@@ -71,6 +78,12 @@ class Provenance:
     engine: str = "unknown"
     version: str = ""
     convention: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("engine", "version", "convention"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise TraceError(f"provenance.{name}: expected a string, got {value!r}")
 
     def as_dict(self) -> dict[str, str]:
         return {"engine": self.engine, "version": self.version, "convention": self.convention}
@@ -103,16 +116,56 @@ def _check_num_experts(num_experts: object) -> None:
         raise TraceError(f"num_experts: expected an integer in [1, {MAX_EXPERTS}], got {num_experts!r}")
 
 
+def _check_size(name: str, value: object, upper: int) -> int:
+    """``value`` as an int when it is an integer (not a bool, not a float) in ``[0, upper]``.
+
+    Anything with ``__index__`` counts (numpy and 0-d torch integers); nothing is truncated.
+    """
+    try:
+        number = None if isinstance(value, (bool, np.bool_)) else operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        number = None
+    if number is None or not 0 <= number <= upper:
+        raise TraceError(f"{name}: expected an integer in [0, {upper}], got {value!r:.80}")
+    return number
+
+
+def _check_moe_layers(moe_layers: object) -> tuple[int, ...]:
+    """Declared MoE layer indices: a sequence of distinct increasing integers in ``[0, MAX_LAYERS)``.
+
+    Checked element by element, without converting: ``"012"``, ``[0.5]`` or ``[True]`` are not
+    indices, and a sequence longer than ``MAX_LAYERS`` is refused before it is walked.
+    """
+    if isinstance(moe_layers, (str, bytes, Mapping)) or not isinstance(moe_layers, Collection):
+        raise TraceError(
+            f"moe_layers: expected a sequence of decoder layer indices, got {type(moe_layers).__name__} "
+            f"{moe_layers!r:.80}"
+        )
+    if len(moe_layers) > MAX_LAYERS:
+        raise TraceError(
+            f"moe_layers: expected at most MAX_LAYERS={MAX_LAYERS} indices, got {len(moe_layers)}"
+        )
+    moe = tuple(_check_size(f"moe_layers[{n}]", i, MAX_LAYERS - 1) for n, i in enumerate(moe_layers))
+    if any(a >= b for a, b in itertools.pairwise(moe)):
+        raise TraceError(f"moe_layers: expected distinct increasing decoder indices, got {list(moe)}")
+    return moe
+
+
 def _as_integer_array(experts: object) -> npt.NDArray[np.integer[Any]]:
     """numpy (read-only too), torch tensors and nested lists → a 3-D integer numpy array."""
     if hasattr(experts, "detach") and hasattr(experts, "cpu"):  # a torch tensor, without importing torch
-        experts = experts.detach().cpu().numpy()  # type: ignore[attr-defined]
+        try:
+            experts = experts.detach().cpu().numpy()  # type: ignore[attr-defined]
+        except (TypeError, RuntimeError):  # numpy has no such dtype (bfloat16, float8, …)
+            raise TraceError(
+                f"experts: expected an integer dtype (int*/uint*), got {getattr(experts, 'dtype', '?')}"
+            ) from None
     if isinstance(experts, np.ndarray):
         array = experts
     else:
         try:
             array = np.asarray(experts)
-        except (ValueError, TypeError) as err:
+        except (ValueError, TypeError, OverflowError, RecursionError) as err:
             raise TraceError(
                 f"experts: expected a rectangular [rows, layers, top_k] array of integers ({err})"
             ) from None
@@ -390,28 +443,37 @@ class RoutingTrace:
         _check_num_experts(num_experts)
         try:
             axis = LayerAxis(layer_axis)
-        except ValueError:
+        except (ValueError, TypeError):
             raise TraceError(
                 f"layer_axis: expected one of {[a.value for a in LayerAxis]}, got {layer_axis!r}"
             ) from None
         if not isinstance(start, (int, np.integer)) or isinstance(start, bool) or start < 0:
             raise TraceError(f"start: expected a non-negative integer, got {start!r}")
-        width = array.shape[1]
+        if provenance is not None and not isinstance(provenance, Provenance):
+            raise TraceError(f"provenance: expected a harness.trace.Provenance, got {provenance!r:.80}")
+        # Declared sizes against the data first: nothing is built from num_layers or moe_layers
+        # before they are known to be integers within bounds that agree with the array's width.
+        width = _check_size("experts: layer axis width", array.shape[1], MAX_LAYERS)
+        moe = None if moe_layers is None else _check_moe_layers(moe_layers)
+        if axis is LayerAxis.MOE_ORDINAL and moe == ():
+            raise TraceError(
+                "moe_layers: expected at least one MoE layer on the moe_ordinal axis (one slot per MoE layer)"
+            )
         if num_layers is None:
-            num_layers = width if axis is LayerAxis.DECODER or moe_layers is None else max(moe_layers) + 1
-        if moe_layers is None:
-            moe_layers = range(num_layers)
-        moe = tuple(int(i) for i in moe_layers)
-        if list(moe) != sorted(set(moe)) or any(not 0 <= i < num_layers for i in moe):
+            num_layers = width if axis is LayerAxis.DECODER or moe is None else moe[-1] + 1
+        num_layers = _check_size("num_layers", num_layers, MAX_LAYERS)
+        expected_width = num_layers if axis is LayerAxis.DECODER or moe is None else len(moe)
+        if width != expected_width:
+            what = "num_layers" if axis is LayerAxis.DECODER or moe is None else "the number of MoE layers"
+            raise TraceError(
+                f"experts: layer axis ({axis.value}) has {width} slots, expected {expected_width} ({what})"
+            )
+        if moe is None:
+            moe = tuple(range(num_layers))
+        elif moe and moe[-1] >= num_layers:
             raise TraceError(
                 f"moe_layers: expected distinct increasing decoder indices in [0, num_layers={num_layers}), "
                 f"got {list(moe)}"
-            )
-        expected_width = num_layers if axis is LayerAxis.DECODER else len(moe)
-        if width != expected_width:
-            what = "num_layers" if axis is LayerAxis.DECODER else "the number of MoE layers"
-            raise TraceError(
-                f"experts: layer axis ({axis.value}) has {width} slots, expected {expected_width} ({what})"
             )
         slots = moe if axis is LayerAxis.DECODER else range(len(moe))
         validate_routes(array, int(num_experts), slots, int(start))
@@ -564,6 +626,10 @@ class RoutingTrace:
             raise TraceFileError(f"{source}: metadata_crc32 does not match the metadata (corrupted)")
         try:
             prov = meta["provenance"]
+            if not isinstance(prov, dict):
+                raise TraceError(
+                    f"provenance: expected an object with engine, version, convention, got {prov!r:.80}"
+                )
             fields = {
                 "num_experts": meta["num_experts"],
                 "moe_layers": meta["moe_layers"],
@@ -579,18 +645,14 @@ class RoutingTrace:
             raise TraceFileError(f"{source}: stored trace is invalid: {err}") from None
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the trace to ``path`` atomically (a temporary file, then a rename)."""
-        target = Path(path)
+        """Write the trace to ``path`` atomically (``harness.atomic``: a temporary file, fsync, rename)."""
         header, data = self._file_parts()
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(header)
-                handle.write(data)
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+
+        def write(handle: Any) -> None:
+            handle.write(header)
+            handle.write(data)
+
+        atomic_write(path, write)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> RoutingTrace:
@@ -671,10 +733,18 @@ def _read_trace_file(
     raw_dtype = info.get("dtype")
     dtype = _SAFETENSORS_DTYPES.get(raw_dtype) if isinstance(raw_dtype, str) else None
     shape = info.get("shape")
-    if dtype is None or not isinstance(shape, list) or not all(_is_count(n) for n in shape):
+    if (
+        dtype is None
+        or not isinstance(shape, list)
+        or len(shape) != 3
+        or not all(_is_count(n) for n in shape)
+        or shape[1] > MAX_LAYERS
+        or shape[2] > MAX_EXPERTS
+    ):
         raise TraceFileError(
             f"{source}: not a readable safetensors file (tensor {_TENSOR_NAME!r}: expected an integer dtype "
-            f"and a shape of non-negative integers, got {info!r})"
+            f"and a shape [rows, layers ≤ {MAX_LAYERS}, top_k ≤ {MAX_EXPERTS}] of non-negative integers, "
+            f"got {info!r:.200})"
         )
     count = math.prod(shape)
     available = len(data) - 8 - size
@@ -707,6 +777,8 @@ def _read_header(
     try:
         header = json.loads(bytes(data[8 : 8 + size]))
         meta = json.loads(header["__metadata__"][_METADATA_KEY])
+    except RecursionError:
+        raise TraceFileError(f"{source}: safetensors header nested too deeply (not a trace file)") from None
     except (ValueError, KeyError, TypeError):
         raise TraceFileError(
             f"{source}: no routing-trace metadata in the safetensors header (not a trace file)"

@@ -93,7 +93,10 @@ def test_passing_run_prints_header_legend_table_lab_and_verdict_and_writes_repor
     assert lines[0].startswith("rrh check ") and "reference suites + reference mismatch lab" in lines[0]
     assert "against subject 'reference' (harness.subjects.reference:REFERENCE)" in lines[0]
     assert "legend:" in out and "  PASS  " in out and "  FAIL  " in out and "  skip  " in out
-    assert "PASS    training" in out and "4 passed, 0 failed, 0 skipped" in out
+    assert (
+        "PASS    training" in out
+        and "4 passed on the subject, 0 passed without it, 0 failed, 0 skipped" in out
+    )
     assert "mismatch lab:" in out
     assert "verdict: PASS" in out and "behaves as specified" in out
     # Progress went to stderr, one plain line per test (stderr is not a TTY here).

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from harness import atomic, gate
 from harness import baseline as bl
-from harness import gate
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINES = ROOT / "fixtures" / "baselines"
@@ -129,7 +129,7 @@ def test_a_missing_metric_and_another_engine_are_regressions() -> None:
         ({"invariants__t": "crashed"}, r"invariants\['t'\]: expected one of"),
         (
             {"metrics__m": {"value": 1.0, "tolerance": -1, "better": "lower"}},
-            r"metrics\['m'\].tolerance: expected a non-negative",
+            r"metrics\['m'\].tolerance: expected a finite non-negative",
         ),
         (
             {"metrics__m": {"value": 1.0, "tolerance": 0, "better": "up"}},
@@ -154,10 +154,10 @@ def test_save_is_atomic_and_leaves_no_temporary_file(tmp_path: Path, monkeypatch
     assert bl.load_baseline(path) == _doc()
     before = path.read_bytes()
 
-    def broken_dump(*args: Any, **kwargs: Any) -> None:
+    def broken_fsync(fd: int) -> None:  # the temporary file is written, then the disk fails
         raise OSError("disk full")
 
-    monkeypatch.setattr(bl.json, "dump", broken_dump)
+    monkeypatch.setattr(atomic.os, "fsync", broken_fsync)
     with pytest.raises(OSError, match="disk full"):
         bl.save_baseline(_doc(version="9"), path)
     assert path.read_bytes() == before, "a failed write changed the baseline"

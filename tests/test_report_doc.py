@@ -186,7 +186,8 @@ ENV = {
 
 def outcomes(failing: bool) -> list[CheckOutcome]:
     out = [
-        CheckOutcome("suites/test_splice.py::test_a", "splice", "Rows are kept.", "passed", "", 0.1),
+        CheckOutcome("suites/test_splice.py::test_a", "splice", "Rows are kept.", "passed", "", 0.1,
+                     capabilities=("splice",)),
         CheckOutcome(
             "suites/test_replay.py::test_b", "replay", "Replay works.", "skipped",
             "subject 'x' does not provide 'install_replay'", 0.0,

@@ -38,6 +38,25 @@ def _get(mapping: object, key: str | int, where: str) -> Any:
         raise ConventionError(f"{where}: missing; expected it in the response") from None
 
 
+def _count(mapping: object, key: str, where: str) -> int:
+    """A token count of the response: a JSON integer ≥ 0, never coerced.
+
+    ``null``, ``"5"``, ``true``, ``1.9``, NaN or Infinity are a ``ConventionError`` naming the
+    field (a bare ``int()`` would turn ``"5"`` into 5 and ``1.9`` into 1, or raise a foreign error).
+    """
+    value = _get(mapping, key, where)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConventionError(f"{where}: expected a non-negative integer, got {value!r:.80}")
+    return value
+
+
+def _token_count(token_ids: object, where: str) -> int:
+    """``len(token_ids)`` of a JSON list of token ids; anything else is a ``ConventionError``."""
+    if not isinstance(token_ids, list):
+        raise ConventionError(f"{where}: expected a list of token ids, got {type(token_ids).__name__}")
+    return len(token_ids)
+
+
 # --- vLLM ----------------------------------------------------------------------------------------
 
 
@@ -85,10 +104,10 @@ def vllm_completion_trace(
     if response_len is None:
         token_ids = choice.get("token_ids") if isinstance(choice, Mapping) else None
         if token_ids is not None:
-            response_len = len(token_ids)
+            response_len = _token_count(token_ids, f"choices[{index}].token_ids")
         elif len(response["choices"]) == 1:
-            response_len = int(
-                _get(_get(response, "usage", "usage"), "completion_tokens", "usage.completion_tokens")
+            response_len = _count(
+                _get(response, "usage", "usage"), "completion_tokens", "usage.completion_tokens"
             )
         else:
             raise ConventionError(
@@ -137,8 +156,8 @@ def sglang_generate_trace(
     (``prompt_tokens``, ``completion_tokens``)."""
     meta = _get(response, "meta_info", "meta_info")
     payload = _get(meta, "routed_experts", 'meta_info["routed_experts"]')
-    prompt_len = int(_get(meta, "prompt_tokens", "meta_info.prompt_tokens"))
-    response_len = int(_get(meta, "completion_tokens", "meta_info.completion_tokens"))
+    prompt_len = _count(meta, "prompt_tokens", "meta_info.prompt_tokens")
+    response_len = _count(meta, "completion_tokens", "meta_info.completion_tokens")
     return decode_sglang_meta(
         payload, model=model, prompt_len=prompt_len, response_len=response_len, start=start, version=version
     )
@@ -152,8 +171,8 @@ def sglang_openai_trace(
     sglext = _get(response, "sglext", "sglext")
     payload = _get(sglext, "routed_experts", "sglext.routed_experts")
     usage = _get(response, "usage", "usage")
-    prompt_len = int(_get(usage, "prompt_tokens", "usage.prompt_tokens"))
-    response_len = int(_get(usage, "completion_tokens", "usage.completion_tokens"))
+    prompt_len = _count(usage, "prompt_tokens", "usage.prompt_tokens")
+    response_len = _count(usage, "completion_tokens", "usage.completion_tokens")
     return decode_sglang_meta(
         payload, model=model, prompt_len=prompt_len, response_len=response_len, start=start, version=version
     )

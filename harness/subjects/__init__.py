@@ -80,14 +80,28 @@ class MissingCapability(LookupError):
 
 
 def load_subject(spec: str) -> Subject:
-    """Import ``module:attr`` and check that it is a ``Subject``; raise ``SubjectError`` otherwise."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise SubjectError(f"expected 'package.module:object', got {spec!r}")
+    """Import ``module:attr`` and check that it is a ``Subject``; raise ``SubjectError`` otherwise.
+
+    Whatever importing the module raises (``ImportError``, a ``SyntaxError`` in it, any exception
+    of its top-level code, even ``SystemExit``) becomes a ``SubjectError`` naming the module: a
+    subject that cannot load is a usage error, never a crash and never a silent exit.
+    """
+    module_name, sep, attr = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if not sep or not attr or not all(part.isidentifier() for part in module_name.split(".")):
+        raise SubjectError(f"expected 'package.module:object' (an absolute module path), got {spec!r}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise SubjectError(f"cannot import module {module_name!r} ({err})") from None
+        raise SubjectError(
+            f"cannot import module {module_name!r} ({err}); it is looked up on sys.path "
+            "(the current directory included)"
+        ) from None
+    except SyntaxError as err:
+        raise SubjectError(
+            f"module {module_name!r} has a syntax error: {err.msg} ({err.filename}, line {err.lineno})"
+        ) from None
+    except (Exception, SystemExit) as err:  # the module's own code failed, or exited, while importing
+        raise SubjectError(f"importing module {module_name!r} raised {type(err).__name__}: {err}") from None
     try:
         obj = getattr(module, attr)
     except AttributeError:
