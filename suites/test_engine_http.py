@@ -129,8 +129,11 @@ def _complete(url: str, body: dict[str, Any]) -> dict[str, Any]:
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as response:
-        raw = response.read()  # the real bytes the server sent
+    try:
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as response:
+            raw = response.read()  # the real bytes the server sent
+    except urllib.error.HTTPError as err:
+        pytest.fail(f"POST /v1/completions {json.dumps(body)[:300]} → {err.code}: {err.read()[:2000]!r}")
     parsed: dict[str, Any] = json.loads(raw)
     return parsed
 

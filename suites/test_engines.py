@@ -360,3 +360,87 @@ def test_n_samples_per_prompt_are_each_complete_and_share_the_prompt_rows(
     assert result.routing.disagreement <= TRAINER_BUDGET, (
         f"n > 1 samples vs trainer: {result.routing.disagreement:.2%} of routes differ"
     )
+
+
+def test_aborted_request_returns_its_rows_so_far(
+    engine: Any, checkpoint: TinyCheckpoint, engine_name: str
+) -> None:
+    """A request aborted by the client after ≥ 4 tokens (``AsyncLLM.abort``) returns finish reason
+    abort and rows for every position but its last, equal to the same greedy request's head."""
+    if not hasattr(engine, "abort_after"):
+        pytest.skip(f"{engine_name}: the adapter has no client abort")
+    prompt = _prompts(checkpoint, (19,), seed=12)[0]
+    aborted = engine.abort_after(prompt, 400, abort_at=4)
+    m = len(aborted.tokens)
+    assert aborted.finish_reason == "abort", f"finish reason {aborted.finish_reason!r}, expected abort"
+    assert 4 <= m < 400, f"{m} tokens before the abort, expected 4 ≤ m < 400"
+    aborted.trace.check_coverage(len(prompt), m)  # P + m − 1 rows: nothing lost, nothing extra
+    whole = engine.generate([prompt], m)[0]
+    assert whole.tokens == aborted.tokens, "the aborted request's tokens are not the greedy run's head"
+    differs = compare(aborted.trace, whole.trace).disagreement
+    assert differs <= DETERMINISM_BUDGET, f"aborted rows differ from an unaborted run's in {differs:.2%}"
+
+
+@pytest.fixture(scope="module")
+def tiny_kv_engine(engine_name: str, checkpoint: TinyCheckpoint, engine: Any) -> Iterator[Any]:
+    """A second engine whose KV cache holds 10 blocks of 32 tokens: six 120-token requests must preempt."""
+    if engine_name != "vllm":
+        pytest.skip(f"{engine_name}: no KV-cache size override in the adapter")
+    from harness.engines.vllm import VLLMEngine
+
+    started = VLLMEngine(
+        checkpoint,
+        block_size=32,
+        kv_cache_memory_bytes=10 * 32 * checkpoint.kv_bytes_per_token(),
+        num_gpu_blocks_override=10,
+        max_model_len=256,
+        disable_log_stats=False,
+    )
+    yield started
+    started.close()
+
+
+def test_preemption_under_a_tiny_kv_cache_keeps_every_row(
+    tiny_kv_engine: Any, engine: Any, checkpoint: TinyCheckpoint, trainer: torch.nn.Module
+) -> None:
+    """Six requests needing 24 KV blocks on a 10-block cache: the scheduler preempts (recompute) and
+    every payload still has P + R − 1 rows, the greedy tokens and routes of the roomy engine."""
+    prompts = _prompts(checkpoint, (40, 41, 42, 43, 44, 45), seed=13)
+    before = tiny_kv_engine.preemptions()
+    squeezed = tiny_kv_engine.generate(prompts, 80)
+    after = tiny_kv_engine.preemptions()
+    assert before is not None and after is not None, "no preemption counter (stats off?)"
+    assert after > before, f"no request was preempted ({before} → {after}): the cache was not tiny enough"
+    roomy = engine.generate(prompts, 80)
+    for prompt, a, b in zip(prompts, squeezed, roomy, strict=True):
+        a.trace.check_coverage(len(prompt), 80)
+        assert a.tokens == b.tokens, "preempted greedy request generated other tokens"
+        differs = compare(a.trace, b.trace).disagreement
+        assert differs <= DETERMINISM_BUDGET, f"preempted request's rows differ in {differs:.2%}"
+    result = trainer_recompute(trainer, squeezed)
+    print(f"{after - before} preemptions; preempted rollouts vs trainer: {result.as_dict()}")
+    assert result.routing.disagreement <= TRAINER_BUDGET
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mismatch_lab_on_the_real_engine(engine_name: str, dtype: str) -> None:
+    """Real sampled rollouts (64 experts top-8) vs the transformers trainer: R3 makes the routing
+    disagreement 0 and does not grow the gap; where routing flipped (bf16) it shrinks the gap there."""
+    if engine_name != "vllm":
+        pytest.skip(f"{engine_name}: the engine lab drives vLLM only")
+    from harness.engines.vllm import run_vllm_mismatch_lab
+    from harness.lab import LabConfig, format_lab
+
+    result = run_vllm_mismatch_lab(LabConfig(family="qwen3_moe", dtype=dtype))
+    print(format_lab(result))
+    without, r3 = result.without_replay, result.with_r3
+    assert r3.routing.disagreement == 0.0, f"R3 left {r3.routing.disagreement:.2%} of routes differing"
+    assert r3.gap.mean_abs_diff <= without.gap.mean_abs_diff + GAP_SLACK, (
+        f"R3 grew mean |Δ| from {without.gap.mean_abs_diff:.3e} to {r3.gap.mean_abs_diff:.3e}"
+    )
+    assert without.routing.disagreement <= TRAINER_BUDGET
+    if result.flipped_tokens:
+        assert r3.gap_on_flipped.mean_abs_diff < without.gap_on_flipped.mean_abs_diff, (
+            f"on the {result.flipped_tokens} flipped tokens R3 did not shrink mean |Δ| "
+            f"({without.gap_on_flipped.mean_abs_diff:.3e} → {r3.gap_on_flipped.mean_abs_diff:.3e})"
+        )

@@ -329,6 +329,7 @@ def test_request_bodies_ask_for_routed_experts() -> None:
     assert (
         body["prompt"] == [1, 2, 3] and body["routed_experts_prompt_start"] == 1 and body["return_token_ids"]
     )
+    assert body["return_tokens_as_token_ids"] is True  # log-probs from a server without a tokenizer
 
 
 # --------------------------------------------------------------------------------------------

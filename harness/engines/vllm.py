@@ -172,6 +172,7 @@ class VLLMEngine:
         if self.on_cpu:
             kwargs.update(block_size=CPU_BLOCK_SIZE, kv_cache_memory_bytes=CPU_KV_CACHE_BYTES)
         kwargs.update(engine_kwargs)
+        self.engine_kwargs = kwargs
         self.llm = vllm.LLM(**kwargs)
 
     def sampling_params(
@@ -246,6 +247,55 @@ class VLLMEngine:
             ]
             for o in outputs
         ]
+
+    def preemptions(self) -> int | None:
+        """Requests the scheduler preempted so far (``vllm:num_preemptions``); None without stats
+        (start the engine with ``disable_log_stats=False``)."""
+        try:
+            metrics = self.llm.get_metrics()
+        except Exception:  # stats logging off: no Prometheus metrics
+            return None
+        found = [m for m in metrics if getattr(m, "name", "") == "vllm:num_preemptions"]
+        return int(sum(getattr(m, "value", 0) for m in found)) if found else None
+
+    def abort_after(self, prompt: Sequence[int], max_tokens: int, abort_at: int) -> EngineRollout:
+        """A request aborted by the client once it has ``abort_at`` tokens: what an RL framework's
+        ``AsyncLLM.abort`` returns (``finish_reason`` abort, the rows so far).
+
+        The offline ``LLM`` returns nothing for an aborted request, so this starts vLLM's own
+        ``AsyncLLM`` with the same engine arguments (its engine core in a child process), streams
+        the request, calls ``abort`` and decodes the final output.
+        """
+        import asyncio
+
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        params = self.sampling_params(max_tokens, temperature=0.0, seed=None, start=0)
+
+        async def run() -> Any:
+            engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_kwargs))
+            try:
+                final, aborted = None, False
+                stream = engine.generate(
+                    TokensPrompt(prompt_token_ids=[int(t) for t in prompt]), params, "abort-0"
+                )
+                async for output in stream:
+                    final = output
+                    if not aborted and len(output.outputs[0].token_ids) >= abort_at:
+                        aborted = True
+                        await engine.abort("abort-0")
+                return final
+            finally:
+                engine.shutdown()
+
+        output = asyncio.run(run())
+        if output is None:
+            raise ConventionError("vllm: AsyncLLM.generate yielded no output for the aborted request")
+        return decode_request_output(
+            output, conv=self.convention, model=self.checkpoint.spec, version=self.version
+        )
 
     def generate_one(self, context: Sequence[int], max_tokens: int) -> EngineRollout:
         return self.generate([context], max_tokens)[0]
