@@ -70,6 +70,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
 def server(checkpoint: TinyCheckpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The API server's base URL; the server is terminated (then killed) when the module ends."""
     from harness.engines.installed import import_engine, on_cpu
+    from harness.engines.vllm import capture_env, convention
 
     import_engine("vllm")  # EngineUnavailable naming why, before spawning anything
     port = _free_port()
@@ -102,7 +103,8 @@ def server(checkpoint: TinyCheckpoint, tmp_path_factory: pytest.TempPathFactory)
     log = tmp_path_factory.mktemp("rrh-http-log") / "server.log"
     url = f"http://127.0.0.1:{port}"
     with open(log, "w") as sink:
-        proc = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT, env=dict(os.environ))
+        env = {**capture_env(convention()), **os.environ}
+        proc = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + START_TIMEOUT
         while not _healthy(url):

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.conventions import VLLM_0_21, Convention, ModelSpec
+from harness.conventions import VLLM_0_21, VLLM_0_31, Convention, ModelSpec
 from harness.engines import installed
 from harness.engines.checkpoint import (
     EngineRollout,
@@ -56,6 +56,15 @@ def installed_version() -> str | None:
 def convention(version: str | None = None) -> Convention:
     """The convention of ``version`` (default: the installed vLLM); ``ConventionError`` if none."""
     return installed.installed_convention(ENGINE, version)
+
+
+def capture_env(conv: Convention) -> dict[str, str]:
+    """Environment the release's source requires for routed-expert capture (engine and server).
+
+    From 0.31 (``vllm-0.31``) ``VllmConfig`` refuses capture with "AuxOutput Connector requires
+    Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=1".
+    """
+    return {"VLLM_USE_V2_MODEL_RUNNER": "1"} if conv is VLLM_0_31 else {}
 
 
 def _logprobs(completion: Any, tokens: Sequence[int]) -> tuple[float, ...] | None:
@@ -150,6 +159,8 @@ class VLLMEngine:
         self.on_cpu = installed.on_cpu()
         if self.on_cpu:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        for key, value in capture_env(self.convention).items():
+            os.environ.setdefault(key, value)
         vllm = installed.import_engine(ENGINE)
         self.checkpoint = checkpoint
         kwargs: dict[str, Any] = dict(
