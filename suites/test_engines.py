@@ -346,6 +346,7 @@ def test_n_samples_per_prompt_are_each_complete_and_share_the_prompt_rows(
     moe = list(checkpoint.spec.moe_layer_tuple)
     for prompt, samples in zip(prompts, per_prompt, strict=True):
         assert len(samples) == 3, f"{len(samples)} samples, expected n = 3"
+        assert len({s.tokens for s in samples}) == 3, "the n = 3 sampled continuations are not distinct"
         for sample in samples:
             assert sample.prompt == tuple(prompt)
             sample.trace.check_coverage(len(prompt), 10)
