@@ -188,6 +188,23 @@ def multi_turn_schedules(draw: st.DrawFn) -> Schedule:
 
 
 @st.composite
+def resume_schedules(draw: st.DrawFn) -> Schedule:
+    """One turn interrupted and resumed two to four times, the weights updated before at least one resume."""
+    calls = draw(st.integers(2, 4))
+    updates = [draw(st.booleans()) for _ in range(calls - 1)]
+    updates[draw(st.integers(0, calls - 2))] = True
+    specs = [
+        AttemptSpec(
+            generated=draw(st.integers(1 if j == 0 else 0, 6)),
+            weight_update_before=j > 0 and updates[j - 1],
+            finish_reason="abort" if j < calls - 1 else draw(st.sampled_from(("stop", "length"))),
+        )
+        for j in range(calls)
+    ]
+    return Schedule(draw(st.integers(1, 12)), tuple(specs))
+
+
+@st.composite
 def missing_payload_cases(draw: st.DrawFn) -> tuple[Schedule, int]:
     """A schedule and the index of an attempt with new tokens whose payload goes missing."""
     schedule = draw(attempt_schedules())
@@ -257,8 +274,25 @@ def test_aborted_and_length_cut_attempts_keep_their_rows(subject: Any, schedule:
 @example(schedule=MULTI_TURN)
 @example(schedule=TRAILING_TOOL_TURN)
 def test_multi_turn_keeps_every_turns_rows(subject: Any, schedule: Schedule) -> None:
-    """Each turn of a multi-turn episode (tool tokens too) keeps its own rows; later turns overwrite none."""
+    """Each turn of a multi-turn episode (tool tokens too) keeps its own rows; later turns overwrite none.
+
+    Every attempt after the first is a new turn (``Attempt.kind == "turn"``, its tool tokens counted in
+    ``Attempt.tool_tokens``), with weight updates between turns: the multi-turn path, apart from resume.
+    """
     sim = _simulate(schedule, idle_payloads=False)
+    assert all(a.kind == "turn" for a in sim.attempts[1:]), "the schedule is not multi-turn"
+    got = _splice(subject, schedule, list(sim.attempts))
+    _check_rows(schedule, sim, got)
+
+
+@given(schedule=resume_schedules())
+@example(schedule=RESUMED_AFTER_UPDATE)
+@example(schedule=Schedule(2, (A(0, 2, False, "abort"), A(0, 0, True, "abort"), A(0, 1, True, "stop"))))
+def test_resumed_attempts_keep_their_rows(subject: Any, schedule: Schedule) -> None:
+    """A partial rollout aborted and resumed under newer weights keeps each call's rows (the resume path:
+    ``Attempt.kind == "resume"``, no tool tokens), including a resume that adds 0 tokens."""
+    sim = _simulate(schedule, idle_payloads=True)
+    assert all(a.kind == "resume" for a in sim.attempts[1:]), "the schedule is not a resumed rollout"
     got = _splice(subject, schedule, list(sim.attempts))
     _check_rows(schedule, sim, got)
 
