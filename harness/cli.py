@@ -342,8 +342,9 @@ def _cmd_bench_trace(args: argparse.Namespace) -> int:
 
 
 def _cmd_mutants(args: argparse.Namespace) -> int:
+    from harness.mutants.benign import BENIGN
     from harness.mutants.registry import MUTANTS
-    from harness.mutants.run import kill_args, reference_failures, run_mutant
+    from harness.mutants.run import kill_args, reference_failures, run_benign, run_mutant
     from harness.report import format_table
 
     chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
@@ -378,17 +379,34 @@ def _cmd_mutants(args: argparse.Namespace) -> int:
             )
     report["mutants"] = results
     survivors = [r["mutant"] for r in results if r["killed_runs"] != r["runs"]]
+    variants = [b for b in BENIGN if not args.only or b.name in args.only]
+    benign = [run_benign(b, extra=kill_args(None)).as_dict() for b in variants]
+    report["benign"] = benign
+    alarms = [b["name"] for b in benign if not b["passed"]]
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print()
         print(format_table(("mutant", "bug class", "verdict", "killed by", "time"), rows))
+        benign_rows = [
+            (b["name"], ", ".join(b["capabilities"]), "passed" if b["passed"] else "FALSE ALARM",
+             (b["false_alarms"] or ("-",))[0][:80], f"{b['seconds']:.1f}s")
+            for b in benign
+        ]  # fmt: skip
+        if benign_rows:
+            print()
+            print(
+                format_table(
+                    ("benign variant", "capabilities", "verdict", "first alarm", "time"), benign_rows
+                )
+            )
         print(
             f"\n{len(results) - len(survivors)} of {len(results)} mutants killed"
             f"{f' under {len(seeds)} hypothesis seeds' if args.seeds else ''}; "
+            f"{len(benign) - len(alarms)} of {len(benign)} benign variants passed; "
             f"reference failures: {len(report['reference_failures'])}"
         )  # type: ignore[arg-type]
-    return 1 if survivors or report["reference_failures"] else 0
+    return 1 if survivors or alarms or report["reference_failures"] else 0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -458,12 +476,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.set_defaults(func=_cmd_check)
 
-    mutants = commands.add_parser("mutants", help="run the suites against every known bug; all must die")
+    mutants = commands.add_parser(
+        "mutants",
+        help="run the suites against every known bug (all must die) and every benign variant (all must pass)",
+    )
     mutants.add_argument("--json", action="store_true", help="print the report as JSON")
     mutants.add_argument(
         "--seeds", type=int, default=0, help="repeat under N hypothesis seeds (default: derandomized)"
     )
-    mutants.add_argument("--only", nargs="*", metavar="NAME", help="only these mutants")
+    mutants.add_argument("--only", nargs="*", metavar="NAME", help="only these mutants and benign variants")
     mutants.add_argument("--fast", action="store_true", help="stop each mutant's run at its first kill")
     mutants.set_defaults(func=_cmd_mutants)
 

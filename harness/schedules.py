@@ -46,6 +46,15 @@ class Schedule:
     def total_len(self) -> int:
         return self.prompt_len + sum(a.new_tokens for a in self.attempts)
 
+    def kind(self, index: int) -> str:
+        """What engine call attempt ``index`` is: ``"start"`` (the first), ``"turn"`` (it prefills tool
+        tokens, or the call before it ended its turn with ``"stop"``) or ``"resume"`` (it continues an
+        aborted call)."""
+        if index == 0:
+            return "start"
+        spec = self.attempts[index]
+        return "turn" if spec.tool_tokens or self.attempts[index - 1].finish_reason == "stop" else "resume"
+
     @property
     def expected_rows(self) -> int:
         """``P + Σ a_j − 1`` (DESIGN §3.4)."""
@@ -55,7 +64,10 @@ class Schedule:
         """The schedule in plain words, for failure messages."""
         parts = [f"prompt of {self.prompt_len} tokens"]
         for j, a in enumerate(self.attempts, 1):
-            words = f"attempt {j}: {a.tool_tokens} tool + {a.generated} generated ({a.finish_reason})"
+            words = (
+                f"attempt {j} ({self.kind(j - 1)}): {a.tool_tokens} tool + {a.generated} generated "
+                f"({a.finish_reason})"
+            )
             parts.append(("weights updated; " if a.weight_update_before else "") + words)
         return "; ".join(parts)
 
@@ -103,14 +115,23 @@ def simulate(
     context = schedule.prompt_len
     attempts: list[Attempt] = []
     version_of_row: list[int] = []
-    for spec in schedule.attempts:
+    for index, spec in enumerate(schedule.attempts):
         version += spec.weight_update_before
         fed = context + spec.tool_tokens + spec.generated
         ran_forward = spec.new_tokens > 0
         payload = rows_under(version, fed - 1) if ran_forward or idle_payloads else None
         if ran_forward:  # rows first computed by this attempt carry its weight version
             version_of_row += [version] * (fed - 1 - len(version_of_row))
-        attempts.append(Attempt(new_tokens=spec.new_tokens, routes=payload, finish_reason=spec.finish_reason))
+        attempts.append(
+            Attempt(
+                new_tokens=spec.new_tokens,
+                routes=payload,
+                finish_reason=spec.finish_reason,
+                kind=schedule.kind(index),
+                tool_tokens=spec.tool_tokens,
+                weight_version=version,
+            )
+        )
         context = fed
     expected = (
         torch.stack([route(p, v, layers, top_k, num_experts) for p, v in enumerate(version_of_row)])

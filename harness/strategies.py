@@ -227,21 +227,26 @@ def attempt_schedules(
 
     Reaches on purpose: attempts with 0 new tokens (the ``[-0:]`` slice), a first attempt aborted
     before any forward, tool tokens between turns, weight updates between attempts, and a last
-    attempt cut by the length budget.
+    attempt cut by the length budget. Each later attempt is drawn as a resume (the call before it
+    was aborted; no tool tokens) or a new turn (the call before it stopped; tool tokens first), so
+    ``Schedule.kind`` labels every attempt for what it is.
     """
     from harness.schedules import AttemptSpec, Schedule
 
     prompt = draw(st.one_of(st.just(1), st.integers(1, max_prompt)))
     count = draw(st.integers(1, max_attempts))
+    turns = [False] + [draw(st.booleans()) for _ in range(count - 1)]
     specs = []
     for j in range(count):
         last = j == count - 1
         specs.append(
             AttemptSpec(
-                tool_tokens=0 if j == 0 else draw(st.one_of(st.just(0), st.integers(0, max_tokens))),
+                tool_tokens=draw(st.one_of(st.just(0), st.integers(0, max_tokens))) if turns[j] else 0,
                 generated=draw(st.one_of(st.just(0), st.integers(0, max_tokens))),
                 weight_update_before=j > 0 and draw(st.booleans()),
-                finish_reason=draw(st.sampled_from(("stop", "length") if last else ("abort", "stop"))),
+                finish_reason=(
+                    draw(st.sampled_from(("stop", "length"))) if last else "stop" if turns[j + 1] else "abort"
+                ),
             )
         )
     if sum(s.new_tokens for s in specs) == 0:

@@ -297,9 +297,11 @@ def run_episode(
     sampled: list[bool] = []
     attempts: list[Attempt] = []
     unfed_tool_tokens = 0  # tool tokens appended since the last forward
+    version = 0
     for index, plan in enumerate(plans):
         if plan.update_weights is not None:
             plan.update_weights(engine.model)
+            version += 1
         tokens.extend(plan.tool_tokens)
         logprobs.extend([0.0] * len(plan.tool_tokens))
         sampled.extend([False] * len(plan.tool_tokens))
@@ -311,14 +313,16 @@ def run_episode(
         tokens.extend(generated)
         logprobs.extend(rollout.logprobs.tolist())
         sampled.extend([True] * len(generated))
-        new_tokens = 0
+        new_tokens, tool = 0, 0
         if rollout.routes is not None:
+            tool = unfed_tool_tokens
             new_tokens, unfed_tool_tokens = unfed_tool_tokens + len(generated), 0
         more_follow = index < len(plans) - 1
         finish_reason = (
             "abort" if rollout.finish_reason == "length" and more_follow else rollout.finish_reason
         )
-        attempts.append(Attempt(new_tokens, rollout.routes, finish_reason))
+        kind = "start" if index == 0 else "turn" if plan.tool_tokens else "resume"
+        attempts.append(Attempt(new_tokens, rollout.routes, finish_reason, kind, tool, version))
     return Episode(
         len(prompt),
         torch.tensor(tokens, dtype=torch.int64),

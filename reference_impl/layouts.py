@@ -33,8 +33,11 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class Placed:
-    """A left-padded batch.
+    """A padded batch.
 
+    Each sample's tokens sit, in order, on the columns where its ``attention_mask`` row is True
+    (:func:`place_left_padded` puts them at the right end; a trainer may pad otherwise, e.g. the
+    prompt on the left and the response on the right: every row then sits at its token's column).
     ``tokens`` ``[B, W]`` (0 where padding), ``attention_mask`` ``[B, W]`` bool (True on real
     tokens), ``routes`` ``[B, W, layers, top_k]`` (0 where there is no row) and ``replay_mask``
     ``[B, W]`` bool: True exactly where a real row exists, so padding and each sample's last token
@@ -96,15 +99,17 @@ def place_left_padded(
 
 
 def unplace(placed: Placed) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Inverse of :func:`place_left_padded`: each sample's ``(tokens, routes)`` back."""
-    width = placed.tokens.shape[1]
+    """Inverse of a placement: each sample's ``(tokens, routes)`` back, read at its real columns.
+
+    Works for any padding (left, right, prompt left and response right): token ``p`` of sample
+    ``i`` is at the ``p``-th column where ``attention_mask[i]`` is True, and its row with it.
+    """
     samples = []
     for index in range(placed.tokens.shape[0]):
-        length = int(placed.attention_mask[index].sum())
-        start = width - length
-        if not bool(placed.attention_mask[index, start:].all()):
-            raise LayoutError(f"sample {index}: attention_mask is not left-padded")
-        samples.append((placed.tokens[index, start:], placed.routes[index, start : width - 1]))
+        columns = torch.nonzero(placed.attention_mask[index].bool()).squeeze(1)
+        if columns.numel() == 0:
+            raise LayoutError(f"sample {index}: attention_mask has no real token")
+        samples.append((placed.tokens[index, columns], placed.routes[index, columns[:-1]]))
     return samples
 
 
@@ -458,6 +463,11 @@ def _check_moe_layers(moe_layers: Sequence[int]) -> None:
 #    hold *global logical* ids (routing precedes dispatch); local ids exist only inside a rank's
 #    dispatch.
 # --------------------------------------------------------------------------------------------------
+
+EP_OWNERSHIP = "contiguous"
+"""Which EP rank owns which expert: Megatron-core's convention, rank ``r`` owns experts
+``[r·E/ep, (r+1)·E/ep)``. Any scheme where each expert has one owner and ids round trip is correct;
+a subject that declares ``"contiguous"`` is also checked against Megatron's convention."""
 
 
 def ep_local_ids(

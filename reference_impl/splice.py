@@ -36,6 +36,10 @@ class SpliceError(ValueError):
     """The attempts of a sample cannot be spliced: a payload is missing or has the wrong rows."""
 
 
+ATTEMPT_KINDS = ("start", "resume", "turn")
+"""The sample's first engine call, a resume after an abort, a new turn after tool tokens."""
+
+
 @dataclass(frozen=True)
 class Attempt:
     """One engine call of a sample.
@@ -47,11 +51,30 @@ class Attempt:
     ended: ``"stop"`` (end of a turn or of the sample), ``"abort"`` (a partial rollout interrupted,
     to be resumed) or ``"length"`` (cut by the length budget). The correct splice treats them
     alike: an interrupted or cut attempt's rows are as real as any (verl #5344 lost them).
+
+    What kind of engine call it was is explicit, because frameworks take different code paths for
+    each: ``kind`` is ``"start"`` (the sample's first call), ``"resume"`` (continues a call that was
+    aborted) or ``"turn"`` (a new turn after tool/observation tokens). ``tool_tokens`` says how many
+    of ``new_tokens`` were tool tokens this call prefilled (the rest it generated), and
+    ``weight_version`` which policy weights it ran under. The correct splice needs none of them —
+    every attempt contributes the rows of its own new positions — but a subject's multi-turn path
+    is only exercised apart from its resume path when they are told apart.
     """
 
     new_tokens: int
     routes: torch.Tensor | None
     finish_reason: str = "stop"
+    kind: str = "start"
+    tool_tokens: int = 0
+    weight_version: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ATTEMPT_KINDS:
+            raise SpliceError(f"Attempt.kind = {self.kind!r}: expected one of {ATTEMPT_KINDS}")
+        if not 0 <= self.tool_tokens <= max(self.new_tokens, 0):
+            raise SpliceError(
+                f"Attempt.tool_tokens = {self.tool_tokens}: expected in [0, new_tokens = {self.new_tokens}]"
+            )
 
 
 def splice(prompt_len: int, attempts: Sequence[Attempt]) -> torch.Tensor:

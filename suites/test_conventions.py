@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 
+from harness.conventions import ModelSpec
 from harness.strategies import EnginePayload, engine_payloads
 from harness.subjects import Subject
+from harness.testing.judge import route_sets
 from suites.conftest import require
 
 
@@ -23,17 +25,50 @@ def _decode(subject: Subject, sample: EnginePayload):  # type: ignore[no-untyped
     )
 
 
+def vllm_payload(num_experts: int, top_k: int, prompt_len: int, response_len: int) -> EnginePayload:
+    """A vLLM 0.18 int32 payload (decoder axis, layer 0 dense) whose ids are all below 256 and distinct
+    per route: pins the boundaries a derandomised profile may never draw."""
+    rows = prompt_len + response_len - 1
+    routes = np.zeros((rows, 2, top_k), dtype=np.int64)
+    routes[:, 1, :] = (np.arange(rows)[:, None] + np.arange(top_k)[None, :]) % min(num_experts, 256)
+    model = ModelSpec(2, num_experts, top_k, (1,))
+    return EnginePayload(
+        "vllm", "0.18.0", routes.astype(np.int32), model, prompt_len, response_len, 0, routes, "int32 ndarray"
+    )
+
+
+BOUNDARY_PAYLOADS = (
+    vllm_payload(257, 2, 3, 2),  # storage follows num_experts (uint16), not the largest id (< 256)
+    vllm_payload(8, 1, 2, 1),  # top_k = 1, a one-token response
+    vllm_payload(4, 4, 1, 3),  # top_k = num_experts
+)
+
+
 @settings(max_examples=200)
 @given(sample=engine_payloads())
+@example(sample=BOUNDARY_PAYLOADS[0])
+@example(sample=BOUNDARY_PAYLOADS[1])
+@example(sample=BOUNDARY_PAYLOADS[2])
 def test_payload_decodes_to_the_routes_the_engine_sent(subject: Subject, sample: EnginePayload) -> None:
     """Every convention's payload decodes to the routes the engine sent, position by position."""
     trace = _decode(subject, sample)
     moe = list(sample.model.moe_layers)
-    decoded = trace.to_decoder_axis().experts[:, moe, :].astype(np.int64)
-    assert np.array_equal(decoded, sample.routes[:, moe, :]), f"{sample.describe()}: routes differ"
+    decoded = route_sets(trace.to_decoder_axis().experts[:, moe, :])
+    sent = route_sets(sample.routes[:, moe, :])
+    assert decoded.shape == sent.shape, (
+        f"{sample.describe()}: decoded routes are {tuple(decoded.shape)}, the engine sent {tuple(sent.shape)}"
+    )
+    wrong = (decoded != sent).any(-1).nonzero().tolist()
+    assert not wrong, (
+        f"{sample.describe()}: {len(wrong)} (row, MoE layer) routes differ as sets, first at {wrong[0]}: "
+        f"{decoded[tuple(wrong[0])].tolist()} decoded, {sent[tuple(wrong[0])].tolist()} sent"
+    )
 
 
 @given(sample=engine_payloads())
+@example(sample=BOUNDARY_PAYLOADS[0])
+@example(sample=BOUNDARY_PAYLOADS[1])
+@example(sample=BOUNDARY_PAYLOADS[2])
 def test_decoded_trace_covers_the_engine_row_rule(subject: Subject, sample: EnginePayload) -> None:
     """Decoded rows cover positions [start, P + R − 1), in the narrowest dtype, with provenance."""
     trace = _decode(subject, sample)

@@ -4,7 +4,7 @@ Every layout moves positions, and must move tokens and routes with the same indi
 are random token ids with routes that carry a marker of their ``(sample, position)`` in every
 ``(layer, lane)`` slot, so a row that lands next to the wrong token names where it came from. The
 expected indices are derived by hand in each test (left-pad columns, ``cu_seqlens``, contiguous
-SP/TP shards, CP zig-zag chunks, Megatron's interleaved PP/VPP layer ranges, contiguous EP shards),
+SP/TP shards, CP zig-zag chunks, Megatron's interleaved PP/VPP layer ranges, EP ownership),
 never read from the reference. Bug classes (FACTS §4): filler replayed (verl #6473), prompt rows
 native (verl #6325), CP layout (verl #7297), SP/FP8 padding (verl #5989), dense-layer shift
 (verl #5037), PP/VPP offsets and chunk order (verl #5452), local ids leaking into traces.
@@ -15,10 +15,12 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from harness.testing.judge import as_ids
 from suites.conftest import require
 
 LAYERS, TOP_K = 3, 2
@@ -94,58 +96,91 @@ seeds = st.integers(0, 2**32 - 1)
 
 
 # --------------------------------------------------------------------------------------------------
-# 1. Left padding
+# 1. Padded placement (left padding, or prompts and responses padded apart)
 # --------------------------------------------------------------------------------------------------
 
 
-@given(lengths=batch_lengths, extra=st.integers(0, 4), seed=seeds)
-@example(lengths=(3, 1, 5), extra=2, seed=0)
-@example(lengths=(4,), extra=0, seed=1)
-def test_left_padding_places_each_row_at_its_tokens_column(
-    subject: Any, lengths: tuple[int, ...], extra: int, seed: int
+@st.composite
+def placements(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[int, ...] | None, int, int]:
+    """``(lengths, prompt_lens or None, width, seed)`` of a batch to place; with prompt lengths the
+    width leaves room for prompts and responses padded apart (a trainer may pad them so)."""
+    lengths = draw(batch_lengths)
+    prompts = draw(st.one_of(st.none(), st.tuples(*(st.integers(1, n) for n in lengths))))
+    extra = draw(st.integers(0, 4))
+    if prompts is None:
+        width = max(lengths) + extra
+    else:
+        width = max(prompts) + max(n - p for n, p in zip(lengths, prompts, strict=True)) + extra
+    return lengths, prompts, width, draw(seeds)
+
+
+def real_columns(placed: Any, sample: int) -> list[int]:
+    """The columns of ``sample``'s real tokens, in order: where its attention mask is True."""
+    return torch.nonzero(torch.as_tensor(placed.attention_mask[sample]).bool()).squeeze(1).tolist()
+
+
+@given(case=placements())
+@example(case=((3, 1, 5), None, 7, 0))
+@example(case=((4,), None, 4, 1))
+@example(case=((3, 1, 5), (2, 1, 1), 8, 2))
+def test_placement_puts_each_row_at_its_tokens_column(
+    subject: Any, case: tuple[tuple[int, ...], tuple[int, ...] | None, int, int]
 ) -> None:
-    """Left padding puts token p of sample i and its row at column W − n_i + p, with the same indices."""
+    """Padding a batch puts each sample's tokens, in order, on its real columns, and each row with its token.
+
+    Which columns hold the padding is the trainer's choice (left, or prompts left and responses right):
+    the invariant is that every row moves with its token, and the response mask marks the response.
+    """
     layouts = require(subject, "layouts")
+    lengths, prompts, width, seed = case
     samples = coded_batch(lengths, seed)
-    width = max(lengths) + extra
-    where = describe_batch(lengths, width)
-    placed = layouts.place_left_padded([(t.clone(), r.clone()) for t, r in samples], width)
-    _, _, attention, _ = hand_padded(samples, width)
+    where = describe_batch(lengths, width) + (f", prompts {list(prompts)}" if prompts else "")
+    placed = layouts.place_left_padded([(t.clone(), r.clone()) for t, r in samples], width, prompts)
     assert tuple(placed.tokens.shape) == (len(lengths), width), (
         f"{where}: tokens are {tuple(placed.tokens.shape)}"
     )
     assert tuple(placed.routes.shape) == (len(lengths), width, LAYERS, TOP_K), (
         f"{where}: routes are {tuple(placed.routes.shape)}, expected {(len(lengths), width, LAYERS, TOP_K)}"
     )
-    assert torch.equal(placed.attention_mask.bool(), attention), (
-        f"{where}: attention_mask is not True exactly on columns [W − n_i, W)"
-    )
     for i, (tokens, routes) in enumerate(samples):
-        start = width - tokens.shape[0]
-        assert torch.equal(placed.tokens[i, start:].long(), tokens), (
-            f"{where}: sample {i}'s tokens are not at columns [{start}, {width})"
+        columns = real_columns(placed, i)
+        assert len(columns) == tokens.shape[0], (
+            f"{where}: sample {i} has {tokens.shape[0]} tokens but {len(columns)} attended columns"
+        )
+        assert torch.equal(as_ids(placed.tokens[i, columns]), tokens), (
+            f"{where}: sample {i}'s tokens are not, in order, at its attended columns {columns}"
         )
         for p in range(tokens.shape[0] - 1):
-            got = placed.routes[i, start + p]
-            assert torch.equal(got.long(), routes[p]), (
-                f"{where}: sample {i}, column {start + p} (token position {p}) holds {decode(got)}, "
+            got = as_ids(placed.routes[i, columns[p]])
+            assert torch.equal(got, routes[p]), (
+                f"{where}: sample {i}, column {columns[p]} (token position {p}) holds {decode(got)}, "
                 f"expected the row of sample {i}, position {p}"
+            )
+        if prompts is not None:
+            response = torch.as_tensor(placed.response_mask[i]).bool()
+            expected = torch.zeros(width, dtype=torch.bool)
+            expected[columns[prompts[i] :]] = True
+            assert torch.equal(response, expected), (
+                f"{where}: sample {i}'s response mask is True at {response.nonzero().squeeze(1).tolist()}, "
+                f"expected the columns of its response tokens {columns[prompts[i] :]}"
             )
 
 
-@given(lengths=batch_lengths, extra=st.integers(0, 4), seed=seeds)
-@example(lengths=(3, 1, 5), extra=2, seed=0)
-@example(lengths=(2, 2), extra=0, seed=1)
+@given(case=placements())
+@example(case=((3, 1, 5), None, 7, 0))
+@example(case=((2, 2), None, 2, 1))
+@example(case=((3, 1, 5), (2, 1, 1), 8, 2))
 def test_replay_mask_is_true_exactly_on_rows_that_exist(
-    subject: Any, lengths: tuple[int, ...], extra: int, seed: int
+    subject: Any, case: tuple[tuple[int, ...], tuple[int, ...] | None, int, int]
 ) -> None:
     """The replay mask is True on every real row (prompt rows too), False on padding and each last token."""
     layouts = require(subject, "layouts")
-    samples = coded_batch(lengths, seed)
-    width = max(lengths) + extra
-    placed = layouts.place_left_padded(samples, width)
-    _, _, _, expected = hand_padded(samples, width)
-    got = placed.replay_mask.bool()
+    lengths, prompts, width, seed = case
+    placed = layouts.place_left_padded(coded_batch(lengths, seed), width, prompts)
+    expected = torch.zeros(len(lengths), width, dtype=torch.bool)
+    for i in range(len(lengths)):
+        expected[i, real_columns(placed, i)[:-1]] = True
+    got = torch.as_tensor(placed.replay_mask).bool()
     if not torch.equal(got, expected):
         filler = (got & ~expected).nonzero().tolist()
         missing = (expected & ~got).nonzero().tolist()
@@ -155,19 +190,20 @@ def test_replay_mask_is_true_exactly_on_rows_that_exist(
         )
 
 
-@given(lengths=batch_lengths, extra=st.integers(0, 4), seed=seeds)
-@example(lengths=(3, 1, 5), extra=2, seed=0)
-def test_left_padding_round_trip_is_bit_exact(
-    subject: Any, lengths: tuple[int, ...], extra: int, seed: int
+@given(case=placements())
+@example(case=((3, 1, 5), None, 7, 0))
+@example(case=((3, 1, 5), (2, 1, 1), 8, 2))
+def test_placement_round_trip_is_bit_exact(
+    subject: Any, case: tuple[tuple[int, ...], tuple[int, ...] | None, int, int]
 ) -> None:
-    """Placing left-padded then unplacing gives back every sample's tokens and rows bit for bit."""
+    """Placing then unplacing gives back every sample's tokens and rows bit for bit."""
     layouts = require(subject, "layouts")
+    lengths, prompts, width, seed = case
     samples = coded_batch(lengths, seed)
-    width = max(lengths) + extra
-    back = layouts.unplace(layouts.place_left_padded(samples, width))
+    back = layouts.unplace(layouts.place_left_padded(samples, width, prompts))
     assert len(back) == len(samples), f"{describe_batch(lengths, width)}: unplace gave {len(back)} samples"
     for i, ((tokens, routes), (back_tokens, back_routes)) in enumerate(zip(samples, back, strict=True)):
-        assert torch.equal(back_tokens, tokens) and torch.equal(back_routes, routes), (
+        assert torch.equal(as_ids(back_tokens), tokens) and torch.equal(as_ids(back_routes), routes), (
             f"{describe_batch(lengths, width)}: sample {i} does not survive place → unplace bit for bit "
             f"({tuple(back_tokens.shape)} tokens, {tuple(back_routes.shape)} rows back)"
         )
@@ -531,43 +567,97 @@ def test_merging_stage_recordings_restores_model_layer_order(
 EP_SHAPES = ((8, 1), (8, 2), (8, 4), (12, 3), (64, 8), (256, 2), (256, 4), (300, 4), (384, 8))
 
 
+def ep_ids(num_experts: int, seed: int, rows: int) -> torch.Tensor:
+    """Global ids ``[rows, LAYERS, TOP_K]`` in the narrowest storage (DESIGN §3.2), 0 and E − 1 included."""
+    rng = np.random.default_rng(seed)
+    dtype = torch.uint8 if num_experts <= 256 else torch.int16
+    ids = torch.from_numpy(rng.integers(0, num_experts, size=(rows, LAYERS, TOP_K))).to(dtype)
+    ids[0, 0, 0], ids[-1, -1, -1] = 0, num_experts - 1
+    return ids
+
+
 @given(experts_and_ep=st.sampled_from(EP_SHAPES), seed=seeds, rows=st.integers(1, 6))
 @example(experts_and_ep=(256, 2), seed=0, rows=2)
 @example(experts_and_ep=(8, 2), seed=1, rows=1)
 def test_ep_local_ids_round_trip_and_traces_keep_global_ids(
     subject: Any, experts_and_ep: tuple[int, int], seed: int, rows: int
 ) -> None:
-    """Under EP each id has one owner rank, maps to id − r·E/ep there and back; traces keep global ids."""
+    """Under EP every expert has exactly one owner rank, local ids are in [0, E/ep) and one-to-one with
+    the rank's experts, local → global round trips, and the trace keeps its global ids.
+
+    Which rank owns which expert is the trainer's choice (Megatron shards contiguously; see the
+    opt-in check below); the dispatch only needs a consistent one.
+    """
     layouts = require(subject, "layouts")
     num_experts, ep = experts_and_ep
-    rng = np.random.default_rng(seed)
-    dtype = torch.uint8 if num_experts <= 256 else torch.int16  # the narrowest storage (DESIGN §3.2)
-    ids = torch.from_numpy(rng.integers(0, num_experts, size=(rows, LAYERS, TOP_K))).to(dtype)
-    ids[0, 0, 0], ids[-1, -1, -1] = 0, num_experts - 1
+    ids = ep_ids(num_experts, seed, rows)
     before = ids.clone()
     per_rank = num_experts // ep
-    where = f"{num_experts} experts, ep={ep}, ids stored as {dtype}"
-    owners = torch.zeros(ids.shape, dtype=torch.long)
+    where = f"{num_experts} experts, ep={ep}, ids stored as {ids.dtype}"
+    every_expert = torch.arange(num_experts)
+    owners = torch.zeros(num_experts, dtype=torch.long)
     for rank in range(ep):
-        local, owned = layouts.ep_local_ids(ids, num_experts, ep, rank)
-        expected_owned = (ids.long() // per_rank) == rank
-        expected_local = torch.where(expected_owned, ids.long() - rank * per_rank, torch.full(ids.shape, -1))
-        assert torch.equal(owned.bool(), expected_owned), (
-            f"{where}: rank {rank} owns the wrong ids (experts [{rank * per_rank}, {(rank + 1) * per_rank}))"
-        )
-        assert torch.equal(local.long(), expected_local), (
-            f"{where}: rank {rank}'s local ids {local.long().flatten().tolist()[:12]} "
-            f"are not id − {rank * per_rank} "
-            f"(−1 where another rank owns the expert), expected {expected_local.flatten().tolist()[:12]}"
-        )
-        back = layouts.ep_global_ids(local[owned], num_experts, ep, rank)
-        assert torch.equal(back.long(), ids[owned].long()), (
-            f"{where}: rank {rank}'s local → global ids do not round trip"
-        )
+        local, owned = layouts.ep_local_ids(every_expert.clone(), num_experts, ep, rank)
+        local, owned = as_ids(local, "local ids"), torch.as_tensor(owned).bool()
         owners += owned.long()
-    assert torch.equal(owners, torch.ones_like(owners)), (
-        f"{where}: some ids are owned by no rank or by several"
+        mine = local[owned]
+        assert sorted(mine.tolist()) == list(range(per_rank)), (
+            f"{where}: rank {rank}'s local ids {sorted(mine.tolist())[:12]} are not one-to-one with "
+            f"[0, E/ep = {per_rank})"
+        )
+        back = as_ids(layouts.ep_global_ids(mine.clone(), num_experts, ep, rank), "global ids")
+        assert torch.equal(back, every_expert[owned]), (
+            f"{where}: rank {rank}'s local → global ids do not round trip "
+            f"({every_expert[owned].tolist()[:8]} → {mine.tolist()[:8]} → {back.tolist()[:8]})"
+        )
+        wide = ids.long()  # the router's own int64 ids: mapping them must not rewrite them in place
+        trace_local, trace_owned = layouts.ep_local_ids(wide, num_experts, ep, rank)
+        trace_owned = torch.as_tensor(trace_owned).bool()
+        assert torch.equal(wide, before.long()), (
+            f"{where}: rank {rank}'s global → local mapping rewrote the int64 ids it was given "
+            "(the recorded trace would hold local ids)"
+        )
+        assert torch.equal(trace_owned, owned[ids.long()]), (
+            f"{where}: rank {rank} owns other ids in a trace than among the experts themselves"
+        )
+        assert torch.equal(as_ids(trace_local)[trace_owned], local[ids.long()][trace_owned]), (
+            f"{where}: rank {rank} maps a trace's ids to other local ids than the experts themselves"
+        )
+    unowned = (owners != 1).nonzero().squeeze(1).tolist()
+    assert not unowned, (
+        f"{where}: experts {unowned[:8]} are owned by {[int(owners[e]) for e in unowned[:8]]} ranks, "
+        "expected exactly one"
     )
     assert torch.equal(ids, before) and ids.dtype == before.dtype, (
         f"{where}: mapping to local ids rewrote the trace's global ids"
     )
+
+
+@given(experts_and_ep=st.sampled_from(EP_SHAPES), seed=seeds, rows=st.integers(1, 6))
+@example(experts_and_ep=(256, 2), seed=0, rows=2)
+def test_ep_ownership_is_megatrons_contiguous_shards(
+    subject: Any, experts_and_ep: tuple[int, int], seed: int, rows: int
+) -> None:
+    """A subject that declares Megatron's EP convention (``layouts.EP_OWNERSHIP == "contiguous"``) gives
+    rank r experts [r·E/ep, (r+1)·E/ep) as local ids id − r·E/ep, −1 where another rank owns the id."""
+    layouts = require(subject, "layouts")
+    declared = getattr(layouts, "EP_OWNERSHIP", None)
+    if declared != "contiguous":
+        pytest.skip(
+            f"layouts.EP_OWNERSHIP is {declared!r}: the subject does not declare Megatron's convention"
+        )
+    num_experts, ep = experts_and_ep
+    ids = ep_ids(num_experts, seed, rows)
+    per_rank = num_experts // ep
+    for rank in range(ep):
+        local, owned = layouts.ep_local_ids(ids, num_experts, ep, rank)
+        expected_owned = (ids.long() // per_rank) == rank
+        expected_local = torch.where(expected_owned, ids.long() - rank * per_rank, torch.full(ids.shape, -1))
+        assert torch.equal(torch.as_tensor(owned).bool(), expected_owned), (
+            f"{num_experts} experts, ep={ep}: rank {rank} does not own exactly experts "
+            f"[{rank * per_rank}, {(rank + 1) * per_rank})"
+        )
+        assert torch.equal(as_ids(local), expected_local), (
+            f"{num_experts} experts, ep={ep}: rank {rank}'s local ids are not id − {rank * per_rank} "
+            "(−1 where another rank owns the expert)"
+        )

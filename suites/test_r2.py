@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from harness.probes.reference import attach
 from harness.subjects import Subject
 from harness.subjects.replay import install
+from harness.testing.judge import route_sets
 from reference_impl import MoEConfig, MoELM, training
 from suites.conftest import require
 
@@ -72,6 +73,9 @@ def test_r2_replay_holds_routes_after_a_weight_update(subject: Subject) -> None:
         model(tokens, attention_mask=mask)
         replayed = probe.last().ids
     handle.disarm()
-    sets = lambda r: r.sort(-1).values  # noqa: E731
-    assert not torch.equal(sets(native), sets(recording)), "the weight update flipped no route: no test"
-    assert torch.equal(sets(replayed), sets(recording)), "R2 replay did not dispatch the recorded experts"
+    assert not torch.equal(route_sets(native), route_sets(recording)), (
+        "the weight update flipped no route: no test"
+    )
+    assert torch.equal(route_sets(replayed), route_sets(recording)), (
+        "R2 replay did not dispatch the recorded experts"
+    )

@@ -11,6 +11,7 @@ from hypothesis import assume, given, settings
 from harness.schedules import Schedule
 from harness.strategies import attempt_schedules
 from harness.subjects import Subject
+from harness.testing.judge import as_ids, route_sets
 from reference_impl import AttemptPlan, MoEConfig, MoELM, RolloutEngine, run_episode
 from suites.conftest import require
 
@@ -65,11 +66,11 @@ def test_engine_episodes_splice_to_first_computed_rows(subject: Subject, schedul
     # Tool tokens of a call with no generation budget never reach the engine (no forward ran).
     assume(any(a.routes is not None for a in episode.attempts))
     expected_rows = episode.prompt_len + sum(a.new_tokens for a in episode.attempts) - 1
-    got = splice(episode.prompt_len, episode.attempts)
+    got = as_ids(splice(episode.prompt_len, episode.attempts), f"{schedule.describe()}: spliced trace")
     assert got.shape[0] == expected_rows, (
         f"{schedule.describe()}: spliced trace has {got.shape[0]} rows, expected {expected_rows}"
     )
     if expected_rows:
         want = _first_computed(episode.attempts, expected_rows)
-        bad = (got.sort(-1).values != want.sort(-1).values).any(-1).any(-1).nonzero()
+        bad = (route_sets(got) != route_sets(want)).any(-1).any(-1).nonzero()
         assert not len(bad), f"{schedule.describe()}: row {int(bad[0])} is not the routing live when sampled"

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from harness.schedules import AttemptSpec, Schedule, SimulatedRollout, route, simulate
 from harness.strategies import attempt_schedules
+from harness.testing.judge import as_ids, route_sets
 from reference_impl.splice import Attempt
 from suites.conftest import require
 
@@ -76,13 +77,8 @@ def _identify(row: torch.Tensor, max_position: int, max_version: int) -> str:
     return f"{row.tolist()}, a route the engine never computed"
 
 
-def _sets(routes: Any) -> torch.Tensor:
-    """Routes as per-(row, layer) expert sets: ids sorted, int64 (DESIGN §3.3)."""
-    return torch.sort(torch.as_tensor(routes).long(), dim=-1).values
-
-
 def _check_row_count(schedule: Schedule, got: Any) -> torch.Tensor:
-    got = torch.as_tensor(got)
+    got = as_ids(got, f"{schedule.describe()}: spliced trace")
     expected = schedule.expected_rows
     assert got.dim() == 3, (
         f"{schedule.describe()}: spliced trace has shape {tuple(got.shape)}, expected [rows, layers, top_k]"
@@ -109,7 +105,7 @@ def _check_row_count(schedule: Schedule, got: Any) -> torch.Tensor:
 def _check_rows(schedule: Schedule, sim: SimulatedRollout, got: Any) -> None:
     """Every row equals, as expert sets, the route live when its token was sampled."""
     got = _check_row_count(schedule, got)
-    got_sets, expected_sets = _sets(got), _sets(sim.expected)
+    got_sets, expected_sets = route_sets(got), route_sets(sim.expected)
     wrong = [p for p in range(expected_sets.shape[0]) if not torch.equal(got_sets[p], expected_sets[p])]
     if not wrong:
         return
@@ -192,6 +188,23 @@ def multi_turn_schedules(draw: st.DrawFn) -> Schedule:
 
 
 @st.composite
+def resume_schedules(draw: st.DrawFn) -> Schedule:
+    """One turn interrupted and resumed two to four times, the weights updated before at least one resume."""
+    calls = draw(st.integers(2, 4))
+    updates = [draw(st.booleans()) for _ in range(calls - 1)]
+    updates[draw(st.integers(0, calls - 2))] = True
+    specs = [
+        AttemptSpec(
+            generated=draw(st.integers(1 if j == 0 else 0, 6)),
+            weight_update_before=j > 0 and updates[j - 1],
+            finish_reason="abort" if j < calls - 1 else draw(st.sampled_from(("stop", "length"))),
+        )
+        for j in range(calls)
+    ]
+    return Schedule(draw(st.integers(1, 12)), tuple(specs))
+
+
+@st.composite
 def missing_payload_cases(draw: st.DrawFn) -> tuple[Schedule, int]:
     """A schedule and the index of an attempt with new tokens whose payload goes missing."""
     schedule = draw(attempt_schedules())
@@ -261,8 +274,25 @@ def test_aborted_and_length_cut_attempts_keep_their_rows(subject: Any, schedule:
 @example(schedule=MULTI_TURN)
 @example(schedule=TRAILING_TOOL_TURN)
 def test_multi_turn_keeps_every_turns_rows(subject: Any, schedule: Schedule) -> None:
-    """Each turn of a multi-turn episode (tool tokens too) keeps its own rows; later turns overwrite none."""
+    """Each turn of a multi-turn episode (tool tokens too) keeps its own rows; later turns overwrite none.
+
+    Every attempt after the first is a new turn (``Attempt.kind == "turn"``, its tool tokens counted in
+    ``Attempt.tool_tokens``), with weight updates between turns: the multi-turn path, apart from resume.
+    """
     sim = _simulate(schedule, idle_payloads=False)
+    assert all(a.kind == "turn" for a in sim.attempts[1:]), "the schedule is not multi-turn"
+    got = _splice(subject, schedule, list(sim.attempts))
+    _check_rows(schedule, sim, got)
+
+
+@given(schedule=resume_schedules())
+@example(schedule=RESUMED_AFTER_UPDATE)
+@example(schedule=Schedule(2, (A(0, 2, False, "abort"), A(0, 0, True, "abort"), A(0, 1, True, "stop"))))
+def test_resumed_attempts_keep_their_rows(subject: Any, schedule: Schedule) -> None:
+    """A partial rollout aborted and resumed under newer weights keeps each call's rows (the resume path:
+    ``Attempt.kind == "resume"``, no tool tokens), including a resume that adds 0 tokens."""
+    sim = _simulate(schedule, idle_payloads=True)
+    assert all(a.kind == "resume" for a in sim.attempts[1:]), "the schedule is not a resumed rollout"
     got = _splice(subject, schedule, list(sim.attempts))
     _check_rows(schedule, sim, got)
 
@@ -274,6 +304,7 @@ def test_multi_turn_keeps_every_turns_rows(subject: Any, schedule: Schedule) -> 
 )
 @example(schedule=IDLE_FIRST, idle_payloads=False, dtype=torch.int16)
 @example(schedule=Schedule(1, (A(0, 1, False, "stop"),)), idle_payloads=False, dtype=torch.int64)
+@example(schedule=Schedule(1, (A(0, 0, False, "length"),)), idle_payloads=True, dtype=torch.int64)
 def test_splice_accepts_every_valid_schedule(
     subject: Any, schedule: Schedule, idle_payloads: bool, dtype: torch.dtype
 ) -> None:
@@ -303,7 +334,40 @@ def test_missing_payload_raises_a_value_error(subject: Any, case: tuple[Schedule
         raise AssertionError(
             f"{where}; splice raised {type(err).__name__}: {err}, expected a ValueError subclass"
         ) from err
-    raise AssertionError(f"{where}; splice returned {tuple(torch.as_tensor(got).shape)} instead of raising")
+    raise AssertionError(f"{where}; splice returned {tuple(np.shape(got))} instead of raising")
+
+
+def _raises_naming(call: Any, *words: str) -> None:
+    """``call()`` raises a ValueError whose message holds every one of ``words`` (field, expected value)."""
+    try:
+        got = call()
+    except ValueError as err:
+        missing = [w for w in words if w not in str(err)]
+        assert not missing, f"error {str(err)!r} does not name {missing}"
+        return
+    raise AssertionError(
+        f"bad input accepted (returned {tuple(np.shape(got))}); expected a ValueError naming {words}"
+    )
+
+
+def test_bad_splice_and_truncate_input_raises_an_error_naming_the_field(subject: Any) -> None:
+    """Bad input raises a ValueError that names the field and the expected value, never a trace."""
+    splice, truncate = require(subject, "splice"), require(subject, "truncate")
+    rows = RESUMED_AFTER_UPDATE.expected_rows
+    good = list(_simulate(RESUMED_AFTER_UPDATE).attempts)
+    short = replace(good[1], routes=good[1].routes[:-1])  # type: ignore[index]
+    _raises_naming(lambda: splice(4, [good[0], short]), f"{rows - 1} rows", str(rows))
+    _raises_naming(lambda: splice(4, [good[0], replace(good[1], routes=good[1].routes[..., 0])]), "routes")  # type: ignore[index]
+    wider = replace(good[1], routes=torch.cat([good[1].routes, good[1].routes], dim=1))  # type: ignore[list-item]
+    _raises_naming(lambda: splice(4, [good[0], wider]), "layers")
+    _raises_naming(lambda: splice(0, good), "prompt_len", "1")
+    _raises_naming(lambda: splice(4, [replace(good[0], new_tokens=-1)]), "new_tokens", "0")
+    _raises_naming(lambda: splice(3, [Attempt(0, None, "abort")]), "2 prompt rows")
+    tokens, routes = _coded_sample(6, 0, torch.int64)
+    _raises_naming(lambda: truncate(tokens[None], routes, 2, 1), "tokens")
+    _raises_naming(lambda: truncate(tokens, routes[:-1], 2, 1), "4 rows", "= 5")
+    _raises_naming(lambda: truncate(tokens, routes, 7, 1), "prompt_len", "[1, 6]")
+    _raises_naming(lambda: truncate(tokens, routes, 2, -1), "max_response_len", "0")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -340,30 +404,40 @@ def _coded_sample(length: int, seed: int, dtype: torch.dtype) -> tuple[torch.Ten
 @example(case=(4, 6, 3, 0, torch.int64))
 @example(case=(1, 3, 0, 1, torch.int16))
 @example(case=(5, 2, 7, 2, torch.int32))
+@example(case=(3, 1, 1, 3, torch.int64))  # a one-token response, not cut
+@example(case=(2, 1, 0, 4, torch.int64))  # a one-token response cut to nothing
 def test_truncation_cuts_tokens_and_rows_together(
     subject: Any, case: tuple[int, int, int, int, torch.dtype]
 ) -> None:
-    """Truncating the response to the budget keeps len(tokens) − 1 rows, each still its token's row."""
+    """Truncating the response to the budget keeps the first P + R′ tokens, each row still its token's row.
+
+    After a cut the last kept token was forwarded (a later token was sampled from it), so its row is
+    real: ``P + R′`` rows or ``P + R′ − 1`` are both correct (DESIGN §3.1); without a cut exactly
+    ``len(tokens) − 1`` rows exist. Any integer dtype and array type that hold the ids will do.
+    """
     truncate = require(subject, "truncate")
     prompt_len, response_len, budget, seed, dtype = case
     tokens, routes = _coded_sample(prompt_len + response_len, seed, dtype)
     where = f"prompt of {prompt_len} tokens, response of {response_len}, budget {budget}"
     cut_tokens, cut_routes = truncate(tokens.clone(), routes.clone(), prompt_len, budget)
-    cut_tokens, cut_routes = torch.as_tensor(cut_tokens), torch.as_tensor(cut_routes)
+    cut_tokens, cut_routes = as_ids(cut_tokens, "truncated tokens"), as_ids(cut_routes, "truncated routes")
     keep = prompt_len + min(response_len, budget)
     assert cut_tokens.shape[0] == keep, (
         f"{where}: {cut_tokens.shape[0]} tokens after truncation, expected {keep} "
         f"(P + min(R, budget) = {prompt_len} + {min(response_len, budget)})"
     )
-    assert torch.equal(cut_tokens.long(), tokens[:keep].long()), (
+    assert torch.equal(cut_tokens, tokens[:keep].long()), (
         f"{where}: truncated tokens are not the first {keep} tokens"
     )
-    assert cut_routes.shape[0] == keep - 1, (
-        f"{where}: {cut_routes.shape[0]} rows after truncation for {keep} tokens, "
-        f"expected len(tokens) − 1 = {keep - 1}"
+    allowed = (keep - 1, keep) if keep < tokens.shape[0] else (keep - 1,)
+    assert cut_routes.shape[0] in allowed, (
+        f"{where}: {cut_routes.shape[0]} rows after truncation for {keep} tokens, expected "
+        + (
+            f"{keep - 1} or {keep} (the last kept token's row is real)"
+            if len(allowed) == 2
+            else f"{keep - 1}"
+        )
+        + " — a row for a cut token is a route for a position that no longer exists"
     )
-    assert cut_routes.dtype == routes.dtype, (
-        f"{where}: truncation changed the routes' dtype {routes.dtype} → {cut_routes.dtype}"
-    )
-    moved = [i for i in range(keep - 1) if not torch.equal(cut_routes[i], routes[i])]
+    moved = [i for i in range(cut_routes.shape[0]) if not torch.equal(cut_routes[i], routes[i].long())]
     assert not moved, f"{where}: rows {moved[:5]} changed by truncation; row i must stay the row of token i"

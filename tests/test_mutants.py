@@ -1,15 +1,18 @@
-"""The bug zoo's self-test: every mutant is killed by the suites (the reference passing them is the
-suites' own default run)."""
+"""The bug zoo's self-test: every mutant is killed by the suites, and every benign variant passes them
+(the reference passing them is the suites' own default run)."""
 
 from __future__ import annotations
 
 import pytest
 
+from harness.mutants import benign
 from harness.mutants.registry import MUTANTS, get
-from harness.mutants.run import kill_args, run_mutant
+from harness.mutants.run import kill_args, run_benign, run_mutant
 from harness.subjects import load_subject
 
 NAMES = [m.name for m in MUTANTS]
+BENIGN_NAMES = [b.name for b in benign.BENIGN]
+NOT_DISTRIBUTED = ["-m", "not slow and not gpu and not distributed"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -17,6 +20,22 @@ def test_mutant_is_killed(name: str) -> None:
     outcome = run_mutant(get(name), first_kill_only=True, extra=kill_args(None))
     assert outcome.tests_run > 0, f"{name}: no test exercised capability {outcome.capability!r}"
     assert outcome.killed, f"{name} ({outcome.bug_class}) survived {outcome.tests_run} tests"
+
+
+@pytest.mark.parametrize("name", BENIGN_NAMES)
+def test_benign_variant_raises_no_false_alarm(name: str) -> None:
+    """A correct implementation that chooses differently passes every (single-process) suite of its
+    capabilities: a failure here is a false alarm of the suites."""
+    outcome = run_benign(benign.get(name), extra=[*kill_args(None), *NOT_DISTRIBUTED])
+    assert outcome.tests_run > 0, f"{name}: no test exercised {outcome.capabilities}"
+    assert outcome.passed, f"{name}: false alarms: {'; '.join(outcome.false_alarms)[:600]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BENIGN_NAMES)
+def test_benign_variant_passes_the_distributed_suites_too(name: str) -> None:
+    outcome = run_benign(benign.get(name), extra=kill_args(None))
+    assert outcome.passed, f"{name}: false alarms: {'; '.join(outcome.false_alarms)[:600]}"
 
 
 @pytest.mark.slow
@@ -43,3 +62,6 @@ def test_each_mutant_replaces_exactly_one_capability_and_loads_by_spec() -> None
     for mutant in MUTANTS:
         assert mutant.capability
         assert load_subject(mutant.subject_spec) is mutant.subject
+    for variant in benign.BENIGN:
+        assert variant.capabilities
+        assert load_subject(variant.subject_spec) is variant.subject

@@ -1,4 +1,6 @@
-"""The bug zoo: one mutant per public bug class (FACTS §4), to prove the suites catch each.
+"""The bug zoo: one mutant per public bug class (FACTS §4), to prove the suites catch each, and
+benign variants (``harness.mutants.benign``): correct implementations that choose differently, to
+prove the suites raise no false alarm.
 
 A mutant is the reference subject with exactly one capability replaced by a copy that carries one
 known bug, cited to the framework issue or PR where it shipped. ``rrh mutants`` runs the suites
@@ -34,11 +36,7 @@ class Mutant:
     @property
     def capability(self) -> str:
         """The one capability that differs from the reference."""
-        changed = [
-            f.name
-            for f in fields(Subject)
-            if f.name in CAPABILITIES and getattr(self.subject, f.name) is not getattr(REFERENCE, f.name)
-        ]
+        changed = changed_capabilities(self.subject)
         if len(changed) != 1:
             raise AssertionError(
                 f"mutant {self.name} must replace exactly one capability, replaces {changed}"
@@ -49,6 +47,15 @@ class Mutant:
     def subject_spec(self) -> str:
         """The ``--rr-subject`` spec that loads this mutant."""
         return f"harness.mutants.registry:{self.name}"
+
+
+def changed_capabilities(subject: Subject) -> list[str]:
+    """The capabilities in which ``subject`` differs from the reference (by identity)."""
+    return [
+        f.name
+        for f in fields(Subject)
+        if f.name in CAPABILITIES and getattr(subject, f.name) is not getattr(REFERENCE, f.name)
+    ]
 
 
 def mutate(name: str, **capability: Any) -> Subject:

@@ -11,7 +11,8 @@ from harness.mutants import Mutant, mutate
 from harness.trace import LayerAxis, RoutingTrace
 
 
-def _rebuilt(trace: RoutingTrace, experts: Any, **changes: Any) -> RoutingTrace:
+def rebuilt(trace: RoutingTrace, experts: Any, **changes: Any) -> RoutingTrace:
+    """``trace`` with other ids (and any metadata ``changes``), provenance kept."""
     meta: dict[str, Any] = {
         "num_experts": trace.num_experts,
         "moe_layers": trace.moe_layers,
@@ -26,13 +27,13 @@ def _rebuilt(trace: RoutingTrace, experts: Any, **changes: Any) -> RoutingTrace:
 def decode_wrapping_to_uint8(*args: Any, **kwargs: Any) -> RoutingTrace:
     """Ids stored as uint8 whatever the expert count: 256 becomes 0."""
     trace = decode_payload(*args, **kwargs)
-    return _rebuilt(trace, trace.experts.astype(np.uint8))
+    return rebuilt(trace, trace.experts.astype(np.uint8))
 
 
 def decode_physical_ids(*args: Any, **kwargs: Any) -> RoutingTrace:
     """Ids captured after an EPLB logical→physical remap (here: each expert's replica one slot over)."""
     trace = decode_payload(*args, **kwargs)
-    return _rebuilt(trace, (trace.experts.astype(np.int64) + 1) % trace.num_experts)
+    return rebuilt(trace, (trace.experts.astype(np.int64) + 1) % trace.num_experts)
 
 
 def decode_with_zeroed_last_layer(*args: Any, **kwargs: Any) -> RoutingTrace:
@@ -40,7 +41,7 @@ def decode_with_zeroed_last_layer(*args: Any, **kwargs: Any) -> RoutingTrace:
     trace = decode_payload(*args, **kwargs)
     experts = trace.experts.copy()
     experts[:, trace.moe_slots[-1], :] = 0
-    return _rebuilt(trace, experts)
+    return rebuilt(trace, experts)
 
 
 def decode_ordinal_as_decoder_index(*args: Any, **kwargs: Any) -> RoutingTrace:
@@ -48,7 +49,7 @@ def decode_ordinal_as_decoder_index(*args: Any, **kwargs: Any) -> RoutingTrace:
     trace = decode_payload(*args, **kwargs)
     if trace.layer_axis is not LayerAxis.MOE_ORDINAL:
         return trace
-    return _rebuilt(trace, trace.experts, moe_layers=range(len(trace.moe_layers)))
+    return rebuilt(trace, trace.experts, moe_layers=range(len(trace.moe_layers)))
 
 
 MUTANTS = (

@@ -1,4 +1,5 @@
-"""Run the suites against every mutant: each must be killed, and the reference must pass them all."""
+"""Run the suites against every mutant (each must be killed) and every benign variant (each must pass
+them all: a failure is a false alarm); the reference must pass them all too."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import asdict, dataclass
 
 from harness.check import run_suites, suites_dir
 from harness.mutants import Mutant
+from harness.mutants.benign import Benign
 from harness.subjects import DEFAULT_SUBJECT
 
 SUITES_BY_CAPABILITY: dict[str, tuple[str, ...]] = {
@@ -19,7 +21,7 @@ SUITES_BY_CAPABILITY: dict[str, tuple[str, ...]] = {
     "install_hf_replay": ("test_replay.py", "test_hf.py"),
     "install_megatron_replay": ("test_megatron.py",),
     "megatron_data": ("test_megatron.py",),
-    "training": ("test_training.py",),
+    "training": ("test_training.py", "test_r2.py"),
 }
 """The suites that exercise each capability, the most telling first."""
 
@@ -40,8 +42,25 @@ class MutantOutcome:
         return asdict(self)
 
 
-def suite_paths(capability: str) -> list[str]:
-    return [str(suites_dir() / name) for name in SUITES_BY_CAPABILITY[capability]]
+@dataclass(frozen=True)
+class BenignOutcome:
+    """Whether one benign variant passed every suite of its capabilities (no false alarm)."""
+
+    name: str
+    capabilities: tuple[str, ...]
+    passed: bool
+    false_alarms: tuple[str, ...]
+    tests_run: int
+    seconds: float
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def suite_paths(*capabilities: str) -> list[str]:
+    """The suites of ``capabilities``, each once, in the order of ``SUITES_BY_CAPABILITY``."""
+    names = dict.fromkeys(name for cap in capabilities for name in SUITES_BY_CAPABILITY[cap])
+    return [str(suites_dir() / name) for name in names]
 
 
 def run_mutant(mutant: Mutant, *, first_kill_only: bool = False, extra: Sequence[str] = ()) -> MutantOutcome:
@@ -58,6 +77,19 @@ def run_mutant(mutant: Mutant, *, first_kill_only: bool = False, extra: Sequence
         killers,
         sum(o.outcome != "skipped" for o in outcomes),
         time.perf_counter() - start,
+    )
+
+
+def run_benign(variant: Benign, *, extra: Sequence[str] = ()) -> BenignOutcome:
+    """Run the suites of the variant's capabilities against it: every test must pass or skip."""
+    start = time.perf_counter()
+    outcomes, _ = run_suites(
+        variant.subject_spec, paths=suite_paths(*variant.capabilities), extra=list(extra)
+    )
+    alarms = tuple(f"{o.nodeid.split('::', 1)[-1]}: {o.detail}" for o in outcomes if o.outcome == "failed")
+    ran = sum(o.outcome != "skipped" for o in outcomes)
+    return BenignOutcome(
+        variant.name, variant.capabilities, ran > 0 and not alarms, alarms, ran, time.perf_counter() - start
     )
 
 

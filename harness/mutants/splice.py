@@ -30,8 +30,9 @@ def splice_dropping_cancelled(prompt_len: int, attempts: Sequence[Attempt]) -> t
 
 
 def splice_restarting_each_turn(prompt_len: int, attempts: Sequence[Attempt]) -> torch.Tensor:
-    """The correct splice within a turn, but a new turn's payload overwrites every earlier row."""
-    turn_start = max((i + 1 for i, a in enumerate(attempts[:-1]) if a.finish_reason == "stop"), default=0)
+    """The correct splice on the resume path, but on the multi-turn path (an attempt of kind "turn") the
+    new turn's payload overwrites every earlier row."""
+    turn_start = max((i for i, a in enumerate(attempts) if a.kind == "turn"), default=0)
     earlier = sum(a.new_tokens for a in attempts[:turn_start])
     merged = Attempt(earlier + attempts[turn_start].new_tokens, attempts[turn_start].routes)
     return splice(prompt_len, [merged, *attempts[turn_start + 1 :]])

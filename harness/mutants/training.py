@@ -1,9 +1,12 @@
-"""Trainer-configuration mutants: R2 next to rollout routes, and a reference pass that replays."""
+"""Trainer mutants: R2 next to rollout routes, a reference pass that replays, an update pass or its
+recompute that routes natively, targets shifted by dense layers, wrong PPO quantities."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from harness.mutants import Mutant, mutate, patched_module
@@ -29,6 +32,45 @@ def replay_targets_response_only(placed: Placed, moe_layers: Any, layer_axis: An
     return targets, mask & placed.response_mask.reshape(-1)
 
 
+def policy_logprobs_native(model: Any, placed: Placed, mode: Any, **kwargs: Any) -> Tensor:
+    """The update pass checks the mode, then routes natively: replay registered but never applied."""
+    training.check_mode(mode, placed)
+    kwargs.pop("old"), kwargs.pop("moe_layers"), kwargs.pop("layer_axis", None)
+    return training.policy_logprobs(model, placed, "disabled", old=None, moe_layers=(), **kwargs)  # type: ignore[arg-type]
+
+
+def policy_logprobs_recompute_native(model: Any, placed: Placed, mode: Any, **kwargs: Any) -> Tensor:
+    """The forward replays, but the routers are reset before backward: the recompute routes natively."""
+    logprobs = training.policy_logprobs(model, placed, mode, **kwargs)
+    model.clear_replay()
+    model.set_routing_mode(training.RoutingMode.NATIVE)
+    return logprobs
+
+
+def replay_targets_by_ordinal(
+    placed: Placed, moe_layers: Sequence[int], layer_axis: Any
+) -> tuple[Tensor, Tensor]:
+    """A decoder-axis trace indexed by MoE ordinal: with dense-first layers every MoE layer gets the
+    slot of the layer below it."""
+    batch, width = placed.tokens.shape
+    rows = placed.routes.reshape(batch * width, *placed.routes.shape[2:])
+    return rows[:, : len(moe_layers)].long(), placed.replay_mask.reshape(-1)
+
+
+def ppo_loss_unclipped(
+    new_logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip: float = 0.2
+) -> Tensor:
+    """The policy-gradient loss without the ratio clip."""
+    return (-torch.exp(new_logprobs - old_logprobs) * advantages)[mask.bool()].mean()
+
+
+def logprob_mask_with_first_tokens(attention_mask: Tensor) -> Tensor:
+    """Every real token but column 0 counted: a left-padded sample's first token is scored after padding."""
+    valid = attention_mask.bool().clone()
+    valid[:, 0] = False
+    return valid
+
+
 MUTANTS = (
     Mutant(
         "prompt-rows-native",
@@ -52,6 +94,49 @@ MUTANTS = (
         mutate(
             "reference-logprobs-replayed",
             training=patched_module(training, reference_logprobs=reference_logprobs_in_current_mode),
+        ),
+    ),
+    Mutant(
+        "update-pass-native",
+        "silent no-op",
+        "verl #7340 class: the update pass accepts R2/R3 but routes natively, so π_θ ≠ π_old on the first "
+        "on-policy mini-batch (hides on a batch whose rollout routes equal native routing)",
+        mutate(
+            "update-pass-native", training=patched_module(training, policy_logprobs=policy_logprobs_native)
+        ),
+    ),
+    Mutant(
+        "recompute-routes-natively",
+        "recompute drift",
+        "Megatron RouterReplay: replay state reset before backward, so activation recompute routes natively "
+        "(hides without use_checkpoint)",
+        mutate(
+            "recompute-routes-natively",
+            training=patched_module(training, policy_logprobs=policy_logprobs_recompute_native),
+        ),
+    ),
+    Mutant(
+        "targets-dense-shift",
+        "dense-layer shift",
+        "verl #5037 in the trainer's target builder: decoder-axis slots taken by MoE ordinal "
+        "(hides without dense-first layers)",
+        mutate(
+            "targets-dense-shift", training=patched_module(training, replay_targets=replay_targets_by_ordinal)
+        ),
+    ),
+    Mutant(
+        "ppo-loss-unclipped",
+        "PPO quantities",
+        "the clipped-ratio policy loss computed without the clip",
+        mutate("ppo-loss-unclipped", training=patched_module(training, ppo_loss=ppo_loss_unclipped)),
+    ),
+    Mutant(
+        "first-token-scored",
+        "PPO quantities",
+        "logprob mask counting each left-padded sample's first token, predicted from padding",
+        mutate(
+            "first-token-scored",
+            training=patched_module(training, logprob_mask=logprob_mask_with_first_tokens),
         ),
     ),
 )

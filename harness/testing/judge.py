@@ -1,0 +1,30 @@
+"""Judging routes by their meaning, not their representation (DESIGN §3.3, §4 "suites").
+
+A subject may hand back ids in any integer dtype that holds them, as a torch tensor, a numpy array
+or nested lists, with each route's ids in any order. The suites turn what they get into int64 torch
+tensors (``as_ids``) and compare routes as sets (``route_sets``) before judging.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def as_ids(x: Any, what: str = "routes") -> torch.Tensor:
+    """``x`` as an int64 torch tensor; AssertionError (naming ``what``) if it does not hold integers."""
+    if isinstance(x, torch.Tensor):
+        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+            raise AssertionError(f"{what}: expected integer ids, got dtype {x.dtype}")
+        return x.long()
+    array = np.asarray(x)
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise AssertionError(f"{what}: expected integer ids, got dtype {array.dtype}")
+    return torch.from_numpy(array.astype(np.int64))
+
+
+def route_sets(x: Any, what: str = "routes") -> torch.Tensor:
+    """Routes as per-(row, layer) expert sets: int64, ids sorted along the last (top_k) axis."""
+    return torch.sort(as_ids(x, what), dim=-1).values
