@@ -380,17 +380,17 @@ def _cmd_mutants(args: argparse.Namespace) -> int:
     report["mutants"] = results
     survivors = [r["mutant"] for r in results if r["killed_runs"] != r["runs"]]
     variants = [b for b in BENIGN if not args.only or b.name in args.only]
-    benign = [run_benign(b, extra=kill_args(None)).as_dict() for b in variants]
-    report["benign"] = benign
-    alarms = [b["name"] for b in benign if not b["passed"]]
+    benign = [run_benign(b, extra=kill_args(None)) for b in variants]
+    report["benign"] = [b.as_dict() for b in benign]
+    alarms = [b.name for b in benign if not b.passed]
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print()
         print(format_table(("mutant", "bug class", "verdict", "killed by", "time"), rows))
         benign_rows = [
-            (b["name"], ", ".join(b["capabilities"]), "passed" if b["passed"] else "FALSE ALARM",
-             (b["false_alarms"] or ("-",))[0][:80], f"{b['seconds']:.1f}s")
+            (b.name, ", ".join(b.capabilities), "passed" if b.passed else "FALSE ALARM",
+             (b.false_alarms or ("-",))[0][:80], f"{b.seconds:.1f}s")
             for b in benign
         ]  # fmt: skip
         if benign_rows:

@@ -10,7 +10,7 @@ from harness.mutants.registry import get
 
 pytest.importorskip("transformers", reason="transformers is not installed (extra 'hf')")
 
-from harness.trainers.hf import tiny_model  # noqa: E402
+from harness.trainers.hf import tiny_model
 
 CASES = [
     ("deepseek_v3", torch.float32, True),
@@ -37,4 +37,6 @@ def test_softmax_hook_moves_logits_exactly_where_its_rule_is_wrong(
         replayed = model(tokens).logits
     handle.disarm()
     moved = (native.float() - replayed.float()).abs().max().item()
-    assert (moved > 0) == wrong, f"{model_type} {dtype}: replay with the softmax hook moved logits by {moved:.3e}"
+    assert (moved > 0) == wrong, (
+        f"{model_type} {dtype}: replay with the softmax hook moved logits by {moved:.3e}"
+    )
