@@ -33,5 +33,5 @@ def test_an_uncalled_function_is_named() -> None:
     coverage.CALLS.clear()
     missing = coverage.never_called()
     assert {"training.backward", "training.policy_logprobs", "layouts.unplace", "splice"} <= set(missing)
-    assert {"install_replay.prepare_backward", "install_hf_replay.dispatched"} <= set(missing)
+    assert {"install_replay.prepare_backward", "install_hf_replay.replay"} <= set(missing)
     assert len(missing) > 40

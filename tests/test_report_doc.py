@@ -30,8 +30,8 @@ from harness.report_doc import (
 from harness.trace import RoutingComparison
 
 # What pytest reports (``reprcrash.message``) for a hypothesis failure of a splice suite.
-SPLICE_CRASH = """AssertionError: prompt of 5 tokens; attempt 1: 0 tool + 0 generated (abort); \
-weights updated; attempt 2: 0 tool + 3 generated (stop): spliced trace has 11 rows, \
+SPLICE_CRASH = """AssertionError: prompt of 5 tokens; attempt 1 (start): 0 tool + 0 generated (abort); \
+weights updated; attempt 2 (resume): 0 tool + 3 generated (stop): spliced trace has 11 rows, \
 expected P + Σa − 1 = 7 (rows duplicated)
 assert 11 == 7
 (note: 4 other explicit examples also failed with this error; use Verbosity.verbose to view)
@@ -60,7 +60,7 @@ Falsifying example: test_spliced_trace_has_one_row_per_fed_position(
 
 def test_failure_message_is_the_suites_own_words_without_assert_noise() -> None:
     message, example = split_failure(SPLICE_CRASH)
-    assert message.startswith("prompt of 5 tokens; attempt 1: 0 tool + 0 generated (abort)")
+    assert message.startswith("prompt of 5 tokens; attempt 1 (start): 0 tool + 0 generated (abort)")
     assert message.endswith("spliced trace has 11 rows, expected P + Σa − 1 = 7 (rows duplicated)")
     assert "assert" not in message and "AssertionError" not in message and "\n" not in message
     # The schedule is already in the message: the example keeps only what the message does not say.
@@ -72,8 +72,8 @@ def test_falsifying_example_is_reduced_to_words() -> None:
     words = reduce_example(text)
     assert "subject" not in words and "<module" not in words and "AttemptSpec" not in words
     assert words.startswith(
-        "schedule: prompt of 5 tokens; attempt 1: 0 tool + 0 generated (abort); weights updated; "
-        "attempt 2: 0 tool + 3 generated (stop)"
+        "schedule: prompt of 5 tokens; attempt 1 (start): 0 tool + 0 generated (abort); weights updated; "
+        "attempt 2 (resume): 0 tool + 3 generated (stop)"
     )
     assert words.endswith("idle_payloads=True; dtype=torch.int64")
 
@@ -91,9 +91,9 @@ def test_example_of_a_tuple_holding_a_schedule_and_of_plain_values() -> None:
      3],
 )"""
     assert reduce_example(text) == (
-        "case: (prompt of 4 tokens; attempt 1: 0 tool + 3 generated (abort), 0); rows=[1, 2, 3]"
+        "case: (prompt of 4 tokens; attempt 1 (start): 0 tool + 3 generated (abort), 0); rows=[1, 2, 3]"
     )
-    said = "prompt of 4 tokens; attempt 1: 0 tool + 3 generated (abort): boom"
+    said = "prompt of 4 tokens; attempt 1 (start): 0 tool + 3 generated (abort): boom"
     assert reduce_example(text, already_said=said) == "case: (as above, 0); rows=[1, 2, 3]"
 
 

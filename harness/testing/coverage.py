@@ -21,8 +21,13 @@ from harness.subjects.reference import REFERENCE
 CALLS: Counter[str] = Counter()
 """Calls per ``capability`` or ``capability.function`` since the process started (or was cleared)."""
 
-HANDLE_METHODS = ("record", "recording", "replay", "prepare_backward", "dispatched", "disarm")
-"""The ``ReplayHandle`` protocol's methods, counted for each replay installer."""
+HANDLE_METHODS = ("record", "recording", "replay", "prepare_backward", "disarm")
+"""The ``ReplayController`` protocol's methods, counted for each replay installer (``dispatched`` is
+optional and never evidence: the harness's probes observe dispatch)."""
+
+SPAWNED = ("install_megatron_replay", "megatron_data")
+"""Capabilities exercised only inside spawned rank processes (``suites/test_megatron.py``), whose
+calls this process cannot count; they are left out of the recording and of ``never_called``."""
 
 
 class _Namespace:
@@ -73,7 +78,7 @@ def recording(subject: Subject) -> Subject:
     changes: dict[str, Any] = {}
     for capability in CAPABILITIES:
         value = getattr(subject, capability)
-        if value is None:
+        if value is None or capability in SPAWNED:
             continue
         if inspect.ismodule(value):
             namespace = _Namespace()
@@ -107,7 +112,7 @@ def never_called(subject: Subject = REFERENCE) -> list[str]:
     names = [
         key
         for capability in CAPABILITIES
-        if getattr(subject, capability) is not None
+        if getattr(subject, capability) is not None and capability not in SPAWNED
         for key in public_functions(capability, getattr(subject, capability))
     ]
     return [name for name in names if CALLS[name] == 0]
