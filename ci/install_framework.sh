@@ -10,8 +10,10 @@ version="${release##*-}"
 pip_install() { python -m pip install -q --disable-pip-version-check "$@"; }
 case "$dist" in
   verl)
-    pip_install --no-deps "verl==$version" tensordict==0.10.0 peft accelerate torchdata
-    pip_install ray "pyvers<0.2" cloudpickle importlib_metadata orjson hydra-core codetiming pillow \
+    # pyvers 0.1 (tensordict's) pins packaging<26, which would downgrade the packaging that tox
+    # and virtualenv need; it only calls packaging.version.parse, so it goes in without deps.
+    pip_install --no-deps "verl==$version" tensordict==0.10.0 peft accelerate torchdata "pyvers<0.2"
+    pip_install ray cloudpickle importlib_metadata orjson hydra-core codetiming pillow \
       cachetools uvicorn fastapi datasets psutil
     ;;
   skyrl)
