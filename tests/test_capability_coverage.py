@@ -2,25 +2,38 @@
 
 A capability function that no suite calls is a blind spot: a subject could get it wrong and every
 suite would stay green. The suites run here (single-process ones, one generated example per property
-plus the explicit ``@example`` pins) against the reference subject with every call recorded.
+plus the explicit ``@example`` pins) against the reference subject with every call recorded, until
+every function has been called.
 """
 
 from __future__ import annotations
 
 from hypothesis import settings
 
-from harness.check import run_suites
+from harness.check import run_suites, suites_dir
 from harness.testing import coverage
 
 settings.register_profile("coverage", max_examples=1, derandomize=True, deadline=None, database=None)
+
+HEAVY = ("test_replay.py", "test_rollout_coverage.py", "test_mismatch_lab.py", "test_hf.py")
+"""Suites that run many model cases, build real models or run episodes, in the order they run after
+the others: the run stops as soon as every function has been called, usually within the first."""
+
+
+def _suites_cheapest_first() -> list[str]:
+    paths = sorted(suites_dir().glob("test_*.py"))
+    light = [p for p in paths if p.name not in HEAVY]
+    heavy = [suites_dir() / name for name in HEAVY]
+    return [str(p) for p in light + heavy]
 
 
 def test_the_suites_call_every_public_function_of_every_capability() -> None:
     coverage.CALLS.clear()
     outcomes, _ = run_suites(
         "harness.testing.coverage:RECORDING",
+        paths=_suites_cheapest_first(),
         select="not slow and not gpu and not distributed",
-        extra=["--hypothesis-profile", "coverage"],
+        extra=["--hypothesis-profile", "coverage", "-p", "harness.testing.coverage"],
     )
     failed = [o.nodeid for o in outcomes if o.outcome == "failed"]
     assert not failed, f"suites failed on the recording reference: {failed[:5]}"

@@ -26,12 +26,16 @@ class Mutant:
         bug_class: the FACTS §4 class it belongs to.
         instance: where the bug shipped (issue/PR), and when it hides (a boundary).
         subject: the reference with one capability replaced.
+        killed_by: the suite invariant that catches the bug, as a test id under ``suites/``
+            (``file.py::test`` or ``file.py::test[params]``). The default test run proves the kill
+            with that invariant alone (seconds); ``rrh mutants`` runs every suite of the capability.
     """
 
     name: str
     bug_class: str
     instance: str
     subject: Subject
+    killed_by: str
 
     @property
     def capability(self) -> str:

@@ -58,18 +58,21 @@ MUTANTS = (
         "dtype wrap",
         "verl #7407: ids cast to uint8 on a model with more than 256 experts (hides below 257 experts)",
         mutate("dtype-wrap", decode_payload=decode_wrapping_to_uint8),
+        killed_by="test_conventions.py::test_payload_decodes_to_the_routes_the_engine_sent",
     ),
     Mutant(
         "physical-ids",
         "physical ids",
         "vLLM 0.14: capture after the EPLB logical→physical remap (fixed by PR #33013 in 0.16)",
         mutate("physical-ids", decode_payload=decode_physical_ids),
+        killed_by="test_conventions.py::test_payload_decodes_to_the_routes_the_engine_sent",
     ),
     Mutant(
         "all-zero-capture",
         "all-zero capture",
         "vLLM #33013 (capture bound too early), #44116/#54730 (monolithic FlashInfer MoE kernels)",
         mutate("all-zero-capture", decode_payload=decode_with_zeroed_last_layer),
+        killed_by="test_conventions.py::test_payload_decodes_to_the_routes_the_engine_sent",
     ),
     Mutant(
         "layer-axis-convention",
@@ -77,5 +80,6 @@ MUTANTS = (
         "vLLM 0.21 returns one slot per MoE layer; read as a decoder index every MoE layer takes another "
         "layer's routes (hides without dense-first layers)",
         mutate("layer-axis-convention", decode_payload=decode_ordinal_as_decoder_index),
+        killed_by="test_conventions.py::test_payload_decodes_to_the_routes_the_engine_sent",
     ),
 )

@@ -72,6 +72,7 @@ MUTANTS = (
         "verl #5037 (DeepSeek-V3): MoE-ordinal indexing of a decoder-index trace shifts every MoE layer "
         "(hides without dense-first layers)",
         mutate("dense-layer-shift", layouts=_layouts(stage_targets=stage_targets_by_ordinal)),
+        killed_by="test_layouts.py::test_stage_targets_give_each_stage_its_own_moe_layers",
     ),
     Mutant(
         "pp-offsets",
@@ -80,29 +81,34 @@ MUTANTS = (
         mutate(
             "pp-offsets", layouts=_layouts(stage_targets_moe_ordinal=stage_targets_offset_by_decoder_layers)
         ),
+        killed_by="test_layouts.py::test_stage_targets_from_moe_ordinal_trace_count_moe_layers",
     ),
     Mutant(
         "vpp-merge-order",
         "PP/VPP offsets",
         "verl #5452 (reorder_and_merge_vpp_layers): VPP chunks merged in rank order (hides unless vpp >= 2)",
         mutate("vpp-merge-order", layouts=_layouts(merge_stage_recordings=merge_in_rank_order)),
+        killed_by="test_layouts.py::test_merging_stage_recordings_restores_model_layer_order",
     ),
     Mutant(
         "cp-layout",
         "CP layout",
         "verl #7297: routes sharded contiguously while tokens are zig-zagged across CP ranks",
         mutate("cp-layout", layouts=_layouts(cp_zigzag_shard=cp_shard_routes_contiguous)),
+        killed_by="test_layouts.py::test_cp_zigzag_shards_tokens_and_rows_with_the_same_indices",
     ),
     Mutant(
         "fp8-padding",
         "FP8 padding",
         "verl #5989: tokens padded for alignment, routes not (hides when the length is already aligned)",
         mutate("fp8-padding", layouts=_layouts(sp_shard=sp_shard_unpadded_routes)),
+        killed_by="test_layouts.py::test_sp_shards_are_contiguous_with_padding_never_replayed",
     ),
     Mutant(
         "filler-replayed",
         "filler replayed",
         "verl #6473: the last row of a sample (no route: the token was never fed) replayed as zeros",
         mutate("filler-replayed", layouts=_layouts(place_left_padded=place_replaying_last_row)),
+        killed_by="test_layouts.py::test_placement_puts_each_row_at_its_tokens_column",
     ),
 )

@@ -93,12 +93,14 @@ MUTANTS = (
         "dense-layer shift",
         "verl #5037 on Megatron-core: each RouterReplay gets the previous MoE layer's targets",
         mutate("megatron-layer-shift", megatron_data=LayerShift()),
+        killed_by="test_megatron.py::test_router_replay_follows_canonical_targets[tp1ep1]",
     ),
     Mutant(
         "megatron-batch-major",
         "token order",
         "targets flattened b·S + s while Megatron's routers see s·B + b (hides when micro_batch = 1)",
         mutate("megatron-batch-major", megatron_data=BatchMajor()),
+        killed_by="test_megatron.py::test_router_replay_follows_canonical_targets[tp1ep1]",
     ),
     Mutant(
         "megatron-actions-on-stale-instances",
@@ -106,11 +108,13 @@ MUTANTS = (
         "RouterReplay actions set on copies of the instances taken at install, which the model's routers "
         "never call: every call succeeds, the routers route natively (verl #7340 orphan routers)",
         mutate("megatron-actions-on-stale-instances", install_megatron_replay=StaleInstancesDriver()),
+        killed_by="test_megatron.py::test_router_replay_follows_canonical_targets[tp1ep1]",
     ),
     Mutant(
         "megatron-forward-through-backward",
         "recompute drift",
         "Megatron-core RouterReplay: REPLAY_FORWARD left set through the MoE activation recompute",
         mutate("megatron-forward-through-backward", install_megatron_replay=ForwardThroughBackwardDriver()),
+        killed_by="test_megatron.py::test_router_replay_follows_canonical_targets[tp1ep1]",
     ),
 )

@@ -85,6 +85,7 @@ MUTANTS = (
         "verl #7297: CP recordings merged as contiguous pieces while the ranks held zig-zag chunks "
         "(hides unless cp >= 2)",
         mutate("cp-merge-contiguous", layouts=_layouts(cp_zigzag_merge=cp_merge_in_rank_order)),
+        killed_by="test_layouts.py::test_cp_zigzag_shards_tokens_and_rows_with_the_same_indices",
     ),
     Mutant(
         "vpp-chunks-contiguous",
@@ -92,6 +93,7 @@ MUTANTS = (
         "verl #5452: VPP chunks assigned as consecutive model chunks per rank instead of Megatron's "
         "interleaved order (hides unless vpp >= 2)",
         mutate("vpp-chunks-contiguous", layouts=_layouts(pp_layer_ranges=pp_layer_ranges_contiguous)),
+        killed_by="test_layouts.py::test_pp_layer_ranges_cover_every_layer_once",
     ),
     Mutant(
         "stage-dense-shift",
@@ -99,6 +101,7 @@ MUTANTS = (
         "verl #5037 (DeepSeek-V3) under PP: a stage's MoE slots counted from its first decoder layer, so a "
         "stage starting with dense layers replays their zero slots (hides without dense-first layers)",
         mutate("stage-dense-shift", layouts=_layouts(stage_targets=stage_targets_from_stage_start)),
+        killed_by="test_layouts.py::test_stage_targets_give_each_stage_its_own_moe_layers",
     ),
     Mutant(
         "sp-shard-strided",
@@ -106,6 +109,7 @@ MUTANTS = (
         "Megatron SP routes contiguous S/tp shards (FACTS §2); routes split round-robin instead, the SP form "
         "of verl #7297's sharding mismatch (hides unless tp >= 2)",
         mutate("sp-shard-strided", layouts=_layouts(sp_shard=sp_shard_strided)),
+        killed_by="test_layouts.py::test_sp_shards_are_contiguous_with_padding_never_replayed",
     ),
     Mutant(
         "ep-local-ids-in-place",
@@ -113,6 +117,7 @@ MUTANTS = (
         "EP dispatch maps global → local expert ids in place, so traces record local ids (as vLLM 0.14 "
         "recorded post-remap physical ids, fixed by #33013; hides unless ep >= 2)",
         mutate("ep-local-ids-in-place", layouts=_layouts(ep_local_ids=ep_local_ids_in_place)),
+        killed_by="test_layouts.py::test_ep_local_ids_round_trip_and_traces_keep_global_ids",
     ),
     Mutant(
         "recompute-fifo-cleared",
@@ -121,6 +126,7 @@ MUTANTS = (
         "FIFO while an earlier micro-batch still awaits its backward (hides unless two are in flight, "
         "as under PP)",
         mutate("recompute-fifo-cleared", install_replay=_installer(FifoClearedPerMicroBatch)),
+        killed_by="test_replay.py::test_recompute_replays_each_forwards_targets[reference-softmax_topk-fp32]",
     ),
 )
 

@@ -154,6 +154,7 @@ MUTANTS = (
         "silent no-op",
         "verl #7340: replay registered on orphan routers; the live routers had no target and routed natively",
         mutate("silent-no-op", install_replay=_installer(OrphanReplay)),
+        killed_by="test_replay.py::test_experts_receive_the_targets_whatever_the_live_logits[reference-softmax_topk-fp32]",
     ),
     Mutant(
         "recompute-drift",
@@ -161,6 +162,7 @@ MUTANTS = (
         "Megatron RouterReplay: REPLAY_FORWARD left on through backward, so activation recompute replays the "
         "targets of the latest micro-batch (hides unless two micro-batches are in flight, as under PP)",
         mutate("recompute-drift", install_replay=_installer(ReplayForwardThroughBackward)),
+        killed_by="test_replay.py::test_recompute_replays_each_forwards_targets[reference-softmax_topk-fp32]",
     ),
     Mutant(
         "softmax-rule-everywhere",
@@ -168,6 +170,7 @@ MUTANTS = (
         "SkyRL hf_router_replay (PR #1772) on transformers >= 5.13: a softmax rule applied to sigmoid "
         "(DeepSeek-V3/GLM4), top-k→softmax (GPT-OSS) and Llama-4 routers",
         mutate("softmax-rule-everywhere", install_replay=_installer(SoftmaxForEveryFamily)),
+        killed_by="test_replay.py::test_replaying_own_recording_is_bit_exact[reference-softmax_topk_fp32-bf16]",
     ),
     Mutant(
         "fp32-scores-cast-down",
@@ -175,6 +178,7 @@ MUTANTS = (
         "Mixtral/MiniMax keep fp32 routing weights; casting them to the model dtype moves bf16 logits "
         "~3e-3 (hides in fp32)",
         mutate("fp32-scores-cast-down", install_replay=_installer(ScoresCastDown)),
+        killed_by="test_replay.py::test_replaying_own_recording_is_bit_exact[reference-softmax_topk_fp32-bf16]",
     ),
     Mutant(
         "claims-replay-without-arming",
@@ -183,6 +187,7 @@ MUTANTS = (
         "never received them (verl #7340-like silent no-op that self-reports success): only harness probes "
         "see it",
         mutate("claims-replay-without-arming", install_replay=_installer(ClaimsReplayWithoutArming)),
+        killed_by="test_replay.py::test_experts_receive_the_targets_whatever_the_live_logits[reference-softmax_topk-fp32]",
     ),
     Mutant(
         "stale-router-objects",
@@ -190,6 +195,7 @@ MUTANTS = (
         "targets armed on router objects the model no longer calls (a snapshot of the routers taken at "
         "install; verl #7340 orphan routers); the handle reports the snapshot's targets",
         mutate("stale-router-objects", install_replay=_installer(StaleRouterObjects)),
+        killed_by="test_replay.py::test_experts_receive_the_targets_whatever_the_live_logits[reference-softmax_topk-fp32]",
     ),
     Mutant(
         "hf-hooks-on-stale-copy",
@@ -197,6 +203,7 @@ MUTANTS = (
         "transformers replay hooks registered on a copy of the model (routers the model never calls), "
         "reporting its targets as dispatched: only harness probes see it",
         mutate("hf-hooks-on-stale-copy", install_hf_replay=hooks_on_a_stale_copy),
+        killed_by="test_replay.py::test_experts_receive_the_targets_whatever_the_live_logits[hf-qwen2_moe-fp32]",
     ),
     Mutant(
         "hf-softmax-hook",
@@ -204,5 +211,6 @@ MUTANTS = (
         "SkyRL hf_router_replay (PR #1772) on real transformers models: the mlp.gate softmax hook is right "
         "for Qwen/OlMoE, wrong for DeepSeek-V3/GLM4 (sigmoid ×scale) and Mixtral in bf16 (fp32 weights)",
         mutate("hf-softmax-hook", install_hf_replay=structural_softmax_hook),
+        killed_by="test_replay.py::test_replaying_own_recording_is_bit_exact[hf-mixtral-bf16]",
     ),
 )

@@ -63,11 +63,15 @@ def suite_paths(*capabilities: str) -> list[str]:
     return [str(suites_dir() / name) for name in names]
 
 
-def run_mutant(mutant: Mutant, *, first_kill_only: bool = False, extra: Sequence[str] = ()) -> MutantOutcome:
-    """Run the suites of the mutant's capability against it (stop at the first kill if asked)."""
+def run_mutant(
+    mutant: Mutant, *, first_kill_only: bool = False, named_killer_only: bool = False, extra: Sequence[str] = ()
+) -> MutantOutcome:
+    """Run the suites of the mutant's capability against it (stop at the first kill if asked), or
+    only the invariant it names as its killer (``Mutant.killed_by``)."""
     start = time.perf_counter()
     args = [*extra, "-x"] if first_kill_only else list(extra)
-    outcomes, _ = run_suites(mutant.subject_spec, paths=suite_paths(mutant.capability), extra=args)
+    paths = [str(suites_dir() / mutant.killed_by)] if named_killer_only else suite_paths(mutant.capability)
+    outcomes, _ = run_suites(mutant.subject_spec, paths=paths, extra=args)
     killers = tuple(o.nodeid.split("::", 1)[-1] for o in outcomes if o.outcome == "failed")
     return MutantOutcome(
         mutant.name,

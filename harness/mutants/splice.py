@@ -51,6 +51,7 @@ MUTANTS = (
         "duplication on resume",
         "verl #5430 (fixed #6029): partial-rollout resume concatenated every attempt's payload",
         mutate("duplication-on-resume", splice=concatenate_payloads),
+        killed_by="test_splice.py::test_spliced_trace_has_one_row_per_fed_position",
     ),
     Mutant(
         "policy-version-mixing",
@@ -58,6 +59,7 @@ MUTANTS = (
         "verl #6046: the latest payload replaces the trace; earlier rows re-prefilled under newer weights "
         "(hides unless weights change between attempts)",
         mutate("policy-version-mixing", splice=splice_replace),
+        killed_by="test_splice.py::test_every_row_is_the_route_live_when_its_token_was_sampled",
     ),
     Mutant(
         "minus-zero-slice",
@@ -65,23 +67,27 @@ MUTANTS = (
         "verl FullyAsyncLLMServerClient before its guard: payload[-0:] is the whole payload "
         "(hides unless an attempt adds 0 tokens but returns a payload)",
         mutate("minus-zero-slice", splice=append_last_rows_unguarded),
+        killed_by="test_splice.py::test_spliced_trace_has_one_row_per_fed_position",
     ),
     Mutant(
         "lost-on-cancel",
         "lost on cancel",
         "verl #5344 review: routes not saved when an attempt is aborted or cut by the length budget",
         mutate("lost-on-cancel", splice=splice_dropping_cancelled),
+        killed_by="test_splice.py::test_spliced_trace_has_one_row_per_fed_position",
     ),
     Mutant(
         "multi-turn-staleness",
         "multi-turn staleness",
         "verl #6054: each turn overwrites earlier turns' rows (hides unless weights change between turns)",
         mutate("multi-turn-staleness", splice=splice_restarting_each_turn),
+        killed_by="test_splice.py::test_multi_turn_keeps_every_turns_rows",
     ),
     Mutant(
         "truncation",
         "truncation",
         "verl #6027 (fixed #6089): response truncated to the budget but rows not",
         mutate("truncation", truncate=truncate_tokens_only),
+        killed_by="test_splice.py::test_truncation_cuts_tokens_and_rows_together",
     ),
 )

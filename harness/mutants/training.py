@@ -80,12 +80,14 @@ MUTANTS = (
             "prompt-rows-native",
             training=patched_module(training, replay_targets=replay_targets_response_only),
         ),
+        killed_by="test_training.py::test_replay_targets_are_the_placed_routes_of_each_moe_layer[decoder-dense-first]",
     ),
     Mutant(
         "r2-with-rollout-routes",
         "R2/R3 config",
         "verl requires rollout.enable_rollout_routing_replay False for R2; accepting both replays a mix",
         mutate("r2-with-rollout-routes", training=patched_module(training, check_mode=check_mode_trusting)),
+        killed_by="test_training.py::test_r2_with_rollout_routes_is_a_configuration_error",
     ),
     Mutant(
         "reference-logprobs-replayed",
@@ -95,6 +97,7 @@ MUTANTS = (
             "reference-logprobs-replayed",
             training=patched_module(training, reference_logprobs=reference_logprobs_in_current_mode),
         ),
+        killed_by="test_training.py::test_reference_logprobs_never_replay",
     ),
     Mutant(
         "update-pass-native",
@@ -104,6 +107,7 @@ MUTANTS = (
         mutate(
             "update-pass-native", training=patched_module(training, policy_logprobs=policy_logprobs_native)
         ),
+        killed_by="test_training.py::test_r3_update_replays_rollout_routes_and_first_minibatch_has_zero_kl[decoder-no-recompute]",
     ),
     Mutant(
         "recompute-routes-natively",
@@ -114,6 +118,7 @@ MUTANTS = (
             "recompute-routes-natively",
             training=patched_module(training, policy_logprobs=policy_logprobs_recompute_native),
         ),
+        killed_by="test_training.py::test_r3_update_replays_rollout_routes_and_first_minibatch_has_zero_kl[decoder-recompute]",
     ),
     Mutant(
         "targets-dense-shift",
@@ -123,12 +128,14 @@ MUTANTS = (
         mutate(
             "targets-dense-shift", training=patched_module(training, replay_targets=replay_targets_by_ordinal)
         ),
+        killed_by="test_training.py::test_replay_targets_are_the_placed_routes_of_each_moe_layer[decoder-dense-first]",
     ),
     Mutant(
         "ppo-loss-unclipped",
         "PPO quantities",
         "the clipped-ratio policy loss computed without the clip",
         mutate("ppo-loss-unclipped", training=patched_module(training, ppo_loss=ppo_loss_unclipped)),
+        killed_by="test_training.py::test_ppo_quantities_follow_their_formulas",
     ),
     Mutant(
         "first-token-scored",
@@ -138,5 +145,6 @@ MUTANTS = (
             "first-token-scored",
             training=patched_module(training, logprob_mask=logprob_mask_with_first_tokens),
         ),
+        killed_by="test_training.py::test_token_logprobs_are_the_models_log_probabilities",
     ),
 )

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import pytest
+
 from harness.subjects import CAPABILITIES, Subject
 from harness.subjects.reference import REFERENCE
 
@@ -116,3 +118,10 @@ def never_called(subject: Subject = REFERENCE) -> list[str]:
         for key in public_functions(capability, getattr(subject, capability))
     ]
     return [name for name in names if CALLS[name] == 0]
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """Stop a coverage run (loaded with ``-p harness.testing.coverage``) once every public function has
+    been called: the remaining tests could add no evidence, only minutes."""
+    if not never_called():
+        item.session.shouldstop = "every public capability function has been called"
