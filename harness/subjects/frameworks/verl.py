@@ -15,6 +15,32 @@ Capabilities, each a thin adapter over the release's own code:
   through all of them (a resumed attempt's tool tokens arrive as the engine's new tokens).
   verl's multi-turn path (``ToolAgentLoop`` keeps each turn's latest payload) is another entry
   point and is not driven here.
+- ``layouts.place_left_padded``: the agent loop's placement,
+  ``AgentLoopWorker._agent_loop_postprocess`` per sample (prompt left-padded to
+  ``rollout.prompt_length``, response right-padded to ``rollout.response_length``, the rows written
+  from the prompt's first column) and ``_postprocess`` into one batch, driven without Ray on a
+  worker holding only what they read (a real transformers tokenizer for ``pad``, no processor, no
+  reward workers, no teacher). Each sample's ``len − 1`` rows arrive in the subject's payload type.
+  The replay mask is the one the release's Megatron engine applies to that batch: from 0.9.0
+  ``build_r3_replay_mask`` (every row of a sample with a response but its last); 0.8.0 has none
+  (``set_router_replay_data(…, None, …)`` replays every position, the attention mask).
+- ``layouts.pack`` / ``layouts.unplace`` (0.9.1 only): the trainer's no-padding layout,
+  ``left_right_2_no_padding`` (``verl/workers/utils/padding.py``) and ``pad_input``
+  (``verl/utils/attention_utils.py``). 0.8.0 and 0.9.0 import them from ``flash_attn.bert_padding``,
+  a CUDA-only package, so on CPU they are absent (the suite's skip names them); 0.9.1 falls back to
+  pure torch. The other layout functions (micro-batches, SP/CP, PP/VPP, EP) are not wrapped.
+- ``install_megatron_replay`` / ``megatron_data``: Megatron R2/R3 through
+  ``verl/utils/megatron/router_replay_patch.py`` (``apply_router_replay_patch``: on Megatron-core
+  0.16.1 verl's own ``RouterReplay`` and ``routing`` on every ``TopKRouter``; the engine's
+  RECORD / REPLAY_FORWARD / REPLAY_BACKWARD actions) and ``router_replay_utils.py``
+  (``set_router_replay_data``, ``merge_router_topk_indices`` then ``pp_gather``; from 0.9.0 on the
+  forwarded model's own routers), fed the jagged batch verl's engine holds. The harness's Megatron
+  model takes a padded ``[B, S]`` micro-batch, which is verl's ``bshd`` data format
+  (``engine.use_remove_padding=False``); verl's default ``thd`` format packs the model input into
+  one sequence, which the harness's Megatron model does not take, so that path is not checked.
+  ``align_r3_router_replay_data`` and ``build_r3_replay_mask`` are not called there: the suite's
+  traces have a row for every position (R2's replay, which verl also uses), and the R3 mask is
+  checked through ``layouts``.
 """
 
 from __future__ import annotations
@@ -159,13 +185,19 @@ def _r3_replay_mask(
     from verl.utils.megatron.router_replay_utils import build_r3_replay_mask
 
     attended = attention_mask.bool()
-    jagged = torch.nested.as_nested_tensor(
-        [row[keep] for row, keep in zip(input_ids, attended, strict=True)], layout=torch.jagged
-    )
-    values = build_r3_replay_mask(jagged, response_mask).values()
+    values = build_r3_replay_mask(_jagged(input_ids, attended), response_mask).values()
     mask = torch.zeros_like(attended)
     mask[attended] = values
     return mask
+
+
+def _jagged(x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each sample's attended positions of ``x [B, W, ...]``, in order, as a jagged tensor: the
+    form ``left_right_2_no_padding`` gives the trainer's ``input_ids`` and ``routed_experts``."""
+    attended = torch.as_tensor(attention_mask).bool()
+    return torch.nested.as_nested_tensor(
+        [row[keep] for row, keep in zip(torch.as_tensor(x), attended, strict=True)], layout=torch.jagged
+    )
 
 
 def place_left_padded(
@@ -301,11 +333,132 @@ class _NoPaddingLayouts(_Layouts):
         ]
 
 
+# --- Megatron R2/R3: router_replay_patch and router_replay_utils --------------------------------
+
+
+def _replay_utils(version: str, model: Sequence[torch.nn.Module]) -> Any:
+    """The release's ``verl/utils/megatron/router_replay_utils.py``, moving data on ``model`` 's
+    device: the module picks its device once at import (``get_device_name()``, ``"cuda"`` from
+    0.9.0 even without a GPU), which verl's own CPU tests override the same way."""
+    require_release("verl", version, f"verl-{version}")
+    from verl.utils.megatron import router_replay_utils
+
+    router_replay_utils.device_name = next(model[0].parameters()).device.type
+    return router_replay_utils
+
+
+class _MegatronController:
+    """The action switch verl's Megatron engine drives: ``RouterReplay`` 's class methods of the
+    release's ``router_replay_patch`` (RECORD / REPLAY_FORWARD before the forward, REPLAY_BACKWARD
+    before the recompute, indices and actions cleared after the step)."""
+
+    def __init__(self, version: str) -> None:
+        require_release("verl", version, f"verl-{version}")
+        from verl.utils.megatron.router_replay_patch import RouterReplay, RouterReplayAction
+
+        self.replay, self.action = RouterReplay, RouterReplayAction
+
+    def record(self) -> None:
+        self.replay.set_global_router_replay_action(self.action.RECORD)
+
+    def replay_forward(self) -> None:
+        self.replay.set_global_router_replay_action(self.action.REPLAY_FORWARD)
+
+    def prepare_backward(self) -> None:
+        self.replay.set_global_router_replay_action(self.action.REPLAY_BACKWARD)
+
+    def disarm(self) -> None:
+        self.replay.clear_global_indices()
+        self.replay.clear_global_router_replay_action()
+
+
+class _MegatronDriver:
+    """verl's Megatron replay: ``apply_router_replay_patch()`` (on Megatron-core 0.16.1 the full patch
+    of ``TopKRouter``: verl's ``RouterReplay`` per router, verl's ``routing``) and the flag the
+    release's engine sets: 0.8.0 its own ``enable_routing_replay`` (the only one its patched router
+    reads), from 0.9.0 Megatron-core's ``moe_enable_routing_replay`` where the config has it."""
+
+    def __init__(self, version: str) -> None:
+        self.version = version
+
+    def patch(self) -> None:
+        require_release("verl", self.version, f"verl-{self.version}")
+        from verl.utils.megatron.router_replay_patch import apply_router_replay_patch
+
+        apply_router_replay_patch()
+
+    def config_overrides(self) -> dict[str, Any]:
+        flag = "enable_routing_replay" if self.version == "0.8.0" else "moe_enable_routing_replay"
+        return {flag: True}
+
+    def install(self, model: Sequence[torch.nn.Module], config: Any) -> _MegatronController:
+        return _MegatronController(self.version)
+
+
+class _MegatronData:
+    """verl's per-micro-batch data movement: ``set_router_replay_data`` and
+    ``merge_router_topk_indices`` on the jagged (no-padding) batch the engine holds.
+
+    Targets go in as verl's R2 replay hands them over (every row, no replay mask): the harness's
+    traces have a row for every position, so R3's ``align_r3_router_replay_data`` (a placeholder for
+    a missing last row) and ``build_r3_replay_mask`` (which leaves that row native) have nothing to
+    do. ``set_router_replay_data`` takes the forwarded ``model`` (and addresses its own routers) from
+    0.9.0, ``merge_router_topk_indices`` from 0.9.1; before, both slice verl's registry by position.
+    """
+
+    def __init__(self, version: str) -> None:
+        self.version = version
+
+    def _scoped(self, model: Sequence[torch.nn.Module], since: str) -> dict[str, Any]:
+        """``model=`` for a function that takes it from release ``since`` on."""
+        newer = [int(part) for part in self.version.split(".")] >= [int(part) for part in since.split(".")]
+        return {"model": list(model)} if newer else {}
+
+    def set_replay_data(
+        self,
+        routes: torch.Tensor,
+        attention_mask: torch.Tensor,
+        config: Any,
+        *,
+        model: Sequence[torch.nn.Module],
+        vp_rank: int | None = None,
+    ) -> None:
+        utils = _replay_utils(self.version, model)
+        utils.set_router_replay_data(
+            _jagged(routes, attention_mask), None, config, vp_rank, **self._scoped(model, "0.9.0")
+        )
+
+    def merge_recordings(
+        self,
+        attention_mask: torch.Tensor,
+        config: Any,
+        *,
+        model: Sequence[torch.nn.Module],
+        vp_rank: int | None = None,
+    ) -> torch.Tensor:
+        """``merge_router_topk_indices`` then ``pp_gather``, as verl's R2 RECORD does; the jagged
+        routes go back to the attended positions of a ``[B, S, L, top_k]`` batch."""
+        utils = _replay_utils(self.version, model)
+        attended = torch.as_tensor(attention_mask).bool()
+        recorded: list[torch.Tensor] = []
+        tokens = _jagged(torch.zeros(attended.shape, dtype=torch.long), attended)
+        utils.merge_router_topk_indices(
+            None, tokens, recorded, config, vp_rank, **self._scoped(model, "0.9.1")
+        )
+        jagged = utils.pp_gather(recorded[0], config)
+        values = jagged.values()
+        merged = torch.zeros((*attended.shape, *values.shape[1:]), dtype=values.dtype)
+        merged[attended] = values
+        return merged
+
+
 def _subject(version: str, payload: Payload) -> Subject:
     return Subject(
         name=f"verl-{version} ({'vLLM numpy' if payload == 'numpy' else 'SGLang tensor'} payloads)",
         splice=partial(splice, version, payload),
         layouts=(_NoPaddingLayouts if version == "0.9.1" else _Layouts)(version, payload),
+        install_megatron_replay=_MegatronDriver(version),
+        megatron_data=_MegatronData(version),
     )
 
 
