@@ -15,6 +15,32 @@ Capabilities, each a thin adapter over the release's own code:
   through all of them (a resumed attempt's tool tokens arrive as the engine's new tokens).
   verl's multi-turn path (``ToolAgentLoop`` keeps each turn's latest payload) is another entry
   point and is not driven here.
+- ``layouts.place_left_padded``: the agent loop's placement,
+  ``AgentLoopWorker._agent_loop_postprocess`` per sample (prompt left-padded to
+  ``rollout.prompt_length``, response right-padded to ``rollout.response_length``, the rows written
+  from the prompt's first column) and ``_postprocess`` into one batch, driven without Ray on a
+  worker holding only what they read (a real transformers tokenizer for ``pad``, no processor, no
+  reward workers, no teacher). Each sample's ``len − 1`` rows arrive in the subject's payload type.
+  The replay mask is the one the release's Megatron engine applies to that batch: from 0.9.0
+  ``build_r3_replay_mask`` (every row of a sample with a response but its last); 0.8.0 has none
+  (``set_router_replay_data(…, None, …)`` replays every position, the attention mask).
+- ``layouts.pack`` / ``layouts.unplace`` (0.9.1 only): the trainer's no-padding layout,
+  ``left_right_2_no_padding`` (``verl/workers/utils/padding.py``) and ``pad_input``
+  (``verl/utils/attention_utils.py``). 0.8.0 and 0.9.0 import them from ``flash_attn.bert_padding``,
+  a CUDA-only package, so on CPU they are absent (the suite's skip names them); 0.9.1 falls back to
+  pure torch. The other layout functions (micro-batches, SP/CP, PP/VPP, EP) are not wrapped.
+- ``install_megatron_replay`` / ``megatron_data``: Megatron R2/R3 through
+  ``verl/utils/megatron/router_replay_patch.py`` (``apply_router_replay_patch``: on Megatron-core
+  0.16.1 verl's own ``RouterReplay`` and ``routing`` on every ``TopKRouter``; the engine's
+  RECORD / REPLAY_FORWARD / REPLAY_BACKWARD actions) and ``router_replay_utils.py``
+  (``set_router_replay_data``, ``merge_router_topk_indices`` then ``pp_gather``; from 0.9.0 on the
+  forwarded model's own routers), fed the jagged batch verl's engine holds. The harness's Megatron
+  model takes a padded ``[B, S]`` micro-batch, which is verl's ``bshd`` data format
+  (``engine.use_remove_padding=False``); verl's default ``thd`` format packs the model input into
+  one sequence, which the harness's Megatron model does not take, so that path is not checked.
+  ``align_r3_router_replay_data`` and ``build_r3_replay_mask`` are not called there: the suite's
+  traces have a row for every position (R2's replay, which verl also uses), and the R3 mask is
+  checked through ``layouts``.
 """
 
 from __future__ import annotations
@@ -31,6 +57,7 @@ import torch
 
 from harness.subjects import Subject
 from harness.subjects.frameworks import require_release
+from reference_impl.layouts import Placed
 from reference_impl.splice import Attempt
 
 Payload = Literal["numpy", "tensor"]
@@ -116,10 +143,322 @@ def splice(version: str, payload: Payload, prompt_len: int, attempts: Sequence[A
     return final.routed_experts
 
 
+# --- placement: the agent loop's padded batch, the trainer's no-padding layout -------------------
+
+
+def _tokenizer() -> Any:
+    """A real transformers tokenizer whose pad id is 0: the agent loop pads token ids with its
+    ``pad`` (a word-level vocabulary of the pad token alone; ids are never decoded)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1}, unk_token="<unk>"))
+    return PreTrainedTokenizerFast(tokenizer_object=vocab, pad_token="<pad>")
+
+
+def _agent_loop_worker(version: str, prompt_width: int, response_width: int) -> Any:
+    """The release's ``AgentLoopWorker`` with only what its postprocess reads: a text-only model (no
+    processor), no reward workers, no distillation teacher, the rollout's prompt/response widths."""
+    require_release("verl", version, f"verl-{version}")
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    worker: Any = object.__new__(AgentLoopWorker)
+    worker.tokenizer = _tokenizer()
+    worker.processor = None
+    worker.mm_processor_kwargs = None
+    worker.reward_loop_worker_handles = None
+    worker.distillation_enabled = False
+    worker.rollout_config = types.SimpleNamespace(prompt_length=prompt_width, response_length=response_width)
+    return worker
+
+
+def _r3_replay_mask(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """verl's R3 replay mask (``build_r3_replay_mask``, 0.9.0+) of a padded batch, at its columns.
+
+    The release builds it from the packed (jagged) ``input_ids`` the trainer holds after
+    ``left_right_2_no_padding``, reading only each sample's length, and the padded response mask;
+    here the jagged tensor holds each sample's attended tokens in order, and the mask's values go
+    back to the attended columns they belong to.
+    """
+    from verl.utils.megatron.router_replay_utils import build_r3_replay_mask
+
+    attended = attention_mask.bool()
+    values = build_r3_replay_mask(_jagged(input_ids, attended), response_mask).values()
+    mask = torch.zeros_like(attended)
+    mask[attended] = values
+    return mask
+
+
+def _jagged(x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each sample's attended positions of ``x [B, W, ...]``, in order, as a jagged tensor: the
+    form ``left_right_2_no_padding`` gives the trainer's ``input_ids`` and ``routed_experts``."""
+    attended = torch.as_tensor(attention_mask).bool()
+    return torch.nested.as_nested_tensor(
+        [row[keep] for row, keep in zip(torch.as_tensor(x), attended, strict=True)], layout=torch.jagged
+    )
+
+
+def place_left_padded(
+    version: str,
+    payload: Payload,
+    samples: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    width: int,
+    prompt_lens: Sequence[int] | None = None,
+) -> Placed:
+    """The agent loop's placement of the samples (``_agent_loop_postprocess`` per sample, then
+    ``_postprocess`` into one batch), as a ``Placed`` batch of ``width`` columns.
+
+    verl pads the prompt on the left to ``rollout.prompt_length`` and the response on the right to
+    ``rollout.response_length``; the widths are the longest prompt and the rest of ``width``.
+    Without ``prompt_lens`` each sample's first token is its prompt. Each sample's rows arrive as
+    the engine hands them over (``len(tokens) − 1`` rows, the subject's payload type). The replay
+    mask is what the release's trainer replays: from 0.9.0 its R3 mask; in 0.8.0, which has no
+    mask, every position it is given (the attention mask).
+    """
+    lens = [int(t.shape[0]) for t, _ in samples]
+    splits = list(prompt_lens) if prompt_lens is not None else [min(1, n) for n in lens]
+    prompt_width = max(splits)
+    worker = _agent_loop_worker(version, prompt_width, width - prompt_width)
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+
+    padded = []
+    for (tokens, routes), split in zip(samples, splits, strict=True):
+        output = AgentLoopOutput(
+            prompt_ids=tokens[:split].tolist(),
+            response_ids=tokens[split:].tolist(),
+            response_mask=[1] * (len(tokens) - split),
+            routed_experts=_as_payload(routes, payload),
+            metrics=AgentLoopMetrics(),
+        )
+        padded.append(asyncio.run(worker._agent_loop_postprocess(output, False, raw_prompt=None)))
+    batch = worker._postprocess(padded).batch
+    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"].bool()
+    if version == "0.8.0":
+        replay_mask = attention_mask.clone()
+    else:
+        replay_mask = _r3_replay_mask(input_ids, attention_mask, batch["response_mask"])
+    response_mask = None
+    if prompt_lens is not None:
+        response_mask = torch.zeros_like(attention_mask)
+        response_mask[:, prompt_width:] = batch["response_mask"].bool()
+    return Placed(input_ids, attention_mask, batch["routed_experts"], replay_mask, response_mask)
+
+
+def _no_padding(
+    tokens: torch.Tensor, attention_mask: torch.Tensor, routes: torch.Tensor | None = None
+) -> Any:
+    """``left_right_2_no_padding`` (``verl/workers/utils/padding.py``) on a padded batch: the
+    trainer's conversion to jagged ``input_ids`` (and ``routed_experts``) with the flat ``indices``
+    of the real tokens. The response mask it requires is only carried along (its width becomes
+    ``max_response_len``), so the attention mask stands in for it."""
+    from tensordict import TensorDict
+    from verl.utils.model import compute_position_id_with_mask
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    mask = torch.as_tensor(attention_mask).long()
+    fields = {
+        "input_ids": torch.as_tensor(tokens),
+        "attention_mask": mask,
+        "response_mask": mask,
+        "position_ids": compute_position_id_with_mask(mask),
+    }
+    if routes is not None:
+        fields["routed_experts"] = torch.as_tensor(routes)
+    return left_right_2_no_padding(TensorDict(fields, batch_size=mask.shape[0]))
+
+
+class _Packing:
+    """verl's no-padding layout of a ``[B, W]`` batch (``reference_impl.layouts.Packing``'s members).
+
+    ``gather`` is ``left_right_2_no_padding``: a ``[B, W]`` tensor goes through it as
+    ``input_ids``, a ``[B, W, layers, top_k]`` one as ``routed_experts``; ``scatter`` is the
+    release's ``pad_input`` (``verl/utils/attention_utils.py``, which fills the padding with zeros)
+    at the same ``indices``.
+    """
+
+    def __init__(self, attention_mask: torch.Tensor) -> None:
+        from verl.utils import tensordict_utils as tu
+
+        self.attention_mask = torch.as_tensor(attention_mask)
+        self.batch_shape = tuple(self.attention_mask.shape)
+        packed = _no_padding(torch.zeros(self.batch_shape, dtype=torch.long), self.attention_mask)
+        self.indices = tu.get_non_tensor_data(data=packed, key="indices", default=None)
+        self.cu_seqlens = packed["input_ids"].offsets()
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            return _no_padding(x, self.attention_mask)["input_ids"].values()
+        zeros = torch.zeros(self.batch_shape, dtype=torch.long)
+        return _no_padding(zeros, self.attention_mask, routes=x)["routed_experts"].values()
+
+    def scatter(self, y: torch.Tensor, fill: float = 0) -> torch.Tensor:
+        from verl.utils.attention_utils import pad_input
+
+        if fill:
+            raise ValueError(f"verl's pad_input fills the padding with zeros, not {fill!r}")
+        return pad_input(y, self.indices, *self.batch_shape)
+
+
+class _Layouts:
+    """verl's layout functions (only its own; the rest are a skip naming each)."""
+
+    def __init__(self, version: str, payload: Payload) -> None:
+        self.version, self.payload = version, payload
+
+    def place_left_padded(self, samples: Any, width: int, prompt_lens: Any = None) -> Placed:
+        return place_left_padded(self.version, self.payload, samples, width, prompt_lens)
+
+
+class _NoPaddingLayouts(_Layouts):
+    """From 0.9.1, also the trainer's no-padding layout: ``left_right_2_no_padding`` runs on CPU
+    (0.8.0 and 0.9.0 import ``flash_attn.bert_padding``, a CUDA-only package, for it)."""
+
+    def pack(self, attention_mask: torch.Tensor) -> _Packing:
+        require_release("verl", self.version, f"verl-{self.version}")
+        return _Packing(attention_mask)
+
+    def unplace(self, placed: Placed) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each sample's tokens and rows as the trainer unpads them (jagged ``input_ids`` and
+        ``routed_experts``); the row at a sample's last token is the placement's filler, not one of
+        its ``len − 1`` rows, and is left out."""
+        require_release("verl", self.version, f"verl-{self.version}")
+        packed = _no_padding(placed.tokens, placed.attention_mask, routes=placed.routes)
+        return [
+            (tokens, routes[:-1])
+            for tokens, routes in zip(
+                packed["input_ids"].unbind(), packed["routed_experts"].unbind(), strict=True
+            )
+        ]
+
+
+# --- Megatron R2/R3: router_replay_patch and router_replay_utils --------------------------------
+
+
+def _replay_utils(version: str, model: Sequence[torch.nn.Module]) -> Any:
+    """The release's ``verl/utils/megatron/router_replay_utils.py``, moving data on ``model`` 's
+    device: the module picks its device once at import (``get_device_name()``, ``"cuda"`` from
+    0.9.0 even without a GPU), which verl's own CPU tests override the same way."""
+    require_release("verl", version, f"verl-{version}")
+    from verl.utils.megatron import router_replay_utils
+
+    router_replay_utils.device_name = next(model[0].parameters()).device.type
+    return router_replay_utils
+
+
+class _MegatronController:
+    """The action switch verl's Megatron engine drives: ``RouterReplay`` 's class methods of the
+    release's ``router_replay_patch`` (RECORD / REPLAY_FORWARD before the forward, REPLAY_BACKWARD
+    before the recompute, indices and actions cleared after the step)."""
+
+    def __init__(self, version: str) -> None:
+        require_release("verl", version, f"verl-{version}")
+        from verl.utils.megatron.router_replay_patch import RouterReplay, RouterReplayAction
+
+        self.replay, self.action = RouterReplay, RouterReplayAction
+
+    def record(self) -> None:
+        self.replay.set_global_router_replay_action(self.action.RECORD)
+
+    def replay_forward(self) -> None:
+        self.replay.set_global_router_replay_action(self.action.REPLAY_FORWARD)
+
+    def prepare_backward(self) -> None:
+        self.replay.set_global_router_replay_action(self.action.REPLAY_BACKWARD)
+
+    def disarm(self) -> None:
+        self.replay.clear_global_indices()
+        self.replay.clear_global_router_replay_action()
+
+
+class _MegatronDriver:
+    """verl's Megatron replay: ``apply_router_replay_patch()`` (on Megatron-core 0.16.1 the full patch
+    of ``TopKRouter``: verl's ``RouterReplay`` per router, verl's ``routing``) and the flag the
+    release's engine sets: 0.8.0 its own ``enable_routing_replay`` (the only one its patched router
+    reads), from 0.9.0 Megatron-core's ``moe_enable_routing_replay`` where the config has it."""
+
+    def __init__(self, version: str) -> None:
+        self.version = version
+
+    def patch(self) -> None:
+        require_release("verl", self.version, f"verl-{self.version}")
+        from verl.utils.megatron.router_replay_patch import apply_router_replay_patch
+
+        apply_router_replay_patch()
+
+    def config_overrides(self) -> dict[str, Any]:
+        flag = "enable_routing_replay" if self.version == "0.8.0" else "moe_enable_routing_replay"
+        return {flag: True}
+
+    def install(self, model: Sequence[torch.nn.Module], config: Any) -> _MegatronController:
+        return _MegatronController(self.version)
+
+
+class _MegatronData:
+    """verl's per-micro-batch data movement: ``set_router_replay_data`` and
+    ``merge_router_topk_indices`` on the jagged (no-padding) batch the engine holds.
+
+    Targets go in as verl's R2 replay hands them over (every row, no replay mask): the harness's
+    traces have a row for every position, so R3's ``align_r3_router_replay_data`` (a placeholder for
+    a missing last row) and ``build_r3_replay_mask`` (which leaves that row native) have nothing to
+    do. ``set_router_replay_data`` takes the forwarded ``model`` (and addresses its own routers) from
+    0.9.0, ``merge_router_topk_indices`` from 0.9.1; before, both slice verl's registry by position.
+    """
+
+    def __init__(self, version: str) -> None:
+        self.version = version
+
+    def _scoped(self, model: Sequence[torch.nn.Module], since: str) -> dict[str, Any]:
+        """``model=`` for a function that takes it from release ``since`` on."""
+        newer = [int(part) for part in self.version.split(".")] >= [int(part) for part in since.split(".")]
+        return {"model": list(model)} if newer else {}
+
+    def set_replay_data(
+        self,
+        routes: torch.Tensor,
+        attention_mask: torch.Tensor,
+        config: Any,
+        *,
+        model: Sequence[torch.nn.Module],
+        vp_rank: int | None = None,
+    ) -> None:
+        utils = _replay_utils(self.version, model)
+        utils.set_router_replay_data(
+            _jagged(routes, attention_mask), None, config, vp_rank, **self._scoped(model, "0.9.0")
+        )
+
+    def merge_recordings(
+        self,
+        attention_mask: torch.Tensor,
+        config: Any,
+        *,
+        model: Sequence[torch.nn.Module],
+        vp_rank: int | None = None,
+    ) -> torch.Tensor:
+        """``merge_router_topk_indices`` then ``pp_gather``, as verl's R2 RECORD does; the jagged
+        routes go back to the attended positions of a ``[B, S, L, top_k]`` batch."""
+        utils = _replay_utils(self.version, model)
+        attended = torch.as_tensor(attention_mask).bool()
+        recorded: list[torch.Tensor] = []
+        tokens = _jagged(torch.zeros(attended.shape, dtype=torch.long), attended)
+        utils.merge_router_topk_indices(
+            None, tokens, recorded, config, vp_rank, **self._scoped(model, "0.9.1")
+        )
+        jagged = utils.pp_gather(recorded[0], config)
+        values = jagged.values()
+        merged = torch.zeros((*attended.shape, *values.shape[1:]), dtype=values.dtype)
+        merged[attended] = values
+        return merged
+
+
 def _subject(version: str, payload: Payload) -> Subject:
     return Subject(
         name=f"verl-{version} ({'vLLM numpy' if payload == 'numpy' else 'SGLang tensor'} payloads)",
         splice=partial(splice, version, payload),
+        layouts=(_NoPaddingLayouts if version == "0.9.1" else _Layouts)(version, payload),
+        install_megatron_replay=_MegatronDriver(version),
+        megatron_data=_MegatronData(version),
     )
 
 
