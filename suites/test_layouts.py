@@ -20,7 +20,8 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from harness.testing.judge import as_ids
+from harness.testing.judge import as_ids, raises_naming
+from reference_impl.layouts import Placed
 from suites.conftest import require
 
 LAYERS, TOP_K = 3, 2
@@ -275,6 +276,11 @@ def test_packing_gathers_tokens_and_rows_with_the_same_indices(
     assert torch.equal(packing.scatter(packed_replay, fill=False), replay), (
         f"{where}: replay mask does not survive pack → unpack"
     )
+    logprobs = torch.from_numpy(np.random.default_rng(seed).standard_normal((len(lengths), width))).float()
+    logprobs[~attention] = 0
+    assert torch.equal(packing.scatter(packing.gather(logprobs)), logprobs), (
+        f"{where}: per-token float values (log-probs) do not survive pack → unpack bit for bit"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -289,10 +295,12 @@ def test_packing_gathers_tokens_and_rows_with_the_same_indices(
 )
 @example(lengths=(5, 3, 4, 2), slack=2, seed=0)
 @example(lengths=(5, 5, 2), slack=1, seed=1)
+@example(lengths=(7,), slack=0, seed=2)
 def test_micro_batches_stay_within_budget_and_merge_back(
     subject: Any, lengths: tuple[int, ...], slack: int, seed: int
 ) -> None:
-    """Micro-batches partition the batch within the token budget; tokens and rows split alike, merge back."""
+    """Micro-batches partition the batch within the token budget, none empty; tokens and rows split alike and
+    merge back."""
     layouts = require(subject, "layouts")
     budget = max(lengths) + slack
     where = f"samples of lengths {list(lengths)}, budget {budget} tokens per micro-batch"
@@ -303,6 +311,7 @@ def test_micro_batches_stay_within_budget_and_merge_back(
     )
     over = [g for g in groups if sum(lengths[i] for i in g) > budget]
     assert not over, f"{where}: micro-batches {over} exceed the budget"
+    assert all(groups), f"{where}: groups {groups} include an empty micro-batch (a forward of no sample)"
     assert plan.order.tolist() == [i for g in groups for i in g], (
         f"{where}: order {plan.order.tolist()} is not the groups concatenated"
     )
@@ -344,8 +353,8 @@ def test_sp_shards_are_contiguous_with_padding_never_replayed(
     for rank in range(tp):
         positions = torch.arange(rank * size, (rank + 1) * size)
         valid = positions < length
-        token_shard = layouts.sp_shard(tokens, tp, rank)
-        route_shard = layouts.sp_shard(routes, tp, rank)
+        token_shard = as_ids(layouts.sp_shard(tokens, tp, rank), f"rank {rank}'s token shard")
+        route_shard = as_ids(layouts.sp_shard(routes, tp, rank), f"rank {rank}'s route shard")
         token_shards.append(token_shard)
         route_shards.append(route_shard)
         assert token_shard.shape[0] == size and route_shard.shape[0] == size, (
@@ -405,8 +414,8 @@ def test_cp_zigzag_shards_tokens_and_rows_with_the_same_indices(
         held = zigzag_by_hand(padded_len, cp, rank)
         got_held = layouts.cp_zigzag_indices(padded_len, cp, rank).tolist()
         assert got_held == held, f"{where}: rank {rank} holds positions {got_held}, expected {held}"
-        token_shard = layouts.cp_zigzag_shard(tokens, cp, rank)
-        route_shard = layouts.cp_zigzag_shard(routes, cp, rank)
+        token_shard = as_ids(layouts.cp_zigzag_shard(tokens, cp, rank), f"rank {rank}'s token shard")
+        route_shard = as_ids(layouts.cp_zigzag_shard(routes, cp, rank), f"rank {rank}'s route shard")
         token_shards.append(token_shard)
         route_shards.append(route_shard)
         valid = [q < length for q in held]
@@ -674,3 +683,85 @@ def test_ep_ownership_is_megatrons_contiguous_shards(
             f"{num_experts} experts, ep={ep}: rank {rank}'s local ids are not id − {rank * per_rank} "
             "(−1 where another rank owns the expert)"
         )
+
+
+# --------------------------------------------------------------------------------------------------
+# 8. Input no layout fits
+# --------------------------------------------------------------------------------------------------
+
+
+def test_bad_layout_input_raises_an_error_naming_the_field(subject: Any) -> None:
+    """A layout that cannot apply raises a ValueError naming what is wrong, never a silently wrong batch,
+    shard or id (DESIGN §3.8): samples that do not fit, a rank outside its group, a trace on the other
+    layer axis (verl #5037), stage recordings that do not match their ranges, ids outside their range."""
+    layouts = require(subject, "layouts")
+    samples = coded_batch((4, 2), 0)
+    (t0, r0), (t1, r1) = samples
+    place = layouts.place_left_padded
+    raises_naming(lambda: place(samples, 4, [1]), "prompt_lens")
+    raises_naming(lambda: place([], 4), "samples")
+    raises_naming(lambda: place([(t0, r0), (t1[:, None], r1)], 4), "sample 1", "tokens")
+    raises_naming(lambda: place(samples, 3), "sample 0", "width", "4")
+    raises_naming(lambda: place([(t0, r0[:-1]), (t1, r1)], 4), "sample 0", "2 rows", "= 3")
+    raises_naming(lambda: place([(t0, r0), (t1, r1[:, :2])], 4), "sample 1", "routes")
+    raises_naming(lambda: place(samples, 4, [1, 3]), "sample 1", "prompt_lens", "3")
+    placed = place(samples, 4)
+    no_token = torch.as_tensor(placed.attention_mask).bool().clone()
+    no_token[1] = False
+    raises_naming(
+        lambda: layouts.unplace(Placed(placed.tokens, no_token, placed.routes, placed.replay_mask)),
+        "sample 1",
+        "attention_mask",
+    )
+
+    raises_naming(lambda: layouts.pack(torch.ones(4, dtype=torch.bool)), "attention_mask")
+    packing = layouts.pack(placed.attention_mask)
+    raises_naming(lambda: packing.gather(torch.zeros(3, 4)), "(2, 4)")
+    raises_naming(lambda: packing.scatter(torch.zeros(5)), "5 rows", "6")
+    raises_naming(lambda: layouts.plan_micro_batches([3, 2], 0), "max_tokens_per_micro_batch")
+    raises_naming(lambda: layouts.plan_micro_batches([], 4), "seq_lens")
+    raises_naming(lambda: layouts.plan_micro_batches([3, 5], 4), "sample 1", "seq_len 5")
+    raises_naming(lambda: layouts.plan_micro_batches([3, -1], 4), "sample 1", "seq_len -1")
+    plan = layouts.plan_micro_batches([3, 2, 2], 4)
+    raises_naming(lambda: plan.split(torch.zeros(2)), "2 samples", "3")
+    raises_naming(lambda: plan.merge(plan.split(torch.arange(3))[:-1]), "micro-batch sizes")
+
+    x = torch.arange(5)
+    raises_naming(lambda: layouts.sp_pad(x, 0), "tp")
+    raises_naming(lambda: layouts.sp_shard(x, 2, 2), "rank", "tp")
+    raises_naming(lambda: layouts.sp_valid_mask(5, 2, -1), "rank", "tp")
+    raises_naming(lambda: layouts.sp_gather([], 0), "shards")
+    raises_naming(lambda: layouts.sp_gather([x[:3], x[:2]], 0), "shards", "[3, 2]")
+    raises_naming(lambda: layouts.cp_pad(x, 0), "cp")
+    raises_naming(lambda: layouts.cp_zigzag_indices(8, 2, 2), "rank", "cp")
+    raises_naming(lambda: layouts.cp_zigzag_indices(6, 2, 0), "padded_len", "4")
+
+    raises_naming(lambda: layouts.pp_layer_ranges(4, 0), "pp")
+    raises_naming(lambda: layouts.pp_layer_ranges(4, 1, 0), "vpp")
+    raises_naming(lambda: layouts.pp_layer_ranges(6, 2, 2), "num_layers", "4")
+    decoder = decoder_trace(2, 4, (1, 3))
+    ordinal = decoder[:, [1, 3]]
+    raises_naming(lambda: layouts.stage_targets(ordinal, [1, 3], range(0, 2)), "routes")
+    raises_naming(lambda: layouts.stage_targets(decoder[:, :, 0], [1, 3], range(0, 4)), "routes")
+    raises_naming(lambda: layouts.stage_targets_moe_ordinal(decoder, [1, 3], range(0, 4)), "routes")
+    raises_naming(lambda: layouts.stage_targets(decoder, [3, 1], range(0, 4)), "moe_layers")
+    raises_naming(lambda: layouts.stage_targets(decoder, [1, 1], range(0, 4)), "moe_layers")
+    raises_naming(lambda: layouts.stage_targets_moe_ordinal(ordinal, [-1, 3], range(0, 4)), "moe_layers")
+    ranges = ranges_by_hand(4, 2, 1)
+    raises_naming(
+        lambda: layouts.merge_stage_recordings({(0, 0): ordinal[:, :1]}, ranges), "per_stage", "(1, 0)"
+    )
+    raises_naming(
+        lambda: layouts.merge_stage_recordings({(0, 0): ordinal[:, :0], (1, 0): ordinal}, ranges, [1, 3]),
+        "pp_rank=0",
+        "0 MoE slots",
+        "expected 1",
+    )
+
+    ids = torch.tensor([0, 8])
+    raises_naming(lambda: layouts.ep_local_ids(ids, 8, 2, 0), "ids", "8")
+    raises_naming(lambda: layouts.ep_local_ids(ids - 1, 8, 2, 0), "ids", "-1")
+    raises_naming(lambda: layouts.ep_global_ids(torch.tensor([0, 4]), 8, 2, 1), "local_ids", "4")
+    raises_naming(lambda: layouts.ep_local_ids(ids[:1], 8, 3, 0), "num_experts", "ep")
+    raises_naming(lambda: layouts.ep_local_ids(ids[:1], 8, 2, 2), "rank", "ep")
+    raises_naming(lambda: layouts.ep_global_ids(ids[:1], 8, 0, 0), "ep")

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from harness.schedules import AttemptSpec, Schedule, SimulatedRollout, route, simulate
 from harness.strategies import attempt_schedules
-from harness.testing.judge import as_ids, route_sets
+from harness.testing.judge import as_ids, raises_naming, route_sets
 from reference_impl.splice import Attempt
 from suites.conftest import require
 
@@ -340,37 +340,24 @@ def test_missing_payload_raises_a_value_error(subject: Any, case: tuple[Schedule
     raise AssertionError(f"{where}; splice returned {tuple(np.shape(got))} instead of raising")
 
 
-def _raises_naming(call: Any, *words: str) -> None:
-    """``call()`` raises a ValueError whose message holds every one of ``words`` (field, expected value)."""
-    try:
-        got = call()
-    except ValueError as err:
-        missing = [w for w in words if w not in str(err)]
-        assert not missing, f"error {str(err)!r} does not name {missing}"
-        return
-    raise AssertionError(
-        f"bad input accepted (returned {tuple(np.shape(got))}); expected a ValueError naming {words}"
-    )
-
-
 def test_bad_splice_and_truncate_input_raises_an_error_naming_the_field(subject: Any) -> None:
     """Bad input raises a ValueError that names the field and the expected value, never a trace."""
     splice, truncate = require(subject, "splice"), require(subject, "truncate")
     rows = RESUMED_AFTER_UPDATE.expected_rows
     good = list(_simulate(RESUMED_AFTER_UPDATE).attempts)
     short = replace(good[1], routes=good[1].routes[:-1])  # type: ignore[index]
-    _raises_naming(lambda: splice(4, [good[0], short]), f"{rows - 1} rows", str(rows))
-    _raises_naming(lambda: splice(4, [good[0], replace(good[1], routes=good[1].routes[..., 0])]), "routes")  # type: ignore[index]
+    raises_naming(lambda: splice(4, [good[0], short]), f"{rows - 1} rows", str(rows))
+    raises_naming(lambda: splice(4, [good[0], replace(good[1], routes=good[1].routes[..., 0])]), "routes")  # type: ignore[index]
     wider = replace(good[1], routes=torch.cat([good[1].routes, good[1].routes], dim=1))  # type: ignore[list-item]
-    _raises_naming(lambda: splice(4, [good[0], wider]), "layers")
-    _raises_naming(lambda: splice(0, good), "prompt_len", "1")
-    _raises_naming(lambda: splice(4, [replace(good[0], new_tokens=-1)]), "new_tokens", "0")
-    _raises_naming(lambda: splice(3, [Attempt(0, None, "abort")]), "2 prompt rows")
+    raises_naming(lambda: splice(4, [good[0], wider]), "layers")
+    raises_naming(lambda: splice(0, good), "prompt_len", "1")
+    raises_naming(lambda: splice(4, [replace(good[0], new_tokens=-1)]), "new_tokens", "0")
+    raises_naming(lambda: splice(3, [Attempt(0, None, "abort")]), "2 prompt rows")
     tokens, routes = _coded_sample(6, 0, torch.int64)
-    _raises_naming(lambda: truncate(tokens[None], routes, 2, 1), "tokens")
-    _raises_naming(lambda: truncate(tokens, routes[:-1], 2, 1), "4 rows", "= 5")
-    _raises_naming(lambda: truncate(tokens, routes, 7, 1), "prompt_len", "[1, 6]")
-    _raises_naming(lambda: truncate(tokens, routes, 2, -1), "max_response_len", "0")
+    raises_naming(lambda: truncate(tokens[None], routes, 2, 1), "tokens")
+    raises_naming(lambda: truncate(tokens, routes[:-1], 2, 1), "4 rows", "= 5")
+    raises_naming(lambda: truncate(tokens, routes, 7, 1), "prompt_len", "[1, 6]")
+    raises_naming(lambda: truncate(tokens, routes, 2, -1), "max_response_len", "0")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -11,13 +11,14 @@ replaying and not replaying would be indistinguishable. Bug classes (FACTS §4):
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
 
 from harness.subjects import Subject
-from harness.testing.judge import as_ids, route_sets
-from reference_impl import MoEConfig, MoELM, RoutingMode
+from harness.testing.judge import as_ids, raises_naming, route_sets
+from reference_impl import MoEConfig, MoELM, ReplayError, RoutingMode
 from reference_impl.layouts import Placed, place_left_padded
 from suites.conftest import require
 
@@ -82,6 +83,24 @@ def _native_logprobs(model: MoELM, placed: Placed) -> torch.Tensor:
     return torch.cat([picked.new_zeros(picked.shape[0], 1), picked], dim=1)
 
 
+def _assert_routes_natively(model: MoELM, placed: Placed, after: str) -> None:
+    """A plain forward of ``placed`` on ``model`` dispatches what a fresh copy of it routes natively."""
+    fresh = MoELM(model.cfg)
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        fresh(placed.tokens, attention_mask=placed.attention_mask)
+        try:
+            model(placed.tokens, attention_mask=placed.attention_mask)
+        except ReplayError as err:
+            raise AssertionError(f"after {after}, a plain forward of the model raised: {err}") from err
+    rows = torch.ones(placed.tokens.numel(), dtype=torch.bool)
+    wrong = _differing_rows(_dispatched(model), _dispatched(fresh), rows)
+    assert not wrong, (
+        f"after {after}, a plain forward of the model does not route natively at flat rows {wrong[:6]} "
+        "(replay state leaked out of the pass)"
+    )
+
+
 def _valid(placed: Placed) -> torch.Tensor:
     """Columns that have a log-prob: a real token right after a real token."""
     real = placed.attention_mask.bool()
@@ -93,13 +112,19 @@ def _valid(placed: Placed) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 
 
-def test_r2_with_rollout_routes_is_a_configuration_error(subject: Subject) -> None:
-    """R2 replays the trainer's own recording: rollout routes next to it are a configuration error."""
+@pytest.mark.parametrize("slots", [None, 1], ids=["every-layer", "one-layer-slot"])
+def test_r2_with_rollout_routes_is_a_configuration_error(subject: Subject, slots: int | None) -> None:
+    """R2 replays the trainer's own recording: rollout routes next to it are a configuration error.
+    Routes of a single layer slot (a one-MoE-layer model's MoE-ordinal trace) are rollout routes too."""
     training = require(subject, "training")
     placed = _batch(CFG)
-    assert training.has_rollout_routes(placed), "a batch with rollout routes is said to carry none"
+    if slots is not None:
+        placed = replace(placed, routes=placed.routes[:, :, :slots])
+    where = f"a batch with rollout routes of {placed.routes.shape[2]} layer slots"
+    assert training.has_rollout_routes(placed), f"{where} is said to carry none"
     with pytest.raises(ValueError, match="R2"):
         training.check_mode("R2", placed)
+    assert str(getattr(training.check_mode("R3", placed), "value", "R3")) == "R3", f"{where}: R3 refused"
 
 
 def test_r3_without_rollout_routes_is_a_configuration_error(subject: Subject) -> None:
@@ -113,6 +138,28 @@ def test_r3_without_rollout_routes_is_a_configuration_error(subject: Subject) ->
     with pytest.raises(ValueError, match="R3"):
         training.check_mode("R3", placed)
     assert str(getattr(training.check_mode("R2", placed), "value", "R2")) == "R2"
+
+
+def test_bad_trainer_input_raises_an_error_naming_the_field(subject: Subject) -> None:
+    """A mode, layer list, layer axis, R2 recording or loss mask that cannot be right is a ValueError naming
+    it, never a pass that routes natively in silence (DESIGN §3.8); the routers are left native."""
+    training = require(subject, "training")
+    model, placed = MoELM(CFG), _batch(CFG)
+    moe = list(CFG.moe_layers)
+    raises_naming(lambda: training.check_mode("R4", placed), "mode", "R4")
+    raises_naming(lambda: training.replay_targets(placed, [], "decoder"), "moe_layers")
+    raises_naming(lambda: training.replay_targets(placed, moe, "expert"), "layer_axis", "expert")
+    tokens_only = training.place_without_routes([t for t, _ in _rollout_routes(CFG)], WIDTH)
+    not_recorded = training.old_logprobs(model, tokens_only, "disabled", moe_layers=moe)
+    raises_naming(
+        lambda: training.policy_logprobs(model, tokens_only, "R2", old=not_recorded, moe_layers=moe),
+        "recording",
+    )
+    _assert_routes_natively(model, placed, "an R2 update pass refused for want of a recording")
+    nothing = torch.zeros(placed.tokens.shape, dtype=torch.bool)
+    logprobs = not_recorded.logprobs
+    raises_naming(lambda: training.ppo_kl(logprobs, logprobs, nothing), "mask")
+    raises_naming(lambda: training.ppo_loss(logprobs, logprobs, logprobs, nothing), "mask")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -249,6 +296,83 @@ def test_r2_update_replays_the_old_pass_recording(subject: Subject, use_checkpoi
     training.backward(new[valid].sum(), model)
     wrong = _differing_rows(_dispatched(model), recorded, rows)
     assert not wrong, f"R2: the update pass (or its recompute) left the recording at flat rows {wrong[:6]}"
+
+
+@pytest.mark.parametrize("use_checkpoint", [False, True], ids=["no-recompute", "recompute"])
+def test_disabled_mode_routes_every_pass_natively(subject: Subject, use_checkpoint: bool) -> None:
+    """DISABLED is the no-replay baseline: on a batch that carries rollout routes (differing from native
+    routing) the old pass, the update pass and its recompute dispatch the model's native routes and give
+    its native log-probs."""
+    training = require(subject, "training")
+    model, placed = MoELM(CFG), _batch(CFG)
+    moe, rows, valid = list(CFG.moe_layers), placed.attention_mask.reshape(-1), _valid(placed)
+    native_logprobs = _native_logprobs(model, placed)
+    native = _dispatched(model)
+    rollout = _expected_targets(placed, CFG, "decoder")
+    assert _differing_rows(native, rollout, placed.replay_mask.reshape(-1)), (
+        "rollout routes equal native: no test"
+    )
+    where = f"DISABLED {'with' if use_checkpoint else 'without'} activation recompute"
+    old = training.old_logprobs(model, placed, "disabled", moe_layers=moe)
+    wrong = _differing_rows(_dispatched(model), native, rows)
+    assert not wrong, f"{where}: the old pass did not route natively at flat rows {wrong[:6]}"
+    assert torch.equal(old.logprobs[valid], native_logprobs[valid]), f"{where}: π_old is not the native π"
+    new = training.policy_logprobs(
+        model, placed, "disabled", old=old, moe_layers=moe, use_checkpoint=use_checkpoint
+    )
+    wrong = _differing_rows(_dispatched(model), native, rows)
+    assert not wrong, f"{where}: the update pass did not route natively at flat rows {wrong[:6]}"
+    assert torch.equal(new[valid], native_logprobs[valid]), f"{where}: π_θ is not the native π"
+    training.backward(new[valid].sum(), model)
+    wrong = _differing_rows(_dispatched(model), native, rows)
+    assert not wrong, (
+        f"{where}: the backward (or its recompute) did not route natively at flat rows {wrong[:6]}"
+    )
+
+
+def test_every_pass_hands_the_model_back_routing_natively(subject: Subject) -> None:
+    """Each pass clears its replay state when it ends (DESIGN §3.7: one FIFO entry per forward, nothing
+    left over), so a plain forward after it routes natively: after the R3, R2 and DISABLED old and update
+    passes (the update pass without recompute unless asked), after backward with recompute, and after
+    the reference pass."""
+    training = require(subject, "training")
+    model, placed = MoELM(CFG), _batch(CFG)
+    tokens_only = training.place_without_routes([t for t, _ in _rollout_routes(CFG)], WIDTH)
+    moe = list(CFG.moe_layers)
+    for mode, batch in (("R3", placed), ("R2", tokens_only), ("disabled", placed)):
+        old = training.old_logprobs(model, batch, mode, moe_layers=moe)
+        _assert_routes_natively(model, placed, f"the {mode} old pass")
+        training.policy_logprobs(model, batch, mode, old=old, moe_layers=moe)
+        _assert_routes_natively(model, placed, f"the {mode} update pass, called without use_checkpoint")
+        new = training.policy_logprobs(model, batch, mode, old=old, moe_layers=moe, use_checkpoint=True)
+        training.backward(new.sum(), model)
+        _assert_routes_natively(model, placed, f"the {mode} update pass with recompute and its backward")
+    training.reference_logprobs(model, placed)
+    _assert_routes_natively(model, placed, "the reference pass")
+
+
+def test_a_failed_update_pass_or_a_leaked_fifo_entry_is_an_error_and_resets_the_routers(
+    subject: Subject,
+) -> None:
+    """An R2 update pass given the recording of another batch fails, and so does a backward that leaves a
+    recompute FIFO entry unpopped (it would be replayed by the next recompute: a FIFO leak, DESIGN §3.7);
+    either way the model is handed back routing natively."""
+    training = require(subject, "training")
+    model = MoELM(CFG)
+    samples = [t for t, _ in _rollout_routes(CFG)]
+    moe = list(CFG.moe_layers)
+    placed = training.place_without_routes(samples, WIDTH)
+    other = training.old_logprobs(
+        model, training.place_without_routes(samples[:2], WIDTH), "R2", moe_layers=moe
+    )
+    with pytest.raises((ValueError, RuntimeError)):
+        training.policy_logprobs(model, placed, "R2", old=other, moe_layers=moe)
+    _assert_routes_natively(model, placed, "an R2 update pass that failed on another batch's recording")
+    old = training.old_logprobs(model, placed, "R2", moe_layers=moe)
+    new = training.policy_logprobs(model, placed, "R2", old=old, moe_layers=moe, use_checkpoint=True)
+    with pytest.raises((ValueError, RuntimeError)):
+        training.backward(new.detach().sum().requires_grad_(), model)  # no recompute ran: entries left
+    _assert_routes_natively(model, placed, "a backward that left the recompute FIFO unpopped")
 
 
 def test_reference_logprobs_never_replay(subject: Subject) -> None:

@@ -2,11 +2,14 @@
 
 A subject may hand back ids in any integer dtype that holds them, as a torch tensor, a numpy array
 or nested lists, with each route's ids in any order. The suites turn what they get into int64 torch
-tensors (``as_ids``) and compare routes as sets (``route_sets``) before judging.
+tensors (``as_ids``) and compare routes as sets (``route_sets``) before judging. Bad input is
+judged the same way (``raises_naming``): any ValueError subclass will do, as long as its message
+names what was wrong.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,3 +31,18 @@ def as_ids(x: Any, what: str = "routes") -> torch.Tensor:
 def route_sets(x: Any, what: str = "routes") -> torch.Tensor:
     """Routes as per-(row, layer) expert sets: int64, ids sorted along the last (top_k) axis."""
     return torch.sort(as_ids(x, what), dim=-1).values
+
+
+def raises_naming(call: Callable[[], Any], *words: str) -> None:
+    """``call()`` raises a ValueError whose message holds every one of ``words`` (the field, the
+    expected value); AssertionError if it returns or its message lacks a word. Any other exception
+    propagates: a crash on bad input is not a clear error either."""
+    try:
+        got = call()
+    except ValueError as err:
+        missing = [w for w in words if w not in str(err)]
+        assert not missing, f"error {str(err)!r} does not name {missing}"
+        return
+    raise AssertionError(
+        f"bad input accepted (returned a {type(got).__name__}); expected a ValueError naming {words}"
+    )
