@@ -13,7 +13,8 @@ import ast
 import contextlib
 import io
 import re
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -344,6 +345,31 @@ class _Collector:
             self._progress(len(self.outcomes), max(self.total, len(self.outcomes)), outcome)
 
 
+def _suite_modules(root: Path) -> list[str]:
+    """The names of the imported modules whose files lie under ``root``."""
+    files = {name: getattr(module, "__file__", None) for name, module in list(sys.modules.items())}
+    return [name for name, file in files.items() if file and Path(file).resolve().is_relative_to(root)]
+
+
+@contextlib.contextmanager
+def _fresh_suite_modules() -> Iterator[None]:
+    """Import the suite modules anew for a nested run; the enclosing session's come back after.
+
+    Hypothesis fixes a test's settings when its module is imported (``@settings(max_examples=…)``
+    inherits the profile active then), so a nested run that reused an enclosing session's modules
+    would run under that session's profile, not its own (a kill run would shrink and explain each
+    failure: a 0.5 s kill took 45 s).
+    """
+    root = suites_dir().resolve()
+    saved = {name: sys.modules.pop(name) for name in _suite_modules(root)}
+    try:
+        yield
+    finally:
+        for name in _suite_modules(root):
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
 def run_suites(
     subject: str,
     *,
@@ -382,7 +408,7 @@ def run_suites(
     ]
     log = io.StringIO()
     try:
-        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log), _fresh_suite_modules():
             pytest.main(args, plugins=[collector])
     finally:
         settings.load_profile(profile)

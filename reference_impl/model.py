@@ -105,8 +105,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
         self.o_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
-                cache: KVCache | None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: KVCache | None) -> Tensor:
         batch, new, hidden = x.shape
 
         def heads(t: Tensor) -> Tensor:
@@ -166,9 +165,9 @@ class MoEBlock(nn.Module):
         super().__init__()
         self.router = Router(cfg, layer)
         self.experts = nn.ModuleList(
-            SwiGLU(cfg.hidden_size, cfg.expert_hidden) for _ in range(cfg.num_experts))
-        self.shared_expert = (SwiGLU(cfg.hidden_size, cfg.expert_hidden)
-                              if cfg.shared_expert else None)
+            SwiGLU(cfg.hidden_size, cfg.expert_hidden) for _ in range(cfg.num_experts)
+        )
+        self.shared_expert = SwiGLU(cfg.hidden_size, cfg.expert_hidden) if cfg.shared_expert else None
         self.dispatch = Dispatch()
         self.last_dispatch: Tensor | None = None
 
@@ -196,8 +195,9 @@ class DecoderLayer(nn.Module):
         else:  # dense layer: as wide as the top_k experts a token would use
             self.mlp = SwiGLU(cfg.hidden_size, cfg.expert_hidden * cfg.top_k)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
-                cache: KVCache | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: KVCache | None = None
+    ) -> Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -231,7 +231,7 @@ class MoELM(nn.Module):
         """
         for module in self.modules():
             if isinstance(module, nn.Linear):
-                module.weight.normal_(0.0, module.in_features ** -0.5, generator=gen)
+                module.weight.normal_(0.0, module.in_features**-0.5, generator=gen)
                 if module.bias is not None:
                     module.bias.normal_(0.0, 0.1, generator=gen)
             elif isinstance(module, nn.Embedding):
@@ -245,9 +245,15 @@ class MoELM(nn.Module):
         """An empty KV cache for `batch` sequences."""
         return KVCache(batch, self.cfg.num_layers)
 
-    def forward(self, input_ids: Tensor, *, position_ids: Tensor | None = None,
-                attention_mask: Tensor | None = None, cache: KVCache | None = None,
-                use_checkpoint: bool = False) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        *,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        cache: KVCache | None = None,
+        use_checkpoint: bool = False,
+    ) -> Tensor:
         """Logits [B, T, V] for `input_ids` [B, T].
 
         `attention_mask` [B, past+T]: 1 = real token, 0 = padding (left padding); it covers the
@@ -268,16 +274,17 @@ class MoELM(nn.Module):
                 raise ValueError(f"cache is for batch {cache.batch}, input has batch {batch}")
             past = cache.length
         if attention_mask is not None and attention_mask.shape != (batch, past + new):
-            raise ValueError(f"attention_mask has shape {list(attention_mask.shape)}, expected "
-                             f"[{batch}, {past + new}] (cached + new tokens)")
+            raise ValueError(
+                f"attention_mask has shape {list(attention_mask.shape)}, expected "
+                f"[{batch}, {past + new}] (cached + new tokens)"
+            )
         if position_ids is None:
             if attention_mask is not None:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
             else:
                 position_ids = torch.arange(past, past + new).expand(batch, new)
         if int(position_ids.max()) >= self.cfg.max_positions:
-            raise ValueError(f"position {int(position_ids.max())} >= max_positions "
-                             f"{self.cfg.max_positions}")
+            raise ValueError(f"position {int(position_ids.max())} >= max_positions {self.cfg.max_positions}")
 
         head_dim = self.cfg.hidden_size // self.cfg.num_heads
         cos, sin = rope_tables(position_ids, head_dim, self.cfg.torch_dtype)
@@ -310,9 +317,11 @@ class MoELM(nn.Module):
         targets = torch.as_tensor(targets)
         routers = self.routers()
         if targets.ndim != 3 or targets.shape[1] != len(routers):
-            raise ReplayError(f"replay targets have shape {list(targets.shape)}, expected "
-                              f"[tokens, {len(routers)}, {self.cfg.top_k}] (one slot per MoE "
-                              f"layer {list(self.cfg.moe_layers)})")
+            raise ReplayError(
+                f"replay targets have shape {list(targets.shape)}, expected "
+                f"[tokens, {len(routers)}, {self.cfg.top_k}] (one slot per MoE "
+                f"layer {list(self.cfg.moe_layers)})"
+            )
         for ordinal, router in enumerate(routers):
             router.set_targets(targets[:, ordinal, :], mask)
 
@@ -325,8 +334,10 @@ class MoELM(nn.Module):
         routers = self.routers()
         counts = [len(router.recorded) for router in routers]
         if not routers or counts[0] == 0 or len(set(counts)) != 1:
-            raise ReplayError(f"cannot pop a recording: entries per router {counts} (need the "
-                              "same non-zero number for every MoE layer)")
+            raise ReplayError(
+                f"cannot pop a recording: entries per router {counts} (need the "
+                "same non-zero number for every MoE layer)"
+            )
         trace = torch.stack([torch.cat(router.recorded) for router in routers], dim=1)
         for router in routers:
             router.recorded.clear()
@@ -340,5 +351,4 @@ class MoELM(nn.Module):
     @property
     def last_dispatch(self) -> list[Tensor | None]:
         """Per MoE layer, the ids [B*T, k] the last forward dispatched to the experts."""
-        return [layer.mlp.last_dispatch for layer in self.layers
-                if isinstance(layer.mlp, MoEBlock)]
+        return [layer.mlp.last_dispatch for layer in self.layers if isinstance(layer.mlp, MoEBlock)]

@@ -245,15 +245,19 @@ class Router(nn.Module):
             return ids
         if self.mode is RoutingMode.REPLAY_FORWARD:
             if self.targets is None:
-                raise ReplayError(f"router of decoder layer {self.layer} is in REPLAY_FORWARD "
-                                  "but has no replay targets (call set_targets first)")
+                raise ReplayError(
+                    f"router of decoder layer {self.layer} is in REPLAY_FORWARD "
+                    "but has no replay targets (call set_targets first)"
+                )
             target = self.targets
             self._check_rows(target, logits.shape[0])
             self.backward_targets.append(target)
         else:  # REPLAY_BACKWARD
             if not self.backward_targets:
-                raise ReplayError(f"router of decoder layer {self.layer} is in REPLAY_BACKWARD "
-                                  "but its FIFO is empty (no REPLAY_FORWARD call to recompute)")
+                raise ReplayError(
+                    f"router of decoder layer {self.layer} is in REPLAY_BACKWARD "
+                    "but its FIFO is empty (no REPLAY_FORWARD call to recompute)"
+                )
             target = self.backward_targets.popleft()
             self._check_rows(target, logits.shape[0])
         ids = target.ids.to(logits.device)
@@ -264,9 +268,11 @@ class Router(nn.Module):
 
     def _check_rows(self, target: ReplayTargets, tokens: int) -> None:
         if target.ids.shape[0] != tokens:
-            raise ReplayError(f"replay targets of decoder layer {self.layer} have shape "
-                              f"{list(target.ids.shape)}, expected [{tokens}, {self.top_k}] "
-                              "(one row per token this router sees)")
+            raise ReplayError(
+                f"replay targets of decoder layer {self.layer} have shape "
+                f"{list(target.ids.shape)}, expected [{tokens}, {self.top_k}] "
+                "(one row per token this router sees)"
+            )
 
     def set_targets(self, ids: Tensor, mask: Tensor | None = None) -> None:
         """Set the ids [T, k] this router is forced to choose; rows where `mask` is False route
@@ -274,18 +280,24 @@ class Router(nn.Module):
         ids = torch.as_tensor(ids)
         expected = f"[T, {self.top_k}]"
         if ids.ndim != 2 or ids.shape[1] != self.top_k:
-            raise ReplayError(f"replay targets of decoder layer {self.layer} have shape "
-                              f"{list(ids.shape)}, expected {expected}")
+            raise ReplayError(
+                f"replay targets of decoder layer {self.layer} have shape "
+                f"{list(ids.shape)}, expected {expected}"
+            )
         if ids.is_floating_point() or ids.dtype == torch.bool:
-            raise ReplayError(f"replay targets of decoder layer {self.layer} have dtype "
-                              f"{ids.dtype}, expected an integer dtype")
+            raise ReplayError(
+                f"replay targets of decoder layer {self.layer} have dtype "
+                f"{ids.dtype}, expected an integer dtype"
+            )
         ids = ids.to(torch.int64).clone()
         if mask is not None:
             mask = torch.as_tensor(mask)
             if mask.dtype != torch.bool or mask.shape != (ids.shape[0],):
-                raise ReplayError(f"replay mask of decoder layer {self.layer} has shape "
-                                  f"{list(mask.shape)} and dtype {mask.dtype}, expected "
-                                  f"[{ids.shape[0]}] bool")
+                raise ReplayError(
+                    f"replay mask of decoder layer {self.layer} has shape "
+                    f"{list(mask.shape)} and dtype {mask.dtype}, expected "
+                    f"[{ids.shape[0]}] bool"
+                )
             mask = mask.clone()
         self._check_ids(ids, mask)
         self.targets = ReplayTargets(ids, mask)
@@ -295,15 +307,19 @@ class Router(nn.Module):
         bad = ((ids < 0) | (ids >= self.num_experts)).any(dim=1) & replayed
         if bad.any():
             row = int(bad.nonzero()[0])
-            raise ReplayError(f"replay targets of decoder layer {self.layer}: replayed row {row} "
-                              f"= {ids[row].tolist()} has ids outside [0, {self.num_experts})")
+            raise ReplayError(
+                f"replay targets of decoder layer {self.layer}: replayed row {row} "
+                f"= {ids[row].tolist()} has ids outside [0, {self.num_experts})"
+            )
         ordered = ids.sort(dim=1).values
         repeated = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1) & replayed
         if repeated.any():
             row = int(repeated.nonzero()[0])
-            raise ReplayError(f"replay targets of decoder layer {self.layer}: replayed row {row} "
-                              f"= {ids[row].tolist()} repeats an expert (needs {self.top_k} "
-                              "distinct ids)")
+            raise ReplayError(
+                f"replay targets of decoder layer {self.layer}: replayed row {row} "
+                f"= {ids[row].tolist()} repeats an expert (needs {self.top_k} "
+                "distinct ids)"
+            )
 
     def clear(self) -> None:
         """Forget targets, the recompute FIFO and recordings."""

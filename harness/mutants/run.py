@@ -64,7 +64,11 @@ def suite_paths(*capabilities: str) -> list[str]:
 
 
 def run_mutant(
-    mutant: Mutant, *, first_kill_only: bool = False, named_killer_only: bool = False, extra: Sequence[str] = ()
+    mutant: Mutant,
+    *,
+    first_kill_only: bool = False,
+    named_killer_only: bool = False,
+    extra: Sequence[str] = (),
 ) -> MutantOutcome:
     """Run the suites of the mutant's capability against it (stop at the first kill if asked), or
     only the invariant it names as its killer (``Mutant.killed_by``)."""

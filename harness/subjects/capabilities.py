@@ -206,13 +206,21 @@ class LayoutsCapability(Protocol):
 @runtime_checkable
 class TrainingCapability(Protocol):
     """The trainer passes of ``reference_impl.training`` the suites call: R2/R3 configuration rules,
-    replay targets from a placed batch, and the log-prob passes."""
+    replay targets from a placed batch, the log-prob passes (old, policy, reference), backward, and
+    the PPO quantities."""
 
     check_mode: Callable[..., Any]
+    has_rollout_routes: Callable[..., Any]
     place_without_routes: Callable[..., Any]
     replay_targets: Callable[..., Any]
+    logprob_mask: Callable[..., Any]
     token_logprobs: Callable[..., Any]
+    old_logprobs: Callable[..., Any]
+    policy_logprobs: Callable[..., Any]
+    backward: Callable[..., Any]
     reference_logprobs: Callable[..., Any]
+    ppo_kl: Callable[..., Any]
+    ppo_loss: Callable[..., Any]
 
 
 PROTOCOLS: dict[str, type] = {

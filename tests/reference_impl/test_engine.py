@@ -9,8 +9,18 @@ from reference_impl import ROUTER_FAMILIES, MoEConfig, MoELM, RoutingMode
 from reference_impl.engine import AttemptPlan, RolloutEngine, run_episode
 from reference_impl.splice import splice, splice_replace
 
-SMALL = dict(vocab_size=64, hidden_size=32, num_layers=3, num_heads=2, num_experts=8, top_k=2,
-             expert_hidden=16, first_k_dense=1, n_group=4, topk_group=2)
+SMALL = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=3,
+    num_heads=2,
+    num_experts=8,
+    top_k=2,
+    expert_hidden=16,
+    first_k_dense=1,
+    n_group=4,
+    topk_group=2,
+)
 PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 8, 9], [7, 9, 32, 38]]  # different lengths
 
 
@@ -25,7 +35,7 @@ def _full_forward(model: MoELM, prompt: list[int], response: torch.Tensor):
     with torch.no_grad():
         logits = model(sequence[None, :-1])[0]
     model.set_routing_mode(RoutingMode.NATIVE)
-    logprobs = logits[len(prompt) - 1:].float().log_softmax(-1).gather(-1, response[:, None])[:, 0]
+    logprobs = logits[len(prompt) - 1 :].float().log_softmax(-1).gather(-1, response[:, None])[:, 0]
     return model.pop_recording(), logprobs
 
 
@@ -38,7 +48,11 @@ def test_rows_cover_start_to_the_last_fed_position(start):
     for prompt, dec, moe, whole in zip(PROMPTS, decoder, ordinal, full, strict=True):
         rows = len(prompt) + 5 - 1 - start
         assert (dec.prompt_len, dec.start, len(dec.tokens), dec.finish_reason) == (
-            len(prompt), start, 5, "length")
+            len(prompt),
+            start,
+            5,
+            "length",
+        )
         assert dec.routes.shape == (rows, 3, 2) and dec.routes.dtype == torch.int64
         assert moe.routes.shape == (rows, 2, 2)
         assert torch.equal(dec.routes[:, 0], torch.zeros(rows, 2, dtype=torch.int64))  # dense
@@ -120,8 +134,11 @@ def _perturb_routers(model: MoELM) -> None:
 
 def test_episode_attempts_add_up_and_the_splice_keeps_the_live_rows():
     prompt = PROMPTS[1]
-    plans = [AttemptPlan(4), AttemptPlan(0),
-             AttemptPlan(3, tool_tokens=(5, 6), update_weights=_perturb_routers)]
+    plans = [
+        AttemptPlan(4),
+        AttemptPlan(0),
+        AttemptPlan(3, tool_tokens=(5, 6), update_weights=_perturb_routers),
+    ]
     episode = run_episode(RolloutEngine(_model()), prompt, plans)
     P, attempts = len(prompt), episode.attempts
     assert [a.new_tokens for a in attempts] == [4, 0, 2 + 3]
@@ -129,7 +146,7 @@ def test_episode_attempts_add_up_and_the_splice_keeps_the_live_rows():
     assert [a.finish_reason for a in attempts] == ["abort", "abort", "length"]
     assert attempts[1].routes is None
     assert attempts[0].routes.shape[0] == P + 4 - 1 and attempts[2].routes.shape[0] == P + 9 - 1
-    assert episode.tokens[P + 4: P + 6].tolist() == [5, 6]
+    assert episode.tokens[P + 4 : P + 6].tolist() == [5, 6]
     assert episode.sampled_mask.tolist() == [True] * 4 + [False] * 2 + [True] * 3
     assert (episode.response_logprobs[~episode.sampled_mask] == 0).all()
     assert (episode.response_logprobs[episode.sampled_mask] < 0).all()
@@ -150,7 +167,7 @@ def test_episode_without_weight_updates_splices_to_a_single_generation():
     engine = RolloutEngine(model)
     episode = run_episode(engine, prompt, [AttemptPlan(3), AttemptPlan(2), AttemptPlan(4)])
     single = engine.generate([prompt], 9)[0]
-    assert torch.equal(episode.tokens[len(prompt):], single.tokens)
+    assert torch.equal(episode.tokens[len(prompt) :], single.tokens)
     trace = splice(len(prompt), episode.attempts)
     assert torch.equal(trace, single.routes)  # fp32: re-prefill reproduces decode routing
     assert torch.equal(trace, splice_replace(len(prompt), episode.attempts))
@@ -159,8 +176,12 @@ def test_episode_without_weight_updates_splices_to_a_single_generation():
 
 def test_tool_tokens_of_a_zero_budget_attempt_count_for_the_attempt_that_prefills_them():
     prompt = PROMPTS[2]
-    plans = [AttemptPlan(2), AttemptPlan(0, tool_tokens=(5, 6)), AttemptPlan(2),
-             AttemptPlan(0, tool_tokens=(11,))]
+    plans = [
+        AttemptPlan(2),
+        AttemptPlan(0, tool_tokens=(5, 6)),
+        AttemptPlan(2),
+        AttemptPlan(0, tool_tokens=(11,)),
+    ]
     episode = run_episode(RolloutEngine(_model()), prompt, plans)
     assert [a.new_tokens for a in episode.attempts] == [2, 0, 2 + 2, 0]
     assert len(episode.tokens) == len(prompt) + 2 + 2 + 2 + 1  # trailing tool token: no row

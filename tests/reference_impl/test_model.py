@@ -7,8 +7,17 @@ import torch
 
 from reference_impl import ROUTER_FAMILIES, MoEConfig, MoELM, ReplayError, RoutingMode
 
-SMALL = dict(vocab_size=64, hidden_size=32, num_layers=3, num_heads=2, num_experts=8, top_k=2,
-             expert_hidden=16, n_group=4, topk_group=2)
+SMALL = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=3,
+    num_heads=2,
+    num_experts=8,
+    top_k=2,
+    expert_hidden=16,
+    n_group=4,
+    topk_group=2,
+)
 
 
 def _model(family: str = "softmax_topk", **kw) -> MoELM:
@@ -17,8 +26,9 @@ def _model(family: str = "softmax_topk", **kw) -> MoELM:
 
 
 def _tokens(batch: int, length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, SMALL["vocab_size"], (batch, length),
-                         generator=torch.Generator().manual_seed(seed))
+    return torch.randint(
+        0, SMALL["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def _record(model: MoELM, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,8 +91,7 @@ def test_router_gradient_at_target_the_live_topk_would_not_pick(family):
     _, trace = _record(model, x)
     # First MoE layer: its input does not depend on replay, so "live top-k" is well defined.
     live = trace[:, 0]
-    unpicked = torch.stack([torch.tensor([e for e in range(8) if e not in row][:2])
-                            for row in live.tolist()])
+    unpicked = torch.stack([torch.tensor([e for e in range(8) if e not in row][:2]) for row in live.tolist()])
     targets = trace.clone()
     targets[:, 0] = unpicked
     model.set_routing_mode(RoutingMode.REPLAY_FORWARD)
@@ -99,8 +108,10 @@ def test_recompute_replays_forward_targets_per_micro_batch(family):
     """Two micro-batches forward under REPLAY_FORWARD, then backward with recompute under
     REPLAY_BACKWARD: each recompute pops its own micro-batch's targets and the gradients equal
     those of the same replay without recompute."""
-    micro = [(_tokens(2, 5, seed=1), _random_targets(10, 3, seed=1)),
-             (_tokens(2, 5, seed=2), _random_targets(10, 3, seed=2))]
+    micro = [
+        (_tokens(2, 5, seed=1), _random_targets(10, 3, seed=1)),
+        (_tokens(2, 5, seed=2), _random_targets(10, 3, seed=2)),
+    ]
 
     reference = _model(family)
     reference.set_routing_mode(RoutingMode.REPLAY_FORWARD)
@@ -185,14 +196,15 @@ def test_kv_cache_prefill_then_decode_matches_full_forward():
         prefill_trace = model.pop_recording()
         decode_traces = []
         for t in range(7, 12):
-            steps.append(model(x[:, t:t + 1], cache=cache))
+            steps.append(model(x[:, t : t + 1], cache=cache))
             decode_traces.append(model.pop_recording())
     assert cache.length == 12
     assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5)
     # Rows are b*T + t within each call: rebuild [B, T, layers, k] and compare routing.
     layers = len(model.routers())
-    by_sample = torch.cat([prefill_trace.view(2, 7, layers, 2)]
-                          + [d.view(2, 1, layers, 2) for d in decode_traces], dim=1)
+    by_sample = torch.cat(
+        [prefill_trace.view(2, 7, layers, 2)] + [d.view(2, 1, layers, 2) for d in decode_traces], dim=1
+    )
     assert torch.equal(by_sample, full_trace.view(2, 12, layers, 2))
 
 

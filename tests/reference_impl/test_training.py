@@ -23,8 +23,17 @@ from reference_impl.training import (
     token_logprobs,
 )
 
-SMALL = dict(vocab_size=64, hidden_size=32, num_layers=3, num_heads=2, num_experts=8, top_k=2,
-             expert_hidden=16, n_group=4, topk_group=2)
+SMALL = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=3,
+    num_heads=2,
+    num_experts=8,
+    top_k=2,
+    expert_hidden=16,
+    n_group=4,
+    topk_group=2,
+)
 LENGTHS = (6, 9, 4)  # three samples of different lengths, left-padded to WIDTH
 WIDTH = 9
 
@@ -54,9 +63,13 @@ def _r3_batch(model: MoELM, seed: int = 0) -> Placed:
 
 
 def _is_clean(model: MoELM) -> bool:
-    return all(router.mode is RoutingMode.NATIVE and router.targets is None
-               and not router.backward_targets and not router.recorded
-               for router in model.routers())
+    return all(
+        router.mode is RoutingMode.NATIVE
+        and router.targets is None
+        and not router.backward_targets
+        and not router.recorded
+        for router in model.routers()
+    )
 
 
 def _real_rows(placed: Placed) -> torch.Tensor:
@@ -82,8 +95,12 @@ def test_replay_mask_replays_prompt_rows_and_skips_last_token_and_padding():
 def test_decoder_and_moe_ordinal_axes_give_the_same_targets():
     model = _model(first_k_dense=1)
     placed = _r3_batch(model)
-    ordinal = Placed(placed.tokens, placed.attention_mask,
-                     placed.routes[:, :, list(model.cfg.moe_layers)], placed.replay_mask)
+    ordinal = Placed(
+        placed.tokens,
+        placed.attention_mask,
+        placed.routes[:, :, list(model.cfg.moe_layers)],
+        placed.replay_mask,
+    )
     decoder_targets, decoder_mask = replay_targets(placed, model.cfg.moe_layers, "decoder")
     ordinal_targets, ordinal_mask = replay_targets(ordinal, model.cfg.moe_layers, "moe_ordinal")
     assert torch.equal(decoder_targets, ordinal_targets)
@@ -117,8 +134,14 @@ def test_r2_first_on_policy_minibatch_has_exactly_zero_kl(use_checkpoint):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     advantages = torch.randn(placed.tokens.shape, generator=torch.Generator().manual_seed(3))
     for _ in range(2):  # a step of size 0 leaves the next mini-batch on-policy too
-        new = policy_logprobs(model, placed, ReplayMode.R2, old=old,
-                              moe_layers=model.cfg.moe_layers, use_checkpoint=use_checkpoint)
+        new = policy_logprobs(
+            model,
+            placed,
+            ReplayMode.R2,
+            old=old,
+            moe_layers=model.cfg.moe_layers,
+            use_checkpoint=use_checkpoint,
+        )
         assert torch.equal(new, old.logprobs)
         assert ppo_kl(new, old.logprobs, mask).item() == 0.0
         optimizer.zero_grad()
@@ -143,14 +166,11 @@ def test_r2_replay_keeps_the_recorded_routes_when_router_weights_move():
     _perturb_gates(model, 0.05, seed=7)  # a small update between the old and the update pass
     real = _real_rows(placed)
 
-    native = policy_logprobs(model, placed, ReplayMode.DISABLED, old=old,
-                             moe_layers=model.cfg.moe_layers)
-    flipped = [not torch.equal(d[real], old.recording[real, j])
-               for j, d in enumerate(model.last_dispatch)]
+    native = policy_logprobs(model, placed, ReplayMode.DISABLED, old=old, moe_layers=model.cfg.moe_layers)
+    flipped = [not torch.equal(d[real], old.recording[real, j]) for j, d in enumerate(model.last_dispatch)]
     assert any(flipped)  # natively some real token now routes differently...
 
-    replayed = policy_logprobs(model, placed, ReplayMode.R2, old=old,
-                               moe_layers=model.cfg.moe_layers)
+    replayed = policy_logprobs(model, placed, ReplayMode.R2, old=old, moe_layers=model.cfg.moe_layers)
     for j, dispatched in enumerate(model.last_dispatch):  # ...under R2 every one keeps its route
         assert torch.equal(dispatched[real], old.recording[real, j])
     mask = logprob_mask(placed.attention_mask)
@@ -166,14 +186,14 @@ def test_r2_kl_stays_exactly_zero_when_only_the_choice_bias_moves():
     """
     model = _model(router_family="sigmoid_grouped")
     gen = torch.Generator().manual_seed(0)
-    placed = place_without_routes([torch.randint(1, 64, (WIDTH,), generator=gen) for _ in range(3)],
-                                  WIDTH)
+    placed = place_without_routes([torch.randint(1, 64, (WIDTH,), generator=gen) for _ in range(3)], WIDTH)
     mask = logprob_mask(placed.attention_mask)
     old = old_logprobs(model, placed, ReplayMode.R2, moe_layers=model.cfg.moe_layers)
     with torch.no_grad():
         for router in model.routers():
             router.family.e_score_correction_bias.add_(
-                0.3 * torch.randn(8, generator=torch.Generator().manual_seed(router.layer)))
+                0.3 * torch.randn(8, generator=torch.Generator().manual_seed(router.layer))
+            )
     native = policy_logprobs(model, placed, "disabled", old=old, moe_layers=model.cfg.moe_layers)
     replayed = policy_logprobs(model, placed, "R2", old=old, moe_layers=model.cfg.moe_layers)
     assert ppo_kl(native, old.logprobs, mask) != 0
@@ -186,9 +206,12 @@ def test_r2_kl_stays_exactly_zero_when_only_the_choice_bias_moves():
 def _capture_routing(model: MoELM) -> tuple[list, list]:
     """Forward hooks collecting (ids, logits) of every router call; returns (calls, handles)."""
     calls: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in model.routers()]
-    handles = [router.register_forward_hook(
-        lambda _module, _args, out, j=j: calls[j].append((out[0].detach(), out[2].detach())))
-        for j, router in enumerate(model.routers())]
+    handles = [
+        router.register_forward_hook(
+            lambda _module, _args, out, j=j: calls[j].append((out[0].detach(), out[2].detach()))
+        )
+        for j, router in enumerate(model.routers())
+    ]
     return calls, handles
 
 
@@ -206,15 +229,16 @@ def test_r3_dispatches_rollout_routes_and_routes_masked_rows_natively(use_checkp
     for handle in handles:
         handle.remove()
     for j, router in enumerate(model.routers()):
-        (ids, logits), = calls[j]
+        ((ids, logits),) = calls[j]
         assert torch.equal(ids[mask], targets[mask, j])  # rollout routes, exactly
         assert torch.equal(ids[~mask], router.family.select(logits[~mask]))  # natively, no filler
         assert torch.equal(model.last_dispatch[j], ids)
     assert not torch.equal(old.logprobs, natural)
     assert old.recording is None and _is_clean(model)
 
-    new = policy_logprobs(model, placed, ReplayMode.R3, old=old, moe_layers=model.cfg.moe_layers,
-                          use_checkpoint=use_checkpoint)
+    new = policy_logprobs(
+        model, placed, ReplayMode.R3, old=old, moe_layers=model.cfg.moe_layers, use_checkpoint=use_checkpoint
+    )
     valid = logprob_mask(placed.attention_mask)
     assert torch.equal(new, old.logprobs)  # same replay in both passes: on-policy KL is 0 exactly
     assert ppo_kl(new, old.logprobs, valid).item() == 0.0
@@ -280,8 +304,9 @@ def test_checkpointed_update_holds_one_fifo_entry_until_backward():
     placed = place_without_routes(_samples(), WIDTH)
     old = old_logprobs(model, placed, ReplayMode.R2, moe_layers=model.cfg.moe_layers)
     assert _is_clean(model)
-    new = policy_logprobs(model, placed, ReplayMode.R2, old=old, moe_layers=model.cfg.moe_layers,
-                          use_checkpoint=True)
+    new = policy_logprobs(
+        model, placed, ReplayMode.R2, old=old, moe_layers=model.cfg.moe_layers, use_checkpoint=True
+    )
     for router in model.routers():
         assert router.mode is RoutingMode.REPLAY_BACKWARD and router.targets is None
         assert len(router.backward_targets) == 1
@@ -293,10 +318,12 @@ def test_an_undrained_fifo_is_an_error_and_is_cleared():
     model = _model()
     placed = place_without_routes(_samples(), WIDTH)
     old = old_logprobs(model, placed, ReplayMode.R2, moe_layers=model.cfg.moe_layers)
-    first = policy_logprobs(model, placed, ReplayMode.R2, old=old,
-                            moe_layers=model.cfg.moe_layers, use_checkpoint=True)
-    policy_logprobs(model, placed, ReplayMode.R2, old=old, moe_layers=model.cfg.moe_layers,
-                    use_checkpoint=True)  # a second forward before the first backward
+    first = policy_logprobs(
+        model, placed, ReplayMode.R2, old=old, moe_layers=model.cfg.moe_layers, use_checkpoint=True
+    )
+    policy_logprobs(
+        model, placed, ReplayMode.R2, old=old, moe_layers=model.cfg.moe_layers, use_checkpoint=True
+    )  # a second forward before the first backward
     with pytest.raises(ReplayError, match="FIFO"):
         backward(first.sum(), model)
     assert _is_clean(model)
@@ -305,8 +332,9 @@ def test_an_undrained_fifo_is_an_error_and_is_cleared():
 def test_a_pass_that_fails_leaves_no_replay_state():
     model = _model()
     placed = _r3_batch(model)
-    broken = Placed(placed.tokens, placed.attention_mask, torch.zeros_like(placed.routes),
-                    placed.replay_mask)  # an all-zero capture: repeated expert 0
+    broken = Placed(
+        placed.tokens, placed.attention_mask, torch.zeros_like(placed.routes), placed.replay_mask
+    )  # an all-zero capture: repeated expert 0
     with pytest.raises(ReplayError, match="repeats an expert"):
         old_logprobs(model, broken, ReplayMode.R3, moe_layers=model.cfg.moe_layers)
     assert _is_clean(model)
