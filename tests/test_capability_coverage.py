@@ -15,16 +15,23 @@ from harness.testing import coverage
 
 settings.register_profile("coverage", max_examples=1, derandomize=True, deadline=None, database=None)
 
-HEAVY = ("test_replay.py", "test_rollout_coverage.py", "test_mismatch_lab.py", "test_hf.py")
-"""Suites that run many model cases, build real models or run episodes, in the order they run after
-the others: the run stops as soon as every function has been called, usually within the first."""
+REPLAY_TESTS = (
+    "test_replay.py::test_recompute_replays_each_forwards_targets",
+    "test_replay.py::test_replaying_own_recording_is_bit_exact",
+)
+"""The tests of ``test_replay.py`` (143 model cases) that call every replay handle method for each
+kind; its other tests call nothing more, so the run takes only these."""
+
+HEAVY = ("test_rollout_coverage.py", "test_mismatch_lab.py", "test_hf.py")
+"""Suites that build real models or run episodes, run last: the run stops as soon as every function
+has been called, usually before them."""
 
 
 def _suites_cheapest_first() -> list[str]:
-    paths = sorted(suites_dir().glob("test_*.py"))
-    light = [p for p in paths if p.name not in HEAVY]
-    heavy = [suites_dir() / name for name in HEAVY]
-    return [str(p) for p in light + heavy]
+    light = [
+        str(p) for p in sorted(suites_dir().glob("test_*.py")) if p.name not in (*HEAVY, "test_replay.py")
+    ]
+    return [*light, *(str(suites_dir() / name) for name in (*REPLAY_TESTS, *HEAVY))]
 
 
 def test_the_suites_call_every_public_function_of_every_capability() -> None:
