@@ -41,6 +41,19 @@ Capabilities, each a thin adapter over the release's own code:
   ``align_r3_router_replay_data`` and ``build_r3_replay_mask`` are not called there: the suite's
   traces have a row for every position (R2's replay, which verl also uses), and the R3 mask is
   checked through ``layouts``.
+- ``install_hf_replay``: the VeOmni engine's router replay on a transformers model,
+  ``VeOmniRouterReplay`` (``verl/utils/veomni/router_replay.py``), driven with the lifecycle of the
+  release's ``verl/workers/engine/veomni/transformer_impl.py``. VeOmni itself (its patched
+  ``SparseMoeBlock.forward`` calling ``maybe_replay_indices``) is not installed: the harness's
+  router hooks are the tap, calling the controller's ``on_router_forward`` with the router's logits
+  and top-k and dispatching the ids it returns, with the family's own gate weights at them. Targets
+  arrive as the engine hands them over, one slot per decoder layer (dense slots 0), matched to
+  routers by fire order. 0.9.1: ``begin_microbatch(targets=…)`` / ``take_recorded`` per forward, no
+  replay mask (a row without a target arrives all-zero; the controller routes rows with a repeated
+  id natively). 0.8.0 and 0.9.0: ``set_microbatch_targets(per_layer, replay_mask)``,
+  ``advance_record_microbatch`` and ``collect_recorded``, the mask passed through. Every family
+  the harness builds is tapped; which ones VeOmni wires (at verl #6325: ``qwen3_moe``,
+  ``qwen3_5_moe``) depends on the VeOmni build and is not checked.
 """
 
 from __future__ import annotations
