@@ -60,7 +60,7 @@ RELEASES: dict[str, Release] = {
                 "harness.subjects.frameworks.verl:VERL_0_8_0",
                 "harness.subjects.frameworks.verl:VERL_0_8_0_SGLANG",
             ),
-            ("test_splice.py", "test_layouts.py", "test_megatron.py"),
+            ("test_splice.py", "test_layouts.py", "test_replay.py", "test_hf.py", "test_megatron.py"),
             select=MEGATRON,
         ),
         Release(
@@ -68,7 +68,7 @@ RELEASES: dict[str, Release] = {
             "verl",
             "0.9.0",
             ("harness.subjects.frameworks.verl:VERL_0_9_0",),
-            ("test_splice.py", "test_layouts.py", "test_megatron.py"),
+            ("test_splice.py", "test_layouts.py", "test_replay.py", "test_hf.py", "test_megatron.py"),
             select=MEGATRON,
         ),
         Release(
@@ -76,7 +76,7 @@ RELEASES: dict[str, Release] = {
             "verl",
             "0.9.1",
             ("harness.subjects.frameworks.verl:VERL_0_9_1",),
-            ("test_splice.py", "test_layouts.py", "test_megatron.py"),
+            ("test_splice.py", "test_layouts.py", "test_replay.py", "test_hf.py", "test_megatron.py"),
             select=MEGATRON,
         ),
         Release(
