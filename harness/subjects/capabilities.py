@@ -63,6 +63,16 @@ class ReplayController(Protocol):
 
 
 @runtime_checkable
+class OneForwardInFlight(Protocol):
+    """Optional: the controller keeps one forward's targets for recompute, because its trainer runs
+    each micro-batch's forward and backward before the next (FSDP without pipeline parallelism; verl's
+    VeOmni engine). A declared contract, not a report: the recompute suite then checks recompute
+    with one forward in flight instead of two."""
+
+    forwards_in_flight: int  # 1
+
+
+@runtime_checkable
 class ReportsDispatch(Protocol):
     """Optional: the controller's own word on what the experts received. Reported, never trusted."""
 

@@ -232,7 +232,14 @@ def place_left_padded(
     mask is what the release's trainer replays: from 0.9.0 its R3 mask; in 0.8.0, which has no
     mask, every position it is given (the attention mask).
     """
+    if not samples:
+        raise ValueError("samples is empty: expected at least one (tokens, routes) sample")
     lens = [int(t.shape[0]) for t, _ in samples]
+    if prompt_lens is not None and len(prompt_lens) != len(samples):
+        # The harness's signature, not verl's: verl takes each sample's prompt and response apart.
+        raise ValueError(
+            f"prompt_lens has {len(prompt_lens)} entries, expected one per sample ({len(samples)})"
+        )
     splits = list(prompt_lens) if prompt_lens is not None else [min(1, n) for n in lens]
     prompt_width = max(splits)
     worker = _agent_loop_worker(version, prompt_width, width - prompt_width)
@@ -486,7 +493,13 @@ class _VeOmniReplay(HFReplay, abc.ABC):
     0), cut per slot (``unbind(dim=1)``). The harness's MoE-ordinal targets go to their decoder
     layers' slots, up to the last MoE layer they cover. Recompute needs no action: verl's controller
     recognises a router it has seen in this micro-batch and replays the same slot.
+
+    It holds one micro-batch's targets: the VeOmni engine (FSDP2, no pipeline parallelism) runs each
+    micro-batch's forward and backward before the next, so one forward is in flight
+    (``OneForwardInFlight``).
     """
+
+    forwards_in_flight = 1
 
     def __init__(self, model: torch.nn.Module, routers: list[Any], veomni: Any) -> None:
         super().__init__(model, routers)
