@@ -10,7 +10,9 @@ verdict would describe other code.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from importlib import metadata
+from typing import Any
 
 
 class ReleaseMismatch(RuntimeError):
@@ -34,4 +36,21 @@ def require_release(distribution: str, version: str, tox_env: str) -> None:
         raise ReleaseMismatch(
             f"this subject wraps {distribution}=={version}, but {distribution} {where} "
             f"(run it in its env: tox -e {tox_env})"
+        )
+
+
+def check_placement_arguments(samples: Sequence[Any], width: int, prompt_lens: Sequence[int] | None) -> None:
+    """The harness's own ``place_left_padded`` arguments, checked by an adapter before it maps them
+    onto a release's API (which takes each sample's prompt and response apart and has no
+    ``width`` or ``prompt_lens``); each sample's rows and routes go to the release as they are."""
+    if not samples:
+        raise ValueError("samples is empty: expected at least one (tokens, routes) sample")
+    for index, (tokens, _) in enumerate(samples):
+        if tokens.dim() != 1:
+            raise ValueError(f"sample {index}: tokens must be 1-D, got shape {tuple(tokens.shape)}")
+        if tokens.shape[0] > width:
+            raise ValueError(f"sample {index}: {tokens.shape[0]} tokens do not fit width {width}")
+    if prompt_lens is not None and len(prompt_lens) != len(samples):
+        raise ValueError(
+            f"prompt_lens has {len(prompt_lens)} entries, expected one per sample ({len(samples)})"
         )

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from harness.subjects import Subject
-from harness.subjects.frameworks import require_release
+from harness.subjects.frameworks import check_placement_arguments, require_release
 from reference_impl.layouts import Placed
 
 
@@ -76,6 +76,7 @@ def place_left_padded(
     run, by one more sample of ``width`` tokens (dropped from the result).
     """
     convert = _preprocess(version).convert_prompts_responses_to_batch_tensors
+    check_placement_arguments(samples, width, prompt_lens)
     lens = [int(t.shape[0]) for t, _ in samples]
     splits = list(prompt_lens) if prompt_lens is not None else [min(1, n) for n in lens]
     prompts = [t[:p].tolist() for (t, _), p in zip(samples, splits, strict=True)]

@@ -70,7 +70,7 @@ from unittest import mock
 import torch
 
 from harness.subjects import Subject
-from harness.subjects.frameworks import require_release
+from harness.subjects.frameworks import check_placement_arguments, require_release
 from harness.trainers.hf.replay import HFReplay, Mode, find_routers
 from reference_impl.layouts import Placed
 from reference_impl.splice import Attempt
@@ -232,15 +232,7 @@ def place_left_padded(
     mask is what the release's trainer replays: from 0.9.0 its R3 mask; in 0.8.0, which has no
     mask, every position it is given (the attention mask).
     """
-    # The harness's signature, not verl's (verl takes each sample's prompt and response ids apart, padded
-    # to its configured lengths): its own arguments are checked here; rows and routes go to verl as is.
-    if not samples:
-        raise ValueError("samples is empty: expected at least one (tokens, routes) sample")
-    for index, (tokens, _) in enumerate(samples):
-        if torch.as_tensor(tokens).dim() != 1:
-            raise ValueError(f"sample {index}: tokens must be 1-D, got shape {tuple(tokens.shape)}")
-        if tokens.shape[0] > width:
-            raise ValueError(f"sample {index}: {tokens.shape[0]} tokens do not fit width {width}")
+    check_placement_arguments(samples, width, prompt_lens)
     lens = [int(t.shape[0]) for t, _ in samples]
     if prompt_lens is not None and len(prompt_lens) != len(samples):
         raise ValueError(
