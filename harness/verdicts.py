@@ -32,6 +32,9 @@ SELECT = "not slow and not gpu and not distributed"
 MEGATRON = "not slow and not gpu"
 """With the Megatron suite, whose default layouts spawn one and two gloo ranks."""
 
+VERL_SUITES = ("test_splice.py", "test_layouts.py", "test_replay.py", "test_hf.py", "test_megatron.py")
+"""Every verl release's suites: splice, placement, VeOmni replay on transformers, Megatron R2/R3."""
+
 
 class VerdictError(HarnessError, ValueError):
     """A verdict file is missing or malformed."""
@@ -60,7 +63,7 @@ RELEASES: dict[str, Release] = {
                 "harness.subjects.frameworks.verl:VERL_0_8_0",
                 "harness.subjects.frameworks.verl:VERL_0_8_0_SGLANG",
             ),
-            ("test_splice.py", "test_layouts.py", "test_replay.py", "test_hf.py", "test_megatron.py"),
+            VERL_SUITES,
             select=MEGATRON,
         ),
         Release(
@@ -68,7 +71,7 @@ RELEASES: dict[str, Release] = {
             "verl",
             "0.9.0",
             ("harness.subjects.frameworks.verl:VERL_0_9_0",),
-            ("test_splice.py", "test_layouts.py", "test_replay.py", "test_hf.py", "test_megatron.py"),
+            VERL_SUITES,
             select=MEGATRON,
         ),
         Release(
@@ -76,7 +79,7 @@ RELEASES: dict[str, Release] = {
             "verl",
             "0.9.1",
             ("harness.subjects.frameworks.verl:VERL_0_9_1",),
-            ("test_splice.py", "test_layouts.py", "test_replay.py", "test_hf.py", "test_megatron.py"),
+            VERL_SUITES,
             select=MEGATRON,
         ),
         Release(
