@@ -377,21 +377,20 @@ def run_suites(
     paths: Sequence[str] | None = None,
     extra: Sequence[str] = (),
     keyword: str | None = None,
+    capabilities: Sequence[str] = (),
     progress: ProgressCallback | None = None,
 ) -> tuple[list[CheckOutcome], str]:
     """Run the suites against ``subject`` (a ``module:attr`` spec) and return outcomes and pytest's log.
 
     ``select`` is a marker expression (``-m``), ``keyword`` a ``-k`` expression (e.g. one
-    transformers model family), ``extra`` further pytest arguments (``-x``,
+    transformers model family), ``capabilities`` keeps only the tests that declare one of them
+    (``@pytest.mark.capability``), ``extra`` further pytest arguments (``-x``,
     ``--hypothesis-seed=N``). ``progress`` is called after each test. The hypothesis profile
     active before the run is restored after it, so a run inside a test session leaves the
     session's settings alone.
     """
-    from harness import pytest_plugin
-
     collector = _Collector(progress)
     profile = settings.get_current_profile_name()
-    requested = list(pytest_plugin._requested)  # an enclosing test's own capabilities
     args = [
         *(paths or [str(suites_dir())]),
         "-q",
@@ -402,6 +401,7 @@ def run_suites(
         "-m",
         select,
         *(["-k", keyword] if keyword else []),
+        *(f"--rr-capability={name}" for name in capabilities),
         "--rr-subject",
         subject,
         *extra,
@@ -412,5 +412,4 @@ def run_suites(
             pytest.main(args, plugins=[collector])
     finally:
         settings.load_profile(profile)
-        pytest_plugin._requested[:] = requested
     return collector.outcomes, log.getvalue()

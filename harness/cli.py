@@ -344,7 +344,7 @@ def _cmd_bench_trace(args: argparse.Namespace) -> int:
 def _cmd_mutants(args: argparse.Namespace) -> int:
     from harness.mutants.benign import BENIGN
     from harness.mutants.registry import MUTANTS
-    from harness.mutants.run import kill_args, reference_failures, run_benign, run_mutant
+    from harness.mutation import kill_args, reference_failures, run_benign, run_mutant
     from harness.report import format_table
 
     chosen = [m for m in MUTANTS if not args.only or m.name in args.only]

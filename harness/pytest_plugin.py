@@ -12,6 +12,11 @@
   "all skipped".
 - ``--rr-subject module:attr`` (or ``RR_SUBJECT``): the implementation under test; the reference
   by default. The header of the run says which subject ran.
+- ``@pytest.mark.capability("splice", ...)``: the subject capabilities a suite test exercises, read
+  at collection. A subject that lacks one skips the test, naming it; ``--rr-capability NAME``
+  keeps only the tests that declare ``NAME`` (how a mutant's suites are chosen). The test asks for
+  each capability with ``harness.testing.suite.require``, which records the use: the summary
+  counts what tests actually asked for, not what they declare.
 - Hypothesis profiles: ``ci`` (derandomized, no deadline), ``dev`` (the default outside CI),
   ``thorough`` (1000 examples), and ``mutants`` / ``mutants-ci`` (no shrinking, for kill runs).
   ``--hypothesis-profile NAME`` picks one; otherwise ``ci`` when ``CI`` is set.
@@ -28,8 +33,11 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 from harness.errors import SubjectError
-from harness.subjects import DEFAULT_SUBJECT, MissingCapability, Subject, load_subject
-from harness.subjects.capabilities import CapabilityView
+from harness.subjects import CAPABILITIES, DEFAULT_SUBJECT, Subject, load_subject
+from harness.testing import suite
+from harness.testing.suite import require, subject_spec
+
+__all__ = ["MARKERS", "require", "subject_spec"]  # suites import them from harness.testing.suite
 
 settings.register_profile(
     "ci", derandomize=True, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
@@ -77,6 +85,12 @@ MARKERS: dict[str, tuple[str, Callable[[], bool] | None, str]] = {
     "hf": ("needs transformers (extra 'hf')", _has_module("transformers"), "transformers is not installed"),
     "distributed": ("spawns torch.distributed process groups (gloo on CPU, NCCL on GPU)", None, ""),
     "slow": ("heavy case, deselected by default; run with -m slow", None, ""),
+    "capability": (
+        "the subject capabilities the test exercises, capability(name, ...); a subject lacking one "
+        "skips the test, --rr-capability NAME selects by them",
+        None,
+        "",
+    ),
 }
 
 
@@ -88,15 +102,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="MODULE:ATTR",
         help=f"implementation under test (default: $RR_SUBJECT or {DEFAULT_SUBJECT})",
     )
-
-
-def subject_spec(config: pytest.Config) -> str:
-    """The ``--rr-subject`` spec (spawned ranks load the subject from it: a spec, not an object)."""
-    return _subject_spec(config)
-
-
-def _subject_spec(config: pytest.Config) -> str:
-    return str(config.getoption("--rr-subject") or os.environ.get("RR_SUBJECT") or DEFAULT_SUBJECT)
+    group.addoption(
+        "--rr-capability",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only the tests that declare this subject capability (repeatable)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -105,15 +117,15 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("hypothesis_profile", None) is None:
         settings.load_profile("ci" if os.environ.get("CI") else "dev")
     try:
-        load_subject(_subject_spec(config))
+        load_subject(subject_spec(config))
     except SubjectError as err:
         raise pytest.UsageError(f"--rr-subject: {err}") from None
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    subject = load_subject(_subject_spec(config))
+    subject = load_subject(subject_spec(config))
     return [
-        f"rrh subject: {subject.name} ({_subject_spec(config)}); "
+        f"rrh subject: {subject.name} ({subject_spec(config)}); "
         f"capabilities: {', '.join(subject.capabilities()) or 'none'}",
         f"hypothesis profile: {settings.get_current_profile_name()}",
     ]
@@ -142,38 +154,59 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             _availability[name] = available()
         if not _availability[name]:
             pytest.skip(f"{name}: {missing}")
+    _skip_missing_capabilities(item)
 
 
-_requested: list[str] = []  # capabilities the running test asked for (one test at a time per process)
+_DECLARED = pytest.StashKey[tuple[str, ...]]()
 
 
-def require(subject: Subject, capability: str) -> Any:
-    """The subject's ``capability``, or skip the test with a reason naming it.
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Read each test's ``capability`` markers; with ``--rr-capability``, keep only the tests that
+    declare one of the named capabilities."""
+    wanted = set(config.getoption("--rr-capability") or ())
+    keep, drop = [], []
+    for item in items:
+        declared = suite.declared(item)
+        unknown = [name for name in declared if name not in CAPABILITIES]
+        if unknown:
+            raise pytest.UsageError(
+                f"{item.nodeid}: unknown capability {unknown[0]!r} in @pytest.mark.capability "
+                f"(known: {', '.join(CAPABILITIES)})"
+            )
+        item.stash[_DECLARED] = declared
+        (keep if not wanted or wanted & set(declared) else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
-    Suites call this for every capability they exercise; the run's summary counts them.
-    """
-    _requested.append(capability)
-    try:
-        value = subject.require(capability)
-    except MissingCapability as err:
-        pytest.skip(str(err))
-    if capability in _NAMESPACES:  # a member the object lacks is a skip naming it, not an AttributeError
-        return CapabilityView(value, capability, subject.name, on_missing=pytest.skip)
-    return value
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    with suite.using(item.nodeid, item.stash.get(_DECLARED, ())):
+        yield
 
 
-_NAMESPACES = ("layouts", "training", "megatron_data")
-"""Capabilities whose value is an object of functions (a module, an instance, a namespace)."""
+def _skip_missing_capabilities(item: pytest.Item) -> None:
+    """Skip a test whose subject lacks a capability it declares, naming the first one missing."""
+    declared = item.stash.get(_DECLARED, ())
+    if not declared:
+        return
+    subject = load_subject(subject_spec(item.config))
+    missing = [name for name in declared if name not in subject.capabilities()]
+    uses = suite.current()
+    if missing and uses is not None:
+        uses.used[:] = missing  # what the skip is for: ``rrh check`` groups skips by it
+    if missing:
+        pytest.skip(f"subject {subject.name!r} does not provide {missing[0]!r}")
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-    if call.when == "setup":
-        _requested.clear()
     outcome = yield
     report = outcome.get_result()
-    if _requested and (call.when == "call" or report.skipped):
-        report.user_properties.append(("rr_capabilities", tuple(dict.fromkeys(_requested))))
+    uses = suite.current()
+    if uses is not None and uses.used and (call.when == "call" or report.skipped):
+        report.user_properties.append(("rr_capabilities", tuple(dict.fromkeys(uses.used))))
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
@@ -190,7 +223,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
                     exercised[cap] = exercised.get(cap, 0) + 1
     if not exercised and not missing:
         return
-    subject = _subject_spec(config)
+    subject = subject_spec(config)
     done = ", ".join(f"{cap} ({n} tests)" for cap, n in sorted(exercised.items())) or "NONE"
     terminalreporter.write_sep("-", "routing-replay harness")
     terminalreporter.write_line(f"subject {subject}: capabilities exercised: {done}")
@@ -207,7 +240,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 @pytest.fixture(scope="session")
 def subject(request: pytest.FixtureRequest) -> Subject:
     """The implementation under test, loaded from ``--rr-subject`` / ``RR_SUBJECT``."""
-    spec = _subject_spec(request.config)
+    spec = subject_spec(request.config)
     return load_subject(spec)
 
 

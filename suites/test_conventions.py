@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import example, given, settings
 
 from harness.conventions import ModelSpec
 from harness.strategies import EnginePayload, engine_payloads
 from harness.subjects import Subject
 from harness.testing.judge import route_sets
-from suites.conftest import require
+from harness.testing.suite import require
+
+pytestmark = pytest.mark.capability("decode_payload")
 
 
 def _decode(subject: Subject, sample: EnginePayload):  # type: ignore[no-untyped-def]

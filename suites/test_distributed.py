@@ -28,7 +28,6 @@ Each test is one spawn of at most 4 ranks (DESIGN §6).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,8 +38,9 @@ import torch
 import torch.distributed as dist
 
 from harness.distributed import run_ranks
-from harness.subjects import DEFAULT_SUBJECT, Subject, load_subject
+from harness.subjects import Subject, load_subject
 from harness.subjects.replay import install
+from harness.testing.suite import require, subject_spec
 from reference_impl import MoEConfig, MoELM, RoutingMode
 from reference_impl.distributed import (
     ParallelSpec,
@@ -289,14 +289,7 @@ def recompute_worker(rank: int, world_size: int, subject_spec: str) -> dict[str,
 # --------------------------------------------------------------------------------------------------
 
 
-def subject_spec(config: pytest.Config) -> str:
-    """The ``--rr-subject`` spec the ranks load (they are fresh processes: a spec, not an object)."""
-    return str(config.getoption("--rr-subject") or os.environ.get("RR_SUBJECT") or DEFAULT_SUBJECT)
-
-
 def _require_capabilities(subject: Subject) -> None:
-    from suites.conftest import require  # lazily: spawned ranks import this module, keep it light
-
     require(subject, "layouts")
     require(subject, "install_replay")
 
@@ -368,6 +361,7 @@ def assert_close_logprobs(got: torch.Tensor, expected: torch.Tensor, what: str) 
     )
 
 
+@pytest.mark.capability("layouts", "install_replay")
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_record_and_replay_in_the_layout_match_single_process(
     subject: Subject, request: pytest.FixtureRequest, layout: str
@@ -404,6 +398,7 @@ def test_record_and_replay_in_the_layout_match_single_process(
                 assert_close_logprobs(result[axis]["logprobs"][dp][i], expected["logprobs"], replayed)
 
 
+@pytest.mark.capability("layouts", "install_replay")
 def test_recompute_under_pp2_replays_each_forwards_targets(
     subject: Subject, request: pytest.FixtureRequest
 ) -> None:

@@ -23,11 +23,11 @@ from harness.probes import RouteProbe
 from harness.subjects import Subject
 from harness.subjects.capabilities import ReplayController
 from harness.subjects.replay import controlled
+from harness.testing.suite import require
 from harness.trainers.hf import install_replay
 from harness.trainers.kinds import Routing, hf_kind
 from reference_impl.layouts import pack, sp_pad, sp_shard, sp_valid_mask
 from reference_impl.splice import splice_replace
-from suites.conftest import require
 
 pytestmark = pytest.mark.hf
 
@@ -159,6 +159,7 @@ def _block_causal_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     return mask[None, None]
 
 
+@pytest.mark.capability("install_hf_replay")
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
 def test_packed_batch_keeps_every_row_on_its_token(arm: Any, model_type: str) -> None:
     """Samples packed into one ``[1, N]`` row (``pack`` indices) route and replay exactly as alone (§3.5).
@@ -235,6 +236,7 @@ def test_packed_batch_keeps_every_row_on_its_token(arm: Any, model_type: str) ->
         )
 
 
+@pytest.mark.capability("install_hf_replay")
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_sp_padded_shards_replay_their_own_targets(arm: Any, model_type: str, tp: int) -> None:
@@ -329,6 +331,7 @@ EPISODES = {
 }
 
 
+@pytest.mark.capability("splice")
 @pytest.mark.parametrize("perturbed", [False, True], ids=["same-weights", "weights-updated"])
 @pytest.mark.parametrize("episode", list(EPISODES))
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])

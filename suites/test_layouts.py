@@ -21,8 +21,10 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from harness.testing.judge import as_ids, raises_naming
+from harness.testing.suite import require
 from reference_impl.layouts import Placed
-from suites.conftest import require
+
+pytestmark = pytest.mark.capability("layouts")
 
 LAYERS, TOP_K = 3, 2
 

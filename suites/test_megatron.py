@@ -26,8 +26,8 @@ import os
 import pytest
 
 from harness.subjects import Subject
+from harness.testing.suite import require, subject_spec
 from harness.trainers.megatron.layout import MegatronLayout
-from suites.conftest import require, subject_spec
 
 TIMEOUT_S = 240
 
@@ -75,6 +75,7 @@ def _run(layout: MegatronLayout, subject_spec: str, **kwargs: object) -> list[di
     )
 
 
+@pytest.mark.capability("install_megatron_replay", "megatron_data")
 @pytest.mark.megatron
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", _params())

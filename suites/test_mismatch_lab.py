@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from harness.lab import LabResult, run_mismatch_lab
 from harness.subjects import Subject
-from suites.conftest import require
+from harness.testing.suite import require
+
+pytestmark = pytest.mark.capability("install_replay")
 
 _RESULTS: dict[int, LabResult] = {}  # by id(driver): capability objects need not be hashable
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,8 +13,10 @@ from harness.probes.reference import attach
 from harness.subjects import Subject
 from harness.subjects.replay import install
 from harness.testing.judge import route_sets
+from harness.testing.suite import require
 from reference_impl import MoEConfig, MoELM, training
-from suites.conftest import require
+
+pytestmark = pytest.mark.capability("install_replay")
 
 
 @functools.cache

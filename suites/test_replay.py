@@ -29,23 +29,25 @@ from harness.probes import RouteProbe
 from harness.subjects import Subject
 from harness.subjects.capabilities import MissingMember, OneForwardInFlight, ReplayController
 from harness.subjects.replay import controlled
+from harness.testing.suite import require
 from harness.trainers.hf.models import MODEL_TYPES
 from harness.trainers.kinds import ModelKind, Routing, hf_kind, reference_kind
 from reference_impl import ROUTER_FAMILIES
 from reference_impl.layouts import place_left_padded
-from suites.conftest import require
 
 BATCH, SEQ = 2, 6
 KINDS = {"reference": reference_kind(), "hf": hf_kind()}
 
 
 def _cases(dtypes: tuple[str, ...], hf_types: tuple[str, ...] = tuple(MODEL_TYPES)) -> list[object]:
+    on_reference = pytest.mark.capability(KINDS["reference"].capability)
+    on_hf = [pytest.mark.hf, pytest.mark.capability(KINDS["hf"].capability)]
     cases = [
-        pytest.param("reference", f, d, id=f"reference-{f}-{d}") for f in ROUTER_FAMILIES for d in dtypes
+        pytest.param("reference", f, d, id=f"reference-{f}-{d}", marks=on_reference)
+        for f in ROUTER_FAMILIES
+        for d in dtypes
     ]
-    cases += [
-        pytest.param("hf", m, d, id=f"hf-{m}-{d}", marks=pytest.mark.hf) for m in hf_types for d in dtypes
-    ]
+    cases += [pytest.param("hf", m, d, id=f"hf-{m}-{d}", marks=on_hf) for m in hf_types for d in dtypes]
     return cases
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 
+import pytest
 import torch
 from hypothesis import assume, given, settings
 
@@ -12,8 +13,10 @@ from harness.schedules import Schedule
 from harness.strategies import attempt_schedules
 from harness.subjects import Subject
 from harness.testing.judge import as_ids, route_sets
+from harness.testing.suite import require
 from reference_impl import AttemptPlan, MoEConfig, MoELM, RolloutEngine, run_episode
-from suites.conftest import require
+
+pytestmark = pytest.mark.capability("splice")
 
 
 @functools.cache

@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -21,8 +22,8 @@ from hypothesis import strategies as st
 from harness.schedules import AttemptSpec, Schedule, SimulatedRollout, route, simulate
 from harness.strategies import attempt_schedules
 from harness.testing.judge import as_ids, raises_naming, route_sets
+from harness.testing.suite import require
 from reference_impl.splice import Attempt
-from suites.conftest import require
 
 LAYERS, TOP_K = 2, 2
 NUM_EXPERTS = 1024  # 7p + 5v + 3l < 1024 here: every (position, version) has its own route
@@ -220,6 +221,7 @@ def missing_payload_cases(draw: st.DrawFn) -> tuple[Schedule, int]:
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.capability("splice")
 @given(schedule=attempt_schedules(), idle_payloads=st.booleans())
 @example(schedule=RESUMED_AFTER_UPDATE, idle_payloads=False)
 @example(schedule=IDLE_IN_THE_MIDDLE, idle_payloads=True)
@@ -235,6 +237,7 @@ def test_spliced_trace_has_one_row_per_fed_position(
     _check_row_count(schedule, got)
 
 
+@pytest.mark.capability("splice")
 @given(schedule=attempt_schedules(), idle_payloads=st.booleans())
 @example(schedule=RESUMED_AFTER_UPDATE, idle_payloads=False)
 @example(schedule=IDLE_IN_THE_MIDDLE, idle_payloads=True)
@@ -251,6 +254,7 @@ def test_every_row_is_the_route_live_when_its_token_was_sampled(
     _check_rows(schedule, sim, got)
 
 
+@pytest.mark.capability("splice")
 @given(schedule=schedules_with_idle_attempts())
 @example(schedule=IDLE_IN_THE_MIDDLE)
 @example(schedule=IDLE_FIRST)
@@ -262,6 +266,7 @@ def test_attempt_with_no_new_tokens_contributes_nothing(subject: Any, schedule: 
     _check_rows(schedule, sim, got)
 
 
+@pytest.mark.capability("splice")
 @given(schedule=schedules_with_cut_attempts())
 @example(schedule=RESUMED_AFTER_UPDATE)
 @example(schedule=LENGTH_CUT)
@@ -273,6 +278,7 @@ def test_aborted_and_length_cut_attempts_keep_their_rows(subject: Any, schedule:
     _check_rows(schedule, sim, got)
 
 
+@pytest.mark.capability("splice")
 @given(schedule=multi_turn_schedules())
 @example(schedule=MULTI_TURN)
 @example(schedule=TRAILING_TOOL_TURN)
@@ -288,6 +294,7 @@ def test_multi_turn_keeps_every_turns_rows(subject: Any, schedule: Schedule) -> 
     _check_rows(schedule, sim, got)
 
 
+@pytest.mark.capability("splice")
 @given(schedule=resume_schedules())
 @example(schedule=RESUMED_AFTER_UPDATE)
 @example(schedule=Schedule(2, (A(0, 2, False, "abort"), A(0, 0, True, "abort"), A(0, 1, True, "stop"))))
@@ -300,6 +307,7 @@ def test_resumed_attempts_keep_their_rows(subject: Any, schedule: Schedule) -> N
     _check_rows(schedule, sim, got)
 
 
+@pytest.mark.capability("splice")
 @given(
     schedule=attempt_schedules(),
     idle_payloads=st.booleans(),
@@ -318,6 +326,7 @@ def test_splice_accepts_every_valid_schedule(
     _check_row_count(schedule, got)
 
 
+@pytest.mark.capability("splice")
 @given(case=missing_payload_cases())
 @example(case=(RESUMED_AFTER_UPDATE, 1))
 @example(case=(RESUMED_AFTER_UPDATE, 0))
@@ -340,6 +349,7 @@ def test_missing_payload_raises_a_value_error(subject: Any, case: tuple[Schedule
     raise AssertionError(f"{where}; splice returned {tuple(np.shape(got))} instead of raising")
 
 
+@pytest.mark.capability("splice", "truncate")
 def test_bad_splice_and_truncate_input_raises_an_error_naming_the_field(subject: Any) -> None:
     """Bad input raises a ValueError that names the field and the expected value, never a trace."""
     splice, truncate = require(subject, "splice"), require(subject, "truncate")
@@ -390,6 +400,7 @@ def _coded_sample(length: int, seed: int, dtype: torch.dtype) -> tuple[torch.Ten
     return tokens, torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(dtype)
 
 
+@pytest.mark.capability("truncate")
 @given(case=truncation_cases())
 @example(case=(4, 6, 3, 0, torch.int64))
 @example(case=(1, 3, 0, 1, torch.int16))

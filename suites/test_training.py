@@ -18,9 +18,11 @@ import torch
 
 from harness.subjects import Subject
 from harness.testing.judge import as_ids, raises_naming, route_sets
+from harness.testing.suite import require
 from reference_impl import MoEConfig, MoELM, ReplayError, RoutingMode
 from reference_impl.layouts import Placed, place_left_padded
-from suites.conftest import require
+
+pytestmark = pytest.mark.capability("training")
 
 CFG = MoEConfig(vocab_size=64, hidden_size=32, num_layers=3, first_k_dense=1, num_experts=8, seed=5)
 ALL_MOE = MoEConfig(vocab_size=64, hidden_size=32, num_layers=2, first_k_dense=0, num_experts=8, seed=6)

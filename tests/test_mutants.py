@@ -8,7 +8,7 @@ from hypothesis import Phase, settings
 
 from harness.mutants import benign
 from harness.mutants.registry import MUTANTS, get
-from harness.mutants.run import kill_args, run_benign, run_mutant
+from harness.mutation import kill_args, run_benign, run_mutant
 from harness.subjects import load_subject
 
 NAMES = [m.name for m in MUTANTS]

@@ -3,8 +3,9 @@ benign variants (``harness.mutants.benign``): correct implementations that choos
 prove the suites raise no false alarm.
 
 A mutant is the reference subject with exactly one capability replaced by a copy that carries one
-known bug, cited to the framework issue or PR where it shipped. ``rrh mutants`` runs the suites
-of the replaced capability against every mutant; a mutant that survives is a hole in the suites.
+known bug, cited to the framework issue or PR where it shipped. ``rrh mutants``
+(``harness.mutation``) runs the tests that declare the replaced capability against every mutant;
+a mutant that survives is a hole in the suites.
 """
 
 from __future__ import annotations

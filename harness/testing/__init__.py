@@ -1,5 +1,6 @@
 """Test-support code: what the harness's own suites need to run real backends on a CPU machine.
 
-Nothing under ``harness/`` outside this package imports it; library code never depends on a
-patched backend. Import a submodule explicitly (``harness.testing.megatron_cpu``).
+Nothing under ``harness/`` outside this package imports it but the pytest plugin (which drives
+``harness.testing.suite``, what suites take from it); library code never depends on a patched
+backend. Import a submodule explicitly (``harness.testing.megatron_cpu``).
 """

@@ -1,5 +1,10 @@
 """Run the suites against every mutant (each must be killed) and every benign variant (each must pass
-them all: a failure is a false alarm); the reference must pass them all too."""
+them all: a failure is a false alarm); the reference must pass them all too.
+
+The suites of a capability are the tests that declare it (``@pytest.mark.capability``), chosen at
+collection (``--rr-capability``): no table here to fall out of date. This is the suite runner's
+layer (DESIGN §4): the zoo itself (``harness.mutants``) is subjects and imports no runner.
+"""
 
 from __future__ import annotations
 
@@ -11,19 +16,6 @@ from harness.check import run_suites, suites_dir
 from harness.mutants import Mutant
 from harness.mutants.benign import Benign
 from harness.subjects import DEFAULT_SUBJECT
-
-SUITES_BY_CAPABILITY: dict[str, tuple[str, ...]] = {
-    "decode_payload": ("test_conventions.py",),
-    "splice": ("test_splice.py", "test_rollout_coverage.py"),
-    "truncate": ("test_splice.py",),
-    "layouts": ("test_layouts.py", "test_distributed.py"),
-    "install_replay": ("test_replay.py", "test_r2.py", "test_mismatch_lab.py", "test_distributed.py"),
-    "install_hf_replay": ("test_replay.py", "test_hf.py"),
-    "install_megatron_replay": ("test_megatron.py",),
-    "megatron_data": ("test_megatron.py",),
-    "training": ("test_training.py", "test_r2.py"),
-}
-"""The suites that exercise each capability, the most telling first."""
 
 
 @dataclass(frozen=True)
@@ -57,12 +49,6 @@ class BenignOutcome:
         return asdict(self)
 
 
-def suite_paths(*capabilities: str) -> list[str]:
-    """The suites of ``capabilities``, each once, in the order of ``SUITES_BY_CAPABILITY``."""
-    names = dict.fromkeys(name for cap in capabilities for name in SUITES_BY_CAPABILITY[cap])
-    return [str(suites_dir() / name) for name in names]
-
-
 def run_mutant(
     mutant: Mutant,
     *,
@@ -70,12 +56,16 @@ def run_mutant(
     named_killer_only: bool = False,
     extra: Sequence[str] = (),
 ) -> MutantOutcome:
-    """Run the suites of the mutant's capability against it (stop at the first kill if asked), or
-    only the invariant it names as its killer (``Mutant.killed_by``)."""
+    """Run the tests that declare the mutant's capability against it (stop at the first kill if
+    asked), or only the invariant it names as its killer (``Mutant.killed_by``)."""
     start = time.perf_counter()
     args = [*extra, "-x"] if first_kill_only else list(extra)
-    paths = [str(suites_dir() / mutant.killed_by)] if named_killer_only else suite_paths(mutant.capability)
-    outcomes, _ = run_suites(mutant.subject_spec, paths=paths, extra=args)
+    if named_killer_only:
+        outcomes, _ = run_suites(
+            mutant.subject_spec, paths=[str(suites_dir() / mutant.killed_by)], extra=args
+        )
+    else:
+        outcomes, _ = run_suites(mutant.subject_spec, capabilities=(mutant.capability,), extra=args)
     killers = tuple(o.nodeid.split("::", 1)[-1] for o in outcomes if o.outcome == "failed")
     return MutantOutcome(
         mutant.name,
@@ -89,11 +79,9 @@ def run_mutant(
 
 
 def run_benign(variant: Benign, *, extra: Sequence[str] = ()) -> BenignOutcome:
-    """Run the suites of the variant's capabilities against it: every test must pass or skip."""
+    """Run the tests that declare the variant's capabilities against it: each must pass or skip."""
     start = time.perf_counter()
-    outcomes, _ = run_suites(
-        variant.subject_spec, paths=suite_paths(*variant.capabilities), extra=list(extra)
-    )
+    outcomes, _ = run_suites(variant.subject_spec, capabilities=variant.capabilities, extra=list(extra))
     alarms = tuple(f"{o.nodeid.split('::', 1)[-1]}: {o.detail}" for o in outcomes if o.outcome == "failed")
     ran = sum(o.outcome != "skipped" for o in outcomes)
     return BenignOutcome(
