@@ -3,13 +3,13 @@
 ``rrh check`` is a thin layer over pytest: the suites in ``suites/`` are the single definition of
 every invariant, and this module runs them quietly and keeps what a report needs: for each test
 its invariant (the docstring's first line), PASS/FAIL/skip, and for a failure the suite's own
-assertion message in plain words plus, for a property-based test, hypothesis's shrunk
-counterexample reduced to a readable form (:func:`reduce_example`).
+assertion message in plain words plus, for a property-based test, the counterexample the suite
+described with ``hypothesis.note`` (the plugin puts the notes on the report; nothing here reads
+hypothesis's printed output).
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import io
 import re
@@ -58,196 +58,60 @@ def suites_dir() -> Path:
 # failure text → plain words
 # --------------------------------------------------------------------------------------------
 
-_EXAMPLE_HEAD = re.compile(r"^Falsifying(?: explicit)? example: (\w+)\((.*)$")
-_HYPOTHESIS_NOISE = (
-    "(note:",
-    "You can reproduce this example",
-    "You can add @seed",
-    "Explanation:",
-    "Highest target score",
-    "Trying example",
-)
 
+def failure_message(message: str) -> str:
+    """The first line of an exception's text as pytest reports it (``reprcrash.message``), in words.
 
-def split_failure(message: str) -> tuple[str, str]:
-    """``(message, example)`` of an exception's text as pytest reports it (``reprcrash.message``).
-
-    ``message`` is the first line of the exception's own message without ``AssertionError:`` and
-    without pytest's ``assert 11 == 7`` rewriting; other exception types keep their name
-    (``ValueError: …``). A bare ``assert x`` with no message gives ``"assert x"`` (the caller may
-    have something better, see :func:`failure_summary`). ``example`` is the reduced falsifying
-    example hypothesis appended as a note, or ``""``.
+    Without ``AssertionError:`` (pytest's ``assert 11 == 7`` rewriting is on the following lines and
+    stays out); other exception types keep their name (``ValueError: …``). A bare ``assert x`` with
+    no message gives ``"assert x"`` (the caller may have something better, see
+    :func:`failure_summary`). An exception group's framing (``+ Exception Group …``, ``| …``) says
+    nothing: its first real line is taken.
     """
-    lines = message.strip().splitlines()
-    example_lines: list[str] = []
-    for i, line in enumerate(lines):
-        if _EXAMPLE_HEAD.match(line.strip()):
-            example_lines, lines = lines[i:], lines[:i]
-            break
-    lines = [line for line in lines if line.strip() and not line.startswith(_HYPOTHESIS_NOISE)]
+    lines = [line for line in message.strip().splitlines() if line.strip()]
     first = lines[0].strip() if lines else ""
-    for prefix in ("AssertionError: ", "AssertionError"):
-        if first.startswith(prefix):
-            first = first[len(prefix) :].strip()
-            break
-    if not first and len(lines) > 1:
-        first = lines[1].strip()
-    # ``+ Exception Group Traceback`` and similar framing lines say nothing: take the first real one.
     if first.startswith(("+ Exception Group", "| ")):
         real = [ln.strip(" |+-") for ln in lines if ln.strip(" |+-") and "Exception Group" not in ln]
         first = real[0] if real else first
-    return first, reduce_example("\n".join(example_lines), already_said=first)
+    for prefix in ("AssertionError: ", "AssertionError"):
+        if first.startswith(prefix):
+            return first[len(prefix) :].strip()
+    return first
 
 
 def skip_reason(text: str) -> str:
-    """A skip's own reason: its first line, without hypothesis's "Failing explicit example: …" notes.
-
-    A test skipped inside a hypothesis ``@example`` carries the example hypothesis was running in
-    its message; it says nothing about why the test was skipped.
-    """
+    """A skip's own reason: its first line (notes that follow, such as the example hypothesis was
+    running when an ``@example`` skipped, say nothing about why)."""
     lines = [ln.strip() for ln in text.removeprefix("Skipped: ").splitlines() if ln.strip()]
-    lines = [
-        ln
-        for ln in lines
-        if not ln.startswith(("Failing explicit example", "Falsifying", *_HYPOTHESIS_NOISE))
-    ]
     return lines[0] if lines else "skipped"
 
 
-def reduce_example(text: str, already_said: str = "") -> str:
-    """Hypothesis's ``Falsifying example: test(\\n    arg=…,\\n)`` as ``arg: …; arg=…`` in words.
-
-    The ``subject`` argument is dropped (the report names the subject); values that are harness
-    objects with a ``describe()`` (a :class:`~harness.schedules.Schedule`), or tuples of them, are
-    described in plain words, and left out when ``already_said`` (the failure message) already
-    holds that description; other values are put on one line.
-    """
-    lines = text.strip().splitlines()
-    head = _EXAMPLE_HEAD.match(lines[0].strip()) if lines else None
-    if head is None:
-        return ""
-    if head.group(2):  # a short example on one line: test(a=1, b=(2, 3))
-        inline = head.group(2).removesuffix(")")
-        lines = [lines[0], *(f"    {arg.strip()}," for arg in _split_top_level(inline)), ")"]
-    args: list[tuple[str, list[str]]] = []
-    for line in lines[1:]:
-        if line.strip() == ")":
-            break
-        m = re.match(r"^    (\w+)=(.*)$", line)
-        if m:
-            args.append((m.group(1), [m.group(2)]))
-        elif args:
-            args[-1][1].append(line.strip())
-    parts = []
-    for name, value_lines in args:
-        if name == "subject":
-            continue
-        value = _one_line("".join(_join(value_lines))).rstrip(",")
-        value = re.sub(r",?\s*# or any other generated value$", "", value).rstrip(",")
-        words = _describe(value, already_said)
-        if words is None:
-            parts.append(f"{name}={value}")
-        elif words not in already_said:
-            parts.append(f"{name}: {words}")
-    return "; ".join(parts)
-
-
-def _split_top_level(text: str) -> list[str]:
-    """``text`` split at commas outside brackets and quotes."""
-    parts, depth, quote, start = [], 0, "", 0
-    for i, ch in enumerate(text):
-        if quote:
-            quote = "" if ch == quote and text[i - 1] != "\\" else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "([{<":
-            depth += 1
-        elif ch in ")]}>":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
-    return [p for p in parts if p.strip()]
-
-
-def _join(lines: list[str]) -> list[str]:
-    """Continuation lines of a pretty-printed repr, joined with a space after separators only."""
-    out: list[str] = []
-    for line in lines:
-        if out and out[-1].endswith((",", ":")):
-            out.append(" ")
-        out.append(line)
-    return out
+def counterexample(notes: Sequence[str], already_said: str = "") -> str:
+    """A failing example in words: the suite's ``hypothesis.note`` descriptions joined on one line,
+    less those the failure message ``already_said`` (a splice message names its schedule)."""
+    return "; ".join(_one_line(n) for n in notes if _one_line(n) and _one_line(n) not in already_said)
 
 
 def _one_line(value: str) -> str:
     return re.sub(r"\s+", " ", value).strip()
 
 
-def _describe(value: str, already_said: str = "") -> str | None:
-    """A value's repr in words when it is (a tuple holding) a harness object that describes itself.
-
-    Inside a tuple, a description ``already_said`` shows as "as above".
-    """
-    try:
-        obj = _safe_eval(ast.parse(value, mode="eval").body, _describable())
-    except (SyntaxError, ValueError, TypeError, RecursionError):
-        return None
-
-    def words(x: Any) -> str | None:
-        describe = getattr(x, "describe", None)
-        return str(describe()) if callable(describe) else None
-
-    if isinstance(obj, tuple) and any(words(x) is not None for x in obj):
-        shown = [words(x) for x in obj]
-        return (
-            "("
-            + ", ".join(
-                repr(x) if w is None else ("as above" if w and w in already_said else w)
-                for x, w in zip(obj, shown, strict=True)
-            )
-            + ")"
-        )
-    return words(obj)
-
-
-def _describable() -> dict[str, Any]:
-    from harness.schedules import AttemptSpec, Schedule
-
-    return {"Schedule": Schedule, "AttemptSpec": AttemptSpec}
-
-
-def _safe_eval(node: ast.expr, known: dict[str, Any]) -> Any:
-    """Literals, tuples/lists and calls of the ``known`` constructors; nothing else is evaluated."""
-    if isinstance(node, ast.Constant):
-        return node.value
-    if isinstance(node, ast.Tuple | ast.List):
-        items = [_safe_eval(e, known) for e in node.elts]
-        return tuple(items) if isinstance(node, ast.Tuple) else items
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        return -_safe_eval(node.operand, known)
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in known:
-        args = [_safe_eval(a, known) for a in node.args]
-        kwargs = {k.arg: _safe_eval(k.value, known) for k in node.keywords if k.arg}
-        return known[node.func.id](*args, **kwargs)
-    raise ValueError(f"not evaluated: {ast.dump(node)[:40]}")
-
-
 def failure_summary(report: pytest.TestReport) -> tuple[str, str]:
-    """``(message, example)`` of a failed test report, in plain words (see :func:`split_failure`)."""
+    """``(message, example)`` of a failed test report in plain words: the failure's message (see
+    :func:`failure_message`) and the suite's counterexample notes (see :func:`counterexample`)."""
     longrepr = report.longrepr
     crash = getattr(longrepr, "reprcrash", None)
     if crash is None:  # a string longrepr (e.g. an internal error): its last line says most
         text = str(longrepr).strip()
         return (text.splitlines()[-1] if text else "failed"), ""
-    message, example = split_failure(str(crash.message))
+    message = failure_message(str(crash.message))
     if not message or message.startswith("assert "):
         # No message of its own: the failing source line says more than pytest's ``assert False``.
         source = _failing_source_line(longrepr)
         if source:
             message = f"{source} did not hold" + (f" ({message})" if message else "")
-    return message or "failed", example
+    notes: Any = dict(report.user_properties).get("rr_counterexample", ())
+    return message or "failed", counterexample(notes, already_said=message)
 
 
 def _failing_source_line(longrepr: Any) -> str:

@@ -207,6 +207,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     uses = suite.current()
     if uses is not None and uses.used and (call.when == "call" or report.skipped):
         report.user_properties.append(("rr_capabilities", tuple(dict.fromkeys(uses.used))))
+    if report.failed and call.excinfo is not None:
+        notes = suite.counterexample_notes(call.excinfo.value)
+        if notes:
+            report.user_properties.append(("rr_counterexample", notes))
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

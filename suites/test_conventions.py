@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import example, given, note, settings
 
 from harness.conventions import ModelSpec
 from harness.strategies import EnginePayload, engine_payloads
@@ -54,6 +54,7 @@ BOUNDARY_PAYLOADS = (
 @example(sample=BOUNDARY_PAYLOADS[2])
 def test_payload_decodes_to_the_routes_the_engine_sent(subject: Subject, sample: EnginePayload) -> None:
     """Every convention's payload decodes to the routes the engine sent, position by position."""
+    note(f"counterexample: {sample.describe()}")
     trace = _decode(subject, sample)
     moe = list(sample.model.moe_layers)
     decoded = route_sets(trace.to_decoder_axis().experts[:, moe, :])
@@ -74,6 +75,7 @@ def test_payload_decodes_to_the_routes_the_engine_sent(subject: Subject, sample:
 @example(sample=BOUNDARY_PAYLOADS[2])
 def test_decoded_trace_covers_the_engine_row_rule(subject: Subject, sample: EnginePayload) -> None:
     """Decoded rows cover positions [start, P + R − 1), in the narrowest dtype, with provenance."""
+    note(f"counterexample: {sample.describe()}")
     trace = _decode(subject, sample)
     trace.check_coverage(sample.prompt_len, sample.response_len)
     assert trace.start == sample.start, f"{sample.describe()}: start {trace.start}"

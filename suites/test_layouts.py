@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import example, given
+from hypothesis import example, given, note
 from hypothesis import strategies as st
 
 from harness.testing.judge import as_ids, raises_naming
@@ -138,6 +138,7 @@ def test_placement_puts_each_row_at_its_tokens_column(
     Which columns hold the padding is the trainer's choice (left, or prompts left and responses right):
     the invariant is that every row moves with its token, and the response mask marks the response.
     """
+    note("counterexample: lengths={}, prompt lengths={}, width={}, seed={}".format(*case))
     layouts = require(subject, "layouts")
     lengths, prompts, width, seed = case
     samples = coded_batch(lengths, seed)
@@ -186,6 +187,7 @@ def test_replay_mask_is_true_exactly_on_rows_that_exist(
     to train, so its rows shape nothing and may be replayed or left native (verl's R3 mask leaves
     them native); its padding and last token are still never replayed.
     """
+    note("counterexample: lengths={}, prompt lengths={}, width={}, seed={}".format(*case))
     layouts = require(subject, "layouts")
     lengths, prompts, width, seed = case
     placed = layouts.place_left_padded(coded_batch(lengths, seed), width, prompts)
@@ -213,6 +215,7 @@ def test_placement_round_trip_is_bit_exact(
     subject: Any, case: tuple[tuple[int, ...], tuple[int, ...] | None, int, int]
 ) -> None:
     """Placing then unplacing gives back every sample's tokens and rows bit for bit."""
+    note("counterexample: lengths={}, prompt lengths={}, width={}, seed={}".format(*case))
     layouts = require(subject, "layouts")
     lengths, prompts, width, seed = case
     samples = coded_batch(lengths, seed)
@@ -236,6 +239,7 @@ def test_packing_gathers_tokens_and_rows_with_the_same_indices(
     subject: Any, lengths: tuple[int, ...], extra: int, side: str, seed: int
 ) -> None:
     """Packing keeps exactly the real tokens with their rows (cu_seqlens by hand) and unpacks bit for bit."""
+    note(f"counterexample: lengths={lengths}, extra={extra}, side={side}, seed={seed}")
     layouts = require(subject, "layouts")
     samples = coded_batch(lengths, seed)
     width = max(lengths) + extra
@@ -303,6 +307,7 @@ def test_micro_batches_stay_within_budget_and_merge_back(
 ) -> None:
     """Micro-batches partition the batch within the token budget, none empty; tokens and rows split alike and
     merge back."""
+    note(f"counterexample: lengths={lengths}, slack={slack}, seed={seed}")
     layouts = require(subject, "layouts")
     budget = max(lengths) + slack
     where = f"samples of lengths {list(lengths)}, budget {budget} tokens per micro-batch"
@@ -344,6 +349,7 @@ def test_sp_shards_are_contiguous_with_padding_never_replayed(
     subject: Any, length: int, tp: int, seed: int
 ) -> None:
     """SP/TP rank r holds shard r of the sequence padded to a multiple of tp, tokens and rows alike."""
+    note(f"counterexample: length={length}, tp={tp}, seed={seed}")
     layouts = require(subject, "layouts")
     tokens, routes = coded_sequence(length, seed)
     size = -(-length // tp)
@@ -404,6 +410,7 @@ def test_cp_zigzag_shards_tokens_and_rows_with_the_same_indices(
     subject: Any, length: int, cp: int, seed: int
 ) -> None:
     """CP rank r holds chunks r and 2cp−1−r of the padded sequence, tokens and rows alike; merge undoes it."""
+    note(f"counterexample: length={length}, cp={cp}, seed={seed}")
     layouts = require(subject, "layouts")
     tokens, routes = coded_sequence(length, seed)
     pad_len = -length % (2 * cp)
@@ -502,6 +509,7 @@ def test_pp_layer_ranges_cover_every_layer_once(
     subject: Any, model: tuple[int, int, int, tuple[int, ...]]
 ) -> None:
     """PP/VPP stages own every decoder layer exactly once, in Megatron's interleaved order."""
+    note("counterexample: {} layers, pp={}, vpp={}, MoE layers {}".format(*model))
     layouts = require(subject, "layouts")
     num_layers, pp, vpp, _ = model
     got = as_ranges(layouts.pp_layer_ranges(num_layers, pp, vpp))
@@ -523,6 +531,8 @@ def test_stage_targets_give_each_stage_its_own_moe_layers(
     subject: Any, model: tuple[int, int, int, tuple[int, ...]], tokens: int
 ) -> None:
     """Each PP stage's targets from a decoder-axis trace are exactly its own MoE layers (dense skipped)."""
+    note("counterexample: {} layers, pp={}, vpp={}, MoE layers {}".format(*model))
+    note(f"counterexample: tokens={tokens}")
     layouts = require(subject, "layouts")
     num_layers, pp, vpp, moe = model
     trace = decoder_trace(tokens, num_layers, moe)
@@ -545,6 +555,8 @@ def test_stage_targets_from_moe_ordinal_trace_count_moe_layers(
     subject: Any, model: tuple[int, int, int, tuple[int, ...]], tokens: int
 ) -> None:
     """Each PP stage's targets from an MoE-ordinal trace are its own MoE layers (offsets count MoE layers)."""
+    note("counterexample: {} layers, pp={}, vpp={}, MoE layers {}".format(*model))
+    note(f"counterexample: tokens={tokens}")
     layouts = require(subject, "layouts")
     num_layers, pp, vpp, moe = model
     ordinal = decoder_trace(tokens, num_layers, moe)[:, list(moe)]
@@ -567,6 +579,8 @@ def test_merging_stage_recordings_restores_model_layer_order(
     subject: Any, model: tuple[int, int, int, tuple[int, ...]], tokens: int
 ) -> None:
     """Per-stage recordings merge into the MoE-ordinal trace in model-layer order, VPP chunks included."""
+    note("counterexample: {} layers, pp={}, vpp={}, MoE layers {}".format(*model))
+    note(f"counterexample: tokens={tokens}")
     layouts = require(subject, "layouts")
     num_layers, pp, vpp, moe = model
     ordinal = decoder_trace(tokens, num_layers, moe)[:, list(moe)]
@@ -612,6 +626,7 @@ def test_ep_local_ids_round_trip_and_traces_keep_global_ids(
     Which rank owns which expert is the trainer's choice (Megatron shards contiguously; see the
     opt-in check below); the dispatch only needs a consistent one.
     """
+    note("counterexample: {} experts, ep={}".format(*experts_and_ep) + f", seed={seed}, rows={rows}")
     layouts = require(subject, "layouts")
     num_experts, ep = experts_and_ep
     ids = ep_ids(num_experts, seed, rows)
@@ -664,6 +679,7 @@ def test_ep_ownership_is_megatrons_contiguous_shards(
 ) -> None:
     """A subject that declares Megatron's EP convention (``layouts.EP_OWNERSHIP == "contiguous"``) gives
     rank r experts [r·E/ep, (r+1)·E/ep) as local ids id − r·E/ep, −1 where another rank owns the id."""
+    note("counterexample: {} experts, ep={}".format(*experts_and_ep) + f", seed={seed}, rows={rows}")
     layouts = require(subject, "layouts")
     declared = getattr(layouts, "EP_OWNERSHIP", None)
     if declared != "contiguous":

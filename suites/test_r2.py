@@ -6,7 +6,7 @@ import functools
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from harness.probes.reference import attach
@@ -42,6 +42,7 @@ def _batch(seed: int, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 @given(seed=st.integers(0, 2**31 - 1), lengths=st.lists(st.integers(2, 12), min_size=1, max_size=4))
 def test_first_on_policy_update_has_zero_kl(subject: Subject, seed: int, lengths: list[int]) -> None:
     """The first on-policy update mini-batch reproduces the old log-probs exactly: ppo_kl == 0 (fp32)."""
+    note(f"counterexample: seed={seed}, lengths={lengths}")
     model = _model()
     handle = install(require(subject, "install_replay"), model)
     tokens, mask = _batch(seed, lengths)

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from harness.probes import RouteProbe
@@ -109,6 +109,7 @@ def test_experts_receive_the_targets_whatever_the_live_logits(
     subject: Subject, kind: str, family: str, dtype: str, seed: int
 ) -> None:
     """With the routers negated (live logits prefer other experts), every expert receives its targets."""
+    note(f"counterexample: seed={seed}")
     with _armed(subject, kind, family, dtype, negate=True) as (k, model, ctl, probe, routing):
         targets = _random_targets(routing, BATCH * SEQ, seed)
         ctl.replay(targets)
@@ -126,6 +127,7 @@ def test_replaying_own_recording_is_bit_exact(
     subject: Subject, kind: str, family: str, dtype: str, seed: int
 ) -> None:
     """Replaying a model's own recording reproduces its logits, dispatched ids and gate weights bit-exact."""
+    note(f"counterexample: seed={seed}")
     with _armed(subject, kind, family, dtype) as (k, model, ctl, probe, routing):
         tokens = _tokens(k, seed)
         with torch.no_grad():

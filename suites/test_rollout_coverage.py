@@ -7,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import assume, given, note, settings
 
 from harness.schedules import Schedule
 from harness.strategies import attempt_schedules
@@ -62,6 +62,7 @@ def _first_computed(attempts, rows: int) -> torch.Tensor:  # type: ignore[no-unt
 @given(schedule=attempt_schedules(max_attempts=4, max_prompt=8, max_tokens=4))
 def test_engine_episodes_splice_to_first_computed_rows(subject: Subject, schedule: Schedule) -> None:
     """After real aborts, resumes, turns and weight updates the splice keeps P + Σa − 1 routed rows."""
+    note(f"counterexample: {schedule.describe()}")
     splice = require(subject, "splice")
     model = copy.deepcopy(_model())
     prompt = list(range(1, schedule.prompt_len + 1))

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import example, given
+from hypothesis import example, given, note
 from hypothesis import strategies as st
 
 from harness.schedules import AttemptSpec, Schedule, SimulatedRollout, route, simulate
@@ -232,6 +232,8 @@ def test_spliced_trace_has_one_row_per_fed_position(
     subject: Any, schedule: Schedule, idle_payloads: bool
 ) -> None:
     """The spliced trace has P + Σa − 1 rows after any schedule (no duplicated or lost rows)."""
+    note(f"counterexample: {schedule.describe()}")
+    note(f"counterexample: idle_payloads={idle_payloads}")
     sim = _simulate(schedule, idle_payloads=idle_payloads)
     got = _splice(subject, schedule, list(sim.attempts))
     _check_row_count(schedule, got)
@@ -249,6 +251,8 @@ def test_every_row_is_the_route_live_when_its_token_was_sampled(
     subject: Any, schedule: Schedule, idle_payloads: bool
 ) -> None:
     """Every spliced row is the route that was live when its token was sampled (no newer weights)."""
+    note(f"counterexample: {schedule.describe()}")
+    note(f"counterexample: idle_payloads={idle_payloads}")
     sim = _simulate(schedule, idle_payloads=idle_payloads)
     got = _splice(subject, schedule, list(sim.attempts))
     _check_rows(schedule, sim, got)
@@ -261,6 +265,7 @@ def test_every_row_is_the_route_live_when_its_token_was_sampled(
 @example(schedule=Schedule(1, (A(0, 1, False, "abort"), A(0, 0, True, "abort"), A(0, 0, False, "length"))))
 def test_attempt_with_no_new_tokens_contributes_nothing(subject: Any, schedule: Schedule) -> None:
     """An attempt that adds no token contributes no row, even when it returned a payload."""
+    note(f"counterexample: {schedule.describe()}")
     sim = _simulate(schedule, idle_payloads=True)
     got = _splice(subject, schedule, list(sim.attempts))
     _check_rows(schedule, sim, got)
@@ -273,6 +278,7 @@ def test_attempt_with_no_new_tokens_contributes_nothing(subject: Any, schedule: 
 @example(schedule=Schedule(3, (A(0, 2, False, "abort"), A(0, 1, True, "abort"), A(0, 2, True, "length"))))
 def test_aborted_and_length_cut_attempts_keep_their_rows(subject: Any, schedule: Schedule) -> None:
     """Rows of attempts that were aborted or cut by the length budget are kept as they were computed."""
+    note(f"counterexample: {schedule.describe()}")
     sim = _simulate(schedule, idle_payloads=False)
     got = _splice(subject, schedule, list(sim.attempts))
     _check_rows(schedule, sim, got)
@@ -288,6 +294,7 @@ def test_multi_turn_keeps_every_turns_rows(subject: Any, schedule: Schedule) -> 
     Every attempt after the first is a new turn (``Attempt.kind == "turn"``, its tool tokens counted in
     ``Attempt.tool_tokens``), with weight updates between turns: the multi-turn path, apart from resume.
     """
+    note(f"counterexample: {schedule.describe()}")
     sim = _simulate(schedule, idle_payloads=False)
     assert all(a.kind == "turn" for a in sim.attempts[1:]), "the schedule is not multi-turn"
     got = _splice(subject, schedule, list(sim.attempts))
@@ -301,6 +308,7 @@ def test_multi_turn_keeps_every_turns_rows(subject: Any, schedule: Schedule) -> 
 def test_resumed_attempts_keep_their_rows(subject: Any, schedule: Schedule) -> None:
     """A partial rollout aborted and resumed under newer weights keeps each call's rows (the resume path:
     ``Attempt.kind == "resume"``, no tool tokens), including a resume that adds 0 tokens."""
+    note(f"counterexample: {schedule.describe()}")
     sim = _simulate(schedule, idle_payloads=True)
     assert all(a.kind == "resume" for a in sim.attempts[1:]), "the schedule is not a resumed rollout"
     got = _splice(subject, schedule, list(sim.attempts))
@@ -320,6 +328,8 @@ def test_splice_accepts_every_valid_schedule(
     subject: Any, schedule: Schedule, idle_payloads: bool, dtype: torch.dtype
 ) -> None:
     """The splice does not raise on any valid schedule, whatever the payloads' integer dtype."""
+    note(f"counterexample: {schedule.describe()}")
+    note(f"counterexample: idle_payloads={idle_payloads}, dtype={dtype}")
     sim = _simulate(schedule, idle_payloads=idle_payloads)
     attempts = [replace(a, routes=None if a.routes is None else a.routes.to(dtype)) for a in sim.attempts]
     got = _splice(subject, schedule, attempts)
@@ -332,6 +342,8 @@ def test_splice_accepts_every_valid_schedule(
 @example(case=(RESUMED_AFTER_UPDATE, 0))
 def test_missing_payload_raises_a_value_error(subject: Any, case: tuple[Schedule, int]) -> None:
     """A missing payload for an attempt with new tokens raises a ValueError subclass, never a filled trace."""
+    note(f"counterexample: {case[0].describe()}")
+    note(f"counterexample: attempt {case[1] + 1} returns no payload")
     splice = require(subject, "splice")
     schedule, index = case
     attempts = list(_simulate(schedule).attempts)
@@ -416,6 +428,7 @@ def test_truncation_cuts_tokens_and_rows_together(
     real: ``P + R′`` rows or ``P + R′ − 1`` are both correct (DESIGN §3.1); without a cut exactly
     ``len(tokens) − 1`` rows exist. Any integer dtype and array type that hold the ids will do.
     """
+    note("counterexample: prompt of {} tokens, response of {}, budget {}, seed={}, dtype={}".format(*case))
     truncate = require(subject, "truncate")
     prompt_len, response_len, budget, seed, dtype = case
     tokens, routes = _coded_sample(prompt_len + response_len, seed, dtype)

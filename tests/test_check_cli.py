@@ -134,6 +134,7 @@ def test_failing_subject_shows_the_counterexample_in_words_and_exits_1(
     detail = " ".join(ln.strip() for ln in lines[row + 1 : row + 8] if ln.startswith(" "))
     assert detail.startswith("↳ prompt of ") and "assert " not in detail
     assert re.search(r"spliced trace has \d+ rows, expected P \+ Σa − 1 = \d+", detail)
+    assert "counterexample: idle_payloads=" in detail  # the suite's note; the schedule is said above
     rerun = (
         f"pytest suites/test_splice.py::test_spliced_trace_has_one_row_per_fed_position --rr-subject {spec}"
     )

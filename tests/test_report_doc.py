@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
-from harness.check import CheckOutcome, reduce_example, split_failure
+from harness.check import CheckOutcome, counterexample, failure_message
 from harness.lab import LabArm, LabConfig, LabResult
 from harness.metrics import logprob_gap
 from harness.report_doc import (
@@ -27,30 +27,23 @@ from harness.report_doc import (
     to_json,
     validate,
 )
+from harness.testing.suite import COUNTEREXAMPLE, counterexample_notes
 from harness.trace import RoutingComparison
 
-# What pytest reports (``reprcrash.message``) for a hypothesis failure of a splice suite.
+# What pytest reports (``reprcrash.message``) for a hypothesis failure of a splice suite: the message,
+# pytest's rewriting, then hypothesis's notes (its own, then the suite's ``note`` calls).
 SPLICE_CRASH = """AssertionError: prompt of 5 tokens; attempt 1 (start): 0 tool + 0 generated (abort); \
 weights updated; attempt 2 (resume): 0 tool + 3 generated (stop): spliced trace has 11 rows, \
 expected P + Σa − 1 = 7 (rows duplicated)
 assert 11 == 7
-(note: 4 other explicit examples also failed with this error; use Verbosity.verbose to view)
-Falsifying example: test_spliced_trace_has_one_row_per_fed_position(
-    subject=Subject(name='mutant:duplication-on-resume',
-     splice=concatenate_payloads,
-     layouts=<module 'reference_impl.layouts' from '/work/main/reference_impl/layouts.py'>),
-    schedule=Schedule(prompt_len=5,
-     attempts=(AttemptSpec(tool_tokens=0,
-       generated=0,
-       weight_update_before=False,
-       finish_reason='abort'),
-      AttemptSpec(tool_tokens=0,
-       generated=3,
-       weight_update_before=True,
-       finish_reason='stop'))),
+Failing test case: test_spliced_trace_has_one_row_per_fed_position(
+    subject=Subject(name='mutant:duplication-on-resume'),
+    schedule=Schedule(prompt_len=5, attempts=(...)),
     idle_payloads=True,
-    dtype=torch.int64,  # or any other generated value
-)"""
+)
+counterexample: prompt of 5 tokens; attempt 1 (start): 0 tool + 0 generated (abort); weights updated; \
+attempt 2 (resume): 0 tool + 3 generated (stop)
+counterexample: idle_payloads=True"""
 
 
 # --------------------------------------------------------------------------------------------
@@ -59,57 +52,40 @@ Falsifying example: test_spliced_trace_has_one_row_per_fed_position(
 
 
 def test_failure_message_is_the_suites_own_words_without_assert_noise() -> None:
-    message, example = split_failure(SPLICE_CRASH)
+    message = failure_message(SPLICE_CRASH)
     assert message.startswith("prompt of 5 tokens; attempt 1 (start): 0 tool + 0 generated (abort)")
     assert message.endswith("spliced trace has 11 rows, expected P + Σa − 1 = 7 (rows duplicated)")
     assert "assert" not in message and "AssertionError" not in message and "\n" not in message
-    # The schedule is already in the message: the example keeps only what the message does not say.
-    assert example == "idle_payloads=True; dtype=torch.int64"
 
 
-def test_falsifying_example_is_reduced_to_words() -> None:
-    text = SPLICE_CRASH[SPLICE_CRASH.index("Falsifying example") :]
-    words = reduce_example(text)
-    assert "subject" not in words and "<module" not in words and "AttemptSpec" not in words
-    assert words.startswith(
-        "schedule: prompt of 5 tokens; attempt 1 (start): 0 tool + 0 generated (abort); weights updated; "
+def test_counterexample_is_the_suites_notes_less_what_the_message_says() -> None:
+    schedule = (
+        "prompt of 5 tokens; attempt 1 (start): 0 tool + 0 generated (abort); weights updated; "
         "attempt 2 (resume): 0 tool + 3 generated (stop)"
     )
-    assert words.endswith("idle_payloads=True; dtype=torch.int64")
+    notes = (schedule, "idle_payloads=True")
+    assert counterexample(notes) == f"{schedule}; idle_payloads=True"
+    assert counterexample(notes, already_said=failure_message(SPLICE_CRASH)) == "idle_payloads=True"
+    assert counterexample(("lengths=(1,\n 2)", "")) == "lengths=(1, 2)"
 
 
-def test_example_of_a_tuple_holding_a_schedule_and_of_plain_values() -> None:
-    text = """Falsifying example: test_missing(
-    subject=Subject(name='x'),
-    case=(Schedule(prompt_len=4,
-      attempts=(AttemptSpec(tool_tokens=0,
-        generated=3,
-        weight_update_before=False,
-        finish_reason='abort'),)),
-     0),
-    rows=[1, 2,
-     3],
-)"""
-    assert reduce_example(text) == (
-        "case: (prompt of 4 tokens; attempt 1 (start): 0 tool + 3 generated (abort), 0); rows=[1, 2, 3]"
-    )
-    said = "prompt of 4 tokens; attempt 1 (start): 0 tool + 3 generated (abort): boom"
-    assert reduce_example(text, already_said=said) == "case: (as above, 0); rows=[1, 2, 3]"
-
-
-def test_a_short_example_on_one_line_is_reduced_too() -> None:
-    text = (
-        "Falsifying example: test_x(subject=Subject(name='x', layouts=<module 'a'>), seed=0, pair=(1, 'a,b'))"
-    )
-    assert reduce_example(text) == "seed=0; pair=(1, 'a,b')"
+def test_the_notes_come_from_the_error_not_from_hypothesis_output() -> None:
+    try:
+        from builtins import ExceptionGroup  # type: ignore[attr-defined]
+    except ImportError:  # Python 3.10: hypothesis's backport
+        from exceptiongroup import ExceptionGroup
+    err = AssertionError("boom")
+    # PEP 678 notes, as hypothesis attaches them: its own (left out), then the suite's.
+    err.__notes__ = ["Failing test case: test_x(\n    seed=3,\n)", f"{COUNTEREXAMPLE}seed=3"]
+    assert counterexample_notes(err) == ("seed=3",)
+    group = ExceptionGroup("2 distinct failures", [ValueError("a"), err])
+    assert counterexample_notes(group) == ("seed=3",)
+    assert counterexample_notes(ValueError("no notes")) == ()
 
 
 def test_other_exceptions_keep_their_type_and_bare_asserts_stay_recognisable() -> None:
-    assert split_failure("ValueError: 3 rows for 2 positions\nmore") == (
-        "ValueError: 3 rows for 2 positions",
-        "",
-    )
-    message, _ = split_failure("AssertionError: assert False\n +  where False = f()")
+    assert failure_message("ValueError: 3 rows for 2 positions\nmore") == "ValueError: 3 rows for 2 positions"
+    message = failure_message("AssertionError: assert False\n +  where False = f()")
     assert message == "assert False"  # failure_summary replaces it with the failing source line
 
 
@@ -130,7 +106,8 @@ def test_run_suites_reports_a_mutants_counterexample_in_words() -> None:
     assert re.search(r"spliced trace has \d+ rows, expected P \+ Σa − 1 = \d+", failure.detail)
     assert failure.detail.startswith("prompt of ") and "assert " not in failure.detail
     assert failure.invariant.startswith("The spliced trace has P + Σa − 1 rows")
-    assert "subject" not in failure.example
+    assert "subject" not in failure.example and "Failing" not in failure.example
+    assert failure.example.startswith("idle_payloads="), failure.example  # the schedule is in the message
     assert failure.capabilities == ("splice",)
     assert seen == [(1, 1)]
 

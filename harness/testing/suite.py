@@ -9,7 +9,9 @@ test, its module's ``pytestmark`` or a parametrization); the pytest plugin reads
 collection, skips the test when the subject lacks a declared capability (naming it), and selects
 tests by it (``--rr-capability``). Inside the test, :func:`require` hands the capability out and
 records that the test asked for it, so the run's summary counts what tests actually used, not what
-they declare (observe, don't trust).
+they declare (observe, don't trust). A property-based test describes its example with
+``hypothesis.note`` under the :data:`COUNTEREXAMPLE` label; the plugin puts those notes on the
+failure's report.
 
 The plugin opens one :class:`Uses` per test with :func:`using`; a nested run (``rrh check`` inside a
 test) opens its own and the enclosing one comes back when it ends.
@@ -31,6 +33,11 @@ from harness.subjects.capabilities import CapabilityView
 
 MARKER = "capability"
 """``@pytest.mark.capability(name, ...)``: the subject capabilities a suite test exercises."""
+
+COUNTEREXAMPLE = "counterexample: "
+"""The label of a suite's ``hypothesis.note``: a property-based suite test describes its example in
+words, ``note(f"counterexample: {schedule.describe()}")``; hypothesis keeps the notes of the failing
+example on the error, and the report takes the labelled ones (:func:`counterexample_notes`)."""
 
 NAMESPACES = ("layouts", "training", "megatron_data")
 """Capabilities whose value is an object of functions (a module, an instance, a namespace)."""
@@ -96,3 +103,21 @@ def require(subject: Subject, capability: str) -> Any:
     if capability in NAMESPACES:
         return CapabilityView(value, capability, subject.name, on_missing=pytest.skip)
     return value
+
+
+def counterexample_notes(err: BaseException) -> tuple[str, ...]:
+    """The suite's own counterexample notes on a failure, without their label.
+
+    Hypothesis attaches the notes of the failing example to the error (``__notes__``, PEP 678),
+    after its own; a group of distinct failures carries them on its first member that has some.
+    """
+    notes = [
+        n.removeprefix(COUNTEREXAMPLE) for n in getattr(err, "__notes__", ()) if n.startswith(COUNTEREXAMPLE)
+    ]
+    if notes:
+        return tuple(notes)
+    for member in getattr(err, "exceptions", ()):
+        found = counterexample_notes(member)
+        if found:
+            return found
+    return ()
