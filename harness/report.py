@@ -9,20 +9,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from harness.check import CheckOutcome
+from harness.table import format_table as format_table  # re-exported (callers of harness.report)
 
 _MARK = {"passed": "PASS", "failed": "FAIL", "skipped": "skip"}
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], max_width: int = 90) -> str:
-    """Left-aligned columns separated by two spaces; cells longer than ``max_width`` are cut."""
-    cells = [
-        [str(c) if len(str(c)) <= max_width else str(c)[: max_width - 1] + "…" for c in row] for row in rows
-    ]
-    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
-    return "\n".join(lines)
 
 
 RULES: dict[str, str] = {
@@ -50,11 +39,23 @@ def format_outcomes(outcomes: Sequence[CheckOutcome], width: int = 110) -> str:
     """The invariant table of ``rrh check``, then one summary line.
 
     Failures first, each with the suite's own message in plain words, the falsifying example
-    (hypothesis's shrunk counterexample) and the rule it broke (``RULES``); then the invariants
+    (the counterexample the suite described) and the rule it broke (``RULES``); then the invariants
     that held on the subject; then passes that never called the subject (they check the harness,
     not the subject, and are listed apart); then skips, one line per reason (a missing capability
-    names it once, however many tests needed it).
+    names it once, however many tests needed it). Conformance tests of the harness's own backends
+    (``conformance/``) follow under their own header, with their own summary line.
     """
+    suites = [o for o in outcomes if not o.conformance]
+    own = [o for o in outcomes if o.conformance]
+    text = _format_table(suites, width) if suites or not own else ""
+    if own:
+        section = "conformance of the harness's own backends (no subject involved)\n"
+        section += _format_table(own, width, conformance=True)
+        text = f"{text}\n\n{section}" if text else section
+    return text
+
+
+def _format_table(outcomes: Sequence[CheckOutcome], width: int, conformance: bool = False) -> str:
     suite_w = max([len("suite"), *(len(o.suite) for o in outcomes)])
     indent = " " * (6 + 2 + suite_w + 2)
     inv_w = max(40, width - len(indent))
@@ -75,10 +76,10 @@ def format_outcomes(outcomes: Sequence[CheckOutcome], width: int = 110) -> str:
             lines.extend(wrap.wrap(RULES[o.suite]))
     passed = [o for o in outcomes if o.outcome == "passed"]
     for o in passed:
-        if o.capabilities:
+        if o.capabilities or conformance:
             row(o, "PASS")
     for o in passed:
-        if not o.capabilities:
+        if not o.capabilities and not conformance:
             row(o, "pass")
             lines.extend(wrap.wrap("did not call the subject (checks the harness itself)"))
     skips: dict[str, list[CheckOutcome]] = {}
@@ -89,10 +90,13 @@ def format_outcomes(outcomes: Sequence[CheckOutcome], width: int = 110) -> str:
         suites = ", ".join(dict.fromkeys(o.suite for o in group))
         lines.append(f"{'skip':<6}  {'':<{suite_w}}  {len(group)} test{'s' * (len(group) > 1)} ({suites})")
         lines.extend(wrap.wrap(reason))
+    skipped = sum(len(g) for g in skips.values())
+    if conformance:
+        return "\n".join(lines) + f"\n\n{len(passed)} passed, {len(failed)} failed, {skipped} skipped"
     used = sum(bool(o.capabilities) for o in passed)
     summary = (
         f"{used} passed on the subject, {len(passed) - used} passed without it, {len(failed)} failed, "
-        f"{sum(len(g) for g in skips.values())} skipped"
+        f"{skipped} skipped"
     )
     return "\n".join(lines) + "\n\n" + summary
 

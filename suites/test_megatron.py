@@ -3,7 +3,7 @@
 Each case spawns a world of ranks (gloo on CPU with the test-support patches of
 ``harness.testing.megatron_cpu``, NCCL on a GPU runner, unpatched), builds a tiny GPT MoE with
 the subject driver's ``config_overrides()`` (``moe_enable_routing_replay=True``) and MoE activation
-recompute, and runs ``harness.trainers.megatron.checks.run_checks`` on every rank against the
+recompute, and runs ``suites.megatron_checks.run_checks`` on every rank against the
 subject (``--rr-subject``): its ``install_megatron_replay`` driver switches the actions, its
 ``megatron_data`` feeds canonical traces to every router and merges the recordings back; the
 harness's probe checks dispatched experts, placement (independent of the layout code), the FIFO and
@@ -66,7 +66,7 @@ def _run(layout: MegatronLayout, subject_spec: str, **kwargs: object) -> list[di
     from harness.testing.megatron_cpu import spawn_ranks
 
     return spawn_ranks(
-        "harness.trainers.megatron.checks:run_checks",
+        "suites.megatron_checks:run_checks",
         layout.world_size,
         timeout=TIMEOUT_S,
         layout=layout,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.lab import LabResult, run_mismatch_lab
+from harness.lab import run_mismatch_lab
+from harness.mismatch import LabResult
 from harness.subjects import Subject
 from harness.testing.suite import require
 

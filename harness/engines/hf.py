@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from harness.engines.checkpoint import EngineRollout, Generate
-from harness.lab import LabConfig, LabResult, lab_result
+from harness.mismatch import LabConfig, LabResult, lab_result
 from harness.trace import LayerAxis, Provenance, RoutingTrace
 from harness.trainers.hf.replay import HFReplay, install_replay
 

@@ -343,11 +343,11 @@ class VLLMEngine:
 def run_vllm_mismatch_lab(cfg: Any = None) -> Any:
     """The mismatch lab on real vLLM: sampled vLLM rollouts vs the transformers trainer's recompute.
 
-    A ``write_checkpoint`` Qwen3-MoE sized by ``cfg`` (``harness.lab.LabConfig``: experts, top-k,
+    A ``write_checkpoint`` Qwen3-MoE sized by ``cfg`` (``harness.mismatch.LabConfig``: experts, top-k,
     MoE layers, dtype, seed; every layer MoE) is served by the installed vLLM, which samples
     ``cfg.batch`` rollouts of ``cfg.response_len`` tokens (temperature 1) and returns their routes
     and log-probs; the same checkpoint in transformers (CPU) recomputes them without replay and
-    with R3 (``harness.engines.hf.score_rollouts``). Returns a ``harness.lab.LabResult``.
+    with R3 (``harness.engines.hf.score_rollouts``). Returns a ``harness.mismatch.LabResult``.
     """
     import tempfile
 
@@ -355,7 +355,7 @@ def run_vllm_mismatch_lab(cfg: Any = None) -> Any:
 
     from harness.engines.checkpoint import load_checkpoint, write_checkpoint
     from harness.engines.hf import score_rollouts
-    from harness.lab import LabConfig
+    from harness.mismatch import LabConfig
     from harness.trainers.hf import install_replay
 
     cfg = cfg or LabConfig(family="qwen3_moe")

@@ -1,4 +1,4 @@
-"""The Megatron-core trainer backend: canonical traces → ``RouterReplay`` targets, and replay checks.
+"""The Megatron-core trainer backend: canonical traces → ``RouterReplay`` targets, and replay.
 
 - ``layout``: pure torch; a canonical trace batch → per-rank, per-router targets in Megatron's
   layout (DP split, seq-major tokens, SP shard, PP stage routers, EP global ids) and back.
@@ -6,8 +6,10 @@
   ``RouterReplay.set_replay_data``, instance and FIFO checks), ``check_no_bypass``.
 - ``subject``: the reference subject's Megatron capability (driver + data movement).
 - ``model``: tiny GPT MoE configs (local specs, no Transformer Engine).
-- ``checks.run_checks``: the per-rank check run (live, RECORD → canonical, replay own recording
-  with bit-exact gradients, foreign targets, two micro-batches through the recompute FIFO).
+
+The per-rank checks run against a subject (live, RECORD → canonical, replay own recording with
+bit-exact gradients, foreign targets, two micro-batches) load the subject, so they are suite code:
+``suites/megatron_checks.py``.
 
 megatron-core is imported lazily (extra ``megatron``); ``layout`` never needs it. On a machine
 without CUDA the test-support patches of ``harness.testing.megatron_cpu`` must be applied first;

@@ -1,0 +1,147 @@
+"""The layering (DESIGN §4): every import of the project's own modules points down, or stays in its layer.
+
+Each module of ``reference_impl/``, ``harness/``, ``suites/`` and ``conformance/`` is parsed (not
+imported) and every ``import`` in it is read, those inside functions included: an import moved into
+a function to dodge the layering still counts.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("reference_impl", "harness", "suites", "conformance")
+
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("reference implementation", ("reference_impl",)),
+    (
+        "core",
+        (
+            "harness",  # the package itself: its version and error types
+            "harness.errors",
+            "harness.atomic",
+            "harness.trace",
+            "harness.conventions",
+            "harness.metrics",
+            "harness.mismatch",
+            "harness.table",
+            "harness.strategies",
+            "harness.schedules",
+            "harness.baseline",
+        ),
+    ),
+    ("engines and trainers", ("harness.engines", "harness.trainers", "harness.probes")),
+    ("subjects", ("harness.subjects", "harness.mutants", "harness.lab")),
+    ("test support", ("harness.testing", "harness.distributed")),
+    (
+        "suites and suite runner",
+        ("suites", "conformance", "harness.check", "harness.mutation", "harness.verdicts"),
+    ),
+    (
+        "cli, pytest plugin, reports",
+        (
+            "harness.cli",
+            "harness.__main__",
+            "harness.pytest_plugin",
+            "harness.report",
+            "harness.report_doc",
+            "harness.gate",
+            "harness.bench",
+            "harness.bench_replay",
+            "conformance",  # the harness's own backends and tools checked: the gate included
+        ),
+    ),
+)
+"""Bottom to top. A name covers the module of that name, its submodules, and modules named with it
+and an underscore (``harness.trace`` covers ``harness.trace_io``); the longest name wins."""
+
+
+def layer_of(module: str) -> int | None:
+    """The index in ``LAYERS`` of ``module``'s layer, or ``None`` when no name covers it."""
+    best: tuple[int, int] | None = None  # (length of the covering name, layer)
+    for index, (_, names) in enumerate(LAYERS):
+        for name in names:
+            covers = module == name or (name != "harness" and module.startswith((f"{name}.", f"{name}_")))
+            if covers and (best is None or len(name) > best[0]):
+                best = (len(name), index)
+    return None if best is None else best[1]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """``(line, module)`` of every import in ``path`` of one of ``PACKAGES`` (relative ones resolved)."""
+    return imports_in(path.read_text(), module_name(path), is_package=path.name == "__init__.py")
+
+
+def imports_in(source: str, module: str, is_package: bool = False) -> list[tuple[int, str]]:
+    """``(line, name)`` of every import in ``source`` (the text of ``module``) of one of ``PACKAGES``."""
+    tree = ast.parse(source)
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                source_module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                source_module = node.module or ""
+            # ``from harness import lab`` imports the module harness.lab, not only the package.
+            found += [(node.lineno, source_module)]
+            found += [
+                (node.lineno, f"{source_module}.{alias.name}") for alias in node.names if alias.name != "*"
+            ]
+    return [(line, name) for line, name in found if name.split(".")[0] in PACKAGES]
+
+
+def _sources() -> list[Path]:
+    return sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py"))
+
+
+def _is_module(name: str) -> bool:
+    """Whether ``name`` is one of the project's modules or packages (not a name inside a module)."""
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def test_every_module_has_a_layer() -> None:
+    missing = [module_name(p) for p in _sources() if layer_of(module_name(p)) is None]
+    assert not missing, f"modules in no layer (add them to LAYERS, and to DESIGN §4): {missing}"
+
+
+def test_every_import_points_down_or_stays_in_its_layer() -> None:
+    upward = []
+    for path in _sources():
+        here = layer_of(module_name(path))
+        if here is None:
+            continue  # reported by the test above
+        for line, name in imports_of(path):
+            target = layer_of(name)
+            if _is_module(name) and target is not None and target > here:
+                where = f"{path.relative_to(ROOT)}:{line} ({LAYERS[here][0]})"
+                upward.append(f"{where} imports {name} ({LAYERS[target][0]})")
+    assert not upward, "imports pointing up the layering:\n" + "\n".join(upward)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from harness.check import run_suites\n",
+        "def f():\n    from harness import check\n",
+        "from ... import check\n",
+    ],
+)
+def test_an_upward_import_is_found_even_inside_a_function(source: str) -> None:
+    """The check can fail: a trainer module importing the suite runner, at the top, lazily or relatively."""
+    module = "harness.trainers.hf.example"
+    names = [name for _, name in imports_in(source, module)]
+    assert "harness.check" in names and _is_module("harness.check")
+    assert layer_of(module) < layer_of("harness.check")  # type: ignore[operator]
