@@ -45,6 +45,7 @@ class CheckOutcome:
     seconds: float
     example: str = ""
     capabilities: tuple[str, ...] = ()
+    conformance: bool = False  # a test of the harness's own backends (``conformance/``), not a suite
 
 
 def suites_dir() -> Path:
@@ -52,6 +53,13 @@ def suites_dir() -> Path:
     import suites
 
     return Path(suites.__file__).parent
+
+
+def conformance_dir() -> Path:
+    """Where the conformance tests of the harness's own backends live (shipped like the suites)."""
+    import conformance
+
+    return Path(conformance.__file__).parent
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,17 +151,21 @@ class _Collector:
 
     def __init__(self, progress: ProgressCallback | None = None) -> None:
         self.docs: dict[str, str] = {}
+        self.conformance: set[str] = set()  # node ids of the tests under ``conformance_dir()``
         self.outcomes: list[CheckOutcome] = []
         self.total = 0
         self._seen: set[str] = set()
         self._progress = progress
 
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        conformance = conformance_dir().resolve()
         for item in items:
             doc = getattr(getattr(item, "function", None), "__doc__", None) or ""
             label = _first_paragraph(doc) or item.name
             _, bracket, param = item.name.partition("[")
             self.docs[item.nodeid] = f"[{param} {label}" if bracket else label
+            if Path(item.path).resolve().is_relative_to(conformance):
+                self.conformance.add(item.nodeid)
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         self.total = len(session.items)
@@ -200,6 +212,7 @@ class _Collector:
                 seconds=report.duration,
                 example=example,
                 capabilities=tuple(caps),
+                conformance=report.nodeid in self.conformance,
             )
         )
 
@@ -209,10 +222,14 @@ class _Collector:
             self._progress(len(self.outcomes), max(self.total, len(self.outcomes)), outcome)
 
 
-def _suite_modules(root: Path) -> list[str]:
-    """The names of the imported modules whose files lie under ``root``."""
+def _suite_modules(*roots: Path) -> list[str]:
+    """The names of the imported modules whose files lie under one of ``roots``."""
     files = {name: getattr(module, "__file__", None) for name, module in list(sys.modules.items())}
-    return [name for name, file in files.items() if file and Path(file).resolve().is_relative_to(root)]
+    return [
+        name
+        for name, file in files.items()
+        if file and any(Path(file).resolve().is_relative_to(root) for root in roots)
+    ]
 
 
 @contextlib.contextmanager
@@ -224,12 +241,12 @@ def _fresh_suite_modules() -> Iterator[None]:
     would run under that session's profile, not its own (a kill run would shrink and explain each
     failure: a 0.5 s kill took 45 s).
     """
-    root = suites_dir().resolve()
-    saved = {name: sys.modules.pop(name) for name in _suite_modules(root)}
+    roots = (suites_dir().resolve(), conformance_dir().resolve())
+    saved = {name: sys.modules.pop(name) for name in _suite_modules(*roots)}
     try:
         yield
     finally:
-        for name in _suite_modules(root):
+        for name in _suite_modules(*roots):
             del sys.modules[name]
         sys.modules.update(saved)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -96,3 +97,19 @@ def test_report_lists_failures_first_groups_skips_and_sets_apart_tests_that_skip
 def test_skip_reasons_drop_hypothesis_example_notes() -> None:
     text = "Skipped: subject 'x' does not provide 'splice'\nFailing explicit example: test_a(n=1)"
     assert skip_reason(text) == "subject 'x' does not provide 'splice'"
+
+
+def test_conformance_tests_of_the_harness_are_listed_under_their_own_header() -> None:
+    """Tests of the harness's own backends (``conformance/``) are not counted as passes on the subject."""
+    engine = CheckOutcome("conformance/test_engines.py::test_rows", "engines", "rows", "passed", "", 0.0)
+    outcomes = [
+        _o("suites/test_splice.py::test_ok", "passed", "", ("splice",)),
+        dataclasses.replace(engine, conformance=True),
+        dataclasses.replace(engine, nodeid="conformance/test_engines.py::test_ids", outcome="failed",
+                            detail="ids out of range", conformance=True),
+    ]  # fmt: skip
+    suites, own = format_outcomes(outcomes).split("\n\nconformance of the harness's own backends")
+    assert suites.endswith("1 passed on the subject, 0 passed without it, 0 failed, 0 skipped")
+    assert "engines" not in suites and "did not call the subject" not in own
+    assert own.splitlines()[3].startswith("FAIL") and "ids out of range" in own
+    assert own.endswith("1 passed, 1 failed, 0 skipped")
