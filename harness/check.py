@@ -56,10 +56,9 @@ def suites_dir() -> Path:
 
 
 def conformance_dir() -> Path:
-    """Where the conformance tests of the harness's own backends live (shipped like the suites)."""
-    import conformance
-
-    return Path(conformance.__file__).parent
+    """Where the conformance tests of the harness's own backends live: next to the suites (shipped
+    like them). Run by path, never imported here: they sit above the runner (they test the gate)."""
+    return suites_dir().parent / "conformance"
 
 
 # --------------------------------------------------------------------------------------------

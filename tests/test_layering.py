@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("test support", ("harness.testing", "harness.distributed")),
     (
         "suites and suite runner",
-        ("suites", "conformance", "harness.check", "harness.mutation", "harness.verdicts"),
+        ("suites", "harness.check", "harness.mutation", "harness.verdicts"),
     ),
     (
         "cli, pytest plugin, reports",
