@@ -59,7 +59,7 @@ def _check_plan(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[st
     """
     import importlib.util
 
-    from harness.check import suites_dir
+    from harness.check import conformance_dir, suites_dir
     from reference_impl import ROUTER_FAMILIES
 
     runs: list[dict[str, Any]] = []
@@ -124,7 +124,7 @@ def _check_plan(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[st
             {
                 "name": "vLLM engine suites",
                 "engine": "vllm",
-                "paths": [str(suites_dir() / "test_engines.py")],
+                "paths": [str(conformance_dir() / "test_engines.py")],
                 "select": "vllm",
                 "keyword": None,
             }

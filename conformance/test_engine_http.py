@@ -9,7 +9,7 @@ deadline; and stops the server when the module ends. Requests are bounded (a few
 is decoded by ``harness.engines.http.vllm_completion_trace`` with the convention of the server's
 version, and checked: coverage, dtype, agreement with the transformers trainer, the prompt skip.
 
-Markers ``gpu`` and ``vllm`` (see ``suites/test_engines.py``): runs wherever vLLM can start.
+Markers ``gpu`` and ``vllm`` (see ``conformance/test_engines.py``): runs wherever vLLM can start.
 """
 
 from __future__ import annotations
