@@ -164,7 +164,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Read each test's ``capability`` markers; with ``--rr-capability``, keep only the tests that
     declare one of the named capabilities."""
     wanted = set(config.getoption("--rr-capability") or ())
-    keep, drop = [], []
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
     for item in items:
         declared = suite.declared(item)
         unknown = [name for name in declared if name not in CAPABILITIES]
