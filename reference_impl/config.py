@@ -153,6 +153,21 @@ class MoEConfig:
         for family in self.router_family:
             _require(family in ROUTER_FAMILIES, "router_family", family, known)
 
+    @classmethod
+    def tiny(cls, **overrides: object) -> MoEConfig:
+        """The tests' tiny model: 64 tokens, width 32, 3 decoder layers of which the first is dense (so
+        the decoder and MoE-ordinal layer axes differ), 8 experts, top-2; a forward takes milliseconds
+        on CPU. ``overrides`` change any field (``MoEConfig.tiny(seed=5, router_family="llama4")``)."""
+        fields: dict[str, object] = {
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "num_layers": 3,
+            "first_k_dense": 1,
+            "num_experts": 8,
+            "top_k": 2,
+        }
+        return cls(**{**fields, **overrides})  # type: ignore[arg-type]
+
     @property
     def moe_layers(self) -> tuple[int, ...]:
         """Decoder indices of the MoE layers, in order (the MoE-ordinal axis maps onto these)."""

@@ -352,3 +352,11 @@ class MoELM(nn.Module):
     def last_dispatch(self) -> list[Tensor | None]:
         """Per MoE layer, the ids [B*T, k] the last forward dispatched to the experts."""
         return [layer.mlp.last_dispatch for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
+
+    def dispatched_routes(self) -> Tensor:
+        """The ids [B*T, n_moe, k] the last forward (or recompute) dispatched, MoE layers in order: what
+        the experts received, observed at the dispatch step (a sharded model: this rank's layers)."""
+        ids = self.last_dispatch
+        if not ids or any(i is None for i in ids):
+            raise RuntimeError("dispatched_routes: no forward has run through every MoE layer")
+        return torch.stack([i for i in ids if i is not None], dim=1)
