@@ -23,6 +23,7 @@ from harness.probes import RouteProbe
 from harness.subjects import Subject
 from harness.subjects.capabilities import ReplayController
 from harness.subjects.replay import controlled
+from harness.testing.asserts import assert_close_logprobs, assert_same_routes, differing_routes
 from harness.trainers.hf import install_replay
 from harness.trainers.kinds import Routing, hf_kind
 from reference_impl.layouts import pack, sp_pad, sp_shard, sp_valid_mask
@@ -64,8 +65,7 @@ def _tokens(seed: int, batch: int = BATCH, seq: int = SEQ) -> torch.Tensor:
     return torch.randint(3, KIND.vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def _sets(routes: torch.Tensor) -> torch.Tensor:
-    return routes.sort(dim=-1).values
+AXES = ("token", "MoE ordinal")
 
 
 _ROUTER_SUFFIXES = ("mlp.gate", "mlp.router", "feed_forward.router")
@@ -113,11 +113,22 @@ def test_kv_cache_rollout_covers_all_but_the_last_token(model_type: str) -> None
             f"{model_type}: rollout has {rows} rows, expected P + R − 1 = {prompt_len + response_len - 1}"
         )
         rollout.trace(handle).check_coverage(prompt_len, response_len)
-        assert torch.equal(_sets(rollout.routes), _sets(full[b, :-1])), (
-            "decode routing differs from a full forward"
+        assert_same_routes(
+            rollout.routes,
+            full[b, :-1],
+            names=("KV-cache decode", "a full forward"),
+            what=f"{model_type} rollout {b}",
+            axes=("position", "MoE ordinal"),
         )
         picked = logp[b].gather(-1, rollout.tokens[:, None]).squeeze(-1)
-        torch.testing.assert_close(picked, rollout.logprobs, rtol=0, atol=1e-5)
+        assert_close_logprobs(
+            rollout.logprobs,
+            picked,
+            names=("KV-cache decode", "a full forward"),
+            what=f"{model_type} rollout {b}: response log-probs",
+            atol=1e-5,
+            axes=("response token",),
+        )
 
 
 @pytest.mark.parametrize(
@@ -197,12 +208,21 @@ def test_packed_batch_keeps_every_row_on_its_token(arm: Any, model_type: str) ->
         logits = packing.scatter(packed_forward())
         native = packing.scatter(handle.recording())
         for b, n in enumerate(lengths):
-            differs = (_sets(native[b, :n]) != _sets(solo_routes[b, :n])).any(-1)
-            assert not differs.any(), (
-                f"{model_type}: packed sample {b} routed {int(differs.sum())} (token, layer) routes "
-                f"other than alone, first at (token, MoE ordinal) {tuple(differs.nonzero()[0].tolist())}"
+            assert_same_routes(
+                native[b, :n],
+                solo_routes[b, :n],
+                names=("packed", "alone"),
+                what=f"{model_type}: sample {b} routed natively",
+                axes=AXES,
             )
-            torch.testing.assert_close(logits[b, :n], solo_logits[b], rtol=0, atol=1e-4)
+            assert_close_logprobs(
+                logits[b, :n],
+                solo_logits[b],
+                names=("packed", "alone"),
+                what=f"{model_type}: sample {b}'s logits",
+                atol=1e-4,
+                axes=("token", "vocab id"),
+            )
 
         _perturb_routers(model)
         solo_replayed = []
@@ -210,7 +230,7 @@ def test_packed_batch_keeps_every_row_on_its_token(arm: Any, model_type: str) ->
         for b, n in enumerate(lengths):
             handle.record()
             _forward(model, tokens[b : b + 1, :n])
-            live_differs += int((_sets(handle.recording()) != _sets(solo_routes[b, :n])).any(-1).sum())
+            live_differs += int(differing_routes(handle.recording(), solo_routes[b, :n]).sum())
             handle.replay(solo_routes[b, :n])
             solo_replayed.append(_forward(model, tokens[b : b + 1, :n])[0])
         assert live_differs > 0, f"{model_type}: negated routers still pick the targets: replay is untested"
@@ -219,19 +239,21 @@ def test_packed_batch_keeps_every_row_on_its_token(arm: Any, model_type: str) ->
         replayed = packing.scatter(packed_forward())
         dispatched = probe.last().ids
     handle.disarm()
-    differs = (_sets(dispatched) != _sets(targets)).any(-1)
-    assert not differs.any(), (
-        f"{model_type}: packed replay dispatched other experts than the targets at {int(differs.sum())} "
-        f"(token, layer) routes, first at (packed position, MoE ordinal) "
-        f"{tuple(differs.nonzero()[0].tolist())}"
+    assert_same_routes(
+        dispatched,
+        targets,
+        names=("dispatched", "targets"),
+        what=f"{model_type}: packed replay",
+        axes=("packed position", "MoE ordinal"),
     )
     for b, n in enumerate(lengths):
-        torch.testing.assert_close(
+        assert_close_logprobs(
             replayed[b, :n],
             solo_replayed[b],
-            rtol=0,
+            names=("packed", "alone"),
+            what=f"{model_type}: sample {b}'s replayed logits",
             atol=1e-4,
-            msg=lambda m, b=b: f"{model_type}: packed sample {b}'s replayed logits differ from alone: {m}",
+            axes=("token", "vocab id"),
         )
 
 
@@ -283,34 +305,48 @@ def test_sp_padded_shards_replay_their_own_targets(arm: Any, model_type: str, tp
         forward()
         negated = probe.last().ids
     handle.disarm()
-    assert bool((_sets(live[valid]) != _sets(targets[valid])).any()), (
-        f"{model_type}: negated routers still pick the targets: replay is untested"
+    assert bool(differing_routes(live[valid], targets[valid]).any()), (
+        f"{model_type}: negated routers still pick the targets at every valid position: replay is untested"
     )
     for run, dispatched in (("own routes", own), ("negated routers", negated)):
         for rank in range(tp):
             rank_valid = sp_valid_mask(seq_len, tp, rank)
-            got = _sets(sp_shard(dispatched, tp, rank)[rank_valid])
-            want = _sets(sp_shard(targets, tp, rank)[rank_valid])
-            bad = (got != want).any(-1)
-            assert not bad.any(), (
-                f"{model_type} tp={tp} ({run}): rank {rank}'s shard dispatched other experts than its "
-                f"targets at {int(bad.sum())} routes, first at (shard row, MoE ordinal) "
-                f"{tuple(bad.nonzero()[0].tolist())}"
+            assert_same_routes(
+                sp_shard(dispatched, tp, rank),
+                sp_shard(targets, tp, rank),
+                names=("dispatched", "targets"),
+                what=f"{model_type} tp={tp} ({run}): rank {rank}'s shard",
+                axes=("shard row", "MoE ordinal"),
+                mask=rank_valid,
             )
-        pad_rows = _sets(dispatched[~valid])
+        pad_rows = dispatched[~valid].sort(dim=-1).values
         filler = (pad_rows[..., 1:] == pad_rows[..., :-1]).any(-1) if routing.top_k > 1 else pad_rows == 0
-        assert not filler.any(), f"{model_type} tp={tp} ({run}): padded positions replayed the zero filler"
-    diff = (own_logits - native_logits).abs().max().item()
-    assert torch.equal(own_logits, native_logits), (
-        f"{model_type} tp={tp}: replaying the model's own padded routes changed the logits by {diff:.3e}: "
-        "rows are off their tokens"
+        assert not filler.any(), (
+            f"{model_type} tp={tp} ({run}): padded positions {padded_positions} replayed the zero filler "
+            f"(dispatched {pad_rows.tolist()})"
+        )
+    assert_close_logprobs(
+        own_logits,
+        native_logits,
+        names=("replaying its own padded routes", "native"),
+        what=f"{model_type} tp={tp}: logits (rows off their tokens?)",
+        axes=("sample", "position", "vocab id"),
     )
-    assert torch.equal(_sets(own[~valid]), _sets(native[~valid])), (
-        f"{model_type} tp={tp}: padded positions {padded_positions} did not route natively"
+    assert_same_routes(
+        own,
+        native,
+        names=("replaying its own routes", "native"),
+        what=f"{model_type} tp={tp}: padded positions {padded_positions}",
+        axes=("position", "MoE ordinal"),
+        mask=~valid,
     )
-    assert torch.equal(_sets(negated[~valid, 0]), _sets(live[~valid, 0])), (
-        f"{model_type} tp={tp}: padded positions {padded_positions} did not route natively at the first "
-        "MoE layer"
+    assert_same_routes(
+        negated[:, :1],
+        live[:, :1],
+        names=("replaying with negated routers", "live routing"),
+        what=f"{model_type} tp={tp}: padded positions {padded_positions} at the first MoE layer",
+        axes=("position", "MoE ordinal"),
+        mask=~valid,
     )
 
 
@@ -365,10 +401,15 @@ def test_hf_generation_attempts_splice_to_first_computed_rows(
             handle.record()
             _forward(model, torch.tensor([call.sequence]))
             full = handle.recording()[:-1]
-        payload = torch.tensor(call.trace.to_moe_ordinal().experts).long()
-        assert call.trace.start == 0 and torch.equal(_sets(payload), _sets(full)), (
-            f"{model_type} {episode}: call {calls}'s payload is not the routing of its positions "
-            f"[0, {len(call.sequence) - 1})"
+        assert call.trace.start == 0, (
+            f"{model_type} {episode}: call {calls}'s payload starts at {call.trace.start}, expected 0"
+        )
+        assert_same_routes(
+            call.trace.to_moe_ordinal().experts,
+            full,
+            names=(f"call {calls}'s payload", "a full forward of its sequence"),
+            what=f"{model_type} {episode}",
+            axes=("position", "MoE ordinal"),
         )
         return call
 
@@ -380,26 +421,35 @@ def test_hf_generation_attempts_splice_to_first_computed_rows(
         spliced = multi_turn(generate, prompt, schedule)
     added = sum(a.new_tokens for a in spliced.attempts)
     expected_rows = len(prompt) + added - 1
-    assert len(spliced.tokens) == len(prompt) + added
+    assert len(spliced.tokens) == len(prompt) + added, (
+        f"{model_type} {episode}: spliced sample has {len(spliced.tokens)} tokens, expected P + Σa = "
+        f"{len(prompt)} + {added}"
+    )
     assert spliced.trace.rows == expected_rows, (
         f"{model_type} {episode}: spliced trace has {spliced.trace.rows} rows, expected P + Σa − 1 = "
         f"{expected_rows}"
     )
-    want = _sets(_first_computed_rows(spliced.attempts, expected_rows))
-    drivers = _sets(torch.tensor(spliced.trace.experts).long())
-    got = _sets(torch.as_tensor(splice(spliced.prompt_len, list(spliced.attempts))).long())
-    for who, rows in (("drivers' splice", drivers), ("subject's splice", got)):
-        assert rows.shape == want.shape, f"{model_type} {episode}: {who} has shape {tuple(rows.shape)}"
-        bad = (rows != want).any(-1).any(-1).nonzero()
-        assert not len(bad), (
-            f"{model_type} {episode}: {who} row {int(bad[0])} is not the first-computed routing"
+    want = _first_computed_rows(spliced.attempts, expected_rows)
+    drivers = spliced.trace.experts
+    got = splice(spliced.prompt_len, list(spliced.attempts))
+    for who, rows in (("the drivers' splice", drivers), ("the subject's splice", got)):
+        assert_same_routes(
+            rows,
+            want,
+            names=(who, "the first-computed routing"),
+            what=f"{model_type} {episode}",
+            axes=("position", "layer slot"),
         )
-    latest = _sets(splice_replace(spliced.prompt_len, list(spliced.attempts)))
+    latest = splice_replace(spliced.prompt_len, list(spliced.attempts))
     if perturbed:
-        assert not torch.equal(latest, want), (
+        assert bool(differing_routes(latest, want).any()), (
             f"{model_type} {episode}: the weight update changed no re-prefilled row: the test has no teeth"
         )
     else:
-        assert torch.equal(latest, want), (
-            f"{model_type} {episode}: with the same weights, re-prefill did not reproduce decode routing"
+        assert_same_routes(
+            latest,
+            want,
+            names=("replace-with-latest", "the first-computed routing"),
+            what=f"{model_type} {episode}: same weights (re-prefill must reproduce decode routing)",
+            axes=("position", "layer slot"),
         )
