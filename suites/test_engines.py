@@ -186,7 +186,9 @@ def test_two_greedy_runs_agree(engine: Any, checkpoint: TinyCheckpoint) -> None:
     prompts = _prompts(checkpoint, (9, 30, 70), seed=2)
     first, second = engine.generate(prompts, 16), engine.generate(prompts, 16)
     for a, b in zip(first, second, strict=True):
-        assert a.tokens == b.tokens, "greedy tokens differ between two runs"
+        assert a.tokens == b.tokens, (
+            f"greedy tokens differ between two runs: {a.tokens} first, {b.tokens} second"
+        )
         differs = compare(a.trace, b.trace).disagreement
         assert differs <= DETERMINISM_BUDGET, (
             f"routes differ between two runs in {differs:.2%} of (position, layer)"
@@ -255,7 +257,9 @@ def test_abort_resume_splices_each_attempts_own_rows(engine: Any, checkpoint: Ti
         )
         filled = context - 1
     whole = engine.generate([prompt], 12)[0]
-    assert whole.tokens == sample.tokens[len(prompt) :], "greedy resume produced other tokens than one call"
+    assert whole.tokens == sample.tokens[len(prompt) :], (
+        f"greedy resume produced {sample.tokens[len(prompt) :]}, one call {whole.tokens}: expected the same"
+    )
     differs = compare(sample.trace, whole.trace).disagreement
     assert differs <= TRAINER_BUDGET, f"spliced vs single-call routes differ in {differs:.2%}"
 
@@ -360,7 +364,9 @@ def test_n_samples_per_prompt_are_each_complete_and_share_the_prompt_rows(
     moe = list(checkpoint.spec.moe_layer_tuple)
     for prompt, samples in zip(prompts, per_prompt, strict=True):
         assert len(samples) == 3, f"{len(samples)} samples, expected n = 3"
-        assert len({s.tokens for s in samples}) == 3, "the n = 3 sampled continuations are not distinct"
+        assert len({s.tokens for s in samples}) == 3, (
+            f"the n = 3 sampled continuations are not distinct: {[s.tokens for s in samples]}"
+        )
         for sample in samples:
             assert sample.prompt == tuple(prompt), (
                 f"sample's prompt {sample.prompt}, expected {tuple(prompt)}"
@@ -392,7 +398,9 @@ def test_aborted_request_returns_its_rows_so_far(
     assert 4 <= m < 400, f"{m} tokens before the abort, expected 4 ≤ m < 400"
     aborted.trace.check_coverage(len(prompt), m)  # P + m − 1 rows: nothing lost, nothing extra
     whole = engine.generate([prompt], m)[0]
-    assert whole.tokens == aborted.tokens, "the aborted request's tokens are not the greedy run's head"
+    assert whole.tokens == aborted.tokens, (
+        f"the aborted request's tokens {aborted.tokens} are not the greedy run's head {whole.tokens}"
+    )
     differs = compare(aborted.trace, whole.trace).disagreement
     assert differs <= DETERMINISM_BUDGET, f"aborted rows differ from an unaborted run's in {differs:.2%}"
 
@@ -430,7 +438,9 @@ def test_preemption_under_a_tiny_kv_cache_keeps_every_row(
     roomy = engine.generate(prompts, 80)
     for prompt, a, b in zip(prompts, squeezed, roomy, strict=True):
         a.trace.check_coverage(len(prompt), 80)
-        assert a.tokens == b.tokens, "preempted greedy request generated other tokens"
+        assert a.tokens == b.tokens, (
+            f"preempted greedy request generated {a.tokens}, the roomy engine {b.tokens}: expected the same"
+        )
         differs = compare(a.trace, b.trace).disagreement
         assert differs <= DETERMINISM_BUDGET, f"preempted request's rows differ in {differs:.2%}"
     result = trainer_recompute(trainer, squeezed)

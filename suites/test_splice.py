@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from harness.schedules import AttemptSpec, Schedule, SimulatedRollout, route, simulate
 from harness.strategies import attempt_schedules
+from harness.testing.asserts import differing_routes
 from harness.testing.judge import as_ids, raises_naming, route_sets
 from reference_impl.splice import Attempt
 from suites.conftest import require
@@ -108,8 +109,9 @@ def _check_row_count(schedule: Schedule, got: Any) -> torch.Tensor:
 def _check_rows(schedule: Schedule, sim: SimulatedRollout, got: Any) -> None:
     """Every row equals, as expert sets, the route live when its token was sampled."""
     got = _check_row_count(schedule, got)
-    got_sets, expected_sets = route_sets(got), route_sets(sim.expected)
-    wrong = [p for p in range(expected_sets.shape[0]) if not torch.equal(got_sets[p], expected_sets[p])]
+    got_sets = route_sets(got)
+    wrong = differing_routes(got, sim.expected, names=("spliced", "live when sampled")).any(-1)
+    wrong = wrong.nonzero().squeeze(1).tolist()
     if not wrong:
         return
     max_version = sum(s.weight_update_before for s in schedule.attempts)
