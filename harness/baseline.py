@@ -33,6 +33,7 @@ from typing import Any
 
 from harness.atomic import atomic_write
 from harness.errors import HarnessError
+from harness.outcomes import OUTCOMES
 
 MAX_DEPTH = 32
 """The deepest nesting of objects and lists a baseline may have (the recorded ones have 5)."""
@@ -40,7 +41,6 @@ MAX_DEPTH = 32
 FORMAT_NAME = "rrh.gate_baseline"
 FORMAT_VERSION = 1
 BETTER = ("lower", "higher", "equal")
-OUTCOMES = ("passed", "failed", "skipped")
 
 __all__ = [
     "FORMAT_NAME",

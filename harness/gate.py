@@ -49,6 +49,7 @@ from harness.baseline import (
     save_baseline,
 )
 from harness.errors import HarnessError
+from harness.outcomes import count_outcomes
 
 ENGINES = ("reference", "hf", "vllm", "sglang")
 
@@ -547,11 +548,7 @@ def run_gate(
     failed = sorted(name for name, outcome in doc["invariants"].items() if outcome == "failed")
     conv = ", ".join(f"{k}={v}" for k, v in doc["convention"].items())
     print(f"{engine} {doc['version']}: convention {conv}", file=out)
-    counts = {o: sum(v == o for v in doc["invariants"].values()) for o in ("passed", "failed", "skipped")}
-    print(
-        f"invariants: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped",
-        file=out,
-    )
+    print(f"invariants: {count_outcomes(doc['invariants'].values())}", file=out)
     if update:
         if failed:
             print(

@@ -6,9 +6,10 @@ import shutil
 import sys
 import textwrap
 from collections.abc import Mapping, Sequence
-from typing import Any, TextIO
+from typing import TextIO
 
 from harness.check import CheckOutcome
+from harness.outcomes import count_outcomes
 
 _MARK = {"passed": "PASS", "failed": "FAIL", "skipped": "skip"}
 
@@ -90,9 +91,10 @@ def format_outcomes(outcomes: Sequence[CheckOutcome], width: int = 110) -> str:
         lines.append(f"{'skip':<6}  {'':<{suite_w}}  {len(group)} test{'s' * (len(group) > 1)} ({suites})")
         lines.extend(wrap.wrap(reason))
     used = sum(bool(o.capabilities) for o in passed)
+    counts = count_outcomes(o.outcome for o in outcomes)
     summary = (
-        f"{used} passed on the subject, {len(passed) - used} passed without it, {len(failed)} failed, "
-        f"{sum(len(g) for g in skips.values())} skipped"
+        f"{used} passed on the subject, {counts.passed - used} passed without it, {counts.failed} failed, "
+        f"{counts.skipped} skipped"
     )
     return "\n".join(lines) + "\n\n" + summary
 
@@ -149,7 +151,3 @@ class Progress:
             self.stream.write("\r\x1b[2K")
             self.stream.flush()
             self._open = False
-
-
-def describe_counts(counts: Mapping[str, Any]) -> str:
-    return f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped"

@@ -30,6 +30,7 @@ import numpy as np
 
 from harness import __version__
 from harness.check import CheckOutcome
+from harness.outcomes import count_outcomes
 
 SCHEMA_ID = "https://routing-replay-harness.invalid/schemas/check_report.schema.json"
 FORMAT = "rrh-check-report/1"
@@ -224,11 +225,7 @@ def build_report(
 ) -> dict[str, Any]:
     """Everything ``rrh check`` found, as a JSON-ready dict (the schema's ``check_report``)."""
     invariants = [_invariant_doc(o, run) for run in runs for o in run.outcomes]
-    counts = {
-        "passed": sum(i["result"] == "PASS" for i in invariants),
-        "failed": sum(i["result"] == "FAIL" for i in invariants),
-        "skipped": sum(i["result"] == "skip" for i in invariants),
-    }
+    counts = count_outcomes(o.outcome for run in runs for o in run.outcomes).as_dict()
     doc: dict[str, Any] = {
         "$schema": SCHEMA_ID,
         "format": FORMAT,

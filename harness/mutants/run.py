@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from harness.check import run_suites, suites_dir
 from harness.mutants import Mutant
 from harness.mutants.benign import Benign
+from harness.outcomes import count_outcomes
 from harness.subjects import DEFAULT_SUBJECT
 
 SUITES_BY_CAPABILITY: dict[str, tuple[str, ...]] = {
@@ -83,7 +84,7 @@ def run_mutant(
         mutant.capability,
         bool(killers),
         killers,
-        sum(o.outcome != "skipped" for o in outcomes),
+        count_outcomes(o.outcome for o in outcomes).ran,
         time.perf_counter() - start,
     )
 
@@ -95,7 +96,7 @@ def run_benign(variant: Benign, *, extra: Sequence[str] = ()) -> BenignOutcome:
         variant.subject_spec, paths=suite_paths(*variant.capabilities), extra=list(extra)
     )
     alarms = tuple(f"{o.nodeid.split('::', 1)[-1]}: {o.detail}" for o in outcomes if o.outcome == "failed")
-    ran = sum(o.outcome != "skipped" for o in outcomes)
+    ran = count_outcomes(o.outcome for o in outcomes).ran
     return BenignOutcome(
         variant.name, variant.capabilities, ran > 0 and not alarms, alarms, ran, time.perf_counter() - start
     )
