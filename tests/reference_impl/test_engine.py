@@ -9,23 +9,11 @@ from reference_impl import ROUTER_FAMILIES, MoEConfig, MoELM, RoutingMode
 from reference_impl.engine import AttemptPlan, RolloutEngine, run_episode
 from reference_impl.splice import splice, splice_replace
 
-SMALL = dict(
-    vocab_size=64,
-    hidden_size=32,
-    num_layers=3,
-    num_heads=2,
-    num_experts=8,
-    top_k=2,
-    expert_hidden=16,
-    first_k_dense=1,
-    n_group=4,
-    topk_group=2,
-)
 PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 8, 9], [7, 9, 32, 38]]  # different lengths
 
 
 def _model(family: str = "softmax_topk", **kw) -> MoELM:
-    return MoELM(MoEConfig(**{**SMALL, "router_family": family, **kw}))
+    return MoELM(MoEConfig.tiny(router_family=family, **kw))
 
 
 def _full_forward(model: MoELM, prompt: list[int], response: torch.Tensor):

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from harness.testing.asserts import assert_same_routes
 from reference_impl import (
     FAMILIES,
     ROUTER_FAMILIES,
@@ -27,10 +28,6 @@ def _cfg(**kw) -> MoEConfig:
     return MoEConfig(**base)
 
 
-def _sets(ids: torch.Tensor) -> list[set[int]]:
-    return [set(row) for row in ids.tolist()]
-
-
 # --- each family's rule on a tiny hand-computed example -------------------------------------
 
 
@@ -38,7 +35,7 @@ def _sets(ids: torch.Tensor) -> list[set[int]]:
 def test_softmax_topk_matches_hand_formula(normalise):
     family = make_family("softmax_topk", _cfg(norm_topk_prob=normalise))
     ids = family.select(LOGITS)
-    assert _sets(ids) == [{2, 1}, {3, 0}]
+    assert_same_routes(ids, [[1, 2], [0, 3]], names=("selected", "by hand"))
     e = [math.exp(v) for v in LOGITS[0].tolist()]
     if normalise:
         expected = [e[2] / (e[2] + e[1]), e[1] / (e[2] + e[1])]
@@ -65,7 +62,7 @@ def test_topk_softmax_is_softmax_over_chosen_logits():
     family = make_family("topk_softmax", _cfg())
     assert family.gate_bias
     ids = family.select(LOGITS)
-    assert _sets(ids) == [{2, 1}, {3, 0}]
+    assert_same_routes(ids, [[1, 2], [0, 3]], names=("selected", "by hand"))
     w = family.weights(LOGITS, ids)
     a, b = LOGITS[1, ids[1, 0]].item(), LOGITS[1, ids[1, 1]].item()
     assert math.isclose(w[1, 0].item(), math.exp(a) / (math.exp(a) + math.exp(b)), rel_tol=1e-6)
@@ -80,7 +77,7 @@ def test_sigmoid_grouped_group_limit_excludes_masked_groups():
     # ~1.0 (expert 1 is very low), below groups {2,3} (~1.46) and {4,5} (~1.38).
     logits = torch.tensor([[5.0, -5.0, 1.0, 1.0, 0.8, 0.8, 0.0, 0.0]])
     ids = family.select(logits)
-    assert _sets(ids) == [{2, 3}]
+    assert_same_routes(ids, [[2, 3]], names=("selected", "by hand"))
     assert 0 not in ids.tolist()[0]
     assert set(torch.topk(logits.sigmoid(), 2).indices.tolist()[0]) != {2, 3}  # limit mattered
 
@@ -97,7 +94,7 @@ def test_sigmoid_grouped_group_limit_excludes_masked_groups():
 def test_llama4_weights_are_sigmoid_of_logits_at_ids():
     family = make_family("llama4", _cfg())
     ids = family.select(LOGITS)
-    assert _sets(ids) == [{2, 1}, {3, 0}]
+    assert_same_routes(ids, [[1, 2], [0, 3]], names=("selected", "by hand"))
     assert torch.allclose(family.weights(LOGITS, ids), LOGITS.gather(1, ids).sigmoid())
     forced = torch.tensor([[0, 3], [1, 2]])  # not the native choice: still sigmoid at the ids
     assert torch.allclose(family.weights(LOGITS, forced), LOGITS.gather(1, forced).sigmoid())
@@ -130,7 +127,7 @@ def test_replay_forces_targets_and_gradient_reaches_unpicked_expert(family):
     native, _, logits = router(hidden)
     # Targets: the two experts with the lowest logits, never in the native choice.
     targets = logits.detach().topk(2, largest=False).indices
-    assert all(not (a & b) for a, b in zip(_sets(native), _sets(targets), strict=True))
+    assert all(not set(a) & set(b) for a, b in zip(native.tolist(), targets.tolist(), strict=True))
     router.mode = RoutingMode.REPLAY_FORWARD
     router.set_targets(targets)
     ids, weights, logits = router(hidden)
