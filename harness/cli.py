@@ -175,8 +175,19 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     from harness.check import run_suites
     from harness.errors import SubjectError
-    from harness.report import Progress, format_failures, format_legend, format_outcomes, format_verdict
-    from harness.report_doc import LabRun, SuiteRun, build_report, environment, header_line, write_report
+    from harness.report import (
+        LabRun,
+        Progress,
+        SuiteRun,
+        build_report,
+        environment,
+        format_failures,
+        format_legend,
+        format_outcomes,
+        format_verdict,
+        header_line,
+        write_report,
+    )
 
     if args.engine in _GPU_ENGINES:
         print(_gpu_engine_message(args.engine), file=sys.stderr)

@@ -6,11 +6,10 @@ import shutil
 import sys
 import textwrap
 from collections.abc import Mapping, Sequence
-from typing import Any, TextIO
+from typing import TextIO
 
 from harness.check import CheckOutcome
-
-_MARK = {"passed": "PASS", "failed": "FAIL", "skipped": "skip"}
+from harness.report.document import MARKS
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], max_width: int = 90) -> str:
@@ -130,7 +129,7 @@ class Progress:
         self._open = False
 
     def __call__(self, done: int, total: int, outcome: CheckOutcome) -> None:
-        mark = _MARK.get(outcome.outcome, outcome.outcome)
+        mark = MARKS.get(outcome.outcome, outcome.outcome)
         self.line(f"[{done}/{total}] {self.prefix}{outcome.suite} {mark}: {outcome.invariant}")
 
     def line(self, text: str) -> None:
@@ -149,7 +148,3 @@ class Progress:
             self.stream.write("\r\x1b[2K")
             self.stream.flush()
             self._open = False
-
-
-def describe_counts(counts: Mapping[str, Any]) -> str:
-    return f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped"
