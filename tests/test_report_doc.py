@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 from html.parser import HTMLParser
@@ -242,7 +243,8 @@ def schema_violations(document: Any) -> list[str]:
 def test_the_report_follows_its_schema_and_the_schema_rejects_violations() -> None:
     jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed (the dev extra)")
     jsonschema.Draft202012Validator.check_schema(schema())
-    for doc in (make_doc(), make_doc(failing=True), make_doc(with_deltas=False, flips=False)):
+    vllm = dataclasses.replace(make_doc(), engine="vllm")  # rrh check --engine vllm
+    for doc in (make_doc(), make_doc(failing=True), make_doc(with_deltas=False, flips=False), vllm):
         assert schema_violations(json.loads(to_json(doc))) == []
     doc = json.loads(to_json(make_doc(failing=True)))
     for path, value, expected in (
@@ -369,6 +371,13 @@ def test_html_is_self_contained_balanced_and_says_everything() -> None:
     for word in ("PASS", "FAIL", "skip", "Environment", "2.13.0+cpu", "not installed", "verdict fail"):
         assert word in page.replace('class="verdict fail"', "verdict fail"), word
     assert "distributed suites not run" in page
+
+
+def test_html_names_what_sampled_the_labs_rollouts() -> None:
+    doc = make_doc()
+    assert "tokens sampled by KV-cache decode" in to_html(doc)
+    vllm = dataclasses.replace(doc, labs=(dataclasses.replace(doc.labs[0], engine="vllm"),))
+    assert "tokens sampled by real vLLM" in to_html(vllm) and "KV-cache decode" not in to_html(vllm)
 
 
 def test_html_without_per_token_deltas_says_why_there_is_no_histogram() -> None:

@@ -78,6 +78,8 @@ class InvariantResult:
 
 @dataclass(frozen=True)
 class Counts:
+    """How many invariants passed (on the subject or not), failed, were skipped."""
+
     passed: int
     failed: int
     skipped: int
@@ -129,7 +131,7 @@ class CheckReport:
     created: str  # ISO 8601 UTC
     command: str
     subject: SubjectInfo
-    engine: str  # default | reference | hf
+    engine: str  # default | reference | hf | vllm
     family: str | None
     runs: tuple[RunSummary, ...]
     invariants: tuple[InvariantResult, ...]
@@ -140,11 +142,16 @@ class CheckReport:
     wall_seconds: float
 
     def results(self, mark: Mark) -> list[InvariantResult]:
+        """The invariants with this result, in run order."""
         return [i for i in self.invariants if i.result == mark]
 
     @property
     def counts(self) -> Counts:
-        return Counts(*(len(self.results(mark)) for mark in ("PASS", "FAIL", "skip")))
+        return Counts(
+            passed=len(self.results("PASS")),
+            failed=len(self.results("FAIL")),
+            skipped=len(self.results("skip")),
+        )
 
     @property
     def header(self) -> str:

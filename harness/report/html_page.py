@@ -106,10 +106,11 @@ def _lab_html(lab: LabSummary) -> str:
             )
     if lab.note:
         notes.append(lab.note)
+    sampler = "real vLLM" if lab.engine == "vllm" else "KV-cache decode"
     shape = (
         f"{cfg.get('num_experts')} experts top-{cfg.get('top_k')}, {cfg.get('num_layers')} layers, "
         f"{cfg.get('dtype')}; {cfg.get('batch')} rollouts × {cfg.get('response_len')} tokens sampled by "
-        "KV-cache decode, recomputed by the trainer in one full forward, without replay and with R3. "
+        f"{sampler}, recomputed by the trainer in one full forward, without replay and with R3. "
         f"{lab.flipped_tokens} of {lab.response_tokens} response tokens had flipped routing "
         f"({lab.seconds:.1f}s)."
     )

@@ -46,6 +46,7 @@ def percent(x: float | None) -> str:
 
 
 def scientific(x: float | None) -> str:
+    """Three significant digits in e-notation (log-prob gaps span many decades); ``n/a`` if undefined."""
     return "n/a" if x is None else f"{x:.2e}"
 
 
