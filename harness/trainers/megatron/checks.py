@@ -239,12 +239,15 @@ class _Rank:
                 -1, layout.top_k
             )
             for call, chosen in enumerate(self.probe.chosen[j]):
-                if not torch.equal(chosen, ids_to_map(want, layout.num_experts)):
-                    bad = int((chosen != ids_to_map(want, layout.num_experts)).any(dim=1).sum())
+                wrong = (chosen != ids_to_map(want, layout.num_experts)).any(dim=1)
+                if bool(wrong.any()):
+                    first = int(wrong.nonzero()[0])
                     raise MegatronReplayError(
                         f"{what}: rank {self.coords.rank} router {j} (decoder layer {layer}), "
-                        f"forward {call}: "
-                        f"{bad} tokens did not get the canonical route of the position they hold"
+                        f"forward {call}: {int(wrong.sum())} tokens did not get the canonical route "
+                        f"of the position they hold; first, token {first}: the trace's route "
+                        f"{sorted(want[first].tolist())}, the router chose "
+                        f"{chosen[first].nonzero().flatten().tolist()}"
                     )
 
     def pending(self) -> list[int]:
