@@ -9,8 +9,9 @@ must be, so a test never runs on a silently impossible model.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -50,6 +51,24 @@ def moe_slots(axis: LayerAxis | str, moe_layers: Sequence[int]) -> tuple[int, ..
     if LayerAxis.parse(axis) is LayerAxis.DECODER:
         return tuple(moe_layers)
     return tuple(range(len(moe_layers)))
+
+
+def check_moe_layers(
+    moe_layers: Iterable[int],
+    num_layers: int | None = None,
+    *,
+    error: type[Exception] = ValueError,
+    field: str = "moe_layers",
+) -> tuple[int, ...]:
+    """`moe_layers` as a tuple, once it is known to hold strictly increasing decoder indices >= 0
+    (and < `num_layers` when given); otherwise `error` naming `field` and the expected value."""
+    moe = tuple(moe_layers)
+    span = ">= 0" if num_layers is None else f"in [0, num_layers={num_layers})"
+    if any(b <= a for a, b in pairwise(moe)) or (
+        moe and (moe[0] < 0 or (num_layers is not None and moe[-1] >= num_layers))
+    ):
+        raise error(f"{field}: expected strictly increasing decoder indices {span}, got {list(moe)}")
+    return moe
 
 
 def axis_of_width(width: int, num_layers: int, num_moe_layers: int) -> LayerAxis | None:
