@@ -18,6 +18,7 @@ import numpy.typing as npt
 from hypothesis import strategies as st
 
 from harness.trace import MAX_EXPERTS, LayerAxis, RoutingTrace
+from reference_impl.config import layer_width, moe_slots
 
 BOUNDARY_EXPERTS = (1, 2, 8, 64, 255, 256, 257, 384, 65535, MAX_EXPERTS)
 
@@ -37,13 +38,12 @@ class TraceSpec:
     @property
     def width(self) -> int:
         """Slots on the layer axis."""
-        return self.num_layers if self.layer_axis is LayerAxis.DECODER else len(self.moe_layers)
+        return layer_width(self.layer_axis, self.num_layers, self.moe_layers)
 
     @property
     def moe_slots(self) -> tuple[int, ...]:
-        if self.layer_axis is LayerAxis.DECODER:
-            return self.moe_layers
-        return tuple(range(len(self.moe_layers)))
+        """Indices along the layer axis that hold MoE routes."""
+        return moe_slots(self.layer_axis, self.moe_layers)
 
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``RoutingTrace`` for this spec."""

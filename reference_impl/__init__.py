@@ -16,6 +16,7 @@ from .routers import (
     ReplayTargets,
     Router,
     RouterFamily,
+    RouterReplay,
     RoutingMode,
     make_family,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "RolloutEngine",
     "Router",
     "RouterFamily",
+    "RouterReplay",
     "RoutingMode",
     "layouts",
     "make_family",

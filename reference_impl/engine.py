@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .config import LayerAxis
+from .config import LayerAxis, layer_width, moe_slots
 from .model import MoELM
 from .routers import RoutingMode
 from .splice import Attempt
@@ -80,9 +80,10 @@ class RolloutEngine:
     module docstring); ``start`` is the first position that gets a row.
     """
 
-    def __init__(self, model: MoELM, *, layer_axis: LayerAxis = "decoder", start: int = 0) -> None:
-        if layer_axis not in ("decoder", "moe_ordinal"):
-            raise ValueError(f"layer_axis = {layer_axis!r}: expected 'decoder' or 'moe_ordinal'")
+    def __init__(
+        self, model: MoELM, *, layer_axis: LayerAxis | str = LayerAxis.DECODER, start: int = 0
+    ) -> None:
+        layer_axis = LayerAxis.parse(layer_axis)
         if start < 0:
             raise ValueError(f"start = {start}: expected an int >= 0")
         self.model = model
@@ -129,15 +130,15 @@ class RolloutEngine:
             ]
 
         routers = self.model.routers()
-        saved = [(router.mode, router.recorded) for router in routers]
+        saved = [(router.replay.mode, router.replay.recorded) for router in routers]
         for router in routers:
-            router.mode, router.recorded = RoutingMode.RECORD, []
+            router.replay.mode, router.replay.recorded = RoutingMode.RECORD, []
         try:
             with torch.no_grad():
                 return self._generate(prompt_ids, max_new_tokens, greedy, generator, stop_token)
         finally:
             for router, (mode, recorded) in zip(routers, saved, strict=True):
-                router.mode, router.recorded = mode, recorded
+                router.replay.mode, router.replay.recorded = mode, recorded
 
     def _generate(
         self,
@@ -216,11 +217,10 @@ class RolloutEngine:
 
     def _to_layer_axis(self, routes: Tensor) -> Tensor:
         """MoE-ordinal routes [rows, n_moe, k] in this engine's layer convention."""
-        if self.layer_axis == "moe_ordinal":
-            return routes.clone()
         cfg = self.model.cfg
-        out = torch.zeros((routes.shape[0], cfg.num_layers, cfg.top_k), dtype=torch.int64)
-        out[:, list(cfg.moe_layers)] = routes
+        width = layer_width(self.layer_axis, cfg.num_layers, cfg.moe_layers)
+        out = torch.zeros((routes.shape[0], width, cfg.top_k), dtype=torch.int64)
+        out[:, list(moe_slots(self.layer_axis, cfg.moe_layers))] = routes
         return out
 
     @staticmethod

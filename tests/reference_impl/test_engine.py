@@ -84,7 +84,7 @@ def test_zero_new_tokens_runs_no_forward_and_leaves_the_routers_as_they_were():
     rollouts = RolloutEngine(model).generate(PROMPTS, 0)
     assert [(len(r.tokens), r.routes, r.finish_reason) for r in rollouts] == [(0, None, "length")] * 3
     RolloutEngine(model).generate(PROMPTS, 3)
-    assert all(router.mode is RoutingMode.RECORD for router in model.routers())
+    assert all(router.replay.mode is RoutingMode.RECORD for router in model.routers())
     assert model.pop_recording().shape == (3, 2, 2)  # only the caller's own forward
 
 

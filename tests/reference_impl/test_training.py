@@ -64,10 +64,10 @@ def _r3_batch(model: MoELM, seed: int = 0) -> Placed:
 
 def _is_clean(model: MoELM) -> bool:
     return all(
-        router.mode is RoutingMode.NATIVE
-        and router.targets is None
-        and not router.backward_targets
-        and not router.recorded
+        router.replay.mode is RoutingMode.NATIVE
+        and router.replay.targets is None
+        and not router.replay.backward_targets
+        and not router.replay.recorded
         for router in model.routers()
     )
 
@@ -285,15 +285,15 @@ def test_reference_pass_never_replays():
         natural = token_logprobs(model, placed.tokens, placed.attention_mask)
     absurd = ReplayTargets(torch.full((1, 2), 999), None)  # wrong row count, ids out of range
     for router in model.routers():
-        router.targets = absurd
+        router.replay.targets = absurd
     model.set_routing_mode(RoutingMode.REPLAY_FORWARD)
     with pytest.raises(ReplayError), torch.no_grad():  # replaying these would fail loudly
         token_logprobs(model, placed.tokens, placed.attention_mask)
 
     assert torch.equal(reference_logprobs(model, placed), natural)
     for router in model.routers():  # state neither read nor changed
-        assert router.mode is RoutingMode.REPLAY_FORWARD and router.targets is absurd
-        assert not router.backward_targets
+        assert router.replay.mode is RoutingMode.REPLAY_FORWARD and router.replay.targets is absurd
+        assert not router.replay.backward_targets
 
 
 # --- replay state after each pass --------------------------------------------------------------
@@ -308,8 +308,8 @@ def test_checkpointed_update_holds_one_fifo_entry_until_backward():
         model, placed, ReplayMode.R2, old=old, moe_layers=model.cfg.moe_layers, use_checkpoint=True
     )
     for router in model.routers():
-        assert router.mode is RoutingMode.REPLAY_BACKWARD and router.targets is None
-        assert len(router.backward_targets) == 1
+        assert router.replay.mode is RoutingMode.REPLAY_BACKWARD and router.replay.targets is None
+        assert len(router.replay.backward_targets) == 1
     backward(new.sum(), model)
     assert _is_clean(model)
 

@@ -78,8 +78,9 @@ import torch
 
 from harness.subjects import Subject
 from harness.subjects.frameworks import check_placement_arguments, require_release
-from harness.trainers.hf.replay import HFReplay, Mode, find_routers
+from harness.trainers.hf.replay import HFReplay, find_routers
 from reference_impl.layouts import Placed
+from reference_impl.routers import RoutingMode
 from reference_impl.splice import Attempt
 
 Payload = Literal["numpy", "tensor"]
@@ -627,7 +628,7 @@ class _VeOmniReplay(HFReplay, abc.ABC):
     def record(self) -> None:
         self._reset()
         self.veomni.begin_record()
-        self.mode = Mode.RECORD
+        self.mode = RoutingMode.RECORD
 
     def recording(self) -> torch.Tensor:
         routes = self._recorded()
@@ -639,7 +640,7 @@ class _VeOmniReplay(HFReplay, abc.ABC):
         self._decoder_targets = self._decoder_axis(targets)
         self._mask = None if mask is None else torch.as_tensor(mask).bool()
         self.veomni.begin_replay()
-        self.mode = Mode.REPLAY_FORWARD
+        self.mode = RoutingMode.REPLAY_FORWARD
 
     def prepare_backward(self) -> None:
         """Nothing to switch: the controller has no backward action (see the class docstring)."""
@@ -658,7 +659,7 @@ class _VeOmniReplay(HFReplay, abc.ABC):
         self._decoder_targets, self._mask, self._recordings, self._forwards = None, None, [], 0
 
     def _after_forward(self) -> None:
-        if self.mode is Mode.RECORD:
+        if self.mode is RoutingMode.RECORD:
             self._forwards += 1
             self._take_recorded()
 
@@ -682,7 +683,7 @@ class _VeOmniReplay091(_VeOmniReplay):
     natively because the row repeats an id."""
 
     def _before_forward(self) -> None:
-        if self.mode is Mode.RECORD:
+        if self.mode is RoutingMode.RECORD:
             self.veomni.begin_microbatch()
         elif self._decoder_targets is not None:
             targets = self._decoder_targets
@@ -704,9 +705,9 @@ class _VeOmniReplay080(_VeOmniReplay):
     end (no SP padding to trim)."""
 
     def _before_forward(self) -> None:
-        if self.mode is Mode.RECORD and self._forwards:
+        if self.mode is RoutingMode.RECORD and self._forwards:
             self.veomni.advance_record_microbatch()
-        elif self.mode is Mode.REPLAY_FORWARD and self._decoder_targets is not None:
+        elif self.mode is RoutingMode.REPLAY_FORWARD and self._decoder_targets is not None:
             per_layer = self.veomni.slice_microbatch_replay_targets(self._decoder_targets)
             mask = None if self._mask is None else self.veomni.slice_microbatch_replay_mask(self._mask)
             self.veomni.set_microbatch_targets(per_layer, replay_mask=mask)
