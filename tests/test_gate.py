@@ -14,7 +14,15 @@ import pytest
 
 from harness import atomic, gate
 from harness import baseline as bl
-from harness.engines.adapters import ADAPTERS, EngineAdapter, Observation, ObservationError, Suites
+from harness.engines.adapters import (
+    ADAPTERS,
+    EngineAdapter,
+    Observation,
+    ObservationError,
+    Suites,
+    UnknownEngine,
+    adapter,
+)
 from harness.engines.adapters.hf import HFAdapter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -363,6 +371,8 @@ def test_every_engine_has_an_adapter_implementing_the_protocol() -> None:
         assert isinstance(engine, EngineAdapter) and engine.name == name
     assert ADAPTERS["vllm"].convention("0.30.0").name == "vllm-0.27"  # type: ignore[union-attr]
     assert ADAPTERS["reference"].convention("0.1.0") is None
+    with pytest.raises(UnknownEngine, match="'tensorrt'; expected one of reference, hf, vllm, sglang"):
+        adapter("tensorrt")
 
 
 class _FailingAdapter:

@@ -11,6 +11,7 @@ from harness.engines.adapters.base import EngineAdapter, Observation, Observatio
 from harness.engines.adapters.hf import HFAdapter
 from harness.engines.adapters.reference import ReferenceAdapter
 from harness.engines.adapters.served import ServedAdapter
+from harness.errors import HarnessError
 
 ADAPTERS: dict[str, EngineAdapter] = {
     adapter.name: adapter
@@ -25,12 +26,27 @@ ADAPTERS: dict[str, EngineAdapter] = {
 
 ENGINES: tuple[str, ...] = tuple(ADAPTERS)
 
-__all__ = ["ADAPTERS", "ENGINES", "EngineAdapter", "Observation", "ObservationError", "Suites", "adapter"]
+__all__ = [
+    "ADAPTERS",
+    "ENGINES",
+    "EngineAdapter",
+    "Observation",
+    "ObservationError",
+    "Suites",
+    "UnknownEngine",
+    "adapter",
+]
+
+
+class UnknownEngine(HarnessError, ValueError):
+    """No adapter has this engine name."""
 
 
 def adapter(engine: str) -> EngineAdapter:
-    """The adapter of ``engine``; ``ObservationError`` naming the known engines otherwise."""
+    """The adapter of ``engine``; ``UnknownEngine`` naming the known engines otherwise."""
     try:
         return ADAPTERS[engine]
     except KeyError:
-        raise ObservationError(engine, "engine", f"unknown; expected one of {', '.join(ENGINES)}") from None
+        raise UnknownEngine(
+            f"engine: unknown engine {engine!r}; expected one of {', '.join(ENGINES)}"
+        ) from None
