@@ -71,7 +71,7 @@ def _vllm_output(prompt: list[int], tokens: list[int], routes: object, *, prompt
 def test_importing_the_adapters_imports_no_engine() -> None:
     code = (
         "import sys, harness.engines.vllm, harness.engines.sglang, harness.engines.http, "
-        "harness.engines.checkpoint, harness.gate, harness.baseline\n"
+        "harness.engines.checkpoint, harness.engines.adapters, harness.gate, harness.baseline\n"
         "loaded = [m for m in ('vllm', 'sglang') if m in sys.modules]\n"
         "assert not loaded, f'engines imported at module import: {loaded}'\n"
     )
