@@ -54,8 +54,7 @@ def run_lab(step: LabStep, subject: Any) -> LabResult:
 
 def _run_suite(plan: CheckPlan, step: SuiteStep, stream: TextIO) -> SuiteRun:
     from harness.check import run_suites
-    from harness.report import Progress
-    from harness.report import SuiteRun
+    from harness.report import Progress, SuiteRun
 
     progress = Progress(stream, prefix="" if len(plan.suites) == 1 else f"{step.engine} · ")
     t0 = time.perf_counter()
@@ -78,8 +77,7 @@ def _run_suite(plan: CheckPlan, step: SuiteStep, stream: TextIO) -> SuiteRun:
 
 def run_plan(plan: CheckPlan, subject: Any, stream: TextIO) -> CheckRun:
     """Run ``plan`` against ``subject`` (its loaded object), reporting progress to ``stream``."""
-    from harness.report import Progress
-    from harness.report import LabRun
+    from harness.report import LabRun, Progress
 
     run = CheckRun(notes=list(plan.notes))
     run.suites = [_run_suite(plan, step, stream) for step in plan.suites]

@@ -215,7 +215,7 @@ def _tool_agent_loop(
     pending = list(tool_tokens)
 
     class ToolParser:
-        stop_token_ids: list[int] = []
+        stop_token_ids: tuple[int, ...] = ()  # none added: each turn ends where the schedule says
 
         @staticmethod
         async def extract_tool_calls(response_ids: list[int], tools: Any) -> tuple[str, list[Any]]:
@@ -234,8 +234,12 @@ def _tool_agent_loop(
             return AgentState.GENERATING
 
         async def ct_merge_assistant_token(
-            self, runtime_token_ids: list[int], assistant_token_ids: list[int], response_mask: list[int],
-            response_logprobs: Any = None, assistant_logprobs: Any = None,
+            self,
+            runtime_token_ids: list[int],
+            assistant_token_ids: list[int],
+            response_mask: list[int],
+            response_logprobs: Any = None,
+            assistant_logprobs: Any = None,
         ) -> tuple[Any, list[int], Any]:
             merged = types.SimpleNamespace(token_ids=runtime_token_ids + assistant_token_ids)
             return merged, response_mask + [1] * len(assistant_token_ids), response_logprobs
