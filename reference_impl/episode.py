@@ -195,17 +195,20 @@ def run_episode(
         unfed_tool_tokens += len(plan.tool_tokens)
         call = generate(tuple(tokens), plan.max_new_tokens)
         generated = [int(token) for token in call.tokens]
-        _check_call(index, call, len(tokens), len(generated), plan.max_new_tokens)
+        routes, call_logprobs = call.routes, call.logprobs
+        _check_call(index, call, routes, len(tokens), len(generated), plan.max_new_tokens)
         tokens.extend(generated)
-        call_logprobs = call.logprobs
-        logprobs.extend([float(lp) for lp in call_logprobs] if call_logprobs is not None else [float("nan")] * len(generated))
+        if call_logprobs is None:
+            logprobs.extend([float("nan")] * len(generated))
+        else:
+            logprobs.extend(float(lp) for lp in call_logprobs)
         sampled.extend([True] * len(generated))
         new_tokens, tool = 0, 0
-        if call.routes is not None or generated:  # a forward ran
+        if routes is not None or generated:  # a forward ran
             tool = unfed_tool_tokens
             new_tokens, unfed_tool_tokens = unfed_tool_tokens + len(generated), 0
         finish_reason = plan.finish_reason if call.finish_reason == "length" else call.finish_reason
-        attempts.append(Attempt(new_tokens, call.routes, finish_reason, schedule.kind(index), tool, version))
+        attempts.append(Attempt(new_tokens, routes, finish_reason, schedule.kind(index), tool, version))
         calls.append(call)
     return Episode(
         schedule.prompt_len,
@@ -217,16 +220,23 @@ def run_episode(
     )
 
 
-def _check_call(index: int, call: EngineCall, context_len: int, generated: int, budget: int) -> None:
+def _check_call(
+    index: int, call: EngineCall, routes: Tensor | None, context_len: int, generated: int, budget: int
+) -> None:
     """The call answered the request: the context it was given, within budget, a whole payload."""
     where = f"attempt {index + 1}"
     if call.prompt_len != context_len:
-        raise EpisodeError(f"{where}: the engine answered a prompt of {call.prompt_len} tokens, expected {context_len}")
-    if generated > budget:
-        raise EpisodeError(f"{where}: {generated} tokens generated, expected at most max_new_tokens = {budget}")
-    if call.routes is not None and call.start != 0:
         raise EpisodeError(
-            f"{where}: payload starts at position start = {call.start}, expected 0 (the splice needs whole payloads)"
+            f"{where}: the engine answered a prompt of {call.prompt_len} tokens, expected {context_len}"
+        )
+    if generated > budget:
+        raise EpisodeError(
+            f"{where}: {generated} tokens generated, expected at most max_new_tokens = {budget}"
+        )
+    if routes is not None and call.start != 0:
+        raise EpisodeError(
+            f"{where}: payload starts at position start = {call.start}, expected 0 "
+            "(the splice needs whole payloads)"
         )
     if call.logprobs is not None and len(call.logprobs) != generated:
         raise EpisodeError(f"{where}: {len(call.logprobs)} log-probs for {generated} generated tokens")

@@ -3,9 +3,9 @@
 The oracle is the simulated engine of ``harness.schedules``: its route for position ``p`` under
 weight version ``v`` is a known function of ``(p, v)``, distinct for every pair here (1024 experts),
 so after a schedule is played through it its ``expected`` trace is the one a correct splice builds,
-and a wrong row tells which position and which weights it really came from. Bug classes (FACTS §4): duplication on resume
-(verl #5430), policy-version mixing (verl #6046), the ``[-0:]`` slice, lost on cancel (verl #5344),
-truncation (verl #6027/#6089), multi-turn staleness (verl #6054).
+and a wrong row tells which position and which weights it really came from. Bug classes (FACTS §4):
+duplication on resume (verl #5430), policy-version mixing (verl #6046), the ``[-0:]`` slice, lost on
+cancel (verl #5344), truncation (verl #6027/#6089), multi-turn staleness (verl #6054).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ NUM_EXPERTS = 1024  # 7p + 5v + 3l < 1024 here: every (position, version) has it
 # --------------------------------------------------------------------------------------------------
 # Schedules that reach each bug class on purpose (also used as explicit examples, whatever the seed)
 # --------------------------------------------------------------------------------------------------
+
 
 def A(tool: int, generated: int, update_weights: bool, finish_reason: str) -> AttemptPlan:
     """An attempt of ``tool`` tool tokens, then ``generated`` tokens (the simulated engine's whole budget)."""
@@ -176,7 +177,10 @@ def schedules_with_cut_attempts(draw: st.DrawFn) -> Schedule:
     specs = list(draw(attempt_schedules(max_attempts=4)).attempts)
     at = draw(st.integers(0, len(specs) - 1))
     aborted = A(
-        0 if at == 0 else draw(st.integers(0, 3)), draw(st.integers(1, 6)), at > 0 and draw(st.booleans()), "abort"
+        0 if at == 0 else draw(st.integers(0, 3)),
+        draw(st.integers(1, 6)),
+        at > 0 and draw(st.booleans()),
+        "abort",
     )
     specs.insert(at, aborted)
     specs[at + 1] = replace(specs[at + 1], update_weights=True)

@@ -200,13 +200,18 @@ def test_tool_tokens_of_a_zero_budget_attempt_count_for_the_attempt_that_prefill
 def test_invalid_requests_are_refused():
     model = _model()
     with pytest.raises(EpisodeError, match="start = 2"):
-        run_episode(RolloutEngine(model, start=2).generate_one, Schedule(tuple(PROMPTS[0]), (AttemptPlan(1),)))
+        run_episode(
+            RolloutEngine(model, start=2).generate_one, Schedule(tuple(PROMPTS[0]), (AttemptPlan(1),))
+        )
     with pytest.raises(EpisodeError, match="update_weights"):
         run_episode(RolloutEngine(model).generate_one, Schedule((1,), (AttemptPlan(1, update_weights=True),)))
     with pytest.raises(EpisodeError, match="finish_reason"):
         AttemptPlan(1, finish_reason="aborted")
     with pytest.raises(EpisodeError, match="at most max_new_tokens = 1"):
-        run_episode(lambda context, budget: RolloutEngine(model).generate_one(context, 2), Schedule((1,), (AttemptPlan(1),)))
+        run_episode(
+            lambda context, budget: RolloutEngine(model).generate_one(context, 2),
+            Schedule((1,), (AttemptPlan(1),)),
+        )
     with pytest.raises(ValueError, match="start = 4"):
         RolloutEngine(model, start=4).generate(PROMPTS, 1)
     with pytest.raises(ValueError, match="layer_axis"):
