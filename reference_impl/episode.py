@@ -186,9 +186,9 @@ def run_episode(
     unfed_tool_tokens = 0  # tool tokens appended since the last forward
     version = 0
     for index, plan in enumerate(schedule.attempts):
-        if plan.update_weights:
+        if plan.update_weights and update_weights is not None:  # None only without updates: checked above
             version += 1
-            update_weights(version)  # type: ignore[misc]  # checked above
+            update_weights(version)
         tokens.extend(plan.tool_tokens)
         logprobs.extend([0.0] * len(plan.tool_tokens))
         sampled.extend([False] * len(plan.tool_tokens))
