@@ -41,14 +41,14 @@ Falsifying example: test_spliced_trace_has_one_row_per_fed_position(
     subject=Subject(name='mutant:duplication-on-resume',
      splice=concatenate_payloads,
      layouts=<module 'reference_impl.layouts' from '/work/main/reference_impl/layouts.py'>),
-    schedule=Schedule(prompt_len=5,
-     attempts=(AttemptSpec(tool_tokens=0,
-       generated=0,
-       weight_update_before=False,
+    schedule=Schedule(prompt=(1, 2, 3, 4, 5),
+     attempts=(AttemptPlan(max_new_tokens=0,
+       tool_tokens=(),
+       update_weights=False,
        finish_reason='abort'),
-      AttemptSpec(tool_tokens=0,
-       generated=3,
-       weight_update_before=True,
+      AttemptPlan(max_new_tokens=3,
+       tool_tokens=(),
+       update_weights=True,
        finish_reason='stop'))),
     idle_payloads=True,
     dtype=torch.int64,  # or any other generated value
@@ -72,7 +72,7 @@ def test_failure_message_is_the_suites_own_words_without_assert_noise() -> None:
 def test_falsifying_example_is_reduced_to_words() -> None:
     text = SPLICE_CRASH[SPLICE_CRASH.index("Falsifying example") :]
     words = reduce_example(text)
-    assert "subject" not in words and "<module" not in words and "AttemptSpec" not in words
+    assert "subject" not in words and "<module" not in words and "AttemptPlan" not in words
     assert words.startswith(
         "schedule: prompt of 5 tokens; attempt 1 (start): 0 tool + 0 generated (abort); weights updated; "
         "attempt 2 (resume): 0 tool + 3 generated (stop)"
@@ -83,10 +83,10 @@ def test_falsifying_example_is_reduced_to_words() -> None:
 def test_example_of_a_tuple_holding_a_schedule_and_of_plain_values() -> None:
     text = """Falsifying example: test_missing(
     subject=Subject(name='x'),
-    case=(Schedule(prompt_len=4,
-      attempts=(AttemptSpec(tool_tokens=0,
-        generated=3,
-        weight_update_before=False,
+    case=(Schedule(prompt=(1, 2, 3, 4),
+      attempts=(AttemptPlan(max_new_tokens=3,
+        tool_tokens=(),
+        update_weights=False,
         finish_reason='abort'),)),
      0),
     rows=[1, 2,

@@ -211,7 +211,7 @@ class HFAdapter:
         """Row rule, dtype and layer axis of the transformers KV-cache engine (``harness.engines.hf``)."""
         import torch
 
-        from harness.engines.hf import generate_rollouts
+        from harness.engines.hf import generate_rollouts, hf_trace
         from harness.trainers.hf import tiny_model
 
         model: Any = tiny_model("deepseek_v3", torch.float32)  # a dense first layer
@@ -219,7 +219,7 @@ class HFAdapter:
         prompt_len, response_len = 5, 4
         prompts = torch.randint(3, 128, (1, prompt_len), generator=torch.Generator().manual_seed(0))
         rollout = generate_rollouts(model, handle, prompts, response_len, greedy=True)[0]
-        trace = rollout.trace(handle)
+        trace = hf_trace(rollout, handle)
         handle.remove()
         return {
             "payload_dtype": str(rollout.routes.dtype).removeprefix("torch."),
