@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from harness.baseline import metric
 from harness.errors import HarnessError
+from reference_impl.config import axis_of_width
 
 if TYPE_CHECKING:  # the registry is read by `rrh --help`: keep numpy and torch out of its import
     from harness.conventions import Convention
@@ -124,11 +125,10 @@ def row_rule(rows: int, prompt_len: int, response_len: int, start: int = 0) -> s
 
 def layer_axis(width: int, num_layers: int, num_moe: int) -> str:
     """The observed layer axis of a payload ``width`` columns wide (DESIGN §2: decoder or MoE ordinal)."""
-    if width == num_layers:
-        return "decoder"
-    if width == num_moe:
-        return "moe_ordinal"
-    return f"unknown (width {width}, decoder layers {num_layers}, MoE layers {num_moe})"
+    axis = axis_of_width(width, num_layers, num_moe)
+    if axis is None:
+        return f"unknown (width {width}, decoder layers {num_layers}, MoE layers {num_moe})"
+    return axis.value
 
 
 NO_FLIP = "no response token's routing flipped without replay: nothing to measure on flipped tokens"
