@@ -118,7 +118,7 @@ def reduce_example(text: str, already_said: str = "") -> str:
     """Hypothesis's ``Falsifying example: test(\\n    arg=…,\\n)`` as ``arg: …; arg=…`` in words.
 
     The ``subject`` argument is dropped (the report names the subject); values that are harness
-    objects with a ``describe()`` (a :class:`~harness.schedules.Schedule`), or tuples of them, are
+    objects with a ``describe()`` (a :class:`~reference_impl.episode.Schedule`), or tuples of them, are
     described in plain words, and left out when ``already_said`` (the failure message) already
     holds that description; other values are put on one line.
     """
@@ -213,9 +213,9 @@ def _describe(value: str, already_said: str = "") -> str | None:
 
 
 def _describable() -> dict[str, Any]:
-    from harness.schedules import AttemptSpec, Schedule
+    from reference_impl.episode import AttemptPlan, Schedule
 
-    return {"Schedule": Schedule, "AttemptSpec": AttemptSpec}
+    return {"Schedule": Schedule, "AttemptPlan": AttemptPlan}
 
 
 def _safe_eval(node: ast.expr, known: dict[str, Any]) -> Any:

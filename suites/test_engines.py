@@ -40,11 +40,13 @@ from harness.engines.checkpoint import (
     EngineRollout,
     TinyCheckpoint,
     load_checkpoint,
+    spliced_trace,
     trainer_recompute,
     write_checkpoint,
 )
 from harness.testing.asserts import differing_routes
 from harness.trace import RoutingTrace, compare
+from reference_impl.episode import AttemptPlan, Schedule, run_episode
 
 DETERMINISM_BUDGET = 0.05
 """Set disagreement allowed between two identical greedy runs (vLLM's own e2e test: < 5%)."""
@@ -239,14 +241,20 @@ def test_r3_removes_disagreement_and_does_not_grow_the_gap(
 def test_abort_resume_splices_each_attempts_own_rows(engine: Any, checkpoint: TinyCheckpoint) -> None:
     """Resubmitting prompt ⊕ partial (budgets 3, 4, 5): P + Σa − 1 rows; attempt j's rows are its own."""
     prompt = _prompts(checkpoint, (13,), seed=4)[0]
-    sample = engine.partial_rollout(prompt, [3, 4, 5])
+    plans = (
+        AttemptPlan(3, finish_reason="abort"),
+        AttemptPlan(4, finish_reason="abort"),
+        AttemptPlan(5, finish_reason="length"),
+    )
+    sample = run_episode(engine.generate_one, Schedule(tuple(prompt), plans))
+    trace = spliced_trace(sample)
     assert sample.response_len == 12, (
         f"resumed sample has {sample.response_len} response tokens, expected 3+4+5"
     )
-    assert sample.trace.rows == len(prompt) + 12 - 1, (
-        f"spliced trace has {sample.trace.rows} rows, expected P + R − 1 = {len(prompt) + 12 - 1}"
+    assert trace.rows == len(prompt) + 12 - 1, (
+        f"spliced trace has {trace.rows} rows, expected P + R − 1 = {len(prompt) + 12 - 1}"
     )
-    spliced = sample.trace.experts
+    spliced = trace.experts
     filled = 0
     context = len(prompt)
     for j, call in enumerate(sample.calls):
@@ -257,10 +265,11 @@ def test_abort_resume_splices_each_attempts_own_rows(engine: Any, checkpoint: Ti
         )
         filled = context - 1
     whole = engine.generate([prompt], 12)[0]
-    assert whole.tokens == sample.tokens[len(prompt) :], (
-        f"greedy resume produced {sample.tokens[len(prompt) :]}, one call {whole.tokens}: expected the same"
+    resumed = tuple(sample.tokens[len(prompt) :].tolist())
+    assert whole.tokens == resumed, (
+        f"greedy resume produced {resumed}, one call {whole.tokens}: expected the same"
     )
-    differs = compare(sample.trace, whole.trace).disagreement
+    differs = compare(trace, whole.trace).disagreement
     assert differs <= TRAINER_BUDGET, f"spliced vs single-call routes differ in {differs:.2%}"
 
 
@@ -269,11 +278,16 @@ def test_multi_turn_tool_tokens_belong_to_the_turn_that_prefilled_them(
 ) -> None:
     """Two turns with tool tokens: rows cover every position but the last; agree with the trainer."""
     prompt, tool1, tool2 = _prompts(checkpoint, (8, 5, 7), seed=5)
-    sample = engine.multi_turn(prompt, [((), 4), (tool1, 6), (tool2, 3)])
+    plans = (
+        AttemptPlan(4),
+        AttemptPlan(6, tool_tokens=tuple(tool1)),
+        AttemptPlan(3, tool_tokens=tuple(tool2)),
+    )
+    sample = run_episode(engine.generate_one, Schedule(tuple(prompt), plans))
     assert sample.response_len == 4 + 5 + 6 + 7 + 3, (
         f"episode has {sample.response_len} response tokens, expected 4 + 5 + 6 + 7 + 3 = 25"
     )
-    sample.trace.check_coverage(sample.prompt_len, sample.response_len)
+    spliced_trace(sample).check_coverage(sample.prompt_len, sample.response_len)
     result = trainer_recompute(trainer, [sample])
     assert result.routing.disagreement <= TRAINER_BUDGET, (
         f"multi-turn spliced routes vs trainer: {result.routing.disagreement:.2%} differ"

@@ -26,6 +26,7 @@ from harness.subjects.replay import controlled
 from harness.testing.asserts import assert_close_logprobs, assert_same_routes, differing_routes
 from harness.trainers.hf import install_replay
 from harness.trainers.kinds import Routing, hf_kind
+from reference_impl.episode import AttemptPlan, Schedule, run_episode
 from reference_impl.layouts import pack, sp_pad, sp_shard, sp_valid_mask
 from reference_impl.splice import splice_replace
 from suites.conftest import require
@@ -92,15 +93,16 @@ def _forward(model: torch.nn.Module, tokens: torch.Tensor, **kwargs: object) -> 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "gpt_oss", "llama4_text"])
 def test_kv_cache_rollout_covers_all_but_the_last_token(model_type: str) -> None:
     """Rollout routes cover [0, P + R − 1) and, in fp32, equal a full forward's routing (§3.1, §6)."""
-    from harness.engines.hf import generate_rollouts
+    from harness.engines.hf import generate_rollouts, hf_trace
 
     model = _fresh(model_type)
     handle = install_replay(model)  # the harness's HF engine records rollouts with its own hooks
     prompt_len, response_len = 5, 4
+    prompts = _tokens(3, seq=prompt_len)
     rollouts = generate_rollouts(
-        model, handle, _tokens(3, seq=prompt_len), response_len, generator=torch.Generator().manual_seed(0)
+        model, handle, prompts, response_len, generator=torch.Generator().manual_seed(0)
     )
-    tokens = torch.stack([torch.cat([r.prompt, r.tokens]) for r in rollouts])
+    tokens = torch.stack([torch.cat([prompt, r.tokens]) for prompt, r in zip(prompts, rollouts, strict=True)])
     with torch.no_grad():
         handle.record()
         logits = _forward(model, tokens)
@@ -112,7 +114,7 @@ def test_kv_cache_rollout_covers_all_but_the_last_token(model_type: str) -> None
         assert rows == prompt_len + response_len - 1, (
             f"{model_type}: rollout has {rows} rows, expected P + R − 1 = {prompt_len + response_len - 1}"
         )
-        rollout.trace(handle).check_coverage(prompt_len, response_len)
+        hf_trace(rollout, handle).check_coverage(prompt_len, response_len)
         assert_same_routes(
             rollout.routes,
             full[b, :-1],
@@ -360,8 +362,12 @@ def _first_computed_rows(attempts, rows: int) -> torch.Tensor:  # type: ignore[n
 
 
 EPISODES = {
-    "abort-resume": ("partial", (3, 2, 4)),
-    "multi-turn": ("turns", (((), 3), ((5, 6, 7), 2), ((8, 9), 3))),
+    "abort-resume": (
+        AttemptPlan(3, finish_reason="abort"),
+        AttemptPlan(2, finish_reason="abort"),
+        AttemptPlan(4, finish_reason="length"),
+    ),
+    "multi-turn": (AttemptPlan(3), AttemptPlan(2, tool_tokens=(5, 6, 7)), AttemptPlan(3, tool_tokens=(8, 9))),
 }
 
 
@@ -373,15 +379,15 @@ def test_hf_generation_attempts_splice_to_first_computed_rows(
 ) -> None:
     """Abort/resume and multi-turn through real HF generation (KV cache) splice to P + Σa − 1 rows (§3.4).
 
-    ``hf_generate`` drives ``generate_rollouts`` from the generic ``partial_rollout`` / ``multi_turn``
-    drivers; every engine call re-prefills the whole context. Each spliced row — the drivers' and the
+    ``hf_generate`` is the engine call of the one episode driver (``run_episode``); every engine call
+    re-prefills the whole context. Each spliced row — the drivers' and the
     subject's splice of the same attempts — is the row of the first attempt that computed it, and
     each ``hf_generate`` payload is the routing of a full forward of its sequence (fp32). With
     ``weights-updated`` the routers change before every later attempt (the fully-async case), so the
     later re-prefills route earlier positions differently and a replace-with-latest splice (verl
     #6046) would differ; with the same weights, fp32 re-prefill reproduces the decode routing.
     """
-    from harness.engines.checkpoint import multi_turn, partial_rollout
+    from harness.engines.checkpoint import spliced_trace
     from harness.engines.hf import hf_generate
 
     splice = require(subject, "splice")
@@ -414,23 +420,19 @@ def test_hf_generation_attempts_splice_to_first_computed_rows(
         return call
 
     prompt = _tokens(40, batch=1, seq=4)[0].tolist()
-    kind, schedule = EPISODES[episode]
-    if kind == "partial":
-        spliced = partial_rollout(generate, prompt, schedule)
-    else:
-        spliced = multi_turn(generate, prompt, schedule)
+    spliced = run_episode(generate, Schedule(tuple(prompt), EPISODES[episode]))
+    trace = spliced_trace(spliced)
     added = sum(a.new_tokens for a in spliced.attempts)
     expected_rows = len(prompt) + added - 1
     assert len(spliced.tokens) == len(prompt) + added, (
         f"{model_type} {episode}: spliced sample has {len(spliced.tokens)} tokens, expected P + Σa = "
         f"{len(prompt)} + {added}"
     )
-    assert spliced.trace.rows == expected_rows, (
-        f"{model_type} {episode}: spliced trace has {spliced.trace.rows} rows, expected P + Σa − 1 = "
-        f"{expected_rows}"
+    assert trace.rows == expected_rows, (
+        f"{model_type} {episode}: spliced trace has {trace.rows} rows, expected P + Σa − 1 = {expected_rows}"
     )
     want = _first_computed_rows(spliced.attempts, expected_rows)
-    drivers = spliced.trace.experts
+    drivers = trace.experts
     got = splice(spliced.prompt_len, list(spliced.attempts))
     for who, rows in (("the drivers' splice", drivers), ("the subject's splice", got)):
         assert_same_routes(

@@ -12,7 +12,7 @@ bit-exact RECORD → REPLAY gradients. The reference subject is the harness's ow
 
 Layouts (``RRH_MEGATRON_LAYOUT=name[,name…]`` selects; ``tox -e megatron-tp2ep2`` sets ``tp2ep2``):
 
-- ``tp1ep1``: one rank (default run);
+- ``tp1ep1``: one rank, one sample per micro-batch, 512 experts (default run);
 - ``tp2ep2etp1``: two ranks, sequence-parallel TP = 2 and EP = 2 over the same ranks (expert-TP 1)
   (default run);
 - ``tp2ep2``: four ranks, TP = 2, EP = 2, DP = 2 (expert-TP 2): ``slow`` unless selected by name
@@ -33,7 +33,9 @@ TIMEOUT_S = 240
 
 _COMMON = dict(num_layers=3, moe_layers=(1, 2), num_experts=4, top_k=2, seq_len=8, micro_batch=2)
 LAYOUTS: dict[str, MegatronLayout] = {
-    "tp1ep1": MegatronLayout(**_COMMON),
+    # One rank, one sample per micro-batch, 512 experts: half the ids are above 255, so a
+    # recording cast to uint8 wraps (verl #7407), with no micro-batch layout question in the way.
+    "tp1ep1": MegatronLayout(**{**_COMMON, "num_experts": 512, "micro_batch": 1}),
     "tp2ep2etp1": MegatronLayout(**_COMMON, tp=2, ep=2, etp=1, dp=1),
     "tp2ep2": MegatronLayout(**_COMMON, tp=2, ep=2, dp=2),
 }

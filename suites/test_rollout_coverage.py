@@ -8,12 +8,11 @@ import functools
 import torch
 from hypothesis import assume, given, settings
 
-from harness.schedules import Schedule
 from harness.strategies import attempt_schedules
 from harness.subjects import Subject
 from harness.testing.asserts import assert_same_routes
 from harness.testing.judge import as_ids
-from reference_impl import AttemptPlan, MoEConfig, MoELM, RolloutEngine, run_episode
+from reference_impl import MoEConfig, MoELM, RolloutEngine, Schedule, run_episode
 from suites.conftest import require
 
 
@@ -22,27 +21,12 @@ def _model() -> MoELM:
     return MoELM(MoEConfig.tiny(seed=11))
 
 
-def _perturb(step: int):  # type: ignore[no-untyped-def]
+def _perturb(model: MoELM, version: int) -> None:
     """A deterministic weight update of the routers (the fully-async case)."""
-
-    def update(model: MoELM) -> None:
-        gen = torch.Generator().manual_seed(step)
-        with torch.no_grad():
-            for router in model.routers():
-                router.gate.weight.add_(0.3 * torch.randn(router.gate.weight.shape, generator=gen))
-
-    return update
-
-
-def _plans(schedule: Schedule) -> list[AttemptPlan]:
-    return [
-        AttemptPlan(
-            max_new_tokens=a.generated,
-            tool_tokens=tuple(range(1, a.tool_tokens + 1)),
-            update_weights=_perturb(j) if a.weight_update_before else None,
-        )
-        for j, a in enumerate(schedule.attempts)
-    ]
+    gen = torch.Generator().manual_seed(version)
+    with torch.no_grad():
+        for router in model.routers():
+            router.gate.weight.add_(0.3 * torch.randn(router.gate.weight.shape, generator=gen))
 
 
 def _first_computed(attempts, rows: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -60,8 +44,8 @@ def test_engine_episodes_splice_to_first_computed_rows(subject: Subject, schedul
     """After real aborts, resumes, turns and weight updates the splice keeps P + Σa − 1 routed rows."""
     splice = require(subject, "splice")
     model = copy.deepcopy(_model())
-    prompt = list(range(1, schedule.prompt_len + 1))
-    episode = run_episode(RolloutEngine(model), prompt, _plans(schedule))
+    engine = RolloutEngine(model)
+    episode = run_episode(engine.generate_one, schedule, update_weights=lambda v: _perturb(model, v))
     # Tool tokens of a call with no generation budget never reach the engine (no forward ran).
     assume(any(a.routes is not None for a in episode.attempts))
     expected_rows = episode.prompt_len + sum(a.new_tokens for a in episode.attempts) - 1

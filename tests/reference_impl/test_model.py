@@ -47,7 +47,7 @@ def test_model_level_replay_errors():
     with pytest.raises(ReplayError, match=r"expected \[4, 2\]"):
         model(x)
     model.clear_replay()
-    assert all(r.targets is None and not r.backward_targets for r in model.routers())
+    assert all(r.replay.targets is None and not r.replay.backward_targets for r in model.routers())
     with pytest.raises(ReplayError, match="cannot pop a recording"):
         model.pop_recording()
 
@@ -60,8 +60,8 @@ def test_pop_recording_concatenates_calls_and_clears():
         model(_tokens(2, 3))
     trace = model.pop_recording()
     assert trace.shape == (10, 2, 2) and trace.dtype == torch.int64
-    assert all(not r.recorded for r in model.routers())
-    model.routers()[0].recorded.append(torch.tensor([[0, 1]]))  # routers out of step
+    assert all(not r.replay.recorded for r in model.routers())
+    model.routers()[0].replay.recorded.append(torch.tensor([[0, 1]]))  # routers out of step
     with pytest.raises(ReplayError, match=r"entries per router \[1, 0\]"):
         model.pop_recording()
 

@@ -56,10 +56,10 @@ def _r3_batch(model: MoELM, seed: int = 0) -> Placed:
 
 def _is_clean(model: MoELM) -> bool:
     return all(
-        router.mode is RoutingMode.NATIVE
-        and router.targets is None
-        and not router.backward_targets
-        and not router.recorded
+        router.replay.mode is RoutingMode.NATIVE
+        and router.replay.targets is None
+        and not router.replay.backward_targets
+        and not router.replay.recorded
         for router in model.routers()
     )
 
@@ -160,8 +160,8 @@ def test_checkpointed_update_holds_one_fifo_entry_until_backward():
         model, placed, ReplayMode.R2, old=old, moe_layers=model.cfg.moe_layers, use_checkpoint=True
     )
     for router in model.routers():
-        assert router.mode is RoutingMode.REPLAY_BACKWARD and router.targets is None
-        assert len(router.backward_targets) == 1
+        assert router.replay.mode is RoutingMode.REPLAY_BACKWARD and router.replay.targets is None
+        assert len(router.replay.backward_targets) == 1
     backward(new.sum(), model)
     assert _is_clean(model)
 

@@ -10,8 +10,7 @@ from typing import TextIO
 
 from harness.check import CheckOutcome
 from harness.outcomes import count_outcomes
-
-_MARK = {"passed": "PASS", "failed": "FAIL", "skipped": "skip"}
+from harness.report.document import MARKS
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], max_width: int = 90) -> str:
@@ -132,7 +131,7 @@ class Progress:
         self._open = False
 
     def __call__(self, done: int, total: int, outcome: CheckOutcome) -> None:
-        mark = _MARK.get(outcome.outcome, outcome.outcome)
+        mark = MARKS.get(outcome.outcome, outcome.outcome)
         self.line(f"[{done}/{total}] {self.prefix}{outcome.suite} {mark}: {outcome.invariant}")
 
     def line(self, text: str) -> None:
