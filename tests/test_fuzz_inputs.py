@@ -148,10 +148,10 @@ def _join(header: Any, data: bytes, depth: int = 0) -> bytes:
 
 def _with_crc(meta: dict[str, Any]) -> dict[str, Any]:
     """The metadata with a matching ``metadata_crc32``, so that the checks behind the CRC are reached."""
-    from harness.trace import _metadata_crc32
+    from harness.trace.storage import metadata_crc32
 
     try:
-        meta["metadata_crc32"] = _metadata_crc32({k: meta.get(k) for k in METADATA_FIELDS})
+        meta["metadata_crc32"] = metadata_crc32({k: meta.get(k) for k in METADATA_FIELDS})
     except (ValueError, RecursionError):  # a value json cannot write: the CRC stays as it was
         pass
     return meta
