@@ -1,11 +1,11 @@
 """The fast paths of ``harness.trace`` against simple reference implementations.
 
-Validation and set overlap run SWAR kernels when a route fits a machine word (``k · itemsize`` of
-2, 4 or 8 bytes) and the transposed pairwise kernel otherwise; large arrays are split into spans
-scanned by threads; files are checked with a CRC-32 computed in parallel spans and combined. Each
-is checked here against the obvious slow computation, over top_k 1..9, uint8/uint16 (and wider
-input dtypes), permuted lanes and dense slots. Tiny chunk and parallelism thresholds are patched
-in so that small arrays cross chunk and span boundaries.
+Validation and set overlap compare parity-tagged flat ids with themselves shifted (any k), after a
+whole-word comparison when a route fits a machine word (``k · itemsize`` of 2, 4 or 8 bytes);
+large arrays are split into spans scanned by threads; files are checked with a CRC-32 computed in
+parallel spans and combined. Each is checked here against the obvious slow computation, over
+top_k 1..9, uint8/uint16 (and wider input dtypes), permuted lanes and dense slots. Tiny chunk and
+parallelism thresholds are patched in so that small arrays cross chunk and span boundaries.
 """
 
 from __future__ import annotations
@@ -70,26 +70,6 @@ def route_cases(draw: st.DrawFn) -> tuple[np.dtype, int, npt.NDArray[np.int64], 
     rows, layers = draw(st.integers(0, 30)), draw(st.integers(1, 5))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     return dtype, num_experts, distinct_routes(rng, rows, layers, k, num_experts), rng
-
-
-# --- SWAR primitives --------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32])
-@pytest.mark.parametrize("k", [1, 2, 4, 8])
-def test_words_rotate_is_a_lane_roll(dtype: type, k: int) -> None:
-    spec = kernels.Words.of(np.dtype(dtype), k)
-    if k * np.dtype(dtype).itemsize not in (2, 4, 8):
-        assert spec is None
-        return
-    assert spec is not None
-    routes = np.random.default_rng(k).integers(0, np.iinfo(dtype).max, (7, 3, k), dtype=dtype, endpoint=True)
-    words = spec.view(routes)
-    out, scratch = np.empty_like(words), np.empty_like(words)
-    for s in range(k):
-        spec.rotate(words, s, out=out, scratch=scratch)
-        expected = np.roll(routes, -s, axis=-1)
-        np.testing.assert_array_equal(out.view(dtype).reshape(routes.shape), expected)
 
 
 # --- validation -------------------------------------------------------------------------------

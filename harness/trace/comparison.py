@@ -15,7 +15,7 @@ import numpy.typing as npt
 
 from harness.errors import TraceError
 from harness.trace import kernels
-from harness.trace.routing_trace import RoutingTrace
+from harness.trace.routing_trace import MAX_EXPERTS, RoutingTrace
 
 
 @dataclass(frozen=True)
@@ -59,18 +59,25 @@ class RoutingComparison:
         return float(self.overlap.mean() / self.top_k) if self.overlap.size else float("nan")
 
 
-def route_overlap(a: npt.NDArray[np.integer[Any]], b: npt.NDArray[np.integer[Any]]) -> npt.NDArray[np.uint8]:
+def route_overlap(
+    a: npt.NDArray[np.integer[Any]], b: npt.NDArray[np.integer[Any]], num_experts: int | None = None
+) -> npt.NDArray[np.uint8]:
     """``|A ∩ B|`` for each (row, layer) of two valid route arrays ``[rows, layers, top_k]``.
 
-    Both arrays must hold distinct ids in every route (as every ``RoutingTrace`` MoE slot does);
-    any integer dtypes (``harness.trace.kernels.overlap``: word-sized routes by SWAR).
+    Both arrays must hold distinct ids in ``[0, num_experts)`` in every route (as every
+    ``RoutingTrace`` MoE slot does), in any integer dtypes; without ``num_experts`` the largest
+    id sets the bound (one more pass over each array).
     """
     if a.shape != b.shape or a.ndim != 3:
         raise TraceError(
             f"routes: shapes differ, {tuple(a.shape)} vs {tuple(b.shape)}; expected equal shapes "
             "[rows, layers, top_k]"
         )
-    return kernels.overlap(a, b)
+    if num_experts is None:
+        num_experts = 1 + max((int(x.max()) for x in (a, b) if x.size), default=0)
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        raise TraceError(f"routes: ids below {num_experts}; expected ids in [0, MAX_EXPERTS={MAX_EXPERTS})")
+    return kernels.overlap(a, b, num_experts)
 
 
 def compare(a: RoutingTrace, b: RoutingTrace) -> RoutingComparison:
@@ -84,4 +91,6 @@ def compare(a: RoutingTrace, b: RoutingTrace) -> RoutingComparison:
             raise TraceError(
                 f"{name}: traces differ ({getattr(a, name)} vs {getattr(b, name)}); expected equal"
             )
-    return RoutingComparison(route_overlap(a.moe_routes(), b.moe_routes()), a.top_k, a.moe_layers)
+    return RoutingComparison(
+        route_overlap(a.moe_routes(), b.moe_routes(), a.num_experts), a.top_k, a.moe_layers
+    )
