@@ -1,20 +1,20 @@
 """Trace files: safetensors with one tensor ``experts`` and checksummed JSON metadata.
 
 The safetensors library parses the files; the writer streams the bytes the library would write
-(see ``_file_parts`` for why). The header holds one tensor ``experts``
-(the ids, little-endian, in the stored dtype) and ``__metadata__["routing_trace"]``: a JSON object
-with ``format``, ``format_version``, ``crc32`` (CRC-32 of the tensor's bytes), ``metadata_crc32``
-(CRC-32 of the canonical JSON of the metadata fields) and the metadata fields themselves. Every
-file that fails a check raises ``TraceFileError`` naming the file and what is wrong, so a
-truncated or corrupted file is always refused, never read as another trace.
+(``_file_parts`` says why). The header holds one tensor ``experts`` (the ids, little-endian, in
+the stored dtype) and ``__metadata__["routing_trace"]``: a JSON object with ``format``,
+``format_version``, ``crc32`` (CRC-32 of the tensor's bytes), ``metadata_crc32`` (CRC-32 of the
+canonical JSON of the metadata fields) and the metadata fields themselves. Every file that fails
+a check raises ``TraceFileError`` naming the file and what is wrong, so a truncated or corrupted
+file is always refused, never read as another trace.
 
 The checksum is zlib's CRC-32 (so files written before stay readable), computed by zlib-ng, whose
 folded CRC runs ~3.5× faster than the standard library's zlib here (8.5 vs 2.3 GB/s on 400 MB,
 one core), over one span per CPU in parallel threads, joined with zlib-ng's ``crc32_combine``.
 
-Saving is atomic (``harness.atomic``: a temporary file, fsync, rename). Loading reads the ids
-into a buffer of their own (one copy out of the page cache), not a memory map: a map would let
-whoever rewrites the file in place change a trace after it was validated.
+Saving is atomic (``harness.atomic``: a temporary file, fsync, rename). Loading copies the ids
+out of the library's map of the file into a buffer of their own: a trace backed by the map would
+change after its validation whenever someone rewrote the file in place.
 """
 
 from __future__ import annotations
