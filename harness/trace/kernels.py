@@ -32,8 +32,8 @@ import numpy.typing as npt
 CHUNK_BYTES = 1 << 19
 """Bytes of routes per chunk: numpy's per-call cost stays small, the temporaries stay in cache.
 
-Measured on the benchmark's routes (one thread): 64 KiB chunks take 1.6× the time of 512 KiB
-ones, 1 MiB chunks 1.1×."""
+Measured on the benchmark's routes (one thread, CPU time): 64 KiB chunks take 1.4–1.9× the time
+of 512 KiB ones, 1 MiB chunks 1.0–1.4×."""
 
 PARALLEL_MIN_BYTES = 1 << 23
 """Arrays smaller than this are processed on the calling thread only."""
