@@ -203,7 +203,12 @@ def _checked(
             f"{source}: tensor {TENSOR_NAME!r}: expected an integer dtype and a shape [rows, layers, top_k] "
             f"of non-negative integers, got dtype {dtype_name!r:.40} and shape {shape!r:.80}"
         )
-    experts: npt.NDArray[np.integer[Any]] = array(dtype)
+    try:
+        experts: npt.NDArray[np.integer[Any]] = array(dtype)
+    except ValueError:  # e.g. [0, 2, 2**62]: no bytes, yet more elements per row than numpy can index
+        raise TraceFileError(
+            f"{source}: tensor {TENSOR_NAME!r}: shape {shape!r:.80} is no array numpy can hold (corrupted)"
+        ) from None
     if crc32(_byte_view(experts)) != meta.get("crc32"):
         raise TraceFileError(f"{source}: crc32 of {TENSOR_NAME!r} does not match its metadata (corrupted)")
     if metadata_crc32({k: meta.get(k) for k in METADATA_FIELDS}) != meta.get("metadata_crc32"):
