@@ -189,14 +189,19 @@ def trace_files(draw: st.DrawFn) -> bytes:
     return _join(header, data, draw(DEPTHS))
 
 
-def test_trace_files_raise_only_trace_errors(record_property: Any) -> None:
+def test_trace_files_raise_only_trace_errors(record_property: Any, tmp_path: Path) -> None:
+    """Bytes and files (read by two entry points of the safetensors library) alike."""
     count = [0]
+    path = tmp_path / "fuzzed.safetensors"
 
     @FUZZ
     @given(trace_files())
     def run(raw: bytes) -> None:
         count[0] += 1
         trace = _only_our_errors(lambda: RoutingTrace.from_bytes(raw))
+        path.write_bytes(raw)
+        from_file = _only_our_errors(lambda: RoutingTrace.load(path))
+        assert from_file == trace, "the file and its bytes read differently"
         if trace is not None:  # what is accepted is a trace that round-trips
             assert isinstance(trace, RoutingTrace) and RoutingTrace.from_bytes(trace.to_bytes()) == trace
             repr(trace)
