@@ -249,8 +249,8 @@ class RoutingTrace:
     def _adopt(cls, experts: npt.NDArray[np.integer[Any]], **kwargs: Any) -> RoutingTrace:
         """Like the constructor, but keeps ``experts`` itself when it already has the stored dtype.
 
-        Only for arrays nobody else can write to — a view of immutable ``bytes``, or a buffer just
-        read from a file — where it saves a copy of the whole trace. Validation is the same.
+        Only for arrays nobody else can write to — the buffer ``harness.trace.storage`` has just
+        read a file into — where it saves a copy of the whole trace. Validation is the same.
         """
         trace = cls.__new__(cls)
         trace._build(experts, False, **kwargs)
