@@ -15,7 +15,6 @@ at near memory speed; files are ``harness.trace.storage``'s.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import operator
 import os
@@ -28,6 +27,7 @@ import numpy.typing as npt
 
 from harness.errors import TraceError, TraceFileError
 from harness.trace import kernels, storage
+from reference_impl.config import LayerAxis
 
 MAX_EXPERTS = 1 << 16
 """The largest ``num_experts`` a trace can store (uint16)."""
@@ -37,15 +37,6 @@ MAX_LAYERS = 1 << 16
 
 Declared sizes are checked against this bound and against the data before anything is built
 from them, so a forged ``num_layers`` in a 400-byte file cannot make the reader allocate."""
-
-
-class LayerAxis(str, enum.Enum):
-    """What the layer axis of a trace indexes (DESIGN §2 "layer axis")."""
-
-    DECODER = "decoder"
-    """One slot per hidden layer; dense-layer slots hold filler (vLLM ≠ 0.21, SGLang)."""
-    MOE_ORDINAL = "moe_ordinal"
-    """One slot per MoE layer, in model order (vLLM 0.21, Megatron R2 recordings)."""
 
 
 @dataclass(frozen=True)
