@@ -148,6 +148,11 @@ def _cmd_bench_trace(args: argparse.Namespace) -> int:
         ("save_load", "save + load"),
     ):
         print(f"  {label:<17} {result[key + '_gbps']:6.2f} GB/s  ({result[key + '_vs_copy']:.2f}× copy)")
+    floor = result["file_floor_gbps"], result["file_floor_vs_copy"], result["save_load_vs_file_floor"]
+    print(
+        f"  write+fsync+read  {floor[0]:6.2f} GB/s  ({floor[1]:.2f}× copy; the file system's floor: "
+        f"save + load runs at {floor[2]:.2f}× it)"
+    )
     print(
         f"  storage           {result['stored_bytes_per_position_layer']:.2f} B/(position, layer) in memory, "
         f"{result['file_bytes_per_position_layer']:.4f} on disk"

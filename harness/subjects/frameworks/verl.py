@@ -13,14 +13,17 @@ Capabilities, each a thin adapter over the release's own code:
   through; 0.9.x calls ``.numpy()`` on it), ``None`` for an attempt the engine returned nothing for.
   Every attempt but the last reports ``stop_reason="aborted"``, so the release's own loop resumes
   through all of them (a resumed attempt's tool tokens arrive as the engine's new tokens).
-  A schedule with new turns (``Attempt.kind == "turn"``) runs through the release's multi-turn
-  entry point instead: ``ToolAgentLoop.run`` (``verl/experimental/agent_loop/tool_agent_loop.py``),
+  A schedule with more than one turn (an engine call after one that ended: verl resumes every
+  aborted call) runs through the release's multi-turn entry point instead: ``ToolAgentLoop.run``
+  (``verl/experimental/agent_loop/tool_agent_loop.py``),
   its state machine and its ``_handle_generating_state`` as released, with the same resume loop as
   its ``server_manager`` (fully-async mode), so each turn's aborted attempts resume inside it. What
   stands in for outside services: the chat template (the prompt is the schedule's ``P`` token ids),
   the tool parser (a tool call after every turn but the last) and the tool step (the turn's tool
   tokens appended to the context, masked out of the response, one user turn: what the release's
-  ``_handle_processing_tools_state`` does with a tool response); 0.9.x's Continuous Token merge of
+  ``_handle_processing_tools_state`` does with a tool response; a turn that generates nothing
+  gets its tool tokens from the engine call instead, since a call returns no token only when
+  aborted); 0.9.x's Continuous Token merge of
   the assistant's tokens is the plain concatenation it performs for token-exact ids.
 - ``layouts.place_left_padded``: the agent loop's placement,
   ``AgentLoopWorker._agent_loop_postprocess`` per sample (prompt left-padded to
@@ -137,11 +140,12 @@ def _as_payload(routes: torch.Tensor | None, payload: Payload) -> Any:
 
 
 def _turns(attempts: Sequence[Attempt]) -> list[list[Attempt]]:
-    """The schedule's engine calls grouped by turn: a turn starts at the first call and at every
-    ``"turn"`` call; the calls after it up to the next turn resume it."""
+    """The schedule's engine calls grouped by the turn verl runs them in: verl resumes every aborted
+    call (partial rollout), so a call after an aborted one continues its turn whatever the schedule
+    calls it; a new turn starts after a call that ended (``"stop"`` or ``"length"``)."""
     turns: list[list[Attempt]] = []
     for attempt in attempts:
-        if not turns or attempt.kind == "turn":
+        if not turns or turns[-1][-1].finish_reason != "abort":
             turns.append([])
         turns[-1].append(attempt)
     return turns
@@ -184,15 +188,20 @@ def splice(version: str, payload: Payload, prompt_len: int, attempts: Sequence[A
     module: Any = importlib.import_module(client_cls.__module__)
     turns, take = _turns(attempts), _token_ids(prompt_len)
     multi_turn = len(turns) > 1
-    # In the agent loop a turn's tool tokens come from the tool step; the engine returns the rest.
-    generated = {id(a): take(a.new_tokens - (a.tool_tokens if multi_turn else 0)) for a in attempts}
-    outputs = _engine_outputs(payload, turns, lambda attempt: generated[id(attempt)])
+    # In the agent loop a new turn's tool tokens come from the tool step, the engine returns the
+    # rest. A turn whose engine calls generate nothing delivers them as the engine's tokens instead:
+    # an engine call that returns no token is an aborted one, which verl always resumes.
+    by_tool_step = {id(turn[0]) for turn in turns[1:] if any(a.new_tokens > a.tool_tokens for a in turn)}
+    tool_tokens = [take(turn[0].tool_tokens if id(turn[0]) in by_tool_step else 0) for turn in turns[1:]]
+    engine_tokens = {
+        id(a): take(a.new_tokens - (a.tool_tokens if id(a) in by_tool_step else 0)) for a in attempts
+    }
+    outputs = _engine_outputs(payload, turns, lambda attempt: engine_tokens[id(attempt)])
     client = _canned_client(version, outputs)
     # A budget no schedule reaches: the loop ends on the last attempt's stop reason.
     sampling = {"max_tokens": prompt_len + sum(a.new_tokens for a in attempts) + 1}
     with mock.patch.object(module, "asyncio", _NoWait()):
         if multi_turn:
-            tool_tokens = [take(turn[0].tool_tokens) for turn in turns[1:]]
             loop = _tool_agent_loop(version, client, prompt_len, tool_tokens, sampling["max_tokens"])
             final = asyncio.run(loop.run(sampling, raw_prompt=[{"role": "user", "content": "canned"}]))
         else:
