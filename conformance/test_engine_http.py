@@ -184,7 +184,9 @@ def test_completions_return_routed_experts_that_decode_and_agree_with_the_traine
         rollout = _rollout(body, prompt, checkpoint)
         assert len(rollout.tokens) == 12, f"{len(rollout.tokens)} tokens, expected 12"
         rollout.trace.check_coverage(len(prompt), 12)
-        assert rollout.trace.provenance.version == _version()
+        assert rollout.trace.provenance.version == _version(), (
+            f"provenance.version {rollout.trace.provenance.version}, installed vLLM {_version()}"
+        )
         rollouts.append(rollout)
     trainer = load_checkpoint(checkpoint, device="cuda" if torch.cuda.is_available() else "cpu")
     result = trainer_recompute(trainer, rollouts)
@@ -192,7 +194,10 @@ def test_completions_return_routed_experts_that_decode_and_agree_with_the_traine
     assert result.routing.disagreement <= TRAINER_BUDGET, (
         f"server routes vs trainer: {result.routing.disagreement:.2%} differ"
     )
-    assert result.r3_routing.disagreement == 0.0
+    assert result.r3_routing.disagreement == 0.0, (
+        f"under R3 the trainer dispatched other experts than the server in "
+        f"{result.r3_routing.disagreement:.2%} of routes, expected 0"
+    )
 
 
 def test_prompt_start_over_http_returns_the_tail(server: str, checkpoint: TinyCheckpoint) -> None:
@@ -203,7 +208,9 @@ def test_prompt_start_over_http_returns_the_tail(server: str, checkpoint: TinyCh
 
     if Version(_version()) < Version("0.28"):
         pytest.skip(f"vLLM {_version()}: the completion request has no routed_experts_prompt_start (0.28+)")
-    assert resolve("vllm", _version()).start_param
+    assert resolve("vllm", _version()).start_param, (
+        f"the convention of vLLM {_version()} has no prompt-start parameter, expected one (0.28+)"
+    )
     name = _model_name(server)
     prompt = _prompts(checkpoint, (20,), seed=21)[0]
     full = _rollout(
@@ -211,7 +218,9 @@ def test_prompt_start_over_http_returns_the_tail(server: str, checkpoint: TinyCh
     )
     body = _complete(server, http.vllm_completion_request(prompt, 6, start=9, model=name))
     cropped = _rollout(body, prompt, checkpoint, start=9)
-    assert cropped.tokens == full.tokens
+    assert cropped.tokens == full.tokens, (
+        f"greedy tokens with start=9 {cropped.tokens}, without {full.tokens}: expected the same"
+    )
     cropped.trace.check_coverage(20, 6)
     tail = RoutingTrace(
         full.trace.to_decoder_axis().experts[9:],
@@ -220,6 +229,11 @@ def test_prompt_start_over_http_returns_the_tail(server: str, checkpoint: TinyCh
         num_layers=full.trace.num_layers,
         start=9,
     )
-    assert compare(cropped.trace, tail).disagreement == 0.0
+    differs = compare(cropped.trace, tail).disagreement
+    assert differs == 0.0, (
+        f"start=9 rows differ from the full payload's tail in {differs:.2%} of routes, expected 0"
+    )
     raw = np.asarray(cropped.trace.experts)
-    assert raw.shape[0] == 20 + 6 - 1 - 9
+    assert raw.shape[0] == 20 + 6 - 1 - 9, (
+        f"start=9 payload has {raw.shape[0]} rows, expected P + R − 1 − 9 = 16"
+    )

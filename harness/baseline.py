@@ -8,7 +8,8 @@ A baseline records, for one engine at one version (``fixtures/baselines/<engine>
   router returns and which gate-weight rules reproduce its weights);
 - ``invariants``: the outcome of every suite test (``passed`` / ``failed`` / ``skipped``);
 - ``metrics``: ``{"value", "tolerance", "better"}`` where ``better`` is ``"lower"``, ``"higher"`` or
-  ``"equal"`` (two-sided).
+  ``"equal"`` (two-sided); a metric undefined on this observation (a ratio whose denominator is 0)
+  has ``"value": null`` and says why in ``"undefined"`` — never a silent NaN.
 
 ``compare(baseline, observed)`` returns a ``GateReport``: *regressions* (the gate fails) and *notes*.
 A change of convention or observation, an invariant that passed and now does not (or was not
@@ -33,6 +34,7 @@ from typing import Any
 
 from harness.atomic import atomic_write
 from harness.errors import HarnessError
+from harness.outcomes import OUTCOMES
 
 MAX_DEPTH = 32
 """The deepest nesting of objects and lists a baseline may have (the recorded ones have 5)."""
@@ -40,7 +42,6 @@ MAX_DEPTH = 32
 FORMAT_NAME = "rrh.gate_baseline"
 FORMAT_VERSION = 1
 BETTER = ("lower", "higher", "equal")
-OUTCOMES = ("passed", "failed", "skipped")
 
 __all__ = [
     "FORMAT_NAME",
@@ -60,10 +61,12 @@ class BaselineError(HarnessError, ValueError):
     """A baseline file is missing, unreadable or malformed."""
 
 
-def metric(value: float, tolerance: float, better: str = "equal") -> dict[str, Any]:
+def metric(value: float, tolerance: float, better: str = "equal", *, undefined: str = "") -> dict[str, Any]:
     """One metric entry: ``value`` with an absolute ``tolerance`` in the direction ``better``.
 
-    A NaN ``value`` is stored as null ("undefined"); an infinite one, or a tolerance that is not a
+    A NaN ``value`` is a metric this observation leaves undefined: it is stored as null beside
+    ``undefined``, the reason, which it requires — a NaN without a reason is a failed measurement,
+    not an observation. An infinite value, a reason beside a number, or a tolerance that is not a
     finite non-negative number, is a ``BaselineError``.
     """
     if better not in BETTER:
@@ -74,7 +77,14 @@ def metric(value: float, tolerance: float, better: str = "equal") -> dict[str, A
     number = _json_float(value)
     if number is not None and _finite(number) is None:
         raise BaselineError(f"metric.value: expected a finite number or NaN (undefined), got {value!r}")
-    return {"value": number, "tolerance": tol, "better": better}
+    if number is None and not undefined:
+        raise BaselineError("metric.value: NaN with no reason; expected a number, or NaN and undefined=why")
+    if number is not None and undefined:
+        raise BaselineError(f"metric.undefined: expected no reason beside the value {number!r}")
+    entry: dict[str, Any] = {"value": number, "tolerance": tol, "better": better}
+    if undefined:
+        entry["undefined"] = undefined
+    return entry
 
 
 def _as_float(x: object) -> float | None:
@@ -171,6 +181,11 @@ def validate_baseline(doc: object, source: str = "baseline") -> dict[str, Any]:
         value, tol, better = entry.get("value"), entry.get("tolerance"), entry.get("better")
         if value is not None and _finite(value) is None:
             raise BaselineError(f"{where}.value: expected a finite number or null, got {value!r:.80}")
+        reason = entry.get("undefined")
+        if value is None and not (isinstance(reason, str) and reason):
+            raise BaselineError(f"{where}.undefined: expected why the value is null, got {reason!r:.80}")
+        if value is not None and reason is not None:
+            raise BaselineError(f"{where}.undefined: expected no reason beside the value {value!r}")
         tolerance = _finite(tol)
         if tolerance is None or tolerance < 0:
             raise BaselineError(f"{where}.tolerance: expected a finite non-negative number, got {tol!r:.80}")
@@ -263,8 +278,9 @@ def _structured_diff(section: str, old: Any, new: Any) -> list[str]:
     ]
 
 
-def _metric_regression(name: str, base: dict[str, Any], value: float | None) -> str | None:
+def _metric_regression(name: str, base: dict[str, Any], new: dict[str, Any]) -> str | None:
     old, tol, better = base["value"], float(base["tolerance"]), base["better"]
+    value = new["value"]
     expected = {
         "lower": f"at most {old} + {tol}",
         "higher": f"at least {old} − {tol}",
@@ -273,9 +289,8 @@ def _metric_regression(name: str, base: dict[str, Any], value: float | None) -> 
     if old is None or value is None:
         if old is None and value is None:
             return None
-        return f"metrics.{name}: value {value}, expected {expected} (one side is undefined)"
-    if math.isnan(value):
-        return f"metrics.{name}: value nan, expected {expected}"
+        why = new.get("undefined") or base.get("undefined")
+        return f"metrics.{name}: value {value}, expected {expected} (undefined: {why})"
     delta = value - old
     worse = {"lower": delta > tol, "higher": -delta > tol, "equal": abs(delta) > tol}[better]
     return f"metrics.{name}: value {value:.6g}, expected {expected}" if worse else None
@@ -320,7 +335,7 @@ def compare(baseline: dict[str, Any], observed: dict[str, Any]) -> GateReport:
             report.regressions.append(f"metrics.{name}: not measured, expected {base['value']}")
             continue
         value = new_m[name]["value"]
-        problem = _metric_regression(name, base, value)
+        problem = _metric_regression(name, base, new_m[name])
         if problem:
             report.regressions.append(problem)
         elif value != base["value"]:

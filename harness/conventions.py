@@ -40,7 +40,8 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from harness.errors import ConventionError
-from harness.trace import LayerAxis, Provenance, RoutingTrace, coverage_rows
+from harness.trace import MAX_EXPERTS, LayerAxis, Provenance, RoutingTrace, coverage_rows, storage_dtype
+from reference_impl.config import check_moe_layers, layer_width
 
 __all__ = [
     "CONVENTIONS",
@@ -99,24 +100,17 @@ class ModelSpec:
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ConventionError(f"model.{name}: expected a positive integer, got {value!r}")
-        if self.num_experts > 1 << 16:
-            raise ConventionError(f"model.num_experts: expected at most 65536, got {self.num_experts}")
+        if self.num_experts > MAX_EXPERTS:
+            raise ConventionError(
+                f"model.num_experts: expected at most {MAX_EXPERTS}, got {self.num_experts}"
+            )
         if self.top_k > self.num_experts:
             raise ConventionError(
                 f"model.top_k: expected at most num_experts={self.num_experts}, got {self.top_k}"
             )
-        moe = (
-            tuple(range(self.num_layers))
-            if self.moe_layers is None
-            else tuple(int(i) for i in self.moe_layers)
-        )
-        if list(moe) != sorted(set(moe)) or any(not 0 <= i < self.num_layers for i in moe):
-            raise ConventionError(
-                "model.moe_layers: expected distinct increasing indices in "
-                f"[0, num_layers={self.num_layers}), "
-                f"got {list(moe)}"
-            )
-        object.__setattr__(self, "moe_layers", moe)
+        moe = range(self.num_layers) if self.moe_layers is None else (int(i) for i in self.moe_layers)
+        checked = check_moe_layers(moe, self.num_layers, error=ConventionError, field="model.moe_layers")
+        object.__setattr__(self, "moe_layers", checked)
 
     @property
     def moe_layer_tuple(self) -> tuple[int, ...]:
@@ -177,8 +171,8 @@ class Convention:
 
     def emitted_dtype(self, model: ModelSpec) -> np.dtype[Any]:
         """The dtype this engine version emits for ``model``."""
-        if self.form == _FORM_NPY:
-            return np.dtype(np.uint8) if model.num_experts <= 256 else np.dtype(np.uint16)
+        if self.form == _FORM_NPY:  # vLLM ≥ 0.22 narrows the ids as a trace stores them
+            return storage_dtype(model.num_experts)
         if self.form == _FORM_SPLIT:
             return np.dtype(np.int16)
         if self.form == _FORM_SGLANG:
@@ -187,7 +181,7 @@ class Convention:
 
     def layer_width(self, model: ModelSpec) -> int:
         """Slots on the layer axis of this convention's payload for ``model``."""
-        return model.num_layers if self.layer_axis is LayerAxis.DECODER else len(model.moe_layer_tuple)
+        return layer_width(self.layer_axis, model.num_layers, model.moe_layer_tuple)
 
     # --- decoding -------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from harness.check import run_suites, suites_dir
 from harness.mutants import Mutant
 from harness.mutants.benign import Benign
+from harness.outcomes import count_outcomes
 from harness.subjects import DEFAULT_SUBJECT
 
 
@@ -73,7 +74,7 @@ def run_mutant(
         mutant.capability,
         bool(killers),
         killers,
-        sum(o.outcome != "skipped" for o in outcomes),
+        count_outcomes(o.outcome for o in outcomes).ran,
         time.perf_counter() - start,
     )
 
@@ -83,7 +84,7 @@ def run_benign(variant: Benign, *, extra: Sequence[str] = ()) -> BenignOutcome:
     start = time.perf_counter()
     outcomes, _ = run_suites(variant.subject_spec, capabilities=variant.capabilities, extra=list(extra))
     alarms = tuple(f"{o.nodeid.split('::', 1)[-1]}: {o.detail}" for o in outcomes if o.outcome == "failed")
-    ran = sum(o.outcome != "skipped" for o in outcomes)
+    ran = count_outcomes(o.outcome for o in outcomes).ran
     return BenignOutcome(
         variant.name, variant.capabilities, ran > 0 and not alarms, alarms, ran, time.perf_counter() - start
     )

@@ -1,84 +1,24 @@
-"""Attempt schedules: partial rollouts and multi-turn episodes, and what a correct splice returns.
+"""The simulated engine: routes that tell which attempt computed them, the oracle of the splice suite.
 
-A *schedule* is one sample's life in the inference engine: a prompt, then attempts (DESIGN §2
-"attempt"), each of which may first prefill tool/observation tokens, then generate some tokens
-(possibly none: aborted at once), possibly cut by the length budget, possibly after a weight
-update (the fully-async case). ``simulate`` plays a schedule through a model engine whose route
-for position ``p`` under weight version ``v`` is a known, distinct function of ``(p, v)``, so every
-row of a spliced trace tells which attempt computed it. That is what makes "replace with the
-latest payload" (verl #6046) and "concatenate payloads" (verl #5430) observably wrong.
+An episode's `Schedule` (``reference_impl.episode``; re-exported here) is played through
+`SimulatedEngine` by the one episode driver, ``reference_impl.episode.run_episode``. The engine's
+route for position ``p`` under weight version ``v`` is a known, distinct function of ``(p, v)``
+(`route`), so every row of a spliced trace tells which attempt computed it. That is what makes
+"replace with the latest payload" (verl #6046) and "concatenate payloads" (verl #5430) observably
+wrong. The engine generates exactly its budget (token id 0, log-prob 0) and prefills every tool
+token it is given, so a plan's ``max_new_tokens`` is the number of tokens the attempt generates.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 
-from reference_impl.splice import Attempt
+from reference_impl.engine import Rollout
+from reference_impl.episode import AttemptPlan, Episode, Schedule, run_episode
 
-FINISH_REASONS = ("stop", "abort", "length")
-
-
-@dataclass(frozen=True)
-class AttemptSpec:
-    """One engine call: ``tool_tokens`` prefilled first, then ``generated`` tokens sampled."""
-
-    tool_tokens: int = 0
-    generated: int = 0
-    weight_update_before: bool = False
-    finish_reason: str = "stop"
-
-    @property
-    def new_tokens(self) -> int:
-        """Tokens this attempt adds to the sample (tool tokens count for the attempt that prefilled them)."""
-        return self.tool_tokens + self.generated
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """A prompt and the attempts that extended it."""
-
-    prompt_len: int
-    attempts: tuple[AttemptSpec, ...]
-
-    @property
-    def total_len(self) -> int:
-        return self.prompt_len + sum(a.new_tokens for a in self.attempts)
-
-    def kind(self, index: int) -> str:
-        """What engine call attempt ``index`` is: ``"start"`` (the first), ``"turn"`` (it prefills tool
-        tokens, or the call before it ended its turn with ``"stop"``) or ``"resume"`` (it continues an
-        aborted call)."""
-        if index == 0:
-            return "start"
-        spec = self.attempts[index]
-        return "turn" if spec.tool_tokens or self.attempts[index - 1].finish_reason == "stop" else "resume"
-
-    @property
-    def expected_rows(self) -> int:
-        """``P + Σ a_j − 1`` (DESIGN §3.4)."""
-        return self.total_len - 1
-
-    def describe(self) -> str:
-        """The schedule in plain words, for failure messages."""
-        parts = [f"prompt of {self.prompt_len} tokens"]
-        for j, a in enumerate(self.attempts, 1):
-            words = (
-                f"attempt {j} ({self.kind(j - 1)}): {a.tool_tokens} tool + {a.generated} generated "
-                f"({a.finish_reason})"
-            )
-            parts.append(("weights updated; " if a.weight_update_before else "") + words)
-        return "; ".join(parts)
-
-
-@dataclass(frozen=True)
-class SimulatedRollout:
-    """What the engine returned for each attempt, and the trace a correct splice builds."""
-
-    attempts: tuple[Attempt, ...]
-    expected: torch.Tensor  # [P + Σa − 1, layers, top_k]
-    version_of_row: tuple[int, ...]  # the weight version that computed each expected row
+__all__ = ["AttemptPlan", "Schedule", "SimulatedEngine", "route", "simulate"]
 
 
 def route(position: int, version: int, layers: int, top_k: int, num_experts: int) -> torch.Tensor:
@@ -91,6 +31,68 @@ def route(position: int, version: int, layers: int, top_k: int, num_experts: int
     return (starts[:, None] + torch.arange(top_k)[None, :]) % num_experts
 
 
+class SimulatedEngine:
+    """An engine call ``(context, max_new_tokens) -> Rollout`` whose rows are ``route(p, version)``.
+
+    A call runs a forward when it generates or when the context grew since the last forward (tool
+    tokens to prefill); its payload covers ``[0, context + generated − 1)`` under the current weight
+    version. A call that runs none returns no payload, or with ``idle_payloads`` the rows of the
+    context it prefilled before the abort (vLLM ≥ 0.22 returns the rows so far); either way a correct
+    splice takes nothing from it. ``version_of_row`` records which version first computed each row:
+    `expected` is the trace a correct splice builds.
+    """
+
+    def __init__(
+        self,
+        prompt_len: int,
+        *,
+        layers: int = 2,
+        top_k: int = 2,
+        num_experts: int = 64,
+        idle_payloads: bool = False,
+    ) -> None:
+        self.layers, self.top_k, self.num_experts = layers, top_k, num_experts
+        self.idle_payloads = idle_payloads
+        self.version = 0
+        self.fed = prompt_len  # positions [0, fed) are in the context a forward has seen or skipped
+        self.version_of_row: list[int] = []
+
+    def update_weights(self, version: int) -> None:
+        """The ``update_weights`` of `run_episode`: later rows are computed under ``version``."""
+        self.version = version
+
+    def __call__(self, context: Sequence[int], max_new_tokens: int) -> Rollout:
+        length = len(context) + max_new_tokens
+        ran_forward = max_new_tokens > 0 or len(context) > self.fed
+        if ran_forward:  # rows first computed by this call carry its weight version
+            self.version_of_row += [self.version] * (length - 1 - len(self.version_of_row))
+            self.fed = length
+        payload = self._rows(self.version, length - 1) if ran_forward or self.idle_payloads else None
+        return Rollout(
+            len(context),
+            torch.zeros(max_new_tokens, dtype=torch.int64),
+            torch.zeros(max_new_tokens, dtype=torch.float32),
+            payload,
+            0,
+            "length",
+        )
+
+    @property
+    def expected(self) -> torch.Tensor:
+        """``[rows, layers, top_k]``: each row under the weights that first computed it (DESIGN §3.4)."""
+        if not self.version_of_row:
+            return self._rows(0, 0)
+        return torch.stack([self._route(p, v) for p, v in enumerate(self.version_of_row)])
+
+    def _route(self, position: int, version: int) -> torch.Tensor:
+        return route(position, version, self.layers, self.top_k, self.num_experts)
+
+    def _rows(self, version: int, count: int) -> torch.Tensor:
+        if count <= 0:
+            return torch.zeros((0, self.layers, self.top_k), dtype=torch.long)
+        return torch.stack([self._route(p, version) for p in range(count)])
+
+
 def simulate(
     schedule: Schedule,
     *,
@@ -98,44 +100,9 @@ def simulate(
     top_k: int = 2,
     num_experts: int = 64,
     idle_payloads: bool = False,
-) -> SimulatedRollout:
-    """Play ``schedule`` through the model engine (rows ``[0, context + generated − 1)`` per call).
-
-    An attempt that adds no token returns None, or with ``idle_payloads`` the rows of the context
-    it prefilled before the abort (vLLM ≥ 0.22 returns the rows so far); either way a correct
-    splice takes nothing from it.
-    """
-
-    def rows_under(version: int, count: int) -> torch.Tensor:
-        if count <= 0:
-            return torch.zeros((0, layers, top_k), dtype=torch.long)
-        return torch.stack([route(p, version, layers, top_k, num_experts) for p in range(count)])
-
-    version = 0
-    context = schedule.prompt_len
-    attempts: list[Attempt] = []
-    version_of_row: list[int] = []
-    for index, spec in enumerate(schedule.attempts):
-        version += spec.weight_update_before
-        fed = context + spec.tool_tokens + spec.generated
-        ran_forward = spec.new_tokens > 0
-        payload = rows_under(version, fed - 1) if ran_forward or idle_payloads else None
-        if ran_forward:  # rows first computed by this attempt carry its weight version
-            version_of_row += [version] * (fed - 1 - len(version_of_row))
-        attempts.append(
-            Attempt(
-                new_tokens=spec.new_tokens,
-                routes=payload,
-                finish_reason=spec.finish_reason,
-                kind=schedule.kind(index),
-                tool_tokens=spec.tool_tokens,
-                weight_version=version,
-            )
-        )
-        context = fed
-    expected = (
-        torch.stack([route(p, v, layers, top_k, num_experts) for p, v in enumerate(version_of_row)])
-        if version_of_row
-        else rows_under(0, 0)
+) -> tuple[Episode[Rollout], SimulatedEngine]:
+    """``schedule`` played through a fresh `SimulatedEngine`: the episode, and the engine (its oracle)."""
+    engine = SimulatedEngine(
+        schedule.prompt_len, layers=layers, top_k=top_k, num_experts=num_experts, idle_payloads=idle_payloads
     )
-    return SimulatedRollout(tuple(attempts), expected, tuple(version_of_row))
+    return run_episode(engine, schedule, update_weights=engine.update_weights), engine

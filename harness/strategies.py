@@ -18,6 +18,8 @@ import numpy.typing as npt
 from hypothesis import strategies as st
 
 from harness.trace import MAX_EXPERTS, LayerAxis, RoutingTrace
+from reference_impl.config import layer_width, moe_slots
+from reference_impl.episode import AttemptPlan, Schedule
 
 BOUNDARY_EXPERTS = (1, 2, 8, 64, 255, 256, 257, 384, 65535, MAX_EXPERTS)
 
@@ -37,13 +39,12 @@ class TraceSpec:
     @property
     def width(self) -> int:
         """Slots on the layer axis."""
-        return self.num_layers if self.layer_axis is LayerAxis.DECODER else len(self.moe_layers)
+        return layer_width(self.layer_axis, self.num_layers, self.moe_layers)
 
     @property
     def moe_slots(self) -> tuple[int, ...]:
-        if self.layer_axis is LayerAxis.DECODER:
-            return self.moe_layers
-        return tuple(range(len(self.moe_layers)))
+        """Indices along the layer axis that hold MoE routes."""
+        return moe_slots(self.layer_axis, self.moe_layers)
 
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``RoutingTrace`` for this spec."""
@@ -222,36 +223,36 @@ def malformed_traces(draw: st.DrawFn) -> Malformed:
 @st.composite
 def attempt_schedules(
     draw: st.DrawFn, max_attempts: int = 5, max_prompt: int = 12, max_tokens: int = 6
-) -> Any:
+) -> Schedule:
     """Schedules of partial rollouts and turns with at least one new token in all.
 
     Reaches on purpose: attempts with 0 new tokens (the ``[-0:]`` slice), a first attempt aborted
     before any forward, tool tokens between turns, weight updates between attempts, and a last
     attempt cut by the length budget. Each later attempt is drawn as a resume (the call before it
     was aborted; no tool tokens) or a new turn (the call before it stopped; tool tokens first), so
-    ``Schedule.kind`` labels every attempt for what it is.
+    ``Schedule.kind`` labels every attempt for what it is. Prompt and tool token ids are
+    ``1, 2, …``: the splice depends on how many there are, never on which.
     """
-    from harness.schedules import AttemptSpec, Schedule
-
     prompt = draw(st.one_of(st.just(1), st.integers(1, max_prompt)))
     count = draw(st.integers(1, max_attempts))
     turns = [False] + [draw(st.booleans()) for _ in range(count - 1)]
-    specs = []
+    plans = []
     for j in range(count):
         last = j == count - 1
-        specs.append(
-            AttemptSpec(
-                tool_tokens=draw(st.one_of(st.just(0), st.integers(0, max_tokens))) if turns[j] else 0,
-                generated=draw(st.one_of(st.just(0), st.integers(0, max_tokens))),
-                weight_update_before=j > 0 and draw(st.booleans()),
+        tool = draw(st.one_of(st.just(0), st.integers(0, max_tokens))) if turns[j] else 0
+        plans.append(
+            AttemptPlan(
+                max_new_tokens=draw(st.one_of(st.just(0), st.integers(0, max_tokens))),
+                tool_tokens=tuple(range(1, tool + 1)),
+                update_weights=j > 0 and draw(st.booleans()),
                 finish_reason=(
                     draw(st.sampled_from(("stop", "length"))) if last else "stop" if turns[j + 1] else "abort"
                 ),
             )
         )
-    if sum(s.new_tokens for s in specs) == 0:
-        specs[-1] = replace(specs[-1], generated=1)
-    return Schedule(prompt, tuple(specs))
+    if not any(plan.max_new_tokens or plan.tool_tokens for plan in plans):
+        plans[-1] = replace(plans[-1], max_new_tokens=1)
+    return Schedule(tuple(range(1, prompt + 1)), tuple(plans))
 
 
 @dataclass(frozen=True)

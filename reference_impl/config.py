@@ -8,15 +8,80 @@ must be, so a test never runs on a silently impossible model.
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from itertools import pairwise
 
 import torch
 
-# The gate-weight rules the reference implements (see `reference_impl.routers` and FACTS §3).
-LayerAxis = Literal["decoder", "moe_ordinal"]
-"""A trace's layer axis: one slot per decoder layer (dense slots 0), or one per MoE layer."""
 
+class LayerAxis(str, enum.Enum):
+    """What the layer axis of a trace indexes (DESIGN §2 "layer axis").
+
+    The one definition of the two conventions and of their width rule: the reference engine and
+    trainer, the harness's trace type, engine conventions and strategies all use it. A `str` enum,
+    so ``"decoder"`` and ``LayerAxis.DECODER`` are interchangeable as arguments.
+    """
+
+    DECODER = "decoder"
+    """One slot per hidden layer; dense-layer slots hold filler (vLLM ≠ 0.21, SGLang)."""
+    MOE_ORDINAL = "moe_ordinal"
+    """One slot per MoE layer, in model order (vLLM 0.21, Megatron R2 recordings)."""
+
+    @classmethod
+    def parse(cls, value: object) -> LayerAxis:
+        """`value` (a `LayerAxis` or its string) as a `LayerAxis`; a ValueError naming the field otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"layer_axis = {value!r}: expected one of {[axis.value for axis in cls]}"
+            ) from None
+
+
+def layer_width(axis: LayerAxis | str, num_layers: int, moe_layers: Sequence[int]) -> int:
+    """Slots on the layer axis `axis` of a model with `num_layers` decoder layers whose MoE layers
+    are `moe_layers` (decoder indices): `num_layers` on the decoder axis, one per MoE layer else."""
+    return num_layers if LayerAxis.parse(axis) is LayerAxis.DECODER else len(moe_layers)
+
+
+def moe_slots(axis: LayerAxis | str, moe_layers: Sequence[int]) -> tuple[int, ...]:
+    """Indices along the layer axis `axis` that hold MoE routes (the others are dense filler)."""
+    if LayerAxis.parse(axis) is LayerAxis.DECODER:
+        return tuple(moe_layers)
+    return tuple(range(len(moe_layers)))
+
+
+def check_moe_layers(
+    moe_layers: Iterable[int],
+    num_layers: int | None = None,
+    *,
+    error: type[Exception] = ValueError,
+    field: str = "moe_layers",
+) -> tuple[int, ...]:
+    """`moe_layers` as a tuple, once it is known to hold strictly increasing decoder indices >= 0
+    (and < `num_layers` when given); otherwise `error` naming `field` and the expected value."""
+    moe = tuple(moe_layers)
+    span = ">= 0" if num_layers is None else f"in [0, num_layers={num_layers})"
+    if any(b <= a for a, b in pairwise(moe)) or (
+        moe and (moe[0] < 0 or (num_layers is not None and moe[-1] >= num_layers))
+    ):
+        raise error(f"{field}: expected strictly increasing decoder indices {span}, got {list(moe)}")
+    return moe
+
+
+def axis_of_width(width: int, num_layers: int, num_moe_layers: int) -> LayerAxis | None:
+    """The layer axis a payload `width` slots wide is on (None: neither). The decoder axis wins
+    when every layer is a MoE layer (both widths agree)."""
+    if width == num_layers:
+        return LayerAxis.DECODER
+    if width == num_moe_layers:
+        return LayerAxis.MOE_ORDINAL
+    return None
+
+
+# The gate-weight rules the reference implements (see `reference_impl.routers` and FACTS §3).
 ROUTER_FAMILIES: tuple[str, ...] = (
     "softmax_topk",  # Qwen2/3-MoE, OlMoE
     "softmax_topk_fp32",  # Mixtral, MiniMax
@@ -152,6 +217,21 @@ class MoEConfig:
         )
         for family in self.router_family:
             _require(family in ROUTER_FAMILIES, "router_family", family, known)
+
+    @classmethod
+    def tiny(cls, **overrides: object) -> MoEConfig:
+        """The tests' tiny model: 64 tokens, width 32, 3 decoder layers of which the first is dense (so
+        the decoder and MoE-ordinal layer axes differ), 8 experts, top-2; a forward takes milliseconds
+        on CPU. ``overrides`` change any field (``MoEConfig.tiny(seed=5, router_family="llama4")``)."""
+        fields: dict[str, object] = {
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "num_layers": 3,
+            "first_k_dense": 1,
+            "num_experts": 8,
+            "top_k": 2,
+        }
+        return cls(**{**fields, **overrides})  # type: ignore[arg-type]
 
     @property
     def moe_layers(self) -> tuple[int, ...]:

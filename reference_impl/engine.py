@@ -28,34 +28,33 @@ How this maps to the real engines (FACTS §1):
   slot), preemption / retraction (re-prefill rows), chunked prefill. Each request is prefilled on
   its own, so its rows are exactly its own routing.
 
-Episodes (`run_episode`) drive the engine the way RL frameworks do for partial rollouts (abort and
-resume) and multi-turn tool use: every attempt resubmits the whole context so far — prompt ⊕
-earlier responses ⊕ this attempt's tool tokens — as a new prompt (SGLang: "resume is the client's
-job"), so each attempt's payload re-prefills every earlier position under the weights live at that
-attempt. `reference_impl.splice.splice` then keeps, for every position, the row of the attempt that
-actually consumed it (DESIGN §3.4).
+Episodes of several attempts (partial rollouts, multi-turn) are played through `generate_one` by
+`reference_impl.episode.run_episode`, the one driver every engine shares.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .config import LayerAxis
+from .config import LayerAxis, layer_width, moe_slots
 from .model import MoELM
 from .routers import RoutingMode
-from .splice import Attempt
 
 PAD_TOKEN = 0  # id fed at left-padding positions; masked out of attention and its rows dropped
 
 
 @dataclass(frozen=True)
 class Rollout:
-    """One sample of `RolloutEngine.generate`.
+    """One sample of one engine call: what `RolloutEngine.generate` returns per prompt.
+
+    The one rollout type of every engine that returns torch tensors (this engine, the harness's
+    transformers KV-cache engine and its simulated engine); `reference_impl.episode.run_episode`
+    reads it as an ``EngineCall``.
 
     ``tokens`` [R] int64: the sampled response tokens (the stop token included when sampled).
     ``logprobs`` [R] float32: log-prob of each sampled token under the engine's own forward, the
@@ -80,9 +79,10 @@ class RolloutEngine:
     module docstring); ``start`` is the first position that gets a row.
     """
 
-    def __init__(self, model: MoELM, *, layer_axis: LayerAxis = "decoder", start: int = 0) -> None:
-        if layer_axis not in ("decoder", "moe_ordinal"):
-            raise ValueError(f"layer_axis = {layer_axis!r}: expected 'decoder' or 'moe_ordinal'")
+    def __init__(
+        self, model: MoELM, *, layer_axis: LayerAxis | str = LayerAxis.DECODER, start: int = 0
+    ) -> None:
+        layer_axis = LayerAxis.parse(layer_axis)
         if start < 0:
             raise ValueError(f"start = {start}: expected an int >= 0")
         self.model = model
@@ -129,15 +129,29 @@ class RolloutEngine:
             ]
 
         routers = self.model.routers()
-        saved = [(router.mode, router.recorded) for router in routers]
+        saved = [(router.replay.mode, router.replay.recorded) for router in routers]
         for router in routers:
-            router.mode, router.recorded = RoutingMode.RECORD, []
+            router.replay.mode, router.replay.recorded = RoutingMode.RECORD, []
         try:
             with torch.no_grad():
                 return self._generate(prompt_ids, max_new_tokens, greedy, generator, stop_token)
         finally:
             for router, (mode, recorded) in zip(routers, saved, strict=True):
-                router.mode, router.recorded = mode, recorded
+                router.replay.mode, router.replay.recorded = mode, recorded
+
+    def generate_one(
+        self,
+        context: Sequence[int] | Tensor,
+        max_new_tokens: int,
+        *,
+        greedy: bool = True,
+        generator: torch.Generator | None = None,
+        stop_token: int | None = None,
+    ) -> Rollout:
+        """One engine call of an episode: `generate` on the batch of one ``context``."""
+        return self.generate(
+            [context], max_new_tokens, greedy=greedy, generator=generator, stop_token=stop_token
+        )[0]
 
     def _generate(
         self,
@@ -216,11 +230,10 @@ class RolloutEngine:
 
     def _to_layer_axis(self, routes: Tensor) -> Tensor:
         """MoE-ordinal routes [rows, n_moe, k] in this engine's layer convention."""
-        if self.layer_axis == "moe_ordinal":
-            return routes.clone()
         cfg = self.model.cfg
-        out = torch.zeros((routes.shape[0], cfg.num_layers, cfg.top_k), dtype=torch.int64)
-        out[:, list(cfg.moe_layers)] = routes
+        width = layer_width(self.layer_axis, cfg.num_layers, cfg.moe_layers)
+        out = torch.zeros((routes.shape[0], width, cfg.top_k), dtype=torch.int64)
+        out[:, list(moe_slots(self.layer_axis, cfg.moe_layers))] = routes
         return out
 
     @staticmethod
@@ -229,104 +242,3 @@ class RolloutEngine:
         if ids.ndim != 1 or ids.numel() == 0:
             raise ValueError(f"a prompt must be a non-empty 1-D sequence of token ids, got {prompt!r}")
         return ids
-
-
-# ------------------------------------------------------------------------------------------------
-# Partial rollouts and multi-turn episodes
-# ------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class AttemptPlan:
-    """One engine call of an episode.
-
-    ``tool_tokens`` are appended to the context before the call (an observation or tool result
-    of a multi-turn episode); ``max_new_tokens`` is the call's generation budget (a partial
-    rollout is cut by it and resumed by the next attempt); ``update_weights`` is called on the
-    model before the call (fully-async RL: the weights changed between attempts).
-    """
-
-    max_new_tokens: int
-    tool_tokens: tuple[int, ...] = ()
-    update_weights: Callable[[MoELM], None] | None = None
-
-
-@dataclass(frozen=True)
-class Episode:
-    """A sample built by several engine calls.
-
-    ``tokens`` [L] is the full sequence prompt ⊕ everything added (tool and generated tokens);
-    ``attempts`` holds, per call, how many tokens it added, its payload and how it ended — the
-    input of `reference_impl.splice.splice`. Over the response positions ``[P, L)``,
-    ``response_logprobs`` [L - P] float32 is the inference log-prob of each generated token and 0
-    at tool tokens, which were not sampled; ``sampled_mask`` [L - P] bool says which is which.
-    """
-
-    prompt_len: int
-    tokens: Tensor
-    attempts: list[Attempt]
-    response_logprobs: Tensor
-    sampled_mask: Tensor
-
-
-def run_episode(
-    engine: RolloutEngine,
-    prompt: Sequence[int],
-    plans: Sequence[AttemptPlan],
-    *,
-    greedy: bool = True,
-    generator: torch.Generator | None = None,
-    stop_token: int | None = None,
-) -> Episode:
-    """Run ``plans`` one after the other, each resubmitting the whole context as its prompt.
-
-    Attempt ``j`` counts as new tokens its tool tokens plus the tokens it generated; its payload
-    covers ``[0, context_after_attempt - 1)``. Tool tokens are counted by the attempt that
-    prefills them (DESIGN §3.4): an attempt with ``max_new_tokens == 0`` runs no forward and
-    returns no payload, so its tool tokens are counted by the next attempt that runs, and tool
-    tokens that no later attempt prefills are in ``tokens`` but in no attempt (they have no row,
-    DESIGN §3.6). ``finish_reason`` is ``"abort"`` for an attempt cut by its own budget when more
-    attempts follow, else the engine's (``"length"`` or ``"stop"``). ``greedy``, ``generator`` and
-    ``stop_token`` are passed to every `RolloutEngine.generate` call; the engine must have
-    ``start == 0``, since the splice needs payloads that start at position 0.
-    """
-    if engine.start != 0:
-        raise ValueError(f"run_episode needs an engine with start = 0, got start = {engine.start}")
-    tokens = [int(token) for token in prompt]
-    logprobs: list[float] = []
-    sampled: list[bool] = []
-    attempts: list[Attempt] = []
-    unfed_tool_tokens = 0  # tool tokens appended since the last forward
-    version = 0
-    for index, plan in enumerate(plans):
-        if plan.update_weights is not None:
-            plan.update_weights(engine.model)
-            version += 1
-        tokens.extend(plan.tool_tokens)
-        logprobs.extend([0.0] * len(plan.tool_tokens))
-        sampled.extend([False] * len(plan.tool_tokens))
-        unfed_tool_tokens += len(plan.tool_tokens)
-        rollout = engine.generate(
-            [tokens], plan.max_new_tokens, greedy=greedy, generator=generator, stop_token=stop_token
-        )[0]
-        generated = rollout.tokens.tolist()
-        tokens.extend(generated)
-        logprobs.extend(rollout.logprobs.tolist())
-        sampled.extend([True] * len(generated))
-        new_tokens, tool = 0, 0
-        if rollout.routes is not None:
-            tool = unfed_tool_tokens
-            new_tokens, unfed_tool_tokens = unfed_tool_tokens + len(generated), 0
-        more_follow = index < len(plans) - 1
-        finish_reason = (
-            "abort" if rollout.finish_reason == "length" and more_follow else rollout.finish_reason
-        )
-        kind = "start" if index == 0 else "turn" if plan.tool_tokens else "resume"
-        attempts.append(Attempt(new_tokens, rollout.routes, finish_reason, kind, tool, version))
-    return Episode(
-        len(prompt),
-        torch.tensor(tokens, dtype=torch.int64),
-        attempts,
-        torch.tensor(logprobs, dtype=torch.float32),
-        torch.tensor(sampled, dtype=torch.bool),
-    )

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import pairwise
 
 import torch
+
+from .config import check_moe_layers
 
 
 class LayoutError(ValueError):
@@ -396,7 +397,7 @@ def stage_targets(routes: torch.Tensor, moe_layers: Sequence[int], layer_range: 
     Returns ``[T, n_moe_in_range, k]`` in decoder order; dense layers of the range are skipped
     (their slots hold 0 and have no router).
     """
-    _check_moe_layers(moe_layers)
+    check_moe_layers(moe_layers, error=LayoutError)
     layers_needed = max([layer_range.stop, *(layer + 1 for layer in moe_layers)])
     if routes.dim() != 3 or routes.shape[1] < layers_needed:
         raise LayoutError(
@@ -415,7 +416,7 @@ def stage_targets_moe_ordinal(
     Slot ``j`` of the trace is MoE layer ``moe_layers[j]``, so the stage's slots are the ordinals
     of its MoE layers, not its decoder layer numbers.
     """
-    _check_moe_layers(moe_layers)
+    check_moe_layers(moe_layers, error=LayoutError)
     if routes.dim() != 3 or routes.shape[1] != len(moe_layers):
         raise LayoutError(
             f"routes must be MoE-ordinal [T, n_moe={len(moe_layers)}, k], got shape {tuple(routes.shape)}"
@@ -451,11 +452,6 @@ def merge_stage_recordings(
                     f"MoE slots, expected {owned}"
                 )
     return torch.cat([per_stage[key] for key in ordered], dim=1)
-
-
-def _check_moe_layers(moe_layers: Sequence[int]) -> None:
-    if any(b <= a for a, b in pairwise(moe_layers)) or any(layer < 0 for layer in moe_layers):
-        raise LayoutError(f"moe_layers must be strictly increasing and >= 0, got {list(moe_layers)}")
 
 
 # --------------------------------------------------------------------------------------------------

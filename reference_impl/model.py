@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import MoEConfig
-from .routers import ReplayError, Router, RoutingMode, SigmoidGrouped
+from .routers import Router, RoutingMode, SigmoidGrouped, pop_recording, set_replay_targets
 
 ROPE_THETA = 10000.0
 
@@ -306,7 +306,7 @@ class MoELM(nn.Module):
     def set_routing_mode(self, mode: RoutingMode) -> None:
         """Put every router in `mode`."""
         for router in self.routers():
-            router.mode = mode
+            router.replay.mode = mode
 
     def set_replay_targets(self, targets: Tensor, mask: Tensor | None = None) -> None:
         """Give every router its slice of `targets` [B*T, num_moe_layers, k] (MoE-ordinal).
@@ -314,16 +314,7 @@ class MoELM(nn.Module):
         `mask` [B*T] bool: rows where it is False route natively. Every router receives a
         target, so a wrong number of layers is an error rather than a partial replay.
         """
-        targets = torch.as_tensor(targets)
-        routers = self.routers()
-        if targets.ndim != 3 or targets.shape[1] != len(routers):
-            raise ReplayError(
-                f"replay targets have shape {list(targets.shape)}, expected "
-                f"[tokens, {len(routers)}, {self.cfg.top_k}] (one slot per MoE "
-                f"layer {list(self.cfg.moe_layers)})"
-            )
-        for ordinal, router in enumerate(routers):
-            router.set_targets(targets[:, ordinal, :], mask)
+        set_replay_targets([router.replay for router in self.routers()], targets, mask, self.cfg.moe_layers)
 
     def pop_recording(self) -> Tensor:
         """Recorded routing [N, num_moe_layers, k] (int64), then clear the recordings.
@@ -331,24 +322,22 @@ class MoELM(nn.Module):
         Each router's RECORD calls are concatenated along tokens (in call order), then stacked
         over MoE layers.
         """
-        routers = self.routers()
-        counts = [len(router.recorded) for router in routers]
-        if not routers or counts[0] == 0 or len(set(counts)) != 1:
-            raise ReplayError(
-                f"cannot pop a recording: entries per router {counts} (need the "
-                "same non-zero number for every MoE layer)"
-            )
-        trace = torch.stack([torch.cat(router.recorded) for router in routers], dim=1)
-        for router in routers:
-            router.recorded.clear()
-        return trace
+        return pop_recording([router.replay for router in self.routers()])
 
     def clear_replay(self) -> None:
         """Clear every router's targets, recompute FIFO and recordings."""
         for router in self.routers():
-            router.clear()
+            router.replay.clear()
 
     @property
     def last_dispatch(self) -> list[Tensor | None]:
         """Per MoE layer, the ids [B*T, k] the last forward dispatched to the experts."""
         return [layer.mlp.last_dispatch for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
+
+    def dispatched_routes(self) -> Tensor:
+        """The ids [B*T, n_moe, k] the last forward (or recompute) dispatched, MoE layers in order: what
+        the experts received, observed at the dispatch step (a sharded model: this rank's layers)."""
+        ids = self.last_dispatch
+        if not ids or any(i is None for i in ids):
+            raise RuntimeError("dispatched_routes: no forward has run through every MoE layer")
+        return torch.stack([i for i in ids if i is not None], dim=1)

@@ -11,16 +11,19 @@ Natively `ids = select(logits)`. Under replay (R2/R3) the ids come from outside 
 the inference engine) and only `weights` is evaluated at them, so the router still receives
 gradients, including for experts the live top-k would not pick (DESIGN §3.7).
 
-`Router` mirrors Megatron-core's `RouterReplay` (megatron/core/transformer/moe/router_replay.py):
-a RECORD action, a REPLAY_FORWARD action that also pushes its targets onto a FIFO, and a
-REPLAY_BACKWARD action that pops the FIFO during activation recompute. Nothing falls back to
-native routing silently (DESIGN §3.8): a missing or malformed target raises `ReplayError`.
+`RouterReplay`, the state machine each `Router` owns, mirrors Megatron-core's `RouterReplay`
+(megatron/core/transformer/moe/router_replay.py): a RECORD action, a REPLAY_FORWARD action that
+also pushes its targets onto a FIFO, and a REPLAY_BACKWARD action that pops the FIFO during
+activation recompute. Nothing falls back to native routing silently (DESIGN §3.8): a missing or
+malformed target raises `ReplayError`. It is the one copy of that machine: the harness's
+transformers backend drives the routers it hooks with it too.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -37,7 +40,7 @@ class RoutingMode(enum.Enum):
     """What a router does on its next forward call (Megatron-core `RouterReplayAction` + NATIVE)."""
 
     NATIVE = "native"  # choose with the family's own rule
-    RECORD = "record"  # choose natively and keep the ids in `Router.recorded`
+    RECORD = "record"  # choose natively and keep the ids in `RouterReplay.recorded`
     REPLAY_FORWARD = "replay_forward"  # use the current targets, and queue them for recompute
     REPLAY_BACKWARD = "replay_backward"  # use the oldest queued targets (activation recompute)
 
@@ -191,7 +194,7 @@ def make_family(name: str, cfg: MoEConfig) -> RouterFamily:
 
 
 # ---------------------------------------------------------------------------------------------
-# One router with its record/replay state.
+# Record/replay state of one router, and of a model's routers (MoE-ordinal layer axis).
 # ---------------------------------------------------------------------------------------------
 
 
@@ -206,48 +209,52 @@ class ReplayTargets(NamedTuple):
     mask: Tensor | None
 
 
-class Router(nn.Module):
-    """The router of one MoE layer: gate linear [E, H], family rule, and record/replay state.
+class RouterReplay:
+    """The record/replay state machine of one router (Megatron-core's `RouterReplay` + NATIVE).
 
-    Attributes a test may inspect: `mode`, `targets` (the current `ReplayTargets` or None),
-    `backward_targets` (FIFO of targets used by REPLAY_FORWARD calls, popped by
-    REPLAY_BACKWARD), `recorded` (ids chosen by each RECORD call, detached cpu int64).
+    `where` names the router in every error (``"decoder layer 3"``). Attributes a test may
+    inspect: `mode`, `targets` (the current `ReplayTargets` or None), `backward_targets` (FIFO of
+    targets used by REPLAY_FORWARD calls, popped by REPLAY_BACKWARD), `recorded` (ids chosen by
+    each RECORD call, detached cpu int64).
 
     The FIFO is only popped by activation recompute; without recompute nothing pops it and
     `clear()` is the caller's job (as with Megatron's `clear_global_indices`). RECORD under
-    recompute records twice: record in a no-grad pass (R2's old-log-prob pass).
+    recompute records twice: record in a no-grad pass (R2's old-log-prob pass). The reference
+    `Router` owns one; the transformers backend (`harness.trainers.hf`) gives one to each router
+    it hooks.
     """
 
-    def __init__(self, cfg: MoEConfig, layer: int) -> None:
-        super().__init__()
-        self.layer = layer  # decoder index, named in every error
-        self.num_experts = cfg.num_experts
-        self.top_k = cfg.top_k
-        self.family = make_family(cfg.family_of(layer), cfg)
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=self.family.gate_bias)
+    def __init__(self, where: str, num_experts: int, top_k: int) -> None:
+        self.where = where
+        self.num_experts = num_experts
+        self.top_k = top_k
         self.mode = RoutingMode.NATIVE
         self.targets: ReplayTargets | None = None
         self.backward_targets: deque[ReplayTargets] = deque()
         self.recorded: list[Tensor] = []
 
-    def forward(self, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Route tokens `hidden` [T, H] → (ids [T, k] int64, weights [T, k], logits [T, E])."""
-        logits = self.gate(hidden)
-        ids = self._choose(logits)
-        return ids, self.family.weights(logits, ids), logits
+    @property
+    def replaying(self) -> bool:
+        """Whether the next call uses targets (REPLAY_FORWARD or REPLAY_BACKWARD)."""
+        return self.mode in (RoutingMode.REPLAY_FORWARD, RoutingMode.REPLAY_BACKWARD)
 
-    def _choose(self, logits: Tensor) -> Tensor:
+    def choose(self, logits: Tensor, native: Callable[[Tensor], Tensor]) -> Tensor:
+        """The ids [T, k] this forward call routes the tokens of `logits` [T, E] to.
+
+        `native(logits)` is the router's own choice, asked for only where it is used: NATIVE,
+        RECORD (which keeps it), and the rows a replay mask leaves native.
+        """
         if self.mode is RoutingMode.NATIVE:
-            return self.family.select(logits.detach())
+            return native(logits)
         if self.mode is RoutingMode.RECORD:
-            ids = self.family.select(logits.detach())
+            ids = native(logits)
             self.recorded.append(ids.detach().to("cpu", torch.int64))
             return ids
         if self.mode is RoutingMode.REPLAY_FORWARD:
             if self.targets is None:
                 raise ReplayError(
-                    f"router of decoder layer {self.layer} is in REPLAY_FORWARD "
-                    "but has no replay targets (call set_targets first)"
+                    f"router of {self.where} is in REPLAY_FORWARD but has no replay targets "
+                    "(set its targets first)"
                 )
             target = self.targets
             self._check_rows(target, logits.shape[0])
@@ -255,7 +262,7 @@ class Router(nn.Module):
         else:  # REPLAY_BACKWARD
             if not self.backward_targets:
                 raise ReplayError(
-                    f"router of decoder layer {self.layer} is in REPLAY_BACKWARD "
+                    f"router of {self.where} is in REPLAY_BACKWARD "
                     "but its FIFO is empty (no REPLAY_FORWARD call to recompute)"
                 )
             target = self.backward_targets.popleft()
@@ -263,13 +270,12 @@ class Router(nn.Module):
         ids = target.ids.to(logits.device)
         if target.mask is None:
             return ids
-        native = self.family.select(logits.detach())
-        return torch.where(target.mask.to(logits.device)[:, None], ids, native)
+        return torch.where(target.mask.to(logits.device)[:, None], ids, native(logits))
 
     def _check_rows(self, target: ReplayTargets, tokens: int) -> None:
         if target.ids.shape[0] != tokens:
             raise ReplayError(
-                f"replay targets of decoder layer {self.layer} have shape "
+                f"replay targets of {self.where} have shape "
                 f"{list(target.ids.shape)}, expected [{tokens}, {self.top_k}] "
                 "(one row per token this router sees)"
             )
@@ -277,38 +283,41 @@ class Router(nn.Module):
     def set_targets(self, ids: Tensor, mask: Tensor | None = None) -> None:
         """Set the ids [T, k] this router is forced to choose; rows where `mask` is False route
         natively. Replayed rows must hold `top_k` distinct ids in [0, num_experts)."""
+        self.targets = self.checked(ids, mask)
+
+    def checked(self, ids: Tensor, mask: Tensor | None = None) -> ReplayTargets:
+        """`ids` [T, k] and `mask` [T] bool as this router's `ReplayTargets` (copies), once they are
+        checked: an integer dtype, `top_k` distinct ids in [0, num_experts) on every replayed row.
+        Anything else is a `ReplayError` naming the router, the row and its ids."""
         ids = torch.as_tensor(ids)
-        expected = f"[T, {self.top_k}]"
         if ids.ndim != 2 or ids.shape[1] != self.top_k:
             raise ReplayError(
-                f"replay targets of decoder layer {self.layer} have shape "
-                f"{list(ids.shape)}, expected {expected}"
+                f"replay targets of {self.where} have shape {list(ids.shape)}, expected [T, {self.top_k}]"
             )
         if ids.is_floating_point() or ids.dtype == torch.bool:
             raise ReplayError(
-                f"replay targets of decoder layer {self.layer} have dtype "
-                f"{ids.dtype}, expected an integer dtype"
+                f"replay targets of {self.where} have dtype {ids.dtype}, expected an integer dtype"
             )
         ids = ids.to(torch.int64).clone()
         if mask is not None:
             mask = torch.as_tensor(mask)
             if mask.dtype != torch.bool or mask.shape != (ids.shape[0],):
                 raise ReplayError(
-                    f"replay mask of decoder layer {self.layer} has shape "
-                    f"{list(mask.shape)} and dtype {mask.dtype}, expected "
-                    f"[{ids.shape[0]}] bool"
+                    f"replay mask of {self.where} has shape {list(mask.shape)} and dtype "
+                    f"{mask.dtype}, expected [{ids.shape[0]}] bool"
                 )
             mask = mask.clone()
         self._check_ids(ids, mask)
-        self.targets = ReplayTargets(ids, mask)
+        return ReplayTargets(ids, mask)
 
     def _check_ids(self, ids: Tensor, mask: Tensor | None) -> None:
-        replayed = torch.ones(ids.shape[0], dtype=torch.bool) if mask is None else mask
+        replayed = torch.ones(ids.shape[0], dtype=torch.bool) if mask is None else mask.cpu()
+        ids = ids.cpu()
         bad = ((ids < 0) | (ids >= self.num_experts)).any(dim=1) & replayed
         if bad.any():
             row = int(bad.nonzero()[0])
             raise ReplayError(
-                f"replay targets of decoder layer {self.layer}: replayed row {row} "
+                f"replay targets of {self.where}: replayed row {row} "
                 f"= {ids[row].tolist()} has ids outside [0, {self.num_experts})"
             )
         ordered = ids.sort(dim=1).values
@@ -316,7 +325,7 @@ class Router(nn.Module):
         if repeated.any():
             row = int(repeated.nonzero()[0])
             raise ReplayError(
-                f"replay targets of decoder layer {self.layer}: replayed row {row} "
+                f"replay targets of {self.where}: replayed row {row} "
                 f"= {ids[row].tolist()} repeats an expert (needs {self.top_k} "
                 "distinct ids)"
             )
@@ -326,3 +335,69 @@ class Router(nn.Module):
         self.targets = None
         self.backward_targets.clear()
         self.recorded.clear()
+
+
+def set_replay_targets(
+    states: Sequence[RouterReplay], targets: Tensor, mask: Tensor | None, moe_layers: Sequence[int]
+) -> None:
+    """Give each router its slice of `targets` [tokens, len(states), k] (MoE-ordinal layer axis).
+
+    `mask` [tokens] bool: rows where it is False route natively. `moe_layers` names the slots in
+    the error. Every router receives a target, so a wrong number of layers is an error rather than
+    a partial replay; every slice is checked before any router's targets change.
+    """
+    targets = torch.as_tensor(targets)
+    top_k = states[0].top_k if states else "k"
+    if targets.ndim != 3 or targets.shape[1] != len(states):
+        raise ReplayError(
+            f"replay targets have shape {list(targets.shape)}, expected "
+            f"[tokens, {len(states)}, {top_k}] (one slot per MoE layer {list(moe_layers)})"
+        )
+    checked = [state.checked(targets[:, slot, :], mask) for slot, state in enumerate(states)]
+    for state, target in zip(states, checked, strict=True):
+        state.targets = target
+
+
+def pop_recording(states: Sequence[RouterReplay]) -> Tensor:
+    """Recorded routing [N, len(states), k] (int64), then clear the recordings.
+
+    Each router's RECORD calls are concatenated along tokens (in call order), then stacked over
+    the routers (MoE-ordinal layer axis).
+    """
+    counts = [len(state.recorded) for state in states]
+    if not states or counts[0] == 0 or len(set(counts)) != 1:
+        raise ReplayError(
+            f"cannot pop a recording: entries per router {counts} (need the "
+            "same non-zero number for every MoE layer; record and run a forward first)"
+        )
+    trace = torch.stack([torch.cat(state.recorded) for state in states], dim=1)
+    for state in states:
+        state.recorded.clear()
+    return trace
+
+
+# ---------------------------------------------------------------------------------------------
+# One router: gate linear, family rule, record/replay state.
+# ---------------------------------------------------------------------------------------------
+
+
+class Router(nn.Module):
+    """The router of one MoE layer: gate linear [E, H], family rule, and record/replay state.
+
+    `replay` (a `RouterReplay`) holds the mode, targets, recompute FIFO and recordings.
+    """
+
+    def __init__(self, cfg: MoEConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer  # decoder index, named in every error
+        self.num_experts = cfg.num_experts
+        self.top_k = cfg.top_k
+        self.family = make_family(cfg.family_of(layer), cfg)
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=self.family.gate_bias)
+        self.replay = RouterReplay(f"decoder layer {layer}", cfg.num_experts, cfg.top_k)
+
+    def forward(self, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Route tokens `hidden` [T, H] → (ids [T, k] int64, weights [T, k], logits [T, E])."""
+        logits = self.gate(hidden)
+        ids = self.replay.choose(logits.detach(), self.family.select)
+        return ids, self.family.weights(logits, ids), logits

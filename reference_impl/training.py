@@ -151,7 +151,9 @@ def check_mode(mode: ReplayMode | str, placed: Placed) -> ReplayMode:
     return mode
 
 
-def replay_targets(placed: Placed, moe_layers: Sequence[int], layer_axis: LayerAxis) -> tuple[Tensor, Tensor]:
+def replay_targets(
+    placed: Placed, moe_layers: Sequence[int], layer_axis: LayerAxis | str
+) -> tuple[Tensor, Tensor]:
     """Per-router targets [B*W, n_moe, k] int64 and replay mask [B*W] bool, in row b*W + t.
 
     `placed.routes` [B, W, layers, k] is on the `layer_axis` convention: ``"decoder"`` has one slot
@@ -165,13 +167,12 @@ def replay_targets(placed: Placed, moe_layers: Sequence[int], layer_axis: LayerA
     batch, width = placed.tokens.shape
     rows = placed.routes.reshape(batch * width, *placed.routes.shape[2:])
     whole_model = range(max(moe_layers) + 1)  # one pipeline stage holding every layer
-    if layer_axis == "decoder":
-        targets = stage_targets(rows, moe_layers, whole_model)
-    elif layer_axis == "moe_ordinal":
-        targets = stage_targets_moe_ordinal(rows, moe_layers, whole_model)
-    else:
-        raise TrainerConfigError(f"layer_axis = {layer_axis!r}: expected 'decoder' or 'moe_ordinal'")
-    return targets.long(), placed.replay_mask.reshape(-1)
+    try:
+        axis = LayerAxis.parse(layer_axis)
+    except ValueError as err:
+        raise TrainerConfigError(str(err)) from None
+    stage = stage_targets if axis is LayerAxis.DECODER else stage_targets_moe_ordinal
+    return stage(rows, moe_layers, whole_model).long(), placed.replay_mask.reshape(-1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,7 +202,7 @@ def old_logprobs(
     mode: ReplayMode | str,
     *,
     moe_layers: Sequence[int],
-    layer_axis: LayerAxis = "decoder",
+    layer_axis: LayerAxis | str = LayerAxis.DECODER,
 ) -> OldPass:
     """π_old of the batch, without grad. R2 records the routing; R3 replays the rollout routes."""
     mode = check_mode(mode, placed)
@@ -227,7 +228,7 @@ def policy_logprobs(
     *,
     old: OldPass,
     moe_layers: Sequence[int],
-    layer_axis: LayerAxis = "decoder",
+    layer_axis: LayerAxis | str = LayerAxis.DECODER,
     use_checkpoint: bool = False,
 ) -> Tensor:
     """π_θ of the batch, with grad: the update pass of one mini-batch.
@@ -262,7 +263,7 @@ def policy_logprobs(
         _reset(model)
         return logprobs
     for router in model.routers():
-        router.targets = None  # only the FIFO is needed now, and the recompute pops it
+        router.replay.targets = None  # only the FIFO is needed now, and the recompute pops it
     model.set_routing_mode(RoutingMode.REPLAY_BACKWARD)
     return logprobs
 
@@ -276,7 +277,7 @@ def backward(loss: Tensor, model: MoELM) -> None:
     """
     try:
         loss.backward()
-        leftover = [len(router.backward_targets) for router in model.routers()]
+        leftover = [len(router.replay.backward_targets) for router in model.routers()]
         if any(leftover):
             raise ReplayError(
                 f"recompute FIFO not drained by backward: entries left per MoE layer {leftover}"
@@ -293,14 +294,14 @@ def reference_logprobs(model_ref: MoELM, placed: Placed) -> Tensor:
     is safe even on a model in the middle of an update pass.
     """
     routers = model_ref.routers()
-    modes = [router.mode for router in routers]
+    modes = [router.replay.mode for router in routers]
     model_ref.set_routing_mode(RoutingMode.NATIVE)
     try:
         with torch.no_grad():
             return token_logprobs(model_ref, placed.tokens, placed.attention_mask)
     finally:
         for router, previous in zip(routers, modes, strict=True):
-            router.mode = previous
+            router.replay.mode = previous
 
 
 # ---------------------------------------------------------------------------------------------

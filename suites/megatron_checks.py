@@ -39,7 +39,7 @@ import torch.distributed as dist
 from harness.probes.megatron import DispatchProbe
 from harness.subjects import load_subject
 from harness.subjects.replay import ensure_patched
-from harness.trace import LayerAxis, RoutingTrace
+from harness.trace import RoutingTrace
 from harness.trainers.megatron.layout import (
     MegatronLayout,
     MegatronReplayError,
@@ -50,6 +50,7 @@ from harness.trainers.megatron.layout import (
     rank_targets,
 )
 from harness.trainers.megatron.model import batch_tokens, build_gpt, tiny_config
+from reference_impl.config import axis_of_width
 
 
 @dataclass(frozen=True)
@@ -239,12 +240,15 @@ class _Rank:
                 -1, layout.top_k
             )
             for call, chosen in enumerate(self.probe.chosen[j]):
-                if not torch.equal(chosen, ids_to_map(want, layout.num_experts)):
-                    bad = int((chosen != ids_to_map(want, layout.num_experts)).any(dim=1).sum())
+                wrong = (chosen != ids_to_map(want, layout.num_experts)).any(dim=1)
+                if bool(wrong.any()):
+                    first = int(wrong.nonzero()[0])
                     raise MegatronReplayError(
                         f"{what}: rank {self.coords.rank} router {j} (decoder layer {layer}), "
-                        f"forward {call}: "
-                        f"{bad} tokens did not get the canonical route of the position they hold"
+                        f"forward {call}: {int(wrong.sum())} tokens did not get the canonical route "
+                        f"of the position they hold; first, token {first}: the trace's route "
+                        f"{sorted(want[first].tolist())}, the router chose "
+                        f"{chosen[first].nonzero().flatten().tolist()}"
                     )
 
     def pending(self) -> list[int]:
@@ -282,15 +286,12 @@ class _Rank:
         by_dp = dict(everyone)
         routes = torch.cat([by_dp[d] for d in range(layout.dp)])
         width = routes.shape[2]
-        if tuple(routes.shape) != (layout.global_batch, layout.seq_len, width, layout.top_k) or width not in (
-            layout.num_layers,
-            len(layout.moe_layers),
-        ):
+        axis = axis_of_width(width, layout.num_layers, len(layout.moe_layers))
+        if tuple(routes.shape) != (layout.global_batch, layout.seq_len, width, layout.top_k) or axis is None:
             raise MegatronReplayError(
                 f"merge_recordings: global routes {tuple(routes.shape)}, expected [{layout.global_batch}, "
                 f"{layout.seq_len}, {layout.num_layers} or {len(layout.moe_layers)}, {layout.top_k}]"
             )
-        axis = LayerAxis.DECODER if width == layout.num_layers else LayerAxis.MOE_ORDINAL
         return [
             RoutingTrace(
                 sample.numpy(),

@@ -9,7 +9,7 @@ from hypothesis import example, given, note, settings
 from harness.conventions import ModelSpec
 from harness.strategies import EnginePayload, engine_payloads
 from harness.subjects import Subject
-from harness.testing.judge import route_sets
+from harness.testing.asserts import assert_same_routes
 from harness.testing.suite import require
 
 pytestmark = pytest.mark.capability("decode_payload")
@@ -57,15 +57,12 @@ def test_payload_decodes_to_the_routes_the_engine_sent(subject: Subject, sample:
     note(f"counterexample: {sample.describe()}")
     trace = _decode(subject, sample)
     moe = list(sample.model.moe_layers)
-    decoded = route_sets(trace.to_decoder_axis().experts[:, moe, :])
-    sent = route_sets(sample.routes[:, moe, :])
-    assert decoded.shape == sent.shape, (
-        f"{sample.describe()}: decoded routes are {tuple(decoded.shape)}, the engine sent {tuple(sent.shape)}"
-    )
-    wrong = (decoded != sent).any(-1).nonzero().tolist()
-    assert not wrong, (
-        f"{sample.describe()}: {len(wrong)} (row, MoE layer) routes differ as sets, first at {wrong[0]}: "
-        f"{decoded[tuple(wrong[0])].tolist()} decoded, {sent[tuple(wrong[0])].tolist()} sent"
+    assert_same_routes(
+        trace.to_decoder_axis().experts[:, moe, :],
+        sample.routes[:, moe, :],
+        names=("decoded", "sent"),
+        what=sample.describe(),
+        axes=("row", "MoE ordinal"),
     )
 
 
@@ -78,7 +75,13 @@ def test_decoded_trace_covers_the_engine_row_rule(subject: Subject, sample: Engi
     note(f"counterexample: {sample.describe()}")
     trace = _decode(subject, sample)
     trace.check_coverage(sample.prompt_len, sample.response_len)
-    assert trace.start == sample.start, f"{sample.describe()}: start {trace.start}"
+    assert trace.start == sample.start, f"{sample.describe()}: start {trace.start}, expected {sample.start}"
     expected_dtype = np.uint8 if sample.model.num_experts <= 256 else np.uint16
-    assert trace.experts.dtype == expected_dtype, f"{sample.describe()}: stored as {trace.experts.dtype}"
-    assert (trace.provenance.engine, trace.provenance.version) == (sample.engine, sample.version)
+    assert trace.experts.dtype == expected_dtype, (
+        f"{sample.describe()}: stored as {trace.experts.dtype}, expected {np.dtype(expected_dtype)} "
+        f"(the narrowest dtype that holds num_experts = {sample.model.num_experts})"
+    )
+    got = (trace.provenance.engine, trace.provenance.version)
+    assert got == (sample.engine, sample.version), (
+        f"{sample.describe()}: provenance (engine, version) {got}, expected {(sample.engine, sample.version)}"
+    )

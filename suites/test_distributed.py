@@ -40,6 +40,7 @@ import torch.distributed as dist
 from harness.distributed import run_ranks
 from harness.subjects import Subject, load_subject
 from harness.subjects.replay import install
+from harness.testing.asserts import assert_close_logprobs, assert_same_routes
 from harness.testing.suite import require, subject_spec
 from reference_impl import MoEConfig, MoELM, RoutingMode
 from reference_impl.distributed import (
@@ -62,13 +63,8 @@ TIMEOUT_S = 60.0
 LOGPROB_ATOL = 1e-5
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
 
-CFG = MoEConfig(
-    vocab_size=64,
-    hidden_size=32,
+CFG = MoEConfig.tiny(
     num_layers=4,
-    num_heads=4,
-    num_experts=8,
-    top_k=2,
     expert_hidden=16,
     first_k_dense=1,  # a dense first layer: PP offsets must count MoE layers (verl #5037/#5452)
     router_family=("softmax_topk", "softmax_topk", "sigmoid_grouped", "topk_softmax"),
@@ -141,12 +137,6 @@ def lengths_for(spec: ParallelSpec, lengths: tuple[tuple[int, ...], ...]) -> tup
 # --------------------------------------------------------------------------------------------------
 
 
-def _dispatched(model: ShardedMoELM) -> torch.Tensor:
-    """What this rank's MoE blocks sent to the experts in the last forward (observed by the model, not
-    reported by the subject)."""
-    return torch.stack([d for d in model.last_dispatch if d is not None], dim=1)
-
-
 def _rank_setup(rank: int, spec: ParallelSpec, subject_spec: str) -> tuple[Any, Any, ShardedMoELM, Any]:
     subject = load_subject(subject_spec)
     layouts = subject.layouts
@@ -214,7 +204,7 @@ def _replay(
             model,
             tokens,
             before_forward=lambda i, targets=targets: handle.replay(*targets[i]),
-            after_forward=lambda i, dispatched=dispatched: dispatched.append(_dispatched(model)),
+            after_forward=lambda i, dispatched=dispatched: dispatched.append(model.dispatched_routes()),
         )
     handle.disarm()
     logprobs = None
@@ -304,7 +294,7 @@ def single_process(sequence: MicroBatch) -> dict[str, torch.Tensor]:
         model.set_replay_targets(sequence.routes, sequence.mask)
         model.set_routing_mode(RoutingMode.REPLAY_FORWARD)
         logits = model(sequence.tokens[None])[0]
-        dispatched = _dispatched(model)
+        dispatched = model.dispatched_routes()
     labels, _ = next_token_labels(sequence.tokens)
     return {"recording": recording, "dispatched": dispatched, "logprobs": token_logprobs(logits, labels)}
 
@@ -321,44 +311,7 @@ def single_process_gradients(batch: list[MicroBatch]) -> dict[str, torch.Tensor 
     return {name: p.grad for name, p in model.named_parameters()}
 
 
-def _sets(ids: torch.Tensor) -> torch.Tensor:
-    return ids.long().sort(dim=-1).values
-
-
-def assert_same_routes(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Equal as sets per (position, MoE layer); the message names the first differing row."""
-    if tuple(got.shape) != tuple(expected.shape):
-        raise AssertionError(
-            f"{what}: shape {list(got.shape)}, expected {list(expected.shape)} "
-            f"[positions, MoE layers {list(CFG.moe_layers)}, top_k]"
-        )
-    differs = (_sets(got) != _sets(expected)).any(dim=-1)
-    if bool(differs.any()):
-        position, slot = (int(v) for v in differs.nonzero()[0])
-        got_row, expected_row = (
-            sorted(got[position, slot].tolist()),
-            sorted(expected[position, slot].tolist()),
-        )
-        raise AssertionError(
-            f"{what}: {int(differs.sum())} of {differs.numel()} (position, MoE layer) routes differ; "
-            f"first at position {position}, MoE layer {CFG.moe_layers[slot]}: got {got_row}, "
-            f"expected {expected_row}"
-        )
-
-
-def assert_close_logprobs(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Within ``LOGPROB_ATOL`` at every position that predicts a token (all but the last)."""
-    got, expected = got[:-1], expected[:-1]
-    assert got.shape == expected.shape, (
-        f"{what}: log-probs have shape {list(got.shape)}, expected {list(expected.shape)}"
-    )
-    gap = (got - expected).abs()
-    worst = int(gap.argmax())
-    assert float(gap.max()) <= LOGPROB_ATOL, (
-        f"{what}: log-probs differ from the single-process replay by up to {float(gap.max()):.3g} at "
-        f"position {worst} (got {float(got[worst]):.6f}, expected {float(expected[worst]):.6f}; "
-        f"tolerance {LOGPROB_ATOL})"
-    )
+AXES = ("position", "MoE ordinal")
 
 
 @pytest.mark.capability("layouts", "install_replay")
@@ -386,16 +339,28 @@ def test_record_and_replay_in_the_layout_match_single_process(
             assert_same_routes(
                 result["recording"][dp][i],
                 expected["recording"],
-                f"{where}: recording gathered back vs the single-process recording",
+                names=(f"recorded in {layout}, gathered back", "recorded in one process"),
+                what=where,
+                axes=AXES,
             )
             for axis in ("decoder", "moe_ordinal"):
                 replayed = f"{where}, {axis}-axis trace replayed"
                 assert_same_routes(
                     result[axis]["dispatched"][dp][i],
                     expected["dispatched"],
-                    f"{replayed}: dispatched ids vs the single-process replay",
+                    names=(f"dispatched in {layout}", "dispatched in one process"),
+                    what=replayed,
+                    axes=AXES,
                 )
-                assert_close_logprobs(result[axis]["logprobs"][dp][i], expected["logprobs"], replayed)
+                # every position but the last predicts a token
+                assert_close_logprobs(
+                    result[axis]["logprobs"][dp][i][:-1],
+                    expected["logprobs"][:-1],
+                    names=(layout, "one process"),
+                    what=f"{replayed}: log-probs",
+                    atol=LOGPROB_ATOL,
+                    axes=("position",),
+                )
 
 
 @pytest.mark.capability("layouts", "install_replay")
@@ -423,9 +388,13 @@ def test_recompute_under_pp2_replays_each_forwards_targets(
                 f"{'none' if want is None else 'one'} (single-process replay without recompute)"
             )
             if got is not None and want is not None:
-                assert torch.allclose(got, want, rtol=GRAD_RTOL, atol=GRAD_ATOL), (
-                    f"{where}: gradient of {name} differs from single-process replay without recompute by up "
-                    f"to {float((got - want).abs().max()):.3g} (rtol {GRAD_RTOL}, atol {GRAD_ATOL})"
+                assert_close_logprobs(
+                    got,
+                    want,
+                    names=("pp2 with recompute", "one process without recompute"),
+                    what=f"{where}: gradient of {name}",
+                    atol=GRAD_ATOL,
+                    rtol=GRAD_RTOL,
                 )
 
 
@@ -439,16 +408,16 @@ def _check_recompute_dispatch(stage: dict[str, Any], where: str) -> None:
         for (phase, index), recompute in zip(phases, calls, strict=False):
             if phase != "recompute" or index not in forwards:
                 continue
-            differs = (_sets(forwards[index]) != _sets(recompute)).any(dim=-1)
-            if bool(differs.any()):
-                first = int(differs.nonzero()[0])
-                got, want = sorted(recompute[first].tolist()), sorted(forwards[index][first].tolist())
-                raise AssertionError(
-                    f"{where}, MoE layer {layer}, micro-batch {index}: the backward recompute dispatched "
-                    f"other experts than its forward at {int(differs.sum())} of {len(differs)} tokens "
-                    f"(token {first}: recompute {got}, forward {want}); recompute must pop this "
-                    f"micro-batch's targets from the FIFO (REPLAY_BACKWARD){failed_after}"
-                )
+            assert_same_routes(
+                recompute,
+                forwards[index],
+                names=("the backward recompute", "its forward"),
+                what=(
+                    f"{where}, MoE layer {layer}, micro-batch {index} (recompute must pop this micro-batch's "
+                    f"targets from the FIFO: REPLAY_BACKWARD){failed_after}"
+                ),
+                axes=("token",),
+            )
         if not stage["error"]:
             assert len(calls) == len(phases), (
                 f"{where}, MoE layer {layer}: {len(calls)} router calls, expected {len(phases)}: one per "

@@ -2,12 +2,11 @@
 
 The replay invariants every family must meet (targets reach the experts, bit-exact replay of a
 recording, gradients at unpicked targets, recompute FIFO, masked rows native, no fallback) are in
-``suites/test_replay.py``, parametrised over (model kind × family). Here: KV-cache rollouts of the
-harness's HF engine cover ``[0, P + R − 1)``; packed (unpadded) and SP-padded batches keep every
-replayed row on its token, observed by the harness's probe (``harness.probes.hf``); abort/resume
-and multi-turn through real HF generation splice to the first-computed rows; and the mismatch lab
-on a bf16 Qwen3-MoE shows R3 removing the routing disagreement and shrinking the gap where routing
-had flipped.
+``suites/test_replay.py``, parametrised over (model kind × family). Here: packed (unpadded) and SP-padded
+batches keep every replayed row on its token, observed by the harness's probe
+(``harness.probes.hf``); abort/resume and multi-turn through real HF generation splice to the
+first-computed rows. The harness's own HF engine (KV-cache rollout coverage, the mismatch lab on a
+bf16 Qwen3-MoE) is checked in ``conformance/test_hf_engine.py``: no subject is involved there.
 """
 
 from __future__ import annotations
@@ -23,9 +22,11 @@ from harness.probes import RouteProbe
 from harness.subjects import Subject
 from harness.subjects.capabilities import ReplayController
 from harness.subjects.replay import controlled
+from harness.testing.asserts import assert_close_logprobs, assert_same_routes, differing_routes
 from harness.testing.suite import require
 from harness.trainers.hf import install_replay
 from harness.trainers.kinds import Routing, hf_kind
+from reference_impl.episode import AttemptPlan, Schedule, run_episode
 from reference_impl.layouts import pack, sp_pad, sp_shard, sp_valid_mask
 from reference_impl.splice import splice_replace
 
@@ -64,8 +65,7 @@ def _tokens(seed: int, batch: int = BATCH, seq: int = SEQ) -> torch.Tensor:
     return torch.randint(3, KIND.vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def _sets(routes: torch.Tensor) -> torch.Tensor:
-    return routes.sort(dim=-1).values
+AXES = ("token", "MoE ordinal")
 
 
 _ROUTER_SUFFIXES = ("mlp.gate", "mlp.router", "feed_forward.router")
@@ -87,61 +87,6 @@ def _perturb_routers(model: torch.nn.Module, seed: int | None = None) -> None:
 
 def _forward(model: torch.nn.Module, tokens: torch.Tensor, **kwargs: object) -> torch.Tensor:
     return model(input_ids=tokens, use_cache=False, **kwargs).logits
-
-
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "gpt_oss", "llama4_text"])
-def test_kv_cache_rollout_covers_all_but_the_last_token(model_type: str) -> None:
-    """Rollout routes cover [0, P + R − 1) and, in fp32, equal a full forward's routing (§3.1, §6)."""
-    from harness.engines.hf import generate_rollouts
-
-    model = _fresh(model_type)
-    handle = install_replay(model)  # the harness's HF engine records rollouts with its own hooks
-    prompt_len, response_len = 5, 4
-    rollouts = generate_rollouts(
-        model, handle, _tokens(3, seq=prompt_len), response_len, generator=torch.Generator().manual_seed(0)
-    )
-    tokens = torch.stack([torch.cat([r.prompt, r.tokens]) for r in rollouts])
-    with torch.no_grad():
-        handle.record()
-        logits = _forward(model, tokens)
-        full = handle.recording().reshape(BATCH, prompt_len + response_len, len(handle.moe_layers), -1)
-    handle.disarm()
-    logp = torch.log_softmax(logits[:, prompt_len - 1 : -1].float(), -1)
-    for b, rollout in enumerate(rollouts):
-        rows = rollout.routes.shape[0]
-        assert rows == prompt_len + response_len - 1, (
-            f"{model_type}: rollout has {rows} rows, expected P + R − 1 = {prompt_len + response_len - 1}"
-        )
-        rollout.trace(handle).check_coverage(prompt_len, response_len)
-        assert torch.equal(_sets(rollout.routes), _sets(full[b, :-1])), (
-            "decode routing differs from a full forward"
-        )
-        picked = logp[b].gather(-1, rollout.tokens[:, None]).squeeze(-1)
-        torch.testing.assert_close(picked, rollout.logprobs, rtol=0, atol=1e-5)
-
-
-@pytest.mark.parametrize(
-    "size",
-    [
-        pytest.param({"batch": 4, "response_len": 32}, id="4x32"),
-        pytest.param({"batch": 16, "response_len": 64}, id="16x64", marks=pytest.mark.slow),
-    ],
-)
-def test_mismatch_lab_on_a_real_qwen3_moe(size: dict[str, int]) -> None:
-    """bf16 SDPA Qwen3-MoE, 64 experts top-8: routing flips without replay, none with R3, smaller gap."""
-    from harness.engines.hf import run_hf_mismatch_lab
-    from harness.mismatch import LabConfig, format_lab
-
-    result = run_hf_mismatch_lab(LabConfig(family="qwen3_moe", **size))
-    print(format_lab(result))
-    without, r3 = result.without_replay, result.with_r3
-    assert without.routing.disagreement > 0, "no route flipped between decode and full forward: no test"
-    assert r3.routing.disagreement == 0.0, f"R3 left {r3.routing.disagreement:.4f} of routes disagreeing"
-    assert result.flipped_tokens > 0, "no response token had flipped routing: the lab cannot test the gap"
-    assert r3.gap_on_flipped.mean_abs_diff < without.gap_on_flipped.mean_abs_diff, (
-        f"R3 did not shrink the gap on flipped tokens: {r3.gap_on_flipped.mean_abs_diff:.3e} vs "
-        f"{without.gap_on_flipped.mean_abs_diff:.3e} without replay"
-    )
 
 
 def _block_causal_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -198,12 +143,21 @@ def test_packed_batch_keeps_every_row_on_its_token(arm: Any, model_type: str) ->
         logits = packing.scatter(packed_forward())
         native = packing.scatter(handle.recording())
         for b, n in enumerate(lengths):
-            differs = (_sets(native[b, :n]) != _sets(solo_routes[b, :n])).any(-1)
-            assert not differs.any(), (
-                f"{model_type}: packed sample {b} routed {int(differs.sum())} (token, layer) routes "
-                f"other than alone, first at (token, MoE ordinal) {tuple(differs.nonzero()[0].tolist())}"
+            assert_same_routes(
+                native[b, :n],
+                solo_routes[b, :n],
+                names=("packed", "alone"),
+                what=f"{model_type}: sample {b} routed natively",
+                axes=AXES,
             )
-            torch.testing.assert_close(logits[b, :n], solo_logits[b], rtol=0, atol=1e-4)
+            assert_close_logprobs(
+                logits[b, :n],
+                solo_logits[b],
+                names=("packed", "alone"),
+                what=f"{model_type}: sample {b}'s logits",
+                atol=1e-4,
+                axes=("token", "vocab id"),
+            )
 
         _perturb_routers(model)
         solo_replayed = []
@@ -211,7 +165,7 @@ def test_packed_batch_keeps_every_row_on_its_token(arm: Any, model_type: str) ->
         for b, n in enumerate(lengths):
             handle.record()
             _forward(model, tokens[b : b + 1, :n])
-            live_differs += int((_sets(handle.recording()) != _sets(solo_routes[b, :n])).any(-1).sum())
+            live_differs += int(differing_routes(handle.recording(), solo_routes[b, :n]).sum())
             handle.replay(solo_routes[b, :n])
             solo_replayed.append(_forward(model, tokens[b : b + 1, :n])[0])
         assert live_differs > 0, f"{model_type}: negated routers still pick the targets: replay is untested"
@@ -220,19 +174,21 @@ def test_packed_batch_keeps_every_row_on_its_token(arm: Any, model_type: str) ->
         replayed = packing.scatter(packed_forward())
         dispatched = probe.last().ids
     handle.disarm()
-    differs = (_sets(dispatched) != _sets(targets)).any(-1)
-    assert not differs.any(), (
-        f"{model_type}: packed replay dispatched other experts than the targets at {int(differs.sum())} "
-        f"(token, layer) routes, first at (packed position, MoE ordinal) "
-        f"{tuple(differs.nonzero()[0].tolist())}"
+    assert_same_routes(
+        dispatched,
+        targets,
+        names=("dispatched", "targets"),
+        what=f"{model_type}: packed replay",
+        axes=("packed position", "MoE ordinal"),
     )
     for b, n in enumerate(lengths):
-        torch.testing.assert_close(
+        assert_close_logprobs(
             replayed[b, :n],
             solo_replayed[b],
-            rtol=0,
+            names=("packed", "alone"),
+            what=f"{model_type}: sample {b}'s replayed logits",
             atol=1e-4,
-            msg=lambda m, b=b: f"{model_type}: packed sample {b}'s replayed logits differ from alone: {m}",
+            axes=("token", "vocab id"),
         )
 
 
@@ -285,34 +241,48 @@ def test_sp_padded_shards_replay_their_own_targets(arm: Any, model_type: str, tp
         forward()
         negated = probe.last().ids
     handle.disarm()
-    assert bool((_sets(live[valid]) != _sets(targets[valid])).any()), (
-        f"{model_type}: negated routers still pick the targets: replay is untested"
+    assert bool(differing_routes(live[valid], targets[valid]).any()), (
+        f"{model_type}: negated routers still pick the targets at every valid position: replay is untested"
     )
     for run, dispatched in (("own routes", own), ("negated routers", negated)):
         for rank in range(tp):
             rank_valid = sp_valid_mask(seq_len, tp, rank)
-            got = _sets(sp_shard(dispatched, tp, rank)[rank_valid])
-            want = _sets(sp_shard(targets, tp, rank)[rank_valid])
-            bad = (got != want).any(-1)
-            assert not bad.any(), (
-                f"{model_type} tp={tp} ({run}): rank {rank}'s shard dispatched other experts than its "
-                f"targets at {int(bad.sum())} routes, first at (shard row, MoE ordinal) "
-                f"{tuple(bad.nonzero()[0].tolist())}"
+            assert_same_routes(
+                sp_shard(dispatched, tp, rank),
+                sp_shard(targets, tp, rank),
+                names=("dispatched", "targets"),
+                what=f"{model_type} tp={tp} ({run}): rank {rank}'s shard",
+                axes=("shard row", "MoE ordinal"),
+                mask=rank_valid,
             )
-        pad_rows = _sets(dispatched[~valid])
+        pad_rows = dispatched[~valid].sort(dim=-1).values
         filler = (pad_rows[..., 1:] == pad_rows[..., :-1]).any(-1) if routing.top_k > 1 else pad_rows == 0
-        assert not filler.any(), f"{model_type} tp={tp} ({run}): padded positions replayed the zero filler"
-    diff = (own_logits - native_logits).abs().max().item()
-    assert torch.equal(own_logits, native_logits), (
-        f"{model_type} tp={tp}: replaying the model's own padded routes changed the logits by {diff:.3e}: "
-        "rows are off their tokens"
+        assert not filler.any(), (
+            f"{model_type} tp={tp} ({run}): padded positions {padded_positions} replayed the zero filler "
+            f"(dispatched {pad_rows.tolist()})"
+        )
+    assert_close_logprobs(
+        own_logits,
+        native_logits,
+        names=("replaying its own padded routes", "native"),
+        what=f"{model_type} tp={tp}: logits (rows off their tokens?)",
+        axes=("sample", "position", "vocab id"),
     )
-    assert torch.equal(_sets(own[~valid]), _sets(native[~valid])), (
-        f"{model_type} tp={tp}: padded positions {padded_positions} did not route natively"
+    assert_same_routes(
+        own,
+        native,
+        names=("replaying its own routes", "native"),
+        what=f"{model_type} tp={tp}: padded positions {padded_positions}",
+        axes=("position", "MoE ordinal"),
+        mask=~valid,
     )
-    assert torch.equal(_sets(negated[~valid, 0]), _sets(live[~valid, 0])), (
-        f"{model_type} tp={tp}: padded positions {padded_positions} did not route natively at the first "
-        "MoE layer"
+    assert_same_routes(
+        negated[:, :1],
+        live[:, :1],
+        names=("replaying with negated routers", "live routing"),
+        what=f"{model_type} tp={tp}: padded positions {padded_positions} at the first MoE layer",
+        axes=("position", "MoE ordinal"),
+        mask=~valid,
     )
 
 
@@ -326,8 +296,12 @@ def _first_computed_rows(attempts, rows: int) -> torch.Tensor:  # type: ignore[n
 
 
 EPISODES = {
-    "abort-resume": ("partial", (3, 2, 4)),
-    "multi-turn": ("turns", (((), 3), ((5, 6, 7), 2), ((8, 9), 3))),
+    "abort-resume": (
+        AttemptPlan(3, finish_reason="abort"),
+        AttemptPlan(2, finish_reason="abort"),
+        AttemptPlan(4, finish_reason="length"),
+    ),
+    "multi-turn": (AttemptPlan(3), AttemptPlan(2, tool_tokens=(5, 6, 7)), AttemptPlan(3, tool_tokens=(8, 9))),
 }
 
 
@@ -340,15 +314,15 @@ def test_hf_generation_attempts_splice_to_first_computed_rows(
 ) -> None:
     """Abort/resume and multi-turn through real HF generation (KV cache) splice to P + Σa − 1 rows (§3.4).
 
-    ``hf_generate`` drives ``generate_rollouts`` from the generic ``partial_rollout`` / ``multi_turn``
-    drivers; every engine call re-prefills the whole context. Each spliced row — the drivers' and the
+    ``hf_generate`` is the engine call of the one episode driver (``run_episode``); every engine call
+    re-prefills the whole context. Each spliced row — the drivers' and the
     subject's splice of the same attempts — is the row of the first attempt that computed it, and
     each ``hf_generate`` payload is the routing of a full forward of its sequence (fp32). With
     ``weights-updated`` the routers change before every later attempt (the fully-async case), so the
     later re-prefills route earlier positions differently and a replace-with-latest splice (verl
     #6046) would differ; with the same weights, fp32 re-prefill reproduces the decode routing.
     """
-    from harness.engines.checkpoint import multi_turn, partial_rollout
+    from harness.engines.checkpoint import spliced_trace
     from harness.engines.hf import hf_generate
 
     splice = require(subject, "splice")
@@ -368,41 +342,51 @@ def test_hf_generation_attempts_splice_to_first_computed_rows(
             handle.record()
             _forward(model, torch.tensor([call.sequence]))
             full = handle.recording()[:-1]
-        payload = torch.tensor(call.trace.to_moe_ordinal().experts).long()
-        assert call.trace.start == 0 and torch.equal(_sets(payload), _sets(full)), (
-            f"{model_type} {episode}: call {calls}'s payload is not the routing of its positions "
-            f"[0, {len(call.sequence) - 1})"
+        assert call.trace.start == 0, (
+            f"{model_type} {episode}: call {calls}'s payload starts at {call.trace.start}, expected 0"
+        )
+        assert_same_routes(
+            call.trace.to_moe_ordinal().experts,
+            full,
+            names=(f"call {calls}'s payload", "a full forward of its sequence"),
+            what=f"{model_type} {episode}",
+            axes=("position", "MoE ordinal"),
         )
         return call
 
     prompt = _tokens(40, batch=1, seq=4)[0].tolist()
-    kind, schedule = EPISODES[episode]
-    if kind == "partial":
-        spliced = partial_rollout(generate, prompt, schedule)
-    else:
-        spliced = multi_turn(generate, prompt, schedule)
+    spliced = run_episode(generate, Schedule(tuple(prompt), EPISODES[episode]))
+    trace = spliced_trace(spliced)
     added = sum(a.new_tokens for a in spliced.attempts)
     expected_rows = len(prompt) + added - 1
-    assert len(spliced.tokens) == len(prompt) + added
-    assert spliced.trace.rows == expected_rows, (
-        f"{model_type} {episode}: spliced trace has {spliced.trace.rows} rows, expected P + Σa − 1 = "
-        f"{expected_rows}"
+    assert len(spliced.tokens) == len(prompt) + added, (
+        f"{model_type} {episode}: spliced sample has {len(spliced.tokens)} tokens, expected P + Σa = "
+        f"{len(prompt)} + {added}"
     )
-    want = _sets(_first_computed_rows(spliced.attempts, expected_rows))
-    drivers = _sets(torch.tensor(spliced.trace.experts).long())
-    got = _sets(torch.as_tensor(splice(spliced.prompt_len, list(spliced.attempts))).long())
-    for who, rows in (("drivers' splice", drivers), ("subject's splice", got)):
-        assert rows.shape == want.shape, f"{model_type} {episode}: {who} has shape {tuple(rows.shape)}"
-        bad = (rows != want).any(-1).any(-1).nonzero()
-        assert not len(bad), (
-            f"{model_type} {episode}: {who} row {int(bad[0])} is not the first-computed routing"
+    assert trace.rows == expected_rows, (
+        f"{model_type} {episode}: spliced trace has {trace.rows} rows, expected P + Σa − 1 = {expected_rows}"
+    )
+    want = _first_computed_rows(spliced.attempts, expected_rows)
+    drivers = trace.experts
+    got = splice(spliced.prompt_len, list(spliced.attempts))
+    for who, rows in (("the drivers' splice", drivers), ("the subject's splice", got)):
+        assert_same_routes(
+            rows,
+            want,
+            names=(who, "the first-computed routing"),
+            what=f"{model_type} {episode}",
+            axes=("position", "layer slot"),
         )
-    latest = _sets(splice_replace(spliced.prompt_len, list(spliced.attempts)))
+    latest = splice_replace(spliced.prompt_len, list(spliced.attempts))
     if perturbed:
-        assert not torch.equal(latest, want), (
+        assert bool(differing_routes(latest, want).any()), (
             f"{model_type} {episode}: the weight update changed no re-prefilled row: the test has no teeth"
         )
     else:
-        assert torch.equal(latest, want), (
-            f"{model_type} {episode}: with the same weights, re-prefill did not reproduce decode routing"
+        assert_same_routes(
+            latest,
+            want,
+            names=("replace-with-latest", "the first-computed routing"),
+            what=f"{model_type} {episode}: same weights (re-prefill must reproduce decode routing)",
+            axes=("position", "layer slot"),
         )

@@ -12,7 +12,7 @@ bit-exact RECORD → REPLAY gradients. The reference subject is the harness's ow
 
 Layouts (``RRH_MEGATRON_LAYOUT=name[,name…]`` selects; ``tox -e megatron-tp2ep2`` sets ``tp2ep2``):
 
-- ``tp1ep1``: one rank (default run);
+- ``tp1ep1``: one rank, one sample per micro-batch, 512 experts (default run);
 - ``tp2ep2etp1``: two ranks, sequence-parallel TP = 2 and EP = 2 over the same ranks (expert-TP 1)
   (default run);
 - ``tp2ep2``: four ranks, TP = 2, EP = 2, DP = 2 (expert-TP 2): ``slow`` unless selected by name
@@ -33,7 +33,9 @@ TIMEOUT_S = 240
 
 _COMMON = dict(num_layers=3, moe_layers=(1, 2), num_experts=4, top_k=2, seq_len=8, micro_batch=2)
 LAYOUTS: dict[str, MegatronLayout] = {
-    "tp1ep1": MegatronLayout(**_COMMON),
+    # One rank, one sample per micro-batch, 512 experts: half the ids are above 255, so a
+    # recording cast to uint8 wraps (verl #7407), with no micro-batch layout question in the way.
+    "tp1ep1": MegatronLayout(**{**_COMMON, "num_experts": 512, "micro_batch": 1}),
     "tp2ep2etp1": MegatronLayout(**_COMMON, tp=2, ep=2, etp=1, dp=1),
     "tp2ep2": MegatronLayout(**_COMMON, tp=2, ep=2, dp=2),
 }
@@ -87,15 +89,32 @@ def test_router_replay_follows_canonical_targets(
     require(subject, "megatron_data")
     layout = LAYOUTS[name]
     reports = _run(layout, subject_spec(request.config), seed=0)
-    assert len(reports) == layout.world_size
+    assert len(reports) == layout.world_size, (
+        f"{name}: {len(reports)} rank reports, expected {layout.world_size}"
+    )
     coords = {(r["coords"].dp, r["coords"].tp, r["coords"].ep) for r in reports}  # type: ignore[attr-defined]
-    assert len(coords) == layout.world_size, coords
+    assert len(coords) == layout.world_size, (
+        f"{name}: {len(coords)} distinct (dp, tp, ep) coordinates {sorted(coords)}, "
+        f"expected {layout.world_size}"
+    )
     for report in reports:
-        assert report["routers"] == len(layout.moe_layers)
-        assert report["local_tokens"] == layout.local_tokens
-        assert report["foreign_loss"] != report["live_loss"]
+        rank = f"{name} rank {report['coords']}"
+        assert report["routers"] == len(layout.moe_layers), (
+            f"{rank}: {report['routers']} routers replayed, expected {len(layout.moe_layers)} "
+            "(one per MoE layer)"
+        )
+        assert report["local_tokens"] == layout.local_tokens, (
+            f"{rank}: {report['local_tokens']} local tokens, expected {layout.local_tokens}"
+        )
+        assert report["foreign_loss"] != report["live_loss"], (
+            f"{rank}: the loss replaying foreign targets ({report['foreign_loss']}) equals the live loss "
+            f"({report['live_loss']}): the foreign targets changed nothing, no test"
+        )
         if report["r2"]:
-            assert report["max_grad_diff_record_replay"] == 0.0
+            assert report["max_grad_diff_record_replay"] == 0.0, (
+                f"{rank}: gradients under R2 replay differ from the recording pass's by up to "
+                f"{report['max_grad_diff_record_replay']}, expected 0 (bit-exact)"
+            )
     if not reports[0]["r2"]:  # the R3 checks passed; say that the R2 half was not checked
         pytest.skip(
             f"R3 checks passed; R2 not checked: subject {subject.name!r}: megatron_data has no member "

@@ -29,6 +29,7 @@ from harness.probes import RouteProbe
 from harness.subjects import Subject
 from harness.subjects.capabilities import MissingMember, OneForwardInFlight, ReplayController
 from harness.subjects.replay import controlled
+from harness.testing.asserts import assert_close_logprobs, assert_same_routes
 from harness.testing.suite import require
 from harness.trainers.hf.models import MODEL_TYPES
 from harness.trainers.kinds import ModelKind, Routing, hf_kind, reference_kind
@@ -88,18 +89,7 @@ def _random_targets(routing: Routing, rows: int, seed: int) -> torch.Tensor:
     return ids.reshape(rows, len(routing.moe_layers), routing.top_k)
 
 
-def _sets(routes: torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(routes).long().sort(dim=-1).values
-
-
-def _first_difference(got: torch.Tensor, want: torch.Tensor) -> str:
-    differs = (_sets(got) != _sets(want)).any(-1)
-    if not differs.any():
-        return ""
-    return (
-        f"{int(differs.sum())} of {differs.numel()} (token, MoE layer) routes reached other experts, "
-        f"first at (token, MoE ordinal) {tuple(differs.nonzero()[0].tolist())}"
-    )
+AXES = ("token", "MoE ordinal")
 
 
 @every_case
@@ -116,8 +106,9 @@ def test_experts_receive_the_targets_whatever_the_live_logits(
         with torch.no_grad():
             k.run(model, _tokens(k, seed))
         seen = probe.last().ids
-    problem = _first_difference(seen, targets)
-    assert not problem, f"{kind} {family} {dtype}: {problem}"
+    assert_same_routes(
+        seen, targets, names=("dispatched", "targets"), what=f"{kind} {family} {dtype}", axes=AXES
+    )
 
 
 @every_case
@@ -142,21 +133,38 @@ def test_replaying_own_recording_is_bit_exact(
     assert tuple(recording.shape) == expected, (
         f"{kind} {family}: recording {tuple(recording.shape)}, expected {expected}"
     )
-    problem = _first_difference(native.ids, recording)
-    assert not problem, (
-        f"{kind} {family} {dtype}: the recording is not what the experts received natively: {problem}"
+    assert_same_routes(
+        native.ids,
+        recording,
+        names=("dispatched natively", "the recording"),
+        what=f"{kind} {family} {dtype}",
+        axes=AXES,
     )
-    problem = _first_difference(replayed.ids, recording)
-    assert not problem, f"{kind} {family} {dtype}: replay of the recording: {problem}"
+    assert_same_routes(
+        replayed.ids,
+        recording,
+        names=("dispatched under replay", "the recording"),
+        what=f"{kind} {family} {dtype}",
+        axes=AXES,
+    )
     order = native.ids.argsort(-1), replayed.ids.argsort(-1)
     w_native, w_replayed = native.weights.gather(-1, order[0]), replayed.weights.gather(-1, order[1])
-    assert w_native.dtype == w_replayed.dtype and torch.equal(w_native, w_replayed), (
-        f"{kind} {family} {dtype}: replayed gate weights ({w_replayed.dtype}) differ from native "
-        f"({w_native.dtype}) by {(w_native.double() - w_replayed.double()).abs().max().item():.3e}"
+    assert w_native.dtype == w_replayed.dtype, (
+        f"{kind} {family} {dtype}: replayed gate weights are {w_replayed.dtype}, native {w_native.dtype}"
     )
-    assert torch.equal(native_logits, replayed_logits), (
-        f"{kind} {family} {dtype}: replayed logits differ from native by "
-        f"{(native_logits - replayed_logits).float().abs().max().item():.3e}"
+    assert_close_logprobs(
+        w_replayed,
+        w_native,
+        names=("replayed", "native"),
+        what=f"{kind} {family} {dtype}: gate weights (ids in set order)",
+        axes=(*AXES, "slot"),
+    )
+    assert_close_logprobs(
+        replayed_logits,
+        native_logits,
+        names=("replayed", "native"),
+        what=f"{kind} {family} {dtype}: logits",
+        axes=("sample", "position", "vocab id"),
     )
 
 
@@ -177,11 +185,15 @@ def test_router_gets_gradient_at_targets_live_top_k_would_not_pick(
         ctl.replay(targets)
         k.run(model, tokens).float().logsumexp(-1).sum().backward()
         seen = probe.last().ids
-    assert unpicked in seen[0, 0].tolist(), f"{kind} {family}: expert {unpicked} never received token 0"
+    assert unpicked in seen[0, 0].tolist(), (
+        f"{kind} {family}: expert {unpicked} never received token 0 (dispatched {seen[0, 0].tolist()}, "
+        f"targets {targets[0, 0].tolist()})"
+    )
     grad = k.router_weights(model)[0].grad
     assert grad is not None, f"{kind} {family} {dtype}: the router weight received no gradient"
     assert grad[unpicked].abs().sum() > 0, (
-        f"{kind} {family} {dtype}: no gradient for replayed expert {unpicked}"
+        f"{kind} {family} {dtype}: the router row of replayed expert {unpicked} has gradient 0 everywhere "
+        f"(token 0 targets {targets[0, 0].tolist()}, its live top-k {natural[0, 0].tolist()})"
     )
 
 
@@ -218,15 +230,25 @@ def test_recompute_replays_each_forwards_targets(
         f"{kind} {family}: the probe saw {calls} calls per MoE layer, expected {in_flight + 1} "
         f"({in_flight} + recompute)"
     )
-    recomputed = probe.call(in_flight).ids
-    problem = _first_difference(recomputed, targets_first)
-    assert not problem, f"{kind} {family}: recompute of the first forward dispatched other targets: {problem}"
+    assert_same_routes(
+        probe.call(in_flight).ids,
+        targets_first,
+        names=("dispatched by the recompute", "the first forward's targets"),
+        what=f"{kind} {family}",
+        axes=AXES,
+    )
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert got.keys() == expected.keys(), (
-        f"{kind} {family}: recompute reached other parameters than the forward"
+        f"{kind} {family}: parameters with a gradient after recompute {sorted(got.keys() - expected.keys())} "
+        f"extra, {sorted(expected.keys() - got.keys())} missing, vs the forward without recompute"
     )
     for name, grad in got.items():
-        assert torch.equal(grad, expected[name]), f"{kind} {family}: {name}: recompute replayed other targets"
+        assert_close_logprobs(
+            grad,
+            expected[name],
+            names=("with recompute", "without recompute"),
+            what=f"{kind} {family}: gradient of {name} (recompute replayed other targets?)",
+        )
 
 
 @fp32_cases
@@ -252,10 +274,22 @@ def test_rows_without_a_target_route_natively(subject: Subject, kind: str, famil
             ctl.replay(targets, replayed)
             k.run(model, placed.tokens, attention_mask=mask, position_ids=position_ids)
             seen = probe.last().ids
-    problem = _first_difference(seen[replayed], targets[replayed])
-    assert not problem, f"{kind} {family}: replayed rows off their tokens: {problem}"
-    problem = _first_difference(seen[~replayed], native[~replayed])
-    assert not problem, f"{kind} {family}: rows without a target did not route natively: {problem}"
+    assert_same_routes(
+        seen,
+        targets,
+        names=("dispatched", "targets"),
+        what=f"{kind} {family}: rows with a target",
+        axes=("flat row", "MoE ordinal"),
+        mask=replayed,
+    )
+    assert_same_routes(
+        seen,
+        native,
+        names=("dispatched under replay", "native"),
+        what=f"{kind} {family}: rows without a target (padding, last tokens)",
+        axes=("flat row", "MoE ordinal"),
+        mask=~replayed,
+    )
 
 
 @fp32_cases
@@ -271,4 +305,7 @@ def test_missing_targets_are_an_error_not_native_routing(
             ctl.replay(too_few)
             with torch.no_grad():
                 k.run(model, _tokens(k, 0))
-    assert not isinstance(info.value, AssertionError)
+    assert not isinstance(info.value, AssertionError), (
+        f"{kind} {family}: targets for 1 of {len(routing.moe_layers)} MoE layers failed an assertion "
+        f"({info.value}), expected the subject's own error"
+    )

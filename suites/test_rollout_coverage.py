@@ -9,44 +9,27 @@ import pytest
 import torch
 from hypothesis import assume, given, note, settings
 
-from harness.schedules import Schedule
 from harness.strategies import attempt_schedules
 from harness.subjects import Subject
-from harness.testing.judge import as_ids, route_sets
+from harness.testing.asserts import assert_same_routes
+from harness.testing.judge import as_ids
 from harness.testing.suite import require
-from reference_impl import AttemptPlan, MoEConfig, MoELM, RolloutEngine, run_episode
+from reference_impl import MoEConfig, MoELM, RolloutEngine, Schedule, run_episode
 
 pytestmark = pytest.mark.capability("splice")
 
 
 @functools.cache
 def _model() -> MoELM:
-    return MoELM(
-        MoEConfig(vocab_size=64, hidden_size=32, num_layers=3, first_k_dense=1, num_experts=8, seed=11)
-    )
+    return MoELM(MoEConfig.tiny(seed=11))
 
 
-def _perturb(step: int):  # type: ignore[no-untyped-def]
+def _perturb(model: MoELM, version: int) -> None:
     """A deterministic weight update of the routers (the fully-async case)."""
-
-    def update(model: MoELM) -> None:
-        gen = torch.Generator().manual_seed(step)
-        with torch.no_grad():
-            for router in model.routers():
-                router.gate.weight.add_(0.3 * torch.randn(router.gate.weight.shape, generator=gen))
-
-    return update
-
-
-def _plans(schedule: Schedule) -> list[AttemptPlan]:
-    return [
-        AttemptPlan(
-            max_new_tokens=a.generated,
-            tool_tokens=tuple(range(1, a.tool_tokens + 1)),
-            update_weights=_perturb(j) if a.weight_update_before else None,
-        )
-        for j, a in enumerate(schedule.attempts)
-    ]
+    gen = torch.Generator().manual_seed(version)
+    with torch.no_grad():
+        for router in model.routers():
+            router.gate.weight.add_(0.3 * torch.randn(router.gate.weight.shape, generator=gen))
 
 
 def _first_computed(attempts, rows: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -65,8 +48,8 @@ def test_engine_episodes_splice_to_first_computed_rows(subject: Subject, schedul
     note(f"counterexample: {schedule.describe()}")
     splice = require(subject, "splice")
     model = copy.deepcopy(_model())
-    prompt = list(range(1, schedule.prompt_len + 1))
-    episode = run_episode(RolloutEngine(model), prompt, _plans(schedule))
+    engine = RolloutEngine(model)
+    episode = run_episode(engine.generate_one, schedule, update_weights=lambda v: _perturb(model, v))
     # Tool tokens of a call with no generation budget never reach the engine (no forward ran).
     assume(any(a.routes is not None for a in episode.attempts))
     expected_rows = episode.prompt_len + sum(a.new_tokens for a in episode.attempts) - 1
@@ -75,6 +58,10 @@ def test_engine_episodes_splice_to_first_computed_rows(subject: Subject, schedul
         f"{schedule.describe()}: spliced trace has {got.shape[0]} rows, expected {expected_rows}"
     )
     if expected_rows:
-        want = _first_computed(episode.attempts, expected_rows)
-        bad = (route_sets(got) != route_sets(want)).any(-1).any(-1).nonzero()
-        assert not len(bad), f"{schedule.describe()}: row {int(bad[0])} is not the routing live when sampled"
+        assert_same_routes(
+            got,
+            _first_computed(episode.attempts, expected_rows),
+            names=("spliced", "live when sampled"),
+            what=schedule.describe(),
+            axes=("row", "MoE ordinal"),
+        )

@@ -2,10 +2,10 @@
 
 The oracle is the simulated engine of ``harness.schedules``: its route for position ``p`` under
 weight version ``v`` is a known function of ``(p, v)``, distinct for every pair here (1024 experts),
-so ``simulate(schedule).expected`` is the trace a correct splice builds, and a wrong row tells which
-position and which weights it really came from. Bug classes (FACTS §4): duplication on resume
-(verl #5430), policy-version mixing (verl #6046), the ``[-0:]`` slice, lost on cancel (verl #5344),
-truncation (verl #6027/#6089), multi-turn staleness (verl #6054).
+so after a schedule is played through it its ``expected`` trace is the one a correct splice builds,
+and a wrong row tells which position and which weights it really came from. Bug classes (FACTS §4):
+duplication on resume (verl #5430), policy-version mixing (verl #6046), the ``[-0:]`` slice, lost on
+cancel (verl #5344), truncation (verl #6027/#6089), multi-turn staleness (verl #6054).
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ import torch
 from hypothesis import example, given, note
 from hypothesis import strategies as st
 
-from harness.schedules import AttemptSpec, Schedule, SimulatedRollout, route, simulate
+from harness.schedules import SimulatedEngine, route, simulate
 from harness.strategies import attempt_schedules
+from harness.testing.asserts import differing_routes
 from harness.testing.judge import as_ids, raises_naming, route_sets
 from harness.testing.suite import require
+from reference_impl.engine import Rollout
+from reference_impl.episode import AttemptPlan, Episode, Schedule
 from reference_impl.splice import Attempt
 
 LAYERS, TOP_K = 2, 2
@@ -33,37 +36,51 @@ NUM_EXPERTS = 1024  # 7p + 5v + 3l < 1024 here: every (position, version) has it
 # Schedules that reach each bug class on purpose (also used as explicit examples, whatever the seed)
 # --------------------------------------------------------------------------------------------------
 
-A = AttemptSpec
-RESUMED_AFTER_UPDATE = Schedule(4, (A(0, 3, False, "abort"), A(0, 2, True, "stop")))
+
+def A(tool: int, generated: int, update_weights: bool, finish_reason: str) -> AttemptPlan:
+    """An attempt of ``tool`` tool tokens, then ``generated`` tokens (the simulated engine's whole budget)."""
+    return AttemptPlan(generated, tuple(range(1, tool + 1)), update_weights, finish_reason)
+
+
+def S(prompt_len: int, attempts: tuple[AttemptPlan, ...]) -> Schedule:
+    """A schedule with a prompt of ``prompt_len`` tokens (their ids do not matter to the splice)."""
+    return Schedule(tuple(range(1, prompt_len + 1)), attempts)
+
+
+RESUMED_AFTER_UPDATE = S(4, (A(0, 3, False, "abort"), A(0, 2, True, "stop")))
 """A partial rollout aborted after 3 tokens and resumed under new weights."""
-IDLE_IN_THE_MIDDLE = Schedule(3, (A(0, 2, False, "abort"), A(0, 0, False, "abort"), A(0, 2, True, "stop")))
+IDLE_IN_THE_MIDDLE = S(3, (A(0, 2, False, "abort"), A(0, 0, False, "abort"), A(0, 2, True, "stop")))
 """An attempt that adds no token between two that do (``payload[-0:]`` is the whole payload)."""
-IDLE_FIRST = Schedule(5, (A(0, 0, False, "abort"), A(0, 3, True, "stop")))
+IDLE_FIRST = S(5, (A(0, 0, False, "abort"), A(0, 3, True, "stop")))
 """The first attempt aborted before it added a token; the resumed one owns the prompt rows."""
-LENGTH_CUT = Schedule(2, (A(0, 3, False, "abort"), A(0, 2, True, "length")))
+LENGTH_CUT = S(2, (A(0, 3, False, "abort"), A(0, 2, True, "length")))
 """Aborted, resumed under new weights, then cut by the length budget."""
-MULTI_TURN = Schedule(3, (A(0, 3, False, "stop"), A(2, 2, True, "stop"), A(1, 2, True, "stop")))
+MULTI_TURN = S(3, (A(0, 3, False, "stop"), A(2, 2, True, "stop"), A(1, 2, True, "stop")))
 """Three turns with tool tokens between them and a weight update before each later turn."""
-TRAILING_TOOL_TURN = Schedule(2, (A(0, 2, False, "stop"), A(3, 0, True, "stop")))
+TRAILING_TOOL_TURN = S(2, (A(0, 2, False, "stop"), A(3, 0, True, "stop")))
 """A last turn that only prefilled tool tokens, under new weights."""
 
 
-def _simulate(schedule: Schedule, *, idle_payloads: bool = False) -> SimulatedRollout:
-    """The engine's attempts for ``schedule``; with ``idle_payloads`` an attempt that added no token
-    still returns the rows of the context it prefilled, which a correct splice ignores."""
+Sim = tuple[Episode[Rollout], SimulatedEngine]
+
+
+def _simulate(schedule: Schedule, *, idle_payloads: bool = False) -> Sim:
+    """``schedule`` played through the simulated engine: the episode and the engine (its oracle); with
+    ``idle_payloads`` an attempt that added no token still returns the rows of the context it
+    prefilled, which a correct splice ignores."""
     return simulate(
         schedule, layers=LAYERS, top_k=TOP_K, num_experts=NUM_EXPERTS, idle_payloads=idle_payloads
     )
 
 
-def _row_owner(schedule: Schedule, row: int) -> int:
+def _row_owner(episode: Episode[Rollout], row: int) -> int:
     """The attempt (1-based) that contributes ``row`` (DESIGN §3.4; prompt rows: the first adding tokens)."""
-    end = schedule.prompt_len - 1
-    for j, spec in enumerate(schedule.attempts, 1):
-        end += spec.new_tokens
-        if spec.new_tokens and row < end:
+    end = episode.prompt_len - 1
+    for j, attempt in enumerate(episode.attempts, 1):
+        end += attempt.new_tokens
+        if attempt.new_tokens and row < end:
             return j
-    return len(schedule.attempts)
+    return len(episode.attempts)
 
 
 def _identify(row: torch.Tensor, max_position: int, max_version: int) -> str:
@@ -78,8 +95,8 @@ def _identify(row: torch.Tensor, max_position: int, max_version: int) -> str:
     return f"{row.tolist()}, a route the engine never computed"
 
 
-def _check_row_count(schedule: Schedule, got: Any) -> torch.Tensor:
-    expected = schedule.expected_rows
+def _check_row_count(schedule: Schedule, episode: Episode[Rollout], got: Any) -> torch.Tensor:
+    expected = len(episode.tokens) - 1  # the simulated engine prefills every tool token
     if got is None and expected == 0:
         # No position was fed (P + Σa = 1): "no routes" is as true as an empty trace (verl returns None).
         return torch.zeros(0, LAYERS, TOP_K, dtype=torch.long)
@@ -106,20 +123,22 @@ def _check_row_count(schedule: Schedule, got: Any) -> torch.Tensor:
     return got
 
 
-def _check_rows(schedule: Schedule, sim: SimulatedRollout, got: Any) -> None:
+def _check_rows(schedule: Schedule, sim: Sim, got: Any) -> None:
     """Every row equals, as expert sets, the route live when its token was sampled."""
-    got = _check_row_count(schedule, got)
-    got_sets, expected_sets = route_sets(got), route_sets(sim.expected)
-    wrong = [p for p in range(expected_sets.shape[0]) if not torch.equal(got_sets[p], expected_sets[p])]
+    episode, engine = sim
+    got = _check_row_count(schedule, episode, got)
+    got_sets = route_sets(got)
+    wrong = differing_routes(got, engine.expected, names=("spliced", "live when sampled")).any(-1)
+    wrong = wrong.nonzero().squeeze(1).tolist()
     if not wrong:
         return
-    max_version = sum(s.weight_update_before for s in schedule.attempts)
+    max_version = sum(plan.update_weights for plan in schedule.attempts)
     details = []
     for p in wrong[:3]:
         details.append(
-            f"row {p} holds {_identify(got_sets[p], schedule.total_len, max_version)}, expected the route of "
-            f"position {p} under weights v{sim.version_of_row[p]} "
-            f"(contributed by attempt {_row_owner(schedule, p)}, "
+            f"row {p} holds {_identify(got_sets[p], len(episode.tokens), max_version)}, expected the route "
+            f"of position {p} under weights v{engine.version_of_row[p]} "
+            f"(contributed by attempt {_row_owner(episode, p)}, "
             f"live when token {p + 1} was sampled)"
         )
     more = f"; and {len(wrong) - 3} more" if len(wrong) > 3 else ""
@@ -147,12 +166,12 @@ def schedules_with_idle_attempts(draw: st.DrawFn) -> Schedule:
     specs = list(draw(attempt_schedules(max_attempts=4)).attempts)
     for _ in range(draw(st.integers(1, 2))):
         at = draw(st.one_of(st.integers(1, len(specs)), st.integers(0, len(specs))))
-        idle = AttemptSpec(
-            weight_update_before=draw(st.booleans()),
+        idle = AttemptPlan(
+            update_weights=draw(st.booleans()),
             finish_reason="length" if at == len(specs) else "abort",
         )
         specs.insert(at, idle)
-    return Schedule(draw(st.integers(1, 12)), tuple(specs))
+    return S(draw(st.integers(1, 12)), tuple(specs))
 
 
 @st.composite
@@ -160,16 +179,16 @@ def schedules_with_cut_attempts(draw: st.DrawFn) -> Schedule:
     """An attempt aborted mid-generation and resumed under new weights, and a last one cut by length."""
     specs = list(draw(attempt_schedules(max_attempts=4)).attempts)
     at = draw(st.integers(0, len(specs) - 1))
-    aborted = AttemptSpec(
-        tool_tokens=0 if at == 0 else draw(st.integers(0, 3)),
-        generated=draw(st.integers(1, 6)),
-        weight_update_before=at > 0 and draw(st.booleans()),
-        finish_reason="abort",
+    aborted = A(
+        0 if at == 0 else draw(st.integers(0, 3)),
+        draw(st.integers(1, 6)),
+        at > 0 and draw(st.booleans()),
+        "abort",
     )
     specs.insert(at, aborted)
-    specs[at + 1] = replace(specs[at + 1], weight_update_before=True)
-    specs[-1] = replace(specs[-1], generated=max(1, specs[-1].generated), finish_reason="length")
-    return Schedule(draw(st.integers(1, 12)), tuple(specs))
+    specs[at + 1] = replace(specs[at + 1], update_weights=True)
+    specs[-1] = replace(specs[-1], max_new_tokens=max(1, specs[-1].max_new_tokens), finish_reason="length")
+    return S(draw(st.integers(1, 12)), tuple(specs))
 
 
 @st.composite
@@ -178,17 +197,17 @@ def multi_turn_schedules(draw: st.DrawFn) -> Schedule:
     turns = draw(st.integers(2, 4))
     updates = [draw(st.booleans()) for _ in range(turns - 1)]
     updates[draw(st.integers(0, turns - 2))] = True
-    specs = [AttemptSpec(0, draw(st.integers(1, 6)), False, "stop")]
+    specs = [A(0, draw(st.integers(1, 6)), False, "stop")]
     for j in range(1, turns):
         specs.append(
-            AttemptSpec(
-                tool_tokens=draw(st.integers(1, 6)),
-                generated=draw(st.integers(0, 6)),
-                weight_update_before=updates[j - 1],
-                finish_reason="stop" if j < turns - 1 else draw(st.sampled_from(("stop", "length"))),
+            A(
+                draw(st.integers(1, 6)),
+                draw(st.integers(0, 6)),
+                updates[j - 1],
+                "stop" if j < turns - 1 else draw(st.sampled_from(("stop", "length"))),
             )
         )
-    return Schedule(draw(st.integers(1, 12)), tuple(specs))
+    return S(draw(st.integers(1, 12)), tuple(specs))
 
 
 @st.composite
@@ -198,21 +217,21 @@ def resume_schedules(draw: st.DrawFn) -> Schedule:
     updates = [draw(st.booleans()) for _ in range(calls - 1)]
     updates[draw(st.integers(0, calls - 2))] = True
     specs = [
-        AttemptSpec(
-            generated=draw(st.integers(1 if j == 0 else 0, 6)),
-            weight_update_before=j > 0 and updates[j - 1],
+        AttemptPlan(
+            max_new_tokens=draw(st.integers(1 if j == 0 else 0, 6)),
+            update_weights=j > 0 and updates[j - 1],
             finish_reason="abort" if j < calls - 1 else draw(st.sampled_from(("stop", "length"))),
         )
         for j in range(calls)
     ]
-    return Schedule(draw(st.integers(1, 12)), tuple(specs))
+    return S(draw(st.integers(1, 12)), tuple(specs))
 
 
 @st.composite
 def missing_payload_cases(draw: st.DrawFn) -> tuple[Schedule, int]:
     """A schedule and the index of an attempt with new tokens whose payload goes missing."""
     schedule = draw(attempt_schedules())
-    adding = [j for j, spec in enumerate(schedule.attempts) if spec.new_tokens]
+    adding = [j for j, plan in enumerate(schedule.attempts) if plan.tool_tokens or plan.max_new_tokens]
     return schedule, draw(st.sampled_from(adding))
 
 
@@ -234,9 +253,9 @@ def test_spliced_trace_has_one_row_per_fed_position(
     """The spliced trace has P + Σa − 1 rows after any schedule (no duplicated or lost rows)."""
     note(f"counterexample: {schedule.describe()}")
     note(f"counterexample: idle_payloads={idle_payloads}")
-    sim = _simulate(schedule, idle_payloads=idle_payloads)
-    got = _splice(subject, schedule, list(sim.attempts))
-    _check_row_count(schedule, got)
+    episode, _ = _simulate(schedule, idle_payloads=idle_payloads)
+    got = _splice(subject, schedule, list(episode.attempts))
+    _check_row_count(schedule, episode, got)
 
 
 @pytest.mark.capability("splice")
@@ -254,7 +273,7 @@ def test_every_row_is_the_route_live_when_its_token_was_sampled(
     note(f"counterexample: {schedule.describe()}")
     note(f"counterexample: idle_payloads={idle_payloads}")
     sim = _simulate(schedule, idle_payloads=idle_payloads)
-    got = _splice(subject, schedule, list(sim.attempts))
+    got = _splice(subject, schedule, list(sim[0].attempts))
     _check_rows(schedule, sim, got)
 
 
@@ -262,12 +281,12 @@ def test_every_row_is_the_route_live_when_its_token_was_sampled(
 @given(schedule=schedules_with_idle_attempts())
 @example(schedule=IDLE_IN_THE_MIDDLE)
 @example(schedule=IDLE_FIRST)
-@example(schedule=Schedule(1, (A(0, 1, False, "abort"), A(0, 0, True, "abort"), A(0, 0, False, "length"))))
+@example(schedule=S(1, (A(0, 1, False, "abort"), A(0, 0, True, "abort"), A(0, 0, False, "length"))))
 def test_attempt_with_no_new_tokens_contributes_nothing(subject: Any, schedule: Schedule) -> None:
     """An attempt that adds no token contributes no row, even when it returned a payload."""
     note(f"counterexample: {schedule.describe()}")
     sim = _simulate(schedule, idle_payloads=True)
-    got = _splice(subject, schedule, list(sim.attempts))
+    got = _splice(subject, schedule, list(sim[0].attempts))
     _check_rows(schedule, sim, got)
 
 
@@ -275,12 +294,12 @@ def test_attempt_with_no_new_tokens_contributes_nothing(subject: Any, schedule: 
 @given(schedule=schedules_with_cut_attempts())
 @example(schedule=RESUMED_AFTER_UPDATE)
 @example(schedule=LENGTH_CUT)
-@example(schedule=Schedule(3, (A(0, 2, False, "abort"), A(0, 1, True, "abort"), A(0, 2, True, "length"))))
+@example(schedule=S(3, (A(0, 2, False, "abort"), A(0, 1, True, "abort"), A(0, 2, True, "length"))))
 def test_aborted_and_length_cut_attempts_keep_their_rows(subject: Any, schedule: Schedule) -> None:
     """Rows of attempts that were aborted or cut by the length budget are kept as they were computed."""
     note(f"counterexample: {schedule.describe()}")
     sim = _simulate(schedule, idle_payloads=False)
-    got = _splice(subject, schedule, list(sim.attempts))
+    got = _splice(subject, schedule, list(sim[0].attempts))
     _check_rows(schedule, sim, got)
 
 
@@ -296,22 +315,22 @@ def test_multi_turn_keeps_every_turns_rows(subject: Any, schedule: Schedule) -> 
     """
     note(f"counterexample: {schedule.describe()}")
     sim = _simulate(schedule, idle_payloads=False)
-    assert all(a.kind == "turn" for a in sim.attempts[1:]), "the schedule is not multi-turn"
-    got = _splice(subject, schedule, list(sim.attempts))
+    assert all(a.kind == "turn" for a in sim[0].attempts[1:]), "the schedule is not multi-turn"
+    got = _splice(subject, schedule, list(sim[0].attempts))
     _check_rows(schedule, sim, got)
 
 
 @pytest.mark.capability("splice")
 @given(schedule=resume_schedules())
 @example(schedule=RESUMED_AFTER_UPDATE)
-@example(schedule=Schedule(2, (A(0, 2, False, "abort"), A(0, 0, True, "abort"), A(0, 1, True, "stop"))))
+@example(schedule=S(2, (A(0, 2, False, "abort"), A(0, 0, True, "abort"), A(0, 1, True, "stop"))))
 def test_resumed_attempts_keep_their_rows(subject: Any, schedule: Schedule) -> None:
     """A partial rollout aborted and resumed under newer weights keeps each call's rows (the resume path:
     ``Attempt.kind == "resume"``, no tool tokens), including a resume that adds 0 tokens."""
     note(f"counterexample: {schedule.describe()}")
     sim = _simulate(schedule, idle_payloads=True)
-    assert all(a.kind == "resume" for a in sim.attempts[1:]), "the schedule is not a resumed rollout"
-    got = _splice(subject, schedule, list(sim.attempts))
+    assert all(a.kind == "resume" for a in sim[0].attempts[1:]), "the schedule is not a resumed rollout"
+    got = _splice(subject, schedule, list(sim[0].attempts))
     _check_rows(schedule, sim, got)
 
 
@@ -322,18 +341,18 @@ def test_resumed_attempts_keep_their_rows(subject: Any, schedule: Schedule) -> N
     dtype=st.sampled_from([torch.int64, torch.int32, torch.int16]),
 )
 @example(schedule=IDLE_FIRST, idle_payloads=False, dtype=torch.int16)
-@example(schedule=Schedule(1, (A(0, 1, False, "stop"),)), idle_payloads=False, dtype=torch.int64)
-@example(schedule=Schedule(1, (A(0, 0, False, "length"),)), idle_payloads=True, dtype=torch.int64)
+@example(schedule=S(1, (A(0, 1, False, "stop"),)), idle_payloads=False, dtype=torch.int64)
+@example(schedule=S(1, (A(0, 0, False, "length"),)), idle_payloads=True, dtype=torch.int64)
 def test_splice_accepts_every_valid_schedule(
     subject: Any, schedule: Schedule, idle_payloads: bool, dtype: torch.dtype
 ) -> None:
     """The splice does not raise on any valid schedule, whatever the payloads' integer dtype."""
     note(f"counterexample: {schedule.describe()}")
     note(f"counterexample: idle_payloads={idle_payloads}, dtype={dtype}")
-    sim = _simulate(schedule, idle_payloads=idle_payloads)
-    attempts = [replace(a, routes=None if a.routes is None else a.routes.to(dtype)) for a in sim.attempts]
+    episode, _ = _simulate(schedule, idle_payloads=idle_payloads)
+    attempts = [replace(a, routes=None if a.routes is None else a.routes.to(dtype)) for a in episode.attempts]
     got = _splice(subject, schedule, attempts)
-    _check_row_count(schedule, got)
+    _check_row_count(schedule, episode, got)
 
 
 @pytest.mark.capability("splice")
@@ -346,9 +365,9 @@ def test_missing_payload_raises_a_value_error(subject: Any, case: tuple[Schedule
     note(f"counterexample: attempt {case[1] + 1} returns no payload")
     splice = require(subject, "splice")
     schedule, index = case
-    attempts = list(_simulate(schedule).attempts)
+    attempts = list(_simulate(schedule)[0].attempts)
     attempts[index] = replace(attempts[index], routes=None)
-    added = schedule.attempts[index].new_tokens
+    added = attempts[index].new_tokens
     where = f"{schedule.describe()}: attempt {index + 1} added {added} tokens but returned no payload"
     try:
         got = splice(schedule.prompt_len, attempts)
@@ -365,8 +384,9 @@ def test_missing_payload_raises_a_value_error(subject: Any, case: tuple[Schedule
 def test_bad_splice_and_truncate_input_raises_an_error_naming_the_field(subject: Any) -> None:
     """Bad input raises a ValueError that names the field and the expected value, never a trace."""
     splice, truncate = require(subject, "splice"), require(subject, "truncate")
-    rows = RESUMED_AFTER_UPDATE.expected_rows
-    good = list(_simulate(RESUMED_AFTER_UPDATE).attempts)
+    episode, _ = _simulate(RESUMED_AFTER_UPDATE)
+    rows = len(episode.tokens) - 1
+    good = list(episode.attempts)
     short = replace(good[1], routes=good[1].routes[:-1])  # type: ignore[index]
     raises_naming(lambda: splice(4, [good[0], short]), f"{rows - 1} rows", str(rows))
     raises_naming(lambda: splice(4, [good[0], replace(good[1], routes=good[1].routes[..., 0])]), "routes")  # type: ignore[index]

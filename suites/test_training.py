@@ -17,15 +17,16 @@ import pytest
 import torch
 
 from harness.subjects import Subject
-from harness.testing.judge import as_ids, raises_naming, route_sets
+from harness.testing.asserts import assert_close_logprobs, assert_same_routes, differing_routes
+from harness.testing.judge import as_ids, raises_naming
 from harness.testing.suite import require
 from reference_impl import MoEConfig, MoELM, ReplayError, RoutingMode
 from reference_impl.layouts import Placed, place_left_padded
 
 pytestmark = pytest.mark.capability("training")
 
-CFG = MoEConfig(vocab_size=64, hidden_size=32, num_layers=3, first_k_dense=1, num_experts=8, seed=5)
-ALL_MOE = MoEConfig(vocab_size=64, hidden_size=32, num_layers=2, first_k_dense=0, num_experts=8, seed=6)
+CFG = MoEConfig.tiny(seed=5)
+ALL_MOE = MoEConfig.tiny(num_layers=2, first_k_dense=0, seed=6)
 LENGTHS, WIDTH, PROMPTS = (7, 5, 3), 8, (3, 2, 1)
 AXES = ("decoder", "moe_ordinal")
 
@@ -56,23 +57,28 @@ def _batch(cfg: MoEConfig, axis: str = "decoder") -> Placed:
     return place_left_padded(samples, WIDTH, prompt_lens=list(PROMPTS))
 
 
-def _dispatched(model: MoELM) -> torch.Tensor:
-    """The ids each MoE layer's experts received in the last forward (or recompute): [rows, n_moe, k]."""
-    ids = model.last_dispatch
-    assert all(i is not None for i in ids), "no forward ran"
-    return torch.stack([i for i in ids if i is not None], dim=1)
-
-
 def _expected_targets(placed: Placed, cfg: MoEConfig, axis: str) -> torch.Tensor:
     """Row b·W + t, MoE layer j: the placed route of that layer, read by hand on the trace's axis."""
     rows = placed.routes.reshape(-1, *placed.routes.shape[2:]).long()
     return rows[:, list(cfg.moe_layers)] if axis == "decoder" else rows
 
 
-def _differing_rows(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> list[int]:
-    """Rows under ``mask`` where some layer's expert set differs between ``a`` and ``b``."""
-    differs = (route_sets(a) != route_sets(b)).any(-1).any(-1) & mask
-    return differs.nonzero().squeeze(1).tolist()
+ROWS = ("flat row", "MoE ordinal")
+
+
+def _assert_dispatched(
+    model: MoELM, expected: torch.Tensor, rows: torch.Tensor, names: tuple[str, str], what: str
+) -> None:
+    """The routes the model's experts received in its last forward (or recompute), observed at the
+    dispatch step, equal ``expected`` as sets at the flat rows under ``rows``."""
+    assert_same_routes(model.dispatched_routes(), expected, names=names, what=what, axes=ROWS, mask=rows)
+
+
+def _assert_replay_is_observable(native: torch.Tensor, rollout: torch.Tensor, rows: torch.Tensor) -> None:
+    """The rollout routes differ from native routing somewhere under ``rows``: else replaying them and
+    routing natively are indistinguishable and the test has no teeth."""
+    differs = differing_routes(native, rollout, names=("native", "rollout")).any(-1) & rows.bool()
+    assert bool(differs.any()), f"rollout routes equal native routing at all {int(rows.sum())} rows: no test"
 
 
 def _native_logprobs(model: MoELM, placed: Placed) -> torch.Tensor:
@@ -95,11 +101,12 @@ def _assert_routes_natively(model: MoELM, placed: Placed, after: str) -> None:
             model(placed.tokens, attention_mask=placed.attention_mask)
         except ReplayError as err:
             raise AssertionError(f"after {after}, a plain forward of the model raised: {err}") from err
-    rows = torch.ones(placed.tokens.numel(), dtype=torch.bool)
-    wrong = _differing_rows(_dispatched(model), _dispatched(fresh), rows)
-    assert not wrong, (
-        f"after {after}, a plain forward of the model does not route natively at flat rows {wrong[:6]} "
-        "(replay state leaked out of the pass)"
+    _assert_dispatched(
+        model,
+        fresh.dispatched_routes(),
+        torch.ones(placed.tokens.numel(), dtype=torch.bool),
+        ("the model", "a fresh copy routing natively"),
+        f"after {after}, a plain forward (replay state leaked out of the pass?)",
     )
 
 
@@ -123,23 +130,29 @@ def test_r2_with_rollout_routes_is_a_configuration_error(subject: Subject, slots
     if slots is not None:
         placed = replace(placed, routes=placed.routes[:, :, :slots])
     where = f"a batch with rollout routes of {placed.routes.shape[2]} layer slots"
-    assert training.has_rollout_routes(placed), f"{where} is said to carry none"
+    assert training.has_rollout_routes(placed), f"{where}: has_rollout_routes says False, expected True"
     with pytest.raises(ValueError, match="R2"):
         training.check_mode("R2", placed)
-    assert str(getattr(training.check_mode("R3", placed), "value", "R3")) == "R3", f"{where}: R3 refused"
+    mode = str(getattr(training.check_mode("R3", placed), "value", "R3"))
+    assert mode == "R3", f"{where}: check_mode('R3') gave {mode!r}, expected 'R3'"
 
 
 def test_r3_without_rollout_routes_is_a_configuration_error(subject: Subject) -> None:
     """R3 with no rollout routes would route natively in silence: it is a configuration error."""
     training = require(subject, "training")
     placed = training.place_without_routes([torch.arange(1, 6), torch.arange(1, 3)], 6)
-    assert not training.has_rollout_routes(placed), "a token-only batch is said to carry rollout routes"
-    assert torch.equal(as_ids(placed.tokens[:, -2:]), torch.tensor([[4, 5], [1, 2]])), (
-        "place_without_routes did not keep each sample's tokens at the right end of its row"
+    assert not training.has_rollout_routes(placed), (
+        "a token-only batch: has_rollout_routes says True, expected False"
+    )
+    right_end = as_ids(placed.tokens[:, -2:])
+    assert torch.equal(right_end, torch.tensor([[4, 5], [1, 2]])), (
+        f"place_without_routes: each row ends in {right_end.tolist()}, expected [[4, 5], [1, 2]] (each "
+        "sample's tokens at the right end of its row)"
     )
     with pytest.raises(ValueError, match="R3"):
         training.check_mode("R3", placed)
-    assert str(getattr(training.check_mode("R2", placed), "value", "R2")) == "R2"
+    mode = str(getattr(training.check_mode("R2", placed), "value", "R2"))
+    assert mode == "R2", f"a token-only batch: check_mode('R2') gave {mode!r}, expected 'R2'"
 
 
 def test_bad_trainer_input_raises_an_error_naming_the_field(subject: Subject) -> None:
@@ -190,10 +203,13 @@ def test_replay_targets_are_the_placed_routes_of_each_moe_layer(
         f"{(mask != placed.replay_mask.reshape(-1)).nonzero().squeeze(1).tolist()[:8]} "
         "(prompt rows are replayed too: verl #6325; filler never)"
     )
-    wrong = _differing_rows(targets, expected, mask)
-    assert not wrong, (
-        f"{where}: targets of flat rows {wrong[:6]} are not the placed routes of their MoE layers "
-        "(a decoder trace indexed by MoE ordinal shifts every layer: verl #5037)"
+    assert_same_routes(
+        targets,
+        expected,
+        names=("replay targets", "placed routes"),
+        what=f"{where} (a decoder trace indexed by MoE ordinal shifts every layer: verl #5037)",
+        axes=ROWS,
+        mask=mask,
     )
 
 
@@ -213,8 +229,15 @@ def test_token_logprobs_are_the_models_log_probabilities(subject: Subject) -> No
     native = _native_logprobs(model, placed)
     with torch.no_grad():
         got = training.token_logprobs(model, placed.tokens, placed.attention_mask)
-    assert torch.equal(got[valid], native[valid]) and not bool(got[~valid].any()), (
-        f"token_logprobs differ from the model's log-probabilities by {(got - native)[valid].abs().max():.3e}"
+    assert_close_logprobs(
+        got, native, names=("token_logprobs", "log p by hand"), axes=("sample", "column"), mask=valid
+    )
+    assert_close_logprobs(
+        got,
+        torch.zeros_like(got),
+        names=("token_logprobs", "0"),
+        what="columns without a log-prob",
+        mask=~valid,
     )
 
 
@@ -225,7 +248,9 @@ def test_ppo_quantities_follow_their_formulas(subject: Subject) -> None:
     new, old, adv = (torch.randn(3, 6, generator=gen) for _ in range(3))
     mask = torch.rand(3, 6, generator=gen) > 0.3
     kl = training.ppo_kl(new, old, mask)
-    assert torch.allclose(kl, (old - new)[mask].mean()), f"ppo_kl = {float(kl):.6f}"
+    assert torch.allclose(kl, (old - new)[mask].mean()), (
+        f"ppo_kl = {float(kl):.6f}, expected mean(old − new) = {float((old - new)[mask].mean()):.6f}"
+    )
     ratio = torch.exp(new - old)
     by_hand = (-torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv))[mask].mean()
     loss = training.ppo_loss(new, old, adv, mask, clip=0.2)
@@ -246,31 +271,37 @@ def test_r3_update_replays_rollout_routes_and_first_minibatch_has_zero_kl(
     where = f"R3, {axis} trace, {'with' if use_checkpoint else 'without'} activation recompute"
     with torch.no_grad():
         model(placed.tokens, attention_mask=placed.attention_mask)
-    assert _differing_rows(_dispatched(model), expected, rows), "rollout routes equal native routing: no test"
+    _assert_replay_is_observable(model.dispatched_routes(), expected, rows)
     old = training.old_logprobs(model, placed, "R3", moe_layers=moe, layer_axis=axis)
-    wrong = _differing_rows(_dispatched(model), expected, rows)
-    assert not wrong, f"{where}: the old pass did not dispatch the rollout routes at flat rows {wrong[:6]}"
+    _assert_dispatched(model, expected, rows, ("dispatched", "rollout routes"), f"{where}: the old pass")
     new = training.policy_logprobs(
         model, placed, "R3", old=old, moe_layers=moe, layer_axis=axis, use_checkpoint=use_checkpoint
     )
-    wrong = _differing_rows(_dispatched(model), expected, rows)
-    assert not wrong, f"{where}: the update pass did not dispatch the rollout routes at flat rows {wrong[:6]}"
+    _assert_dispatched(model, expected, rows, ("dispatched", "rollout routes"), f"{where}: the update pass")
     valid = _valid(placed) & placed.response_mask
     kl = training.ppo_kl(new, old.logprobs, valid)
-    assert torch.equal(new[valid], old.logprobs[valid]) and float(kl.detach()) == 0.0, (
-        f"{where}: first on-policy mini-batch has ppo_kl = {float(kl.detach()):.3e}, expected exactly 0"
+    assert_close_logprobs(
+        new, old.logprobs, names=("π_θ", "π_old"), what=f"{where}: first on-policy mini-batch", mask=valid
+    )
+    assert float(kl.detach()) == 0.0, (
+        f"{where}: first on-policy mini-batch has ppo_kl = {float(kl.detach()):.3e}, expected 0"
     )
     advantages = torch.linspace(-1, 1, new.numel()).reshape(new.shape)
     loss = training.ppo_loss(new, old.logprobs, advantages, valid)
-    assert torch.allclose(loss, -advantages[valid].mean()), "ratio 1: the loss is −mean(advantages)"
+    assert torch.allclose(loss, -advantages[valid].mean()), (
+        f"{where}: at ratio 1 the loss is −mean(advantages) = {float(-advantages[valid].mean()):.6f}, "
+        f"ppo_loss gave {float(loss):.6f}"
+    )
     training.backward(loss, model)
     if use_checkpoint:
-        wrong = _differing_rows(_dispatched(model), expected, rows)
-        assert not wrong, (
-            f"{where}: the recompute in backward did not dispatch the rollout routes at flat rows {wrong[:6]}"
+        _assert_dispatched(
+            model, expected, rows, ("dispatched", "rollout routes"), f"{where}: the recompute in backward"
         )
     gate = model.routers()[0].gate.weight.grad
-    assert gate is not None and bool(gate.abs().sum() > 0), f"{where}: the router received no gradient"
+    assert gate is not None and bool(gate.abs().sum() > 0), (
+        f"{where}: the first router's gate weight has gradient {None if gate is None else 0}, expected a "
+        "non-zero one"
+    )
 
 
 @pytest.mark.parametrize("use_checkpoint", [False, True], ids=["no-recompute", "recompute"])
@@ -282,22 +313,36 @@ def test_r2_update_replays_the_old_pass_recording(subject: Subject, use_checkpoi
     placed = training.place_without_routes([t for t, _ in _rollout_routes(CFG)], WIDTH)
     rows = placed.attention_mask.reshape(-1).bool()
     old = training.old_logprobs(model, placed, "R2", moe_layers=list(CFG.moe_layers))
-    recorded = _dispatched(model)
-    assert old.recording is not None and not _differing_rows(as_ids(old.recording), recorded, rows), (
-        "R2: the old pass's recording is not what its experts received"
+    recorded = model.dispatched_routes()
+    assert old.recording is not None, "R2: the old pass returned no recording"
+    assert_same_routes(
+        old.recording,
+        recorded,
+        names=("the old pass's recording", "dispatched"),
+        what="R2",
+        axes=ROWS,
+        mask=rows,
     )
     new = training.policy_logprobs(
         model, placed, "R2", old=old, moe_layers=list(CFG.moe_layers), use_checkpoint=use_checkpoint
     )
     valid = _valid(placed)
     kl = training.ppo_kl(new, old.logprobs, valid)
-    assert float(kl.detach()) == 0.0 and torch.equal(new[valid], old.logprobs[valid]), (
-        f"R2 {'with' if use_checkpoint else 'without'} recompute: "
-        f"first mini-batch ppo_kl = {float(kl.detach()):.3e}"
+    where = f"R2 {'with' if use_checkpoint else 'without'} recompute"
+    assert_close_logprobs(
+        new, old.logprobs, names=("π_θ", "π_old"), what=f"{where}: first on-policy mini-batch", mask=valid
+    )
+    assert float(kl.detach()) == 0.0, (
+        f"{where}: first mini-batch ppo_kl = {float(kl.detach()):.3e}, expected 0"
     )
     training.backward(new[valid].sum(), model)
-    wrong = _differing_rows(_dispatched(model), recorded, rows)
-    assert not wrong, f"R2: the update pass (or its recompute) left the recording at flat rows {wrong[:6]}"
+    _assert_dispatched(
+        model,
+        recorded,
+        rows,
+        ("dispatched", "the old pass's recording"),
+        f"{where}: the update pass (or its recompute)",
+    )
 
 
 @pytest.mark.parametrize("use_checkpoint", [False, True], ids=["no-recompute", "recompute"])
@@ -309,26 +354,25 @@ def test_disabled_mode_routes_every_pass_natively(subject: Subject, use_checkpoi
     model, placed = MoELM(CFG), _batch(CFG)
     moe, rows, valid = list(CFG.moe_layers), placed.attention_mask.reshape(-1), _valid(placed)
     native_logprobs = _native_logprobs(model, placed)
-    native = _dispatched(model)
+    native = model.dispatched_routes()
     rollout = _expected_targets(placed, CFG, "decoder")
-    assert _differing_rows(native, rollout, placed.replay_mask.reshape(-1)), (
-        "rollout routes equal native: no test"
-    )
+    _assert_replay_is_observable(native, rollout, placed.replay_mask.reshape(-1))
     where = f"DISABLED {'with' if use_checkpoint else 'without'} activation recompute"
     old = training.old_logprobs(model, placed, "disabled", moe_layers=moe)
-    wrong = _differing_rows(_dispatched(model), native, rows)
-    assert not wrong, f"{where}: the old pass did not route natively at flat rows {wrong[:6]}"
-    assert torch.equal(old.logprobs[valid], native_logprobs[valid]), f"{where}: π_old is not the native π"
+    _assert_dispatched(model, native, rows, ("dispatched", "native"), f"{where}: the old pass")
+    assert_close_logprobs(
+        old.logprobs, native_logprobs, names=("π_old", "native π"), what=f"{where}: the old pass", mask=valid
+    )
     new = training.policy_logprobs(
         model, placed, "disabled", old=old, moe_layers=moe, use_checkpoint=use_checkpoint
     )
-    wrong = _differing_rows(_dispatched(model), native, rows)
-    assert not wrong, f"{where}: the update pass did not route natively at flat rows {wrong[:6]}"
-    assert torch.equal(new[valid], native_logprobs[valid]), f"{where}: π_θ is not the native π"
+    _assert_dispatched(model, native, rows, ("dispatched", "native"), f"{where}: the update pass")
+    assert_close_logprobs(
+        new, native_logprobs, names=("π_θ", "native π"), what=f"{where}: the update pass", mask=valid
+    )
     training.backward(new[valid].sum(), model)
-    wrong = _differing_rows(_dispatched(model), native, rows)
-    assert not wrong, (
-        f"{where}: the backward (or its recompute) did not route natively at flat rows {wrong[:6]}"
+    _assert_dispatched(
+        model, native, rows, ("dispatched", "native"), f"{where}: the backward (or its recompute)"
     )
 
 
@@ -386,20 +430,34 @@ def test_reference_logprobs_never_replay(subject: Subject) -> None:
     native = _native_logprobs(model, placed)
     valid = _valid(placed)
     old = training.old_logprobs(model, placed, "R3", moe_layers=moe)
-    assert not torch.equal(old.logprobs[valid], native[valid]), "replay did not move the log-probs: no test"
+    assert not torch.equal(old.logprobs[valid], native[valid]), (
+        f"R3 π_old equals the native π at all {int(valid.sum())} valid columns: replay moved nothing, no test"
+    )
     reference = training.reference_logprobs(model, placed)
-    assert torch.equal(reference[valid], native[valid]), (
-        f"π_ref moved by {(reference - native)[valid].abs().max():.3e} after an R3 old pass: it replayed"
+    assert_close_logprobs(
+        reference,
+        native,
+        names=("π_ref", "native π"),
+        what="after an R3 old pass (π_ref replayed?)",
+        mask=valid,
     )
     new = training.policy_logprobs(model, placed, "R3", old=old, moe_layers=moe, use_checkpoint=True)
     reference = training.reference_logprobs(model, placed)
-    assert torch.equal(reference[valid], native[valid]), (
-        f"π_ref moved by {(reference - native)[valid].abs().max():.3e} during an R3 update pass: it replayed"
+    assert_close_logprobs(
+        reference,
+        native,
+        names=("π_ref", "native π"),
+        what="during an R3 update pass (π_ref replayed?)",
+        mask=valid,
     )
     training.backward(new[valid].sum(), model)  # the update pass's recompute FIFO is still intact
-    expected = _expected_targets(placed, CFG, "decoder")
-    wrong = _differing_rows(_dispatched(model), expected, placed.replay_mask.reshape(-1))
-    assert not wrong, f"the reference pass disturbed the update pass's recompute (flat rows {wrong[:6]})"
+    _assert_dispatched(
+        model,
+        _expected_targets(placed, CFG, "decoder"),
+        placed.replay_mask.reshape(-1),
+        ("dispatched by the recompute", "rollout routes"),
+        "after a reference pass in the middle of an R3 update (it disturbed the recompute FIFO?)",
+    )
 
 
 def test_reference_logprobs_ignore_armed_targets(subject: Subject) -> None:
@@ -414,6 +472,10 @@ def test_reference_logprobs_ignore_armed_targets(subject: Subject) -> None:
     reference = training.reference_logprobs(model, placed)
     model.clear_replay()
     model.set_routing_mode(RoutingMode.NATIVE)
-    assert torch.equal(reference[valid], native[valid]), (
-        f"reference log-probs moved by {(reference - native)[valid].abs().max():.3e}: the pass replayed"
+    assert_close_logprobs(
+        reference,
+        native,
+        names=("π_ref", "native π"),
+        what="with every router armed (π_ref replayed?)",
+        mask=valid,
     )

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from harness import cli
+from harness import check_runner, cli
 from harness.check import CheckOutcome
+from harness.check_plan import LabStep, plan_check
 from harness.report import Progress
-from harness.report_doc import schema, validate
-from tests.test_report_doc import fake_lab
+from tests.test_report_doc import fake_lab, schema_violations
 
 FAST = ["--pytest-args", "--hypothesis-profile ci"]
 
@@ -28,11 +28,11 @@ def quick_lab(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
     """Replace the mismatch lab by a prebuilt result; record which lab was asked for."""
     calls: list[tuple[str, Any]] = []
 
-    def run_lab(kind: str, subject: Any, family: str | None) -> Any:
-        calls.append((kind, family))
+    def run_lab(step: LabStep, subject: Any) -> Any:
+        calls.append((step.kind, step.config.family))
         return fake_lab()[0]
 
-    monkeypatch.setattr(cli, "_run_lab", run_lab)
+    monkeypatch.setattr(check_runner, "run_lab", run_lab)
     return calls
 
 
@@ -75,20 +75,30 @@ def test_usage_errors_are_one_line_and_exit_2(
 
 def test_plan_of_the_default_run_and_of_family(quick_lab: Any) -> None:
     """No arguments: reference suites + transformers qwen3_moe cases + the reference lab."""
-    args = cli.build_parser().parse_args(["check"])
-    runs, labs, notes = cli._check_plan(args)
-    assert [r["name"] for r in runs] == ["reference suites", "transformers suites (qwen3_moe)"]
-    assert runs[0]["select"] == "not hf and (not slow and not gpu and not distributed)"
-    assert runs[1]["keyword"] == "qwen3_moe" and runs[1]["paths"][0].endswith("test_hf.py")
-    assert labs == ["reference"] and any("--distributed" in n for n in notes)
-    args = cli.build_parser().parse_args(["check", "--engine", "hf", "--family", "mixtral"])
-    runs, labs, _ = cli._check_plan(args)
-    assert [(r["name"], r["keyword"]) for r in runs] == [("transformers suites (mixtral)", "mixtral")]
-    assert labs == ["hf"]
+    plan = cli._check_plan(cli.build_parser().parse_args(["check"]))
+    runs = plan.suites
+    assert [r.name for r in runs] == ["reference suites", "transformers suites (qwen3_moe)"]
+    assert runs[0].select == "not hf and (not slow and not gpu and not distributed)" and runs[0].paths is None
+    assert (
+        runs[1].keyword == "qwen3_moe"
+        and runs[1].paths is not None
+        and runs[1].paths[0].endswith("test_hf.py")
+    )
+    assert (
+        runs[1].selection() == "suites/test_hf.py conformance/test_hf_engine.py "
+        "-m 'hf and (not slow and not gpu and not distributed)' -k qwen3_moe"
+    )
+    assert [lab.kind for lab in plan.labs] == ["reference"] and any("--distributed" in n for n in plan.notes)
+    assert plan.titles()[-1] == "reference mismatch lab (softmax_topk)"
+    plan = cli._check_plan(cli.build_parser().parse_args(["check", "--engine", "hf", "--family", "mixtral"]))
+    assert [(r.name, r.keyword) for r in plan.suites] == [("transformers suites (mixtral)", "mixtral")]
+    assert [(lab.kind, lab.config.family) for lab in plan.labs] == [("hf", "qwen3_moe")]
     args = cli.build_parser().parse_args(["check", "--family", "sigmoid_grouped", "--distributed"])
-    runs, labs, notes = cli._check_plan(args)
-    assert cli._lab_config("reference", args.family).family == "sigmoid_grouped"
-    assert runs[0]["select"] == "not hf and (not slow and not gpu)" and not notes
+    plan = cli._check_plan(args)
+    assert plan.labs[0].config.family == "sigmoid_grouped"
+    assert plan.suites[0].select == "not hf and (not slow and not gpu)" and not plan.notes
+    plan = plan_check(subject="m:S", suites=["splice", "hf"], run_suites=False, pytest_args=["-x"])
+    assert plan.suites == () and plan.pytest_args == ("-x",) and "--no-suites" in plan.notes[-1]
 
 
 def test_passing_run_prints_header_legend_table_lab_and_verdict_and_writes_reports(
@@ -110,9 +120,9 @@ def test_passing_run_prints_header_legend_table_lab_and_verdict_and_writes_repor
     assert "verdict: PASS" in out and "behaves as specified" in out
     # Progress went to stderr, one plain line per test (stderr is not a TTY here).
     assert progress[0].startswith(f"[1/{n}] training PASS: ") and progress[-1].startswith(f"[{n}/{n}] ")
-    assert quick_lab == [("reference", None)]
+    assert quick_lab == [("reference", "softmax_topk")]  # the default lab
     doc = json.loads(js.read_text())
-    validate(doc, schema())
+    assert schema_violations(doc) == []
     assert doc["verdict"]["status"] == "pass" and doc["counts"]["passed"] == n
     assert doc["command"].startswith("rrh check --engine reference --suite training")
     page = html.read_text()
@@ -142,7 +152,7 @@ def test_failing_subject_shows_the_counterexample_in_words_and_exits_1(
     assert "verdict: FAIL" in out and "NOT right" in out
     assert quick_lab == []  # --no-lab
     doc = json.loads((tmp_path / "r.json").read_text())
-    validate(doc, schema())
+    assert schema_violations(doc) == []
     assert doc["invariants"][0]["result"] == "FAIL" and doc["labs"] == []
 
 
@@ -167,10 +177,10 @@ def test_progress_updates_one_line_in_place_on_a_tty_and_prints_lines_otherwise(
 def test_a_lab_that_raises_is_a_finding_not_a_traceback(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def broken_lab(kind: str, subject: Any, family: str | None) -> Any:
+    def broken_lab(step: LabStep, subject: Any) -> Any:
         raise ValueError("targets for 3 MoE layers, the model has 4")
 
-    monkeypatch.setattr(cli, "_run_lab", broken_lab)
+    monkeypatch.setattr(check_runner, "run_lab", broken_lab)
     argv = ["check", "--engine", "reference", "--suite", "training", "--html", str(tmp_path / "r.html")]
     assert cli.main([*argv, *FAST]) == 1
     out, err = capsys.readouterr()

@@ -27,11 +27,12 @@ from harness.engines.checkpoint import (
     EngineRollout,
     EngineUnavailable,
     TinyCheckpoint,
-    multi_turn,
-    partial_rollout,
+    spliced_trace,
+    trainer_recompute,
 )
 from harness.errors import ConventionError, HarnessError
 from harness.trace import LayerAxis, Provenance, RoutingTrace
+from reference_impl.episode import AttemptPlan, EpisodeError, Schedule, run_episode
 
 SPEC = ModelSpec(num_layers=3, num_experts=8, top_k=2, moe_layers=(1, 2))
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,7 +72,7 @@ def _vllm_output(prompt: list[int], tokens: list[int], routes: object, *, prompt
 def test_importing_the_adapters_imports_no_engine() -> None:
     code = (
         "import sys, harness.engines.vllm, harness.engines.sglang, harness.engines.http, "
-        "harness.engines.checkpoint, harness.gate, harness.baseline\n"
+        "harness.engines.checkpoint, harness.engines.adapters, harness.gate, harness.baseline\n"
         "loaded = [m for m in ('vllm', 'sglang') if m in sys.modules]\n"
         "assert not loaded, f'engines imported at module import: {loaded}'\n"
     )
@@ -358,36 +359,57 @@ class FakeEngine:
         return EngineRollout(tuple(context), tokens, tuple(-0.1 for _ in tokens), trace)
 
 
+def _resumes(prompt: Sequence[int], budgets: Sequence[int]) -> Schedule:
+    """Abort/resume: each attempt aborted after its budget and resumed, the last cut by length."""
+    last = len(budgets) - 1
+    plans = (AttemptPlan(b, finish_reason="length" if j == last else "abort") for j, b in enumerate(budgets))
+    return Schedule(tuple(prompt), tuple(plans))
+
+
 def test_partial_rollout_keeps_each_attempts_own_rows() -> None:
-    engine = FakeEngine()
-    sample = partial_rollout(engine, [1, 2, 3, 4], [2, 3, 1])
-    assert sample.trace.rows == 4 + 6 - 1
+    sample = run_episode(FakeEngine(), _resumes([1, 2, 3, 4], [2, 3, 1]))
+    trace = spliced_trace(sample)
+    assert trace.rows == 4 + 6 - 1
     owner = [1] * 5 + [2] * 3 + [3] * 1  # rows [0, P + a1 − 1) from call 1, then each call's new rows
     expected = np.stack([FakeEngine.route(p, c) for p, c in enumerate(owner)])
-    assert np.array_equal(sample.trace.experts, expected), "a row came from another attempt than its own"
+    assert np.array_equal(trace.experts, expected), "a row came from another attempt than its own"
     assert [a.finish_reason for a in sample.attempts] == ["abort", "abort", "length"]
-    assert sample.tokens[:4] == (1, 2, 3, 4) and len(sample.logprobs) == 6
+    assert [a.kind for a in sample.attempts] == ["start", "resume", "resume"]
+    assert sample.tokens[:4].tolist() == [1, 2, 3, 4] and len(sample.response_logprobs) == 6
 
 
 def test_multi_turn_tool_tokens_are_rows_of_the_turn_that_prefilled_them() -> None:
-    engine = FakeEngine()
-    sample = multi_turn(engine, [1, 2, 3], [((), 2), ((50, 51), 2)])
-    assert sample.response_len == 6 and sample.trace.rows == 8
+    schedule = Schedule((1, 2, 3), (AttemptPlan(2), AttemptPlan(2, tool_tokens=(50, 51))))
+    sample = run_episode(FakeEngine(), schedule)
+    trace = spliced_trace(sample)
+    assert sample.response_len == 6 and trace.rows == 8
     owner = [1] * 4 + [2] * 4  # rows of tool tokens 50, 51 (positions 5, 6) come from turn 2
     expected = np.stack([FakeEngine.route(p, c) for p, c in enumerate(owner)])
-    assert np.array_equal(sample.trace.experts, expected)
-    assert sample.logprobs[2:4] == (None, None), "tool tokens have no engine log-prob"
+    assert np.array_equal(trace.experts, expected)
+    assert [(a.kind, a.tool_tokens) for a in sample.attempts] == [("start", 0), ("turn", 2)]
+    assert sample.sampled_mask.tolist() == [True, True, False, False, True, True]
+    assert sample.response_logprobs[2:4].tolist() == [0.0, 0.0], "tool tokens have no engine log-prob"
 
 
 def test_driver_rejects_a_payload_with_extra_rows() -> None:
     with pytest.raises(HarnessError, match="rows needed"):
-        partial_rollout(FakeEngine(extra_rows=1), [1, 2, 3], [2, 2])
+        spliced_trace(run_episode(FakeEngine(extra_rows=1), _resumes([1, 2, 3], [2, 2])))
+
+
+def test_driver_rejects_a_call_that_answers_another_request() -> None:
+    def too_many(context: Sequence[int], max_tokens: int) -> EngineRollout:
+        return FakeEngine()(context, max_tokens + 1)
+
+    with pytest.raises(EpisodeError, match="3 tokens generated, expected at most max_new_tokens = 2"):
+        run_episode(too_many, _resumes([1, 2, 3], [2]))
+    with pytest.raises(EpisodeError, match="update_weights"):
+        run_episode(FakeEngine(), Schedule((1,), (AttemptPlan(1), AttemptPlan(1, update_weights=True))))
 
 
 @pytest.mark.hf
 def test_abort_resume_through_a_real_kv_cache_equals_one_call() -> None:
     """fp32 transformers as the engine: resubmitting prompt ⊕ partial gives one call's tokens and rows."""
-    from harness.engines.hf import generate_rollouts
+    from harness.engines.hf import generate_rollouts, hf_trace
     from harness.trainers.hf import install_replay, tiny_model
 
     model = tiny_model("qwen3_moe", torch.float32, num_hidden_layers=3, mlp_only_layers=[0])
@@ -395,17 +417,25 @@ def test_abort_resume_through_a_real_kv_cache_equals_one_call() -> None:
 
     def generate(context: Sequence[int], max_tokens: int) -> EngineRollout:
         r = generate_rollouts(model, handle, torch.tensor([list(context)]), max_tokens, greedy=True)[0]
-        trace = r.trace(handle).to_decoder_axis()
+        trace = hf_trace(r, handle).to_decoder_axis()
         return EngineRollout(tuple(context), tuple(r.tokens.tolist()), tuple(r.logprobs.tolist()), trace)
 
     prompt = list(range(3, 12))
     whole = generate(prompt, 9)
-    sample = partial_rollout(generate, prompt, [2, 4, 3])
-    assert sample.tokens[len(prompt) :] == whole.tokens
-    assert np.array_equal(sample.trace.experts, whole.trace.experts), "spliced rows differ from one call's"
-    np.testing.assert_allclose(np.array(sample.logprobs, dtype=float), np.array(whole.logprobs), atol=1e-5)
-    turns = multi_turn(generate, prompt, [((), 3), ((40, 41, 42), 2)])
-    turns.trace.check_coverage(len(prompt), 3 + 3 + 2)
+    sample = run_episode(generate, _resumes(prompt, [2, 4, 3]))
+    assert tuple(sample.tokens[len(prompt) :].tolist()) == whole.tokens
+    trace = spliced_trace(sample)
+    assert np.array_equal(trace.experts, whole.trace.experts), "spliced rows differ from one call's"
+    np.testing.assert_allclose(sample.response_logprobs.numpy(), np.array(whole.logprobs), atol=1e-5)
+    turns = Schedule(tuple(prompt), (AttemptPlan(3), AttemptPlan(2, tool_tokens=(40, 41, 42))))
+    episode = run_episode(generate, turns)
+    spliced_trace(episode).check_coverage(len(prompt), 3 + 3 + 2)
+    # The same fp32 model as the trainer: it routes every spliced row alike and recomputes each
+    # sampled token's log-prob (tool tokens have none), with and without R3.
+    result = trainer_recompute(model, [episode], handle=handle)
+    assert result.tokens == 3 + 2
+    assert result.routing.disagreement == 0.0 and result.r3_routing.disagreement == 0.0
+    assert result.mean_abs_gap < 1e-4 and result.mean_abs_gap_r3 < 1e-4
     handle.remove()
 
 
@@ -424,14 +454,14 @@ def _blockers() -> dict[str, str | None]:
     not all(_blockers().values()), reason="an engine can start here: its suites would run, not skip"
 )
 def test_engine_suites_collect_and_skip_with_a_reason() -> None:
-    """``pytest suites/ -m gpu`` and ``-m vllm`` (one run selects both) collect the engine suites and,
+    """``pytest conformance/ -m gpu`` and ``-m vllm`` (one run selects both) collect the engine tests and,
     where no engine can start, skip each naming why; no import error."""
     done = subprocess.run(
         [
             sys.executable,
             "-m",
             "pytest",
-            "suites/",
+            "conformance/",
             "-m",
             "gpu or vllm",
             "-q",

@@ -148,10 +148,10 @@ def _join(header: Any, data: bytes, depth: int = 0) -> bytes:
 
 def _with_crc(meta: dict[str, Any]) -> dict[str, Any]:
     """The metadata with a matching ``metadata_crc32``, so that the checks behind the CRC are reached."""
-    from harness.trace import _metadata_crc32
+    from harness.trace.storage import metadata_crc32
 
     try:
-        meta["metadata_crc32"] = _metadata_crc32({k: meta.get(k) for k in METADATA_FIELDS})
+        meta["metadata_crc32"] = metadata_crc32({k: meta.get(k) for k in METADATA_FIELDS})
     except (ValueError, RecursionError):  # a value json cannot write: the CRC stays as it was
         pass
     return meta
@@ -189,14 +189,19 @@ def trace_files(draw: st.DrawFn) -> bytes:
     return _join(header, data, draw(DEPTHS))
 
 
-def test_trace_files_raise_only_trace_errors(record_property: Any) -> None:
+def test_trace_files_raise_only_trace_errors(record_property: Any, tmp_path: Path) -> None:
+    """Bytes and files (read by two entry points of the safetensors library) alike."""
     count = [0]
+    path = tmp_path / "fuzzed.safetensors"
 
     @FUZZ
     @given(trace_files())
     def run(raw: bytes) -> None:
         count[0] += 1
         trace = _only_our_errors(lambda: RoutingTrace.from_bytes(raw))
+        path.write_bytes(raw)
+        from_file = _only_our_errors(lambda: RoutingTrace.load(path))
+        assert from_file == trace, "the file and its bytes read differently"
         if trace is not None:  # what is accepted is a trace that round-trips
             assert isinstance(trace, RoutingTrace) and RoutingTrace.from_bytes(trace.to_bytes()) == trace
             repr(trace)

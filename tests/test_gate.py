@@ -14,6 +14,16 @@ import pytest
 
 from harness import atomic, gate
 from harness import baseline as bl
+from harness.engines.adapters import (
+    ADAPTERS,
+    EngineAdapter,
+    Observation,
+    ObservationError,
+    Suites,
+    UnknownEngine,
+    adapter,
+)
+from harness.engines.adapters.hf import HFAdapter
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINES = ROOT / "fixtures" / "baselines"
@@ -164,10 +174,20 @@ def test_save_is_atomic_and_leaves_no_temporary_file(tmp_path: Path, monkeypatch
     assert os.listdir(path.parent) == ["vllm.json"], f"left behind: {os.listdir(path.parent)}"
 
 
-def test_nan_metrics_are_stored_as_null() -> None:
-    entry = bl.metric(float("nan"), 0.1)
-    assert entry["value"] is None
+def test_an_undefined_metric_is_null_with_its_reason_and_a_bare_nan_is_refused() -> None:
+    entry = bl.metric(float("nan"), 0.1, undefined="no route flipped")
+    assert entry["value"] is None and entry["undefined"] == "no route flipped"
     json.dumps(entry, allow_nan=False)
+    with pytest.raises(bl.BaselineError, match="NaN with no reason"):
+        bl.metric(float("nan"), 0.1)
+    with pytest.raises(bl.BaselineError, match=r"metrics\['m'\].undefined: expected why the value is null"):
+        bl.validate_baseline(_doc(metrics__m={"value": None, "tolerance": 0.1, "better": "lower"}))
+    undefined = _doc(metrics__m=entry)
+    assert bl.compare(undefined, undefined).ok
+    defined = _doc(metrics__m=bl.metric(0.5, 0.1))
+    assert bl.compare(defined, undefined).regressions == [
+        "metrics.m: value None, expected 0.5 ± 0.1 (undefined: no route flipped)"
+    ]
 
 
 def test_run_gate_update_then_compare_then_regress(tmp_path: Path) -> None:
@@ -290,7 +310,7 @@ def hf_pair() -> tuple[dict[str, Any], dict[str, Any]]:
     """(the committed hf baseline restricted to FAMILIES, a fresh observation of them here)."""
     pytest.importorskip("transformers")
     committed = bl.load_baseline(BASELINES / "hf.json")
-    observed = gate.observe_hf(suites=False, lab=False, model_types=FAMILIES)
+    observed = gate.observe(HFAdapter(lab=False, model_types=FAMILIES), suites=False)
     base = copy.deepcopy(committed)
     base["observations"]["families"] = {m: committed["observations"]["families"][m] for m in FAMILIES}
     base["metrics"] = {k: v for k, v in committed["metrics"].items() if k in observed["metrics"]}
@@ -338,3 +358,88 @@ def test_hf_weight_rule_change_fails_the_gate(hf_pair: tuple[dict[str, Any], dic
     assert any(
         r.startswith("metrics.hf.deepseek_v3.softmax_rule_logit_move: value") for r in report.regressions
     ), text
+
+
+# --------------------------------------------------------------------------------------------
+# adapters: the protocol, and no failed probe swallowed
+# --------------------------------------------------------------------------------------------
+
+
+def test_every_engine_has_an_adapter_implementing_the_protocol() -> None:
+    assert tuple(ADAPTERS) == gate.ENGINES == ("reference", "hf", "vllm", "sglang")
+    for name, engine in ADAPTERS.items():
+        assert isinstance(engine, EngineAdapter) and engine.name == name
+    assert ADAPTERS["vllm"].convention("0.30.0").name == "vllm-0.27"  # type: ignore[union-attr]
+    assert ADAPTERS["reference"].convention("0.1.0") is None
+    with pytest.raises(UnknownEngine, match="'tensorrt'; expected one of reference, hf, vllm, sglang"):
+        adapter("tensorrt")
+
+
+class _FailingAdapter:
+    """An adapter whose probe raises, as a broken engine or a harness bug would."""
+
+    name = "reference"
+    suites = Suites("not slow")
+
+    def installed_version(self) -> str:
+        return "0.1.0"
+
+    def convention(self, version: str) -> None:
+        return None
+
+    def start(self, model: Any) -> Any:
+        return model
+
+    def observe(self) -> Observation:
+        from harness.engines.adapters.base import observing
+
+        with observing(self.name, "metric lab.r3.disagreement"):
+            raise RuntimeError("the lab's model would not build")
+        raise AssertionError("unreachable")
+
+
+def test_a_failing_probe_fails_the_gate_naming_engine_metric_and_cause(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(ADAPTERS, "reference", _FailingAdapter())
+    status = gate.main(["gate", "--engine", "reference", "--no-suites"])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert (
+        "rrh gate: a probe failed: reference: metric lab.r3.disagreement: "
+        "RuntimeError: the lab's model would not build" in err
+    ), err
+    assert "Traceback" not in err
+
+
+@pytest.mark.hf
+def test_a_failing_hf_probe_is_an_error_not_a_nan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A candidate rule raising a real error (not ``RuleNotApplicable``) used to be skipped silently,
+    and the SkyRL rule's logit move left NaN (stored as null): now the first failing probe is named."""
+    pytest.importorskip("transformers")
+    from harness.trainers.hf import families
+
+    def broken_rule(router: Any, logits: Any, ids: Any) -> Any:
+        raise RuntimeError("rule broke")
+
+    monkeypatch.setattr(families, "softmax_rule", broken_rule)
+    with pytest.raises(ObservationError) as caught:
+        HFAdapter(lab=False, model_types=("qwen3_moe",)).observe()
+    assert str(caught.value) == "hf: observations.families.qwen3_moe: RuntimeError: rule broke"
+
+
+def test_a_lab_without_flipped_routes_reports_its_flipped_metrics_undefined() -> None:
+    from harness.engines.adapters.base import NO_FLIP, lab_metrics
+    from tests.test_report_doc import fake_lab
+
+    defined = lab_metrics("lab", fake_lab()[0])
+    assert all(entry["value"] is not None for entry in defined.values()), defined
+    unflipped = fake_lab(flips=False)[0]
+    assert unflipped.flipped_tokens == 0
+    metrics = lab_metrics("lab", unflipped)
+    for name in ("lab.r3.mean_abs_gap_flipped", "lab.r3_over_no_replay.mean_abs_gap_flipped"):
+        assert metrics[name]["value"] is None and metrics[name]["undefined"] == NO_FLIP
+    doc = bl.new_baseline("reference", "0.1.0", convention={}, invariants={}, metrics=metrics)
+    out = io.StringIO()
+    assert gate.run_gate("reference", baseline=BASELINES / "reference.json", observed=doc, stream=out) == 1
+    assert f"metric lab.r3.mean_abs_gap_flipped: undefined: {NO_FLIP}" in out.getvalue()

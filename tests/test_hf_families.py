@@ -81,13 +81,20 @@ def test_malformed_targets_are_errors_naming_the_field() -> None:
     good = torch.tensor([[[0, 1], [2, 3]]] * 4)
     with pytest.raises(HFReplayError, match=r"shape \[4, 1, 2\], expected \[tokens, 2, 2\]"):
         handle.replay(good[:, :1])
-    with pytest.raises(HFReplayError, match=r"expert id 8 out of range"):
+    layer1 = r"decoder layer 1 \(model\.layers\.1\.mlp\.gate\)"
+    with pytest.raises(HFReplayError, match=layer1 + r": replayed row 0 = \[2, 8\] has ids outside \[0, 8\)"):
         handle.replay(torch.where(good == 3, 8, good))
-    with pytest.raises(HFReplayError, match="repeats an expert"):
+    with pytest.raises(
+        HFReplayError, match=r"decoder layer 0 .*: replayed row 0 = \[0, 0\] repeats an expert"
+    ):
         handle.replay(torch.zeros_like(good))
+    with pytest.raises(HFReplayError, match=r"dtype torch.float32, expected an integer dtype"):
+        handle.replay(good.float())
+    with pytest.raises(HFReplayError, match=r"replay mask of .* expected \[4\] bool"):
+        handle.replay(good, torch.ones(4, dtype=torch.long))
     handle.replay(torch.zeros_like(good), torch.zeros(4, dtype=torch.bool))  # masked-out filler is fine
     handle.replay(good)
-    with pytest.raises(HFReplayError, match="replay targets have 4 rows, expected 6"):
+    with pytest.raises(HFReplayError, match=r"decoder layer 0 .* have shape \[4, 2\], expected \[6, 2\]"):
         model(input_ids=torch.ones(2, 3, dtype=torch.long), use_cache=False)
 
 

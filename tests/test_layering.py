@@ -23,9 +23,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "harness",  # the package itself: its version and error types
             "harness.errors",
             "harness.atomic",
-            "harness.trace",
+            "harness.trace",  # the package and its modules (routing_trace, kernels, storage, comparison)
             "harness.conventions",
             "harness.metrics",
+            "harness.outcomes",
             "harness.mismatch",
             "harness.table",
             "harness.strategies",
@@ -34,20 +35,30 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("engines and trainers", ("harness.engines", "harness.trainers", "harness.probes")),
-    ("subjects", ("harness.subjects", "harness.mutants", "harness.lab")),
+    (
+        "subjects",
+        (
+            "harness.subjects",
+            "harness.mutants",
+            "harness.lab",
+            # the gate's view of each engine: the reference adapter runs the reference lab (harness.lab,
+            # with the reference subject's driver), so the adapters sit here, above the engines they wrap
+            "harness.engines.adapters",
+        ),
+    ),
     ("test support", ("harness.testing", "harness.distributed")),
     (
         "suites and suite runner",
-        ("suites", "harness.check", "harness.mutation", "harness.verdicts"),
+        ("suites", "harness.check", "harness.check_plan", "harness.mutation", "harness.verdicts"),
     ),
     (
         "cli, pytest plugin, reports",
         (
             "harness.cli",
+            "harness.check_runner",  # runs a check plan and reports it as it goes (harness.report)
             "harness.__main__",
             "harness.pytest_plugin",
             "harness.report",
-            "harness.report_doc",
             "harness.gate",
             "harness.bench",
             "harness.bench_replay",

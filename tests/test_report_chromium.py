@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.report_doc import to_html
+from harness.report import to_html
 from tests.test_report_doc import make_doc
 
 CHROMIUM = next(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 from html.parser import HTMLParser
@@ -14,10 +15,12 @@ import pytest
 from harness.check import CheckOutcome, counterexample, failure_message
 from harness.lab import LabArm, LabConfig, LabResult
 from harness.metrics import logprob_gap
-from harness.report_doc import (
+from harness.report import (
     HIST_EDGES,
+    CheckReport,
+    Counts,
+    Environment,
     LabRun,
-    SchemaError,
     SuiteRun,
     build_report,
     histogram,
@@ -25,7 +28,6 @@ from harness.report_doc import (
     svg_grouped_bars,
     to_html,
     to_json,
-    validate,
 )
 from harness.testing.suite import COUNTEREXAMPLE, counterexample_notes
 from harness.trace import RoutingComparison
@@ -145,20 +147,20 @@ def fake_lab(flips: bool = True) -> tuple[LabResult, dict[str, np.ndarray], np.n
     return result, deltas, flipped[response]
 
 
-ENV = {
-    "python": "3.11.7",
-    "platform": "Linux-x86_64",
-    "harness": "0.1.0",
-    "torch": "2.13.0+cpu",
-    "numpy": "2.4.6",
-    "transformers": None,
-    "hypothesis": "6.155.2",
-    "pytest": "9.0.3",
-    "engines": {"vllm": None, "sglang": None, "megatron-core": None},
-    "cpu": "test CPU",
-    "cores": 2,
-    "gpu": None,
-}
+ENV = Environment(
+    python="3.11.7",
+    platform="Linux-x86_64",
+    harness="0.1.0",
+    torch="2.13.0+cpu",
+    numpy="2.4.6",
+    transformers=None,
+    hypothesis="6.155.2",
+    pytest="9.0.3",
+    engines={"vllm": None, "sglang": None, "megatron-core": None},
+    cpu="test CPU",
+    cores=2,
+    gpu=None,
+)
 
 
 def outcomes(failing: bool) -> list[CheckOutcome]:
@@ -187,7 +189,7 @@ def outcomes(failing: bool) -> list[CheckOutcome]:
     return out
 
 
-def make_doc(failing: bool = False, with_deltas: bool = True, flips: bool = True) -> dict[str, Any]:
+def make_doc(failing: bool = False, with_deltas: bool = True, flips: bool = True) -> CheckReport:
     lab, deltas, flipped = fake_lab(flips)
     return build_report(
         subject_spec="my_pkg.sub:SUBJECT",
@@ -206,56 +208,63 @@ def make_doc(failing: bool = False, with_deltas: bool = True, flips: bool = True
     )
 
 
-def test_the_report_follows_its_schema_and_the_validator_rejects_violations() -> None:
-    for doc in (make_doc(), make_doc(failing=True), make_doc(with_deltas=False, flips=False)):
-        validate(json.loads(to_json(doc)), schema())
-    doc = json.loads(to_json(make_doc(failing=True)))
-    broken = copy.deepcopy(doc)
-    del broken["verdict"]
-    with pytest.raises(SchemaError, match=r"required property 'verdict'"):
-        validate(broken, schema())
-    broken = copy.deepcopy(doc)
-    broken["invariants"][0]["result"] = "OK"
-    with pytest.raises(SchemaError, match=r"\$\.invariants\[0\]\.result"):
-        validate(broken, schema())
-    broken = copy.deepcopy(doc)
-    broken["labs"][0]["arms"][0]["abs_delta_histogram"]["counts"][0] = -1
-    with pytest.raises(SchemaError, match="minimum"):
-        validate(broken, schema())
-    broken = copy.deepcopy(doc)
-    broken["environment"]["cores"] = True  # a bool is not an integer
-    with pytest.raises(SchemaError, match="cores"):
-        validate(broken, schema())
-    with pytest.raises(SchemaError, match="not supported"):
-        validate({}, {"type": "object", "patternProperties": {}})
+def schema_violations(document: Any) -> list[str]:
+    """Where and why ``document`` (parsed JSON) breaks the report's schema, by ``jsonschema``; a
+    violation inside an ``anyOf`` is named by its most relevant cause (``best_match``)."""
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed (the dev extra)")
+    validator = jsonschema.Draft202012Validator(schema())
+    causes = (jsonschema.exceptions.best_match([error]) for error in validator.iter_errors(document))
+    return [f"{cause.json_path}: {cause.message}" for cause in causes]
 
 
-def test_the_schema_agrees_with_jsonschema_where_it_is_installed() -> None:
-    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed (optional)")
+def test_the_report_follows_its_schema_and_the_schema_rejects_violations() -> None:
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed (the dev extra)")
     jsonschema.Draft202012Validator.check_schema(schema())
-    jsonschema.validate(
-        json.loads(to_json(make_doc(failing=True))), schema(), cls=jsonschema.Draft202012Validator
-    )
+    vllm = dataclasses.replace(make_doc(), engine="vllm")  # rrh check --engine vllm
+    for doc in (make_doc(), make_doc(failing=True), make_doc(with_deltas=False, flips=False), vllm):
+        assert schema_violations(json.loads(to_json(doc))) == []
+    doc = json.loads(to_json(make_doc(failing=True)))
+    for path, value, expected in (
+        (("verdict",), None, "$: 'verdict' is a required property"),
+        (("invariants", 0, "result"), "OK", "$.invariants[0].result: 'OK' is not one of"),
+        (
+            ("labs", 0, "arms", 0, "abs_delta_histogram", "counts", 0),
+            -1,
+            "counts[0]: -1 is less than the minimum",
+        ),
+        (("environment", "cores"), True, "$.environment.cores: True is not of type 'integer'"),
+        (("subject", "nickname"), "x", "Additional properties are not allowed ('nickname' was unexpected)"),
+    ):
+        broken = copy.deepcopy(doc)
+        *parents, key = path
+        target = broken
+        for part in parents:
+            target = target[part]
+        if value is None:
+            del target[key]
+        else:
+            target[key] = value
+        violations = schema_violations(broken)
+        assert len(violations) == 1 and expected in violations[0], (path, violations)
 
 
 def test_report_content_counts_verdict_and_nan_as_null() -> None:
     doc = make_doc(failing=True)
-    assert doc["counts"] == {"passed": 1, "failed": 1, "skipped": 1}
-    assert doc["verdict"]["status"] == "fail"
-    text = doc["verdict"]["text"]
+    assert doc.counts == Counts(passed=1, failed=1, skipped=1)
+    assert doc.verdict.status == "fail"
+    text = doc.verdict.text
     assert "NOT right" in text and "spliced trace has 9 rows" in text and "idle_payloads=True" in text
     assert "pytest suites/test_splice.py::test_rows[x] --rr-subject my_pkg.sub:SUBJECT" in text
-    assert doc["header"].startswith("rrh check 0.1.0: reference suites + reference mismatch lab")
-    assert "'my-framework' (my_pkg.sub:SUBJECT)" in doc["header"]
-    assert make_doc()["verdict"]["status"] == "pass"
-    assert "1 were not checked" in make_doc()["verdict"]["text"]
+    assert doc.header.startswith("rrh check 0.1.0: reference suites + reference mismatch lab")
+    assert "'my-framework' (my_pkg.sub:SUBJECT)" in doc.header
+    assert make_doc().verdict.status == "pass"
+    assert "1 were not checked" in make_doc().verdict.text
     no_flips = make_doc(flips=False)
-    assert no_flips["labs"][0]["arms"][0]["gap_on_flipped"]["mean_abs_diff"] is None  # nan → null
+    assert no_flips.labs[0].arms[0].gap_on_flipped["mean_abs_diff"] is None  # nan → None (JSON null)
     assert "NaN" not in to_json(no_flips)
-    arm = make_doc()["labs"][0]["arms"][0]
-    assert sum(arm["abs_delta_histogram"]["counts"]) == 24
-    assert arm["abs_delta_histogram"]["flipped_counts"] is not None
-    assert make_doc(with_deltas=False)["labs"][0]["arms"][0]["abs_delta_histogram"] is None
+    hist = make_doc().labs[0].arms[0].abs_delta_histogram
+    assert hist is not None and sum(hist.counts) == hist.tokens == 24 and hist.flipped_counts is not None
+    assert make_doc(with_deltas=False).labs[0].arms[0].abs_delta_histogram is None
 
 
 def test_lab_arms_that_carry_abs_delta_feed_the_histogram() -> None:
@@ -268,10 +277,10 @@ def test_lab_arms_that_carry_abs_delta_feed_the_histogram() -> None:
         subject_spec="a:b", subject_name="b", capabilities=[], engine="reference", family=None, runs=[],
         labs=[LabRun("reference", lab, 0.1)], command="rrh check", wall_seconds=0.1, env=ENV,
     )  # fmt: skip
-    hist = doc["labs"][0]["arms"][1]["abs_delta_histogram"]
-    assert hist["counts"] == histogram(deltas["R3"]) and hist["flipped_counts"] == histogram(
-        deltas["R3"][flipped]
-    )
+    hist = doc.labs[0].arms[1].abs_delta_histogram
+    assert hist is not None
+    assert list(hist.counts) == histogram(deltas["R3"])
+    assert hist.flipped_counts is not None and list(hist.flipped_counts) == histogram(deltas["R3"][flipped])
 
 
 def test_histogram_bins() -> None:
@@ -339,6 +348,13 @@ def test_html_is_self_contained_balanced_and_says_everything() -> None:
     for word in ("PASS", "FAIL", "skip", "Environment", "2.13.0+cpu", "not installed", "verdict fail"):
         assert word in page.replace('class="verdict fail"', "verdict fail"), word
     assert "distributed suites not run" in page
+
+
+def test_html_names_what_sampled_the_labs_rollouts() -> None:
+    doc = make_doc()
+    assert "tokens sampled by KV-cache decode" in to_html(doc)
+    vllm = dataclasses.replace(doc, labs=(dataclasses.replace(doc.labs[0], engine="vllm"),))
+    assert "tokens sampled by real vLLM" in to_html(vllm) and "KV-cache decode" not in to_html(vllm)
 
 
 def test_html_without_per_token_deltas_says_why_there_is_no_histogram() -> None:

@@ -9,9 +9,9 @@
   transformers pinned by an engine (4.x or 5.x) reads the same model.
 - **Rollouts.** ``EngineRollout``: one engine call — prompt, generated tokens, their log-probs, the
   canonical ``RoutingTrace`` decoded through the conventions registry, and the raw payload's dtype.
-- **Attempts.** ``partial_rollout`` (abort/resume: resubmit ``prompt ⊕ partial response`` with a
-  small ``max_tokens`` budget) and ``multi_turn`` (append tool tokens, generate again) drive any
-  ``generate(context, max_tokens) -> EngineRollout`` and splice the payloads with the reference
+- **Episodes.** An abort/resume or multi-turn ``Schedule`` (``reference_impl.episode``) drives any
+  ``generate(context, max_tokens) -> EngineRollout`` through the one episode driver
+  ``reference_impl.episode.run_episode``; ``spliced_trace`` splices its payloads with the reference
   splice (DESIGN §3.4): each attempt contributes only the rows of its own new positions.
 - **The trainer.** ``trainer_recompute`` loads the checkpoint into transformers, recomputes the
   rollouts with one full forward, and measures routing disagreement with the engine and the log-prob
@@ -23,6 +23,7 @@ Nothing here imports an engine.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,19 +36,18 @@ import torch
 from harness.conventions import ModelSpec
 from harness.errors import HarnessError
 from harness.trace import LayerAxis, Provenance, RoutingComparison, RoutingTrace, compare
-from reference_impl.splice import Attempt, SpliceError, splice
+from reference_impl.episode import Episode
+from reference_impl.splice import SpliceError, splice
 
 __all__ = [
     "ENGINE_OVERRIDES",
     "EngineRollout",
     "EngineUnavailable",
-    "SplicedRollout",
     "TinyCheckpoint",
     "TrainerComparison",
     "load_checkpoint",
     "model_spec",
-    "multi_turn",
-    "partial_rollout",
+    "spliced_trace",
     "trainer_recompute",
     "write_checkpoint",
 ]
@@ -197,9 +197,14 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 @dataclass(frozen=True)
 class EngineRollout:
-    """One engine call: ``prompt`` (the context it was given), the ``tokens`` it generated, their
+    """One real engine call: ``prompt`` (the context it was given), the ``tokens`` it generated, their
     log-probs (None when the engine did not return them), the canonical trace of positions
-    ``[start, len(prompt) + len(tokens) − 1)``, how the call ended, and the raw payload's dtype."""
+    ``[start, len(prompt) + len(tokens) − 1)``, how the call ended, and the raw payload's dtype.
+
+    The reference ``Rollout`` plus what only a real engine's payload has: its decoded ``trace``
+    (convention, layer axis, provenance), the wire dtype and the prefix-cache hit. It is an
+    ``EngineCall`` of ``reference_impl.episode.run_episode``, so a ``Schedule`` drives a real engine
+    through ``generate_one`` as it drives the reference engine."""
 
     prompt: tuple[int, ...]
     tokens: tuple[int, ...]
@@ -213,6 +218,15 @@ class EngineRollout:
     def sequence(self) -> tuple[int, ...]:
         return self.prompt + self.tokens
 
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def start(self) -> int:
+        return self.trace.start
+
+    @property
     def routes(self) -> torch.Tensor:
         """The trace's routes on the decoder axis as int64 ``[rows, num_hidden_layers, top_k]``."""
         return torch.from_numpy(self.trace.to_decoder_axis().experts.astype(np.int64))
@@ -222,34 +236,17 @@ Generate = Callable[[Sequence[int], int], EngineRollout]
 """``(context token ids, max_tokens) -> EngineRollout``: one engine call, full payload (start 0)."""
 
 
-@dataclass(frozen=True)
-class SplicedRollout:
-    """One sample built from several engine calls, and the trace the splice built from their payloads."""
+def spliced_trace(episode: Episode[EngineRollout]) -> RoutingTrace:
+    """The canonical trace of an episode of real engine calls: its attempts spliced (DESIGN §3.4).
 
-    prompt_len: int
-    tokens: tuple[int, ...]  # prompt ⊕ response (tool tokens included)
-    attempts: tuple[Attempt, ...]
-    calls: tuple[EngineRollout, ...]
-    logprobs: tuple[float | None, ...]  # per response token; None for tool tokens
-    trace: RoutingTrace
-
-    @property
-    def response_len(self) -> int:
-        return len(self.tokens) - self.prompt_len
-
-
-def _spliced(
-    prompt_len: int,
-    tokens: list[int],
-    calls: list[EngineRollout],
-    attempts: list[Attempt],
-    logprobs: list[float | None],
-) -> SplicedRollout:
+    Decoder layer axis, the first call's model and provenance (convention ``+splice``), coverage
+    ``[0, P + R − 1)`` checked; a payload the splice refuses raises `HarnessError`.
+    """
     try:
-        routes = splice(prompt_len, attempts)
+        routes = splice(episode.prompt_len, episode.attempts)
     except SpliceError as err:
         raise HarnessError(f"splice: {err}") from None
-    first = calls[0].trace
+    first = episode.calls[0].trace
     trace = RoutingTrace(
         routes.numpy(),
         num_experts=first.num_experts,
@@ -260,70 +257,8 @@ def _spliced(
             first.provenance.engine, first.provenance.version, first.provenance.convention + "+splice"
         ),
     )
-    trace.check_coverage(prompt_len, len(tokens) - prompt_len)
-    return SplicedRollout(prompt_len, tuple(tokens), tuple(attempts), tuple(calls), tuple(logprobs), trace)
-
-
-def _check_call(call: EngineRollout, context: Sequence[int], budget: int, what: str) -> None:
-    if list(call.prompt) != list(context):
-        raise HarnessError(f"{what}: the engine echoed another prompt than the context it was given")
-    if not 1 <= len(call.tokens) <= budget:
-        raise HarnessError(f"{what}: {len(call.tokens)} tokens generated, expected 1..{budget} (max_tokens)")
-    if call.trace.start != 0:
-        raise HarnessError(
-            f"{what}: payload starts at position {call.trace.start}, expected 0 (full payload)"
-        )
-
-
-def partial_rollout(generate: Generate, prompt: Sequence[int], budgets: Sequence[int]) -> SplicedRollout:
-    """Abort/resume: attempt j resubmits ``prompt ⊕ response so far`` with ``max_tokens = budgets[j]``.
-
-    Each attempt is cut by its budget (an abort after ``budgets[j]`` tokens) and resumed by the next;
-    the payloads are spliced so attempt j contributes only the rows of its own new positions.
-    """
-    if not prompt or not budgets or min(budgets) < 1:
-        raise ValueError(
-            f"partial_rollout: prompt {len(prompt)} tokens, budgets {list(budgets)}; expected ≥ 1 each"
-        )
-    context: list[int] = list(prompt)
-    calls: list[EngineRollout] = []
-    attempts: list[Attempt] = []
-    logprobs: list[float | None] = []
-    for j, budget in enumerate(budgets):
-        call = generate(tuple(context), budget)
-        _check_call(call, context, budget, f"attempt {j + 1}")
-        calls.append(call)
-        attempts.append(
-            Attempt(len(call.tokens), call.routes(), "abort" if j < len(budgets) - 1 else "length")
-        )
-        logprobs += list(call.logprobs) if call.logprobs is not None else [None] * len(call.tokens)
-        context += call.tokens
-    return _spliced(len(prompt), context, calls, attempts, logprobs)
-
-
-def multi_turn(
-    generate: Generate, prompt: Sequence[int], turns: Sequence[tuple[Sequence[int], int]]
-) -> SplicedRollout:
-    """Multi-turn: turn j appends its tool tokens ``turns[j][0]`` then generates ``turns[j][1]`` tokens.
-
-    Tool tokens count as new tokens of the attempt that prefilled them (DESIGN §3.4).
-    """
-    if not prompt or not turns:
-        raise ValueError("multi_turn: expected a non-empty prompt and at least one turn")
-    context: list[int] = list(prompt)
-    calls: list[EngineRollout] = []
-    attempts: list[Attempt] = []
-    logprobs: list[float | None] = []
-    for j, (tool, budget) in enumerate(turns):
-        context += list(tool)
-        call = generate(tuple(context), budget)
-        _check_call(call, context, budget, f"turn {j + 1}")
-        calls.append(call)
-        attempts.append(Attempt(len(tool) + len(call.tokens), call.routes(), "stop"))
-        logprobs += [None] * len(tool)
-        logprobs += list(call.logprobs) if call.logprobs is not None else [None] * len(call.tokens)
-        context += call.tokens
-    return _spliced(len(prompt), context, calls, attempts, logprobs)
+    trace.check_coverage(episode.prompt_len, episode.response_len)
+    return trace
 
 
 # --------------------------------------------------------------------------------------------
@@ -363,9 +298,13 @@ def _trace_of(routes: torch.Tensor, like: RoutingTrace) -> RoutingTrace:
 
 
 def trainer_recompute(
-    model: torch.nn.Module, rollouts: Sequence[EngineRollout | SplicedRollout], *, handle: Any = None
+    model: torch.nn.Module,
+    rollouts: Sequence[EngineRollout | Episode[EngineRollout]],
+    *,
+    handle: Any = None,
 ) -> TrainerComparison:
-    """Recompute each rollout with one full forward of ``model`` (transformers), without and with R3.
+    """Recompute each rollout or episode with one full forward of ``model`` (transformers), without
+    and with R3 (an episode's routes are its `spliced_trace`).
 
     Routes are compared per (position, MoE layer) as sets over every row the engine returned; the
     gap is over the sampled response tokens whose engine log-prob is known. ``handle`` is an
@@ -379,9 +318,18 @@ def trainer_recompute(
     overlaps, overlaps_r3, gaps, gaps_r3 = [], [], [], []
     try:
         for rollout in rollouts:
-            if isinstance(rollout, SplicedRollout):
-                tokens, prompt_len, trace = list(rollout.tokens), rollout.prompt_len, rollout.trace
-                engine_lp = list(rollout.logprobs)
+            if isinstance(rollout, Episode):
+                tokens, prompt_len, trace = (
+                    rollout.tokens.tolist(),
+                    rollout.prompt_len,
+                    spliced_trace(rollout),
+                )
+                engine_lp = [
+                    float(lp) if sampled and not math.isnan(lp) else None
+                    for lp, sampled in zip(
+                        rollout.response_logprobs.tolist(), rollout.sampled_mask.tolist(), strict=True
+                    )
+                ]
             else:
                 tokens, prompt_len, trace = list(rollout.sequence), len(rollout.prompt), rollout.trace
                 engine_lp = (
@@ -417,7 +365,7 @@ def trainer_recompute(
     finally:
         if own:
             handle.remove()
-    first = rollouts[0].trace
+    first = rollouts[0].calls[0].trace if isinstance(rollouts[0], Episode) else rollouts[0].trace
     k, moe = first.top_k, first.moe_layers
     return TrainerComparison(
         RoutingComparison(np.concatenate(overlaps), k, moe),

@@ -6,9 +6,10 @@ records the routing of every forward. Each rollout is canonical (DESIGN §3.1): 
 ``[0, P + R − 1)`` (the last sampled token is never fed back, so it has no row), MoE-ordinal layer
 axis, and the sampled tokens' log-probs from the engine's own logits.
 
-``hf_generate(model, handle)`` adapts ``generate_rollouts`` to the ``Generate`` callable of the generic
-attempt drivers in ``harness.engines.checkpoint`` (``partial_rollout``, ``multi_turn``), so abort/resume
-and multi-turn run through real HF generation and its KV cache.
+Each rollout is a reference ``Rollout`` (``hf_trace`` makes its canonical trace).
+``hf_generate(model, handle)`` adapts ``generate_rollouts`` to the engine call of the one episode
+driver, ``reference_impl.episode.run_episode``, so an abort/resume or multi-turn ``Schedule`` runs
+through real HF generation and its KV cache.
 
 ``run_hf_mismatch_lab`` is DESIGN §6's mismatch lab on a real transformers model: a bf16 Qwen3-MoE
 (SDPA, 64 experts top-8) rolls out with its KV cache, the trainer recomputes with one full forward,
@@ -18,41 +19,31 @@ without replay and with R3 (the rollout routes replayed through ``install_replay
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from harness.engines.checkpoint import EngineRollout, Generate
+from harness.errors import HarnessError
 from harness.mismatch import LabConfig, LabResult, lab_result
 from harness.trace import LayerAxis, Provenance, RoutingTrace
 from harness.trainers.hf.replay import HFReplay, install_replay
+from reference_impl.engine import Rollout
 
 
-@dataclass(frozen=True)
-class HFRollout:
-    """One sample: its response, the sampled tokens' log-probs and the routes of every input position.
-
-    ``routes`` is ``[P + R − 1, num_moe_layers, top_k]`` int64: row ``i`` is the routing computed when
-    position ``i`` of ``prompt ⊕ tokens`` was the model input.
-    """
-
-    prompt: torch.Tensor
-    tokens: torch.Tensor
-    logprobs: torch.Tensor
-    routes: torch.Tensor
-
-    def trace(self, handle: HFReplay) -> RoutingTrace:
-        """The routes as a validated ``RoutingTrace`` (MoE-ordinal axis) of ``handle``'s model."""
-        return RoutingTrace(
-            self.routes.numpy(),
-            num_experts=handle.num_experts,
-            moe_layers=handle.moe_layers,
-            num_layers=_num_layers(handle.model),
-            layer_axis=LayerAxis.MOE_ORDINAL,
-            provenance=Provenance("hf", _transformers_version(), "kv-cache decode"),
-        )
+def hf_trace(rollout: Rollout, handle: HFReplay) -> RoutingTrace:
+    """A rollout's routes as a validated ``RoutingTrace`` (MoE-ordinal axis) of ``handle``'s model."""
+    if rollout.routes is None:
+        raise HarnessError("hf_trace: the rollout has no routes (no forward ran)")
+    return RoutingTrace(
+        rollout.routes.numpy(),
+        num_experts=handle.num_experts,
+        moe_layers=handle.moe_layers,
+        num_layers=_num_layers(handle.model),
+        layer_axis=LayerAxis.MOE_ORDINAL,
+        provenance=Provenance("hf", _transformers_version(), "kv-cache decode"),
+    )
 
 
 def _num_layers(model: Any) -> int:
@@ -75,9 +66,11 @@ def generate_rollouts(
     *,
     greedy: bool = False,
     generator: torch.Generator | None = None,
-) -> list[HFRollout]:
+) -> list[Rollout]:
     """Sample ``response_len`` tokens after each of ``prompts`` ``[B, P]`` through the KV cache.
 
+    Each rollout's ``routes`` is ``[P + R − 1, num_moe_layers, top_k]`` int64: row ``i`` is the
+    routing computed when position ``i`` of ``prompt ⊕ tokens`` was the model input.
     One prefill forward of the prompts, then ``response_len − 1`` decode forwards of one token
     each; ``handle`` records every forward (it is disarmed afterwards). Log-probs are the fp32
     log-softmax of the logits the token was sampled from.
@@ -108,13 +101,13 @@ def generate_rollouts(
         routes.append(handle.recording().reshape(batch, 1, len(handle.moe_layers), handle.top_k))
     handle.disarm()
     tokens, lps, rows = torch.stack(sampled, 1), torch.stack(logprobs, 1), torch.cat(routes, 1)
-    return [HFRollout(prompts[b], tokens[b], lps[b], rows[b]) for b in range(batch)]
+    return [Rollout(prompt_len, tokens[b], lps[b], rows[b], 0, "length") for b in range(batch)]
 
 
 def hf_generate(
     model: nn.Module, handle: HFReplay, *, greedy: bool = False, generator: torch.Generator | None = None
 ) -> Generate:
-    """The ``(context, max_tokens) -> EngineRollout`` callable of ``partial_rollout`` / ``multi_turn``.
+    """The ``(context, max_tokens) -> EngineRollout`` engine call of ``run_episode``.
 
     Each call is one engine call: a fresh KV cache, a prefill of the whole context, then decode
     steps (``generate_rollouts`` on a batch of one) for exactly ``max_tokens`` tokens (no stop token,
@@ -129,7 +122,7 @@ def hf_generate(
             prompt=tuple(int(t) for t in context),
             tokens=tuple(int(t) for t in rollout.tokens.tolist()),
             logprobs=tuple(float(lp) for lp in rollout.logprobs.tolist()),
-            trace=rollout.trace(handle),
+            trace=hf_trace(rollout, handle),
             finish_reason="length",
             raw_dtype="int64",
         )
@@ -171,8 +164,8 @@ def run_hf_mismatch_lab(cfg: LabConfig | None = None) -> LabResult:
     prompts = torch.randint(0, 256, (cfg.batch, cfg.prompt_len), generator=gen)
     rollouts = generate_rollouts(model, handle, prompts, cfg.response_len, generator=gen)
 
-    tokens = torch.stack([torch.cat([r.prompt, r.tokens]) for r in rollouts])
-    routes = torch.stack([r.routes for r in rollouts])
+    tokens = torch.cat([prompts, torch.stack([r.tokens for r in rollouts])], dim=1)
+    routes = torch.stack([cast(torch.Tensor, r.routes) for r in rollouts])  # every rollout ran a forward
     infer = torch.stack([r.logprobs for r in rollouts])
     result = score_rollouts(model, handle, cfg, tokens, routes, infer)
     handle.remove()

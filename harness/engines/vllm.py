@@ -33,13 +33,7 @@ import numpy as np
 
 from harness.conventions import VLLM_0_21, VLLM_0_31, Convention, ModelSpec
 from harness.engines import installed
-from harness.engines.checkpoint import (
-    EngineRollout,
-    SplicedRollout,
-    TinyCheckpoint,
-    multi_turn,
-    partial_rollout,
-)
+from harness.engines.checkpoint import EngineRollout, TinyCheckpoint
 from harness.errors import ConventionError
 
 ENGINE = "vllm"
@@ -310,15 +304,9 @@ class VLLMEngine:
         )
 
     def generate_one(self, context: Sequence[int], max_tokens: int) -> EngineRollout:
+        """One engine call: the ``generate`` of ``reference_impl.episode.run_episode``, which plays an
+        abort/resume or multi-turn ``Schedule`` through this engine (``checkpoint.spliced_trace``)."""
         return self.generate([context], max_tokens)[0]
-
-    def partial_rollout(self, prompt: Sequence[int], budgets: Sequence[int]) -> SplicedRollout:
-        """Abort/resume by budget: resubmit ``prompt ⊕ partial response`` for each budget, splice."""
-        return partial_rollout(self.generate_one, prompt, budgets)
-
-    def multi_turn(self, prompt: Sequence[int], turns: Sequence[tuple[Sequence[int], int]]) -> SplicedRollout:
-        """Append each turn's tool tokens, generate, splice."""
-        return multi_turn(self.generate_one, prompt, turns)
 
     def close(self) -> None:
         """Shut the engine down and free the GPU memory it held."""

@@ -63,7 +63,7 @@ class FifoClearedPerMicroBatch(ReferenceReplay):
 
     def replay(self, targets: Tensor, mask: Tensor | None = None) -> None:
         for router in self.model.routers():
-            router.backward_targets.clear()
+            router.replay.backward_targets.clear()
         super().replay(targets, mask)
 
 

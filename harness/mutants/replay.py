@@ -104,7 +104,7 @@ class StaleRouterObjects(ReferenceReplay):
         self.snapshot.set_routing_mode(RoutingMode.REPLAY_BACKWARD)
 
     def dispatched(self) -> Tensor:
-        targets = [r.targets for r in self.snapshot.routers()]
+        targets = [r.replay.targets for r in self.snapshot.routers()]
         if any(t is None for t in targets):
             return super().dispatched()
         return torch.stack([t.ids for t in targets if t is not None], dim=1)

@@ -34,10 +34,7 @@ class ReferenceReplay:
         self.model.set_routing_mode(RoutingMode.REPLAY_BACKWARD)
 
     def dispatched(self) -> torch.Tensor:
-        ids = self.model.last_dispatch
-        if any(i is None for i in ids):
-            raise RuntimeError("dispatched: no forward has run since the model was built")
-        return torch.stack([i for i in ids if i is not None], dim=1)
+        return self.model.dispatched_routes()
 
     def disarm(self) -> None:
         self.model.clear_replay()

@@ -74,13 +74,7 @@ def _reference_base(family: str, dtype: str) -> nn.Module:
 
     grouped = family == "sigmoid_grouped"
     return MoELM(
-        MoEConfig(
-            vocab_size=64,
-            hidden_size=32,
-            num_layers=3,
-            first_k_dense=1,
-            num_experts=8,
-            top_k=2,
+        MoEConfig.tiny(
             router_family=family,
             n_group=2 if grouped else 1,
             topk_group=1,

@@ -46,7 +46,7 @@ from torch.utils.checkpoint import checkpoint
 from .. import layouts as reference_layouts
 from ..config import MoEConfig
 from ..model import Attention, DecoderLayer, MoEBlock, MoELM, RMSNorm, apply_rope, rope_tables
-from ..routers import ReplayError, Router
+from ..routers import ReplayError, Router, set_replay_targets
 from .collectives import all_gather_cat, all_to_all_rows, exchange_counts
 from .topology import ParallelSpec, ProcessGroups, RankPlace
 
@@ -208,16 +208,12 @@ class ShardedMoELM(MoELM):
 
     def set_replay_targets(self, targets: Tensor, mask: Tensor | None = None) -> None:
         """Give each of this rank's routers its slice of ``targets`` [local_tokens, n_here, k]."""
-        targets = torch.as_tensor(targets)
-        routers = self.routers()
-        if targets.ndim != 3 or targets.shape[1] != len(routers):
-            raise ReplayError(
-                f"{self.place.describe()}: replay targets have shape {list(targets.shape)}, "
-                f"expected [local_tokens, {len(routers)}, {self.cfg.top_k}] (one slot per "
-                f"MoE layer of this rank: {self.moe_layers_here})"
+        try:
+            set_replay_targets(
+                [router.replay for router in self.routers()], targets, mask, self.moe_layers_here
             )
-        for slot, router in enumerate(routers):
-            router.set_targets(targets[:, slot, :], mask)
+        except ReplayError as err:
+            raise ReplayError(f"{self.place.describe()}: {err}") from None
 
     # -- the forward, in pieces the pipeline schedule calls ------------------------------------
 

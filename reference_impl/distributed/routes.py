@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..config import MoEConfig
+from ..config import LayerAxis, MoEConfig
 from .topology import ParallelSpec, RankPlace
 
 
@@ -69,7 +69,7 @@ def rank_targets(
     place: RankPlace,
     layouts: Any,
     *,
-    layer_axis: str = "decoder",
+    layer_axis: LayerAxis | str = LayerAxis.DECODER,
 ) -> tuple[Tensor, Tensor]:
     """This rank's targets ``[T_router, n_here, k]`` and mask ``[T_router]`` from a global trace.
 
@@ -78,14 +78,12 @@ def rank_targets(
     rows = rank_rows(routes, spec, place, layouts)
     row_mask = rank_rows(mask.bool(), spec, place, layouts)
     moe_layers = list(cfg.moe_layers)
-    per_chunk = []
-    for layer_range in layouts.pp_layer_ranges(cfg.num_layers, spec.pp, spec.vpp)[place.pp]:
-        if layer_axis == "decoder":
-            per_chunk.append(layouts.stage_targets(rows, moe_layers, layer_range))
-        elif layer_axis == "moe_ordinal":
-            per_chunk.append(layouts.stage_targets_moe_ordinal(rows, moe_layers, layer_range))
-        else:
-            raise ValueError(f"layer_axis = {layer_axis!r}: expected 'decoder' or 'moe_ordinal'")
+    axis = LayerAxis.parse(layer_axis)
+    stage = layouts.stage_targets if axis is LayerAxis.DECODER else layouts.stage_targets_moe_ordinal
+    per_chunk = [
+        stage(rows, moe_layers, layer_range)
+        for layer_range in layouts.pp_layer_ranges(cfg.num_layers, spec.pp, spec.vpp)[place.pp]
+    ]
     return torch.cat(per_chunk, dim=1).long(), row_mask
 
 

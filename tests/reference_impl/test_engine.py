@@ -6,26 +6,15 @@ import pytest
 import torch
 
 from reference_impl import ROUTER_FAMILIES, MoEConfig, MoELM, RoutingMode
-from reference_impl.engine import AttemptPlan, RolloutEngine, run_episode
+from reference_impl.engine import RolloutEngine
+from reference_impl.episode import AttemptPlan, EpisodeError, Schedule, run_episode
 from reference_impl.splice import splice, splice_replace
 
-SMALL = dict(
-    vocab_size=64,
-    hidden_size=32,
-    num_layers=3,
-    num_heads=2,
-    num_experts=8,
-    top_k=2,
-    expert_hidden=16,
-    first_k_dense=1,
-    n_group=4,
-    topk_group=2,
-)
 PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 8, 9], [7, 9, 32, 38]]  # different lengths
 
 
 def _model(family: str = "softmax_topk", **kw) -> MoELM:
-    return MoELM(MoEConfig(**{**SMALL, "router_family": family, **kw}))
+    return MoELM(MoEConfig.tiny(router_family=family, **kw))
 
 
 def _full_forward(model: MoELM, prompt: list[int], response: torch.Tensor):
@@ -84,7 +73,7 @@ def test_zero_new_tokens_runs_no_forward_and_leaves_the_routers_as_they_were():
     rollouts = RolloutEngine(model).generate(PROMPTS, 0)
     assert [(len(r.tokens), r.routes, r.finish_reason) for r in rollouts] == [(0, None, "length")] * 3
     RolloutEngine(model).generate(PROMPTS, 3)
-    assert all(router.mode is RoutingMode.RECORD for router in model.routers())
+    assert all(router.replay.mode is RoutingMode.RECORD for router in model.routers())
     assert model.pop_recording().shape == (3, 2, 2)  # only the caller's own forward
 
 
@@ -124,9 +113,9 @@ def test_seeded_sampling_is_reproducible():
     assert any(not torch.equal(a.tokens, c.tokens) for a, c in zip(first, other, strict=True))
 
 
-def _perturb_routers(model: MoELM) -> None:
+def _perturb_routers(model: MoELM, version: int = 1) -> None:
     """A weight update between attempts that changes routing (fully-async RL)."""
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator().manual_seed(6 + version)
     with torch.no_grad():
         for router in model.routers():
             router.gate.weight.add_(0.5 * torch.randn(router.gate.weight.shape, generator=gen))
@@ -134,12 +123,17 @@ def _perturb_routers(model: MoELM) -> None:
 
 def test_episode_attempts_add_up_and_the_splice_keeps_the_live_rows():
     prompt = PROMPTS[1]
-    plans = [
-        AttemptPlan(4),
-        AttemptPlan(0),
-        AttemptPlan(3, tool_tokens=(5, 6), update_weights=_perturb_routers),
-    ]
-    episode = run_episode(RolloutEngine(_model()), prompt, plans)
+    plans = (
+        AttemptPlan(4, finish_reason="abort"),
+        AttemptPlan(0, finish_reason="abort"),
+        AttemptPlan(3, tool_tokens=(5, 6), update_weights=True, finish_reason="length"),
+    )
+    engine = RolloutEngine(_model())
+    episode = run_episode(
+        engine.generate_one,
+        Schedule(tuple(prompt), plans),
+        update_weights=lambda version: _perturb_routers(engine.model, version),
+    )
     P, attempts = len(prompt), episode.attempts
     assert [a.new_tokens for a in attempts] == [4, 0, 2 + 3]
     assert sum(a.new_tokens for a in attempts) == len(episode.tokens) - P
@@ -165,7 +159,8 @@ def test_episode_attempts_add_up_and_the_splice_keeps_the_live_rows():
 def test_episode_without_weight_updates_splices_to_a_single_generation():
     model, prompt = _model(), PROMPTS[0]
     engine = RolloutEngine(model)
-    episode = run_episode(engine, prompt, [AttemptPlan(3), AttemptPlan(2), AttemptPlan(4)])
+    plans = (AttemptPlan(3, finish_reason="abort"), AttemptPlan(2, finish_reason="abort"), AttemptPlan(4))
+    episode = run_episode(engine.generate_one, Schedule(tuple(prompt), plans))
     single = engine.generate([prompt], 9)[0]
     assert torch.equal(episode.tokens[len(prompt) :], single.tokens)
     trace = splice(len(prompt), episode.attempts)
@@ -176,13 +171,14 @@ def test_episode_without_weight_updates_splices_to_a_single_generation():
 
 def test_tool_tokens_of_a_zero_budget_attempt_count_for_the_attempt_that_prefills_them():
     prompt = PROMPTS[2]
-    plans = [
+    plans = (
         AttemptPlan(2),
         AttemptPlan(0, tool_tokens=(5, 6)),
         AttemptPlan(2),
         AttemptPlan(0, tool_tokens=(11,)),
-    ]
-    episode = run_episode(RolloutEngine(_model()), prompt, plans)
+    )
+    episode = run_episode(RolloutEngine(_model()).generate_one, Schedule(tuple(prompt), plans))
+    assert [a.kind for a in episode.attempts] == ["start", "turn", "turn", "turn"]
     assert [a.new_tokens for a in episode.attempts] == [2, 0, 2 + 2, 0]
     assert len(episode.tokens) == len(prompt) + 2 + 2 + 2 + 1  # trailing tool token: no row
     assert splice(len(prompt), episode.attempts).shape[0] == len(episode.tokens) - 1 - 1
@@ -191,8 +187,19 @@ def test_tool_tokens_of_a_zero_budget_attempt_count_for_the_attempt_that_prefill
 
 def test_invalid_requests_are_refused():
     model = _model()
-    with pytest.raises(ValueError, match="start = 2"):
-        run_episode(RolloutEngine(model, start=2), PROMPTS[0], [AttemptPlan(1)])
+    with pytest.raises(EpisodeError, match="start = 2"):
+        run_episode(
+            RolloutEngine(model, start=2).generate_one, Schedule(tuple(PROMPTS[0]), (AttemptPlan(1),))
+        )
+    with pytest.raises(EpisodeError, match="update_weights"):
+        run_episode(RolloutEngine(model).generate_one, Schedule((1,), (AttemptPlan(1, update_weights=True),)))
+    with pytest.raises(EpisodeError, match="finish_reason"):
+        AttemptPlan(1, finish_reason="aborted")
+    with pytest.raises(EpisodeError, match="at most max_new_tokens = 1"):
+        run_episode(
+            lambda context, budget: RolloutEngine(model).generate_one(context, 2),
+            Schedule((1,), (AttemptPlan(1),)),
+        )
     with pytest.raises(ValueError, match="start = 4"):
         RolloutEngine(model, start=4).generate(PROMPTS, 1)
     with pytest.raises(ValueError, match="layer_axis"):

@@ -1,33 +1,24 @@
-"""The reference MoE LM: replay effect, recompute FIFO, KV cache, padding, determinism."""
+"""The reference MoE LM by hand: replay error texts, recordings, KV cache, padding, determinism.
+
+The replay properties (targets reach the experts, bit-exact replay, gradients at unpicked targets,
+recompute FIFO, masked rows native) are checked on every router family in ``suites/test_replay.py``.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from reference_impl import ROUTER_FAMILIES, MoEConfig, MoELM, ReplayError, RoutingMode
-
-SMALL = dict(
-    vocab_size=64,
-    hidden_size=32,
-    num_layers=3,
-    num_heads=2,
-    num_experts=8,
-    top_k=2,
-    expert_hidden=16,
-    n_group=4,
-    topk_group=2,
-)
+from reference_impl import MoEConfig, MoELM, ReplayError, RoutingMode
 
 
 def _model(family: str = "softmax_topk", **kw) -> MoELM:
-    cfg = MoEConfig(**{**SMALL, "router_family": family, **kw})
-    return MoELM(cfg)
+    return MoELM(MoEConfig.tiny(router_family=family, **kw))
 
 
 def _tokens(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(
-        0, SMALL["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed)
+        0, MoEConfig.tiny().vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed)
     )
 
 
@@ -44,117 +35,8 @@ def _random_targets(rows: int, layers: int, seed: int, experts: int = 8, k: int 
     return scores.argsort(dim=-1)[..., :k]
 
 
-def _sets(ids: torch.Tensor) -> list:
-    return [frozenset(row) for row in ids.reshape(-1, ids.shape[-1]).tolist()]
-
-
-def _grads(model: MoELM) -> dict[str, torch.Tensor]:
-    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-
-
-@pytest.mark.parametrize("family", ROUTER_FAMILIES)
-def test_replaying_own_recording_is_bit_exact(family):
-    model = _model(family, first_k_dense=1, shared_expert=family == "llama4")
-    x = _tokens(2, 9)
-    logits, trace = _record(model, x)
-    assert trace.shape == (18, 2, 2)
-    model.set_routing_mode(RoutingMode.REPLAY_FORWARD)
-    model.set_replay_targets(trace)
-    with torch.no_grad():
-        replayed = model(x)
-    assert torch.equal(replayed, logits)
-    assert all(torch.equal(d, trace[:, i]) for i, d in enumerate(model.last_dispatch))
-
-
-@pytest.mark.parametrize("family", ROUTER_FAMILIES)
-def test_replay_dispatches_targets_whatever_the_logits(family):
-    model = _model(family)
-    x = _tokens(2, 7)
-    _, trace = _record(model, x)
-    with torch.no_grad():
-        for router in model.routers():
-            router.gate.weight.neg_()
-    _, negated = _record(model, x)
-    assert _sets(negated) != _sets(trace)  # natively the routing now differs...
-    model.set_routing_mode(RoutingMode.REPLAY_FORWARD)
-    model.set_replay_targets(trace)
-    with torch.no_grad():
-        model(x)
-    for ordinal, dispatched in enumerate(model.last_dispatch):  # ...but replay forces it
-        assert _sets(dispatched) == _sets(trace[:, ordinal])
-
-
-@pytest.mark.parametrize("family", ROUTER_FAMILIES)
-def test_router_gradient_at_target_the_live_topk_would_not_pick(family):
-    model = _model(family)
-    x = _tokens(1, 6)
-    _, trace = _record(model, x)
-    # First MoE layer: its input does not depend on replay, so "live top-k" is well defined.
-    live = trace[:, 0]
-    unpicked = torch.stack([torch.tensor([e for e in range(8) if e not in row][:2]) for row in live.tolist()])
-    targets = trace.clone()
-    targets[:, 0] = unpicked
-    model.set_routing_mode(RoutingMode.REPLAY_FORWARD)
-    model.set_replay_targets(targets)
-    model(x).float().pow(2).mean().backward()
-    assert torch.equal(model.last_dispatch[0], unpicked)
-    grad_norm = model.routers()[0].gate.weight.grad.norm(dim=1)
-    for expert in set(unpicked.flatten().tolist()):
-        assert grad_norm[expert] > 0, f"no router gradient at target expert {expert}"
-
-
-@pytest.mark.parametrize("family", ["softmax_topk", "sigmoid_grouped"])
-def test_recompute_replays_forward_targets_per_micro_batch(family):
-    """Two micro-batches forward under REPLAY_FORWARD, then backward with recompute under
-    REPLAY_BACKWARD: each recompute pops its own micro-batch's targets and the gradients equal
-    those of the same replay without recompute."""
-    micro = [
-        (_tokens(2, 5, seed=1), _random_targets(10, 3, seed=1)),
-        (_tokens(2, 5, seed=2), _random_targets(10, 3, seed=2)),
-    ]
-
-    reference = _model(family)
-    reference.set_routing_mode(RoutingMode.REPLAY_FORWARD)
-    for x, targets in micro:
-        reference.set_replay_targets(targets)
-        reference(x).float().pow(2).mean().backward()
-    expected = _grads(reference)
-
-    model = _model(family)
-    model.set_routing_mode(RoutingMode.REPLAY_FORWARD)
-    losses = []
-    for x, targets in micro:
-        model.set_replay_targets(targets)
-        losses.append(model(x, use_checkpoint=True).float().pow(2).mean())
-    assert all(len(r.backward_targets) == 2 for r in model.routers())
-    model.set_routing_mode(RoutingMode.REPLAY_BACKWARD)
-    for loss, (_, targets) in zip(losses, micro, strict=True):
-        loss.backward()
-        for ordinal, dispatched in enumerate(model.last_dispatch):  # set by the recompute
-            assert torch.equal(dispatched, targets[:, ordinal])
-    assert all(len(r.backward_targets) == 0 for r in model.routers())
-    got = _grads(model)
-    assert got.keys() == expected.keys()
-    for name in expected:
-        assert torch.equal(got[name], expected[name]), name
-
-
-def test_replay_mask_routes_masked_rows_natively():
-    model = _model("softmax_topk")
-    x = _tokens(2, 6)
-    logits, trace = _record(model, x)
-    mask = torch.ones(12, dtype=torch.bool)
-    mask[[5, 11]] = False  # e.g. the last token of each sample: no row
-    filler = trace.clone()
-    filler[~mask] = 0  # all-zero rows (invalid) are fine where they are not replayed
-    model.set_routing_mode(RoutingMode.REPLAY_FORWARD)
-    model.set_replay_targets(filler, mask)
-    with torch.no_grad():
-        assert torch.equal(model(x), logits)
-
-
 def test_model_level_replay_errors():
-    model = _model("softmax_topk", first_k_dense=1)
+    model = _model("softmax_topk")
     x = _tokens(1, 4)
     model.set_routing_mode(RoutingMode.REPLAY_FORWARD)
     with pytest.raises(ReplayError, match=r"decoder layer 1.*no replay targets"):
@@ -165,21 +47,21 @@ def test_model_level_replay_errors():
     with pytest.raises(ReplayError, match=r"expected \[4, 2\]"):
         model(x)
     model.clear_replay()
-    assert all(r.targets is None and not r.backward_targets for r in model.routers())
+    assert all(r.replay.targets is None and not r.replay.backward_targets for r in model.routers())
     with pytest.raises(ReplayError, match="cannot pop a recording"):
         model.pop_recording()
 
 
 def test_pop_recording_concatenates_calls_and_clears():
-    model = _model("softmax_topk", first_k_dense=1)
+    model = _model("softmax_topk")
     model.set_routing_mode(RoutingMode.RECORD)
     with torch.no_grad():
         model(_tokens(1, 4))
         model(_tokens(2, 3))
     trace = model.pop_recording()
     assert trace.shape == (10, 2, 2) and trace.dtype == torch.int64
-    assert all(not r.recorded for r in model.routers())
-    model.routers()[0].recorded.append(torch.tensor([[0, 1]]))  # routers out of step
+    assert all(not r.replay.recorded for r in model.routers())
+    model.routers()[0].replay.recorded.append(torch.tensor([[0, 1]]))  # routers out of step
     with pytest.raises(ReplayError, match=r"entries per router \[1, 0\]"):
         model.pop_recording()
 
@@ -221,20 +103,8 @@ def test_left_padding_gives_unpadded_logits_for_real_tokens():
 
 
 def test_same_config_gives_bit_identical_weights():
-    cfg = MoEConfig(**SMALL, router_family="topk_softmax")
+    cfg = MoEConfig.tiny(router_family="topk_softmax")
     a, b = MoELM(cfg).state_dict(), MoELM(cfg).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    other = MoELM(MoEConfig(**SMALL, router_family="topk_softmax", seed=1)).state_dict()
+    other = MoELM(MoEConfig.tiny(router_family="topk_softmax", seed=1)).state_dict()
     assert not torch.equal(a["embed.weight"], other["embed.weight"])
-
-
-def test_bfloat16_model_records_and_replays():
-    model = _model("softmax_topk_fp32", dtype="bfloat16", shared_expert=True)
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    x = _tokens(2, 6)
-    logits, trace = _record(model, x)
-    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
-    model.set_routing_mode(RoutingMode.REPLAY_FORWARD)
-    model.set_replay_targets(trace)
-    with torch.no_grad():
-        assert torch.equal(model(x), logits)

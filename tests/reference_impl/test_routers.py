@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from harness.testing.asserts import assert_same_routes
 from reference_impl import (
     FAMILIES,
     ROUTER_FAMILIES,
@@ -27,10 +28,6 @@ def _cfg(**kw) -> MoEConfig:
     return MoEConfig(**base)
 
 
-def _sets(ids: torch.Tensor) -> list[set[int]]:
-    return [set(row) for row in ids.tolist()]
-
-
 # --- each family's rule on a tiny hand-computed example -------------------------------------
 
 
@@ -38,7 +35,7 @@ def _sets(ids: torch.Tensor) -> list[set[int]]:
 def test_softmax_topk_matches_hand_formula(normalise):
     family = make_family("softmax_topk", _cfg(norm_topk_prob=normalise))
     ids = family.select(LOGITS)
-    assert _sets(ids) == [{2, 1}, {3, 0}]
+    assert_same_routes(ids, [[1, 2], [0, 3]], names=("selected", "by hand"))
     e = [math.exp(v) for v in LOGITS[0].tolist()]
     if normalise:
         expected = [e[2] / (e[2] + e[1]), e[1] / (e[2] + e[1])]
@@ -65,7 +62,7 @@ def test_topk_softmax_is_softmax_over_chosen_logits():
     family = make_family("topk_softmax", _cfg())
     assert family.gate_bias
     ids = family.select(LOGITS)
-    assert _sets(ids) == [{2, 1}, {3, 0}]
+    assert_same_routes(ids, [[1, 2], [0, 3]], names=("selected", "by hand"))
     w = family.weights(LOGITS, ids)
     a, b = LOGITS[1, ids[1, 0]].item(), LOGITS[1, ids[1, 1]].item()
     assert math.isclose(w[1, 0].item(), math.exp(a) / (math.exp(a) + math.exp(b)), rel_tol=1e-6)
@@ -80,7 +77,7 @@ def test_sigmoid_grouped_group_limit_excludes_masked_groups():
     # ~1.0 (expert 1 is very low), below groups {2,3} (~1.46) and {4,5} (~1.38).
     logits = torch.tensor([[5.0, -5.0, 1.0, 1.0, 0.8, 0.8, 0.0, 0.0]])
     ids = family.select(logits)
-    assert _sets(ids) == [{2, 3}]
+    assert_same_routes(ids, [[2, 3]], names=("selected", "by hand"))
     assert 0 not in ids.tolist()[0]
     assert set(torch.topk(logits.sigmoid(), 2).indices.tolist()[0]) != {2, 3}  # limit mattered
 
@@ -97,7 +94,7 @@ def test_sigmoid_grouped_group_limit_excludes_masked_groups():
 def test_llama4_weights_are_sigmoid_of_logits_at_ids():
     family = make_family("llama4", _cfg())
     ids = family.select(LOGITS)
-    assert _sets(ids) == [{2, 1}, {3, 0}]
+    assert_same_routes(ids, [[1, 2], [0, 3]], names=("selected", "by hand"))
     assert torch.allclose(family.weights(LOGITS, ids), LOGITS.gather(1, ids).sigmoid())
     forced = torch.tensor([[0, 3], [1, 2]])  # not the native choice: still sigmoid at the ids
     assert torch.allclose(family.weights(LOGITS, forced), LOGITS.gather(1, forced).sigmoid())
@@ -130,9 +127,9 @@ def test_replay_forces_targets_and_gradient_reaches_unpicked_expert(family):
     native, _, logits = router(hidden)
     # Targets: the two experts with the lowest logits, never in the native choice.
     targets = logits.detach().topk(2, largest=False).indices
-    assert all(not (a & b) for a, b in zip(_sets(native), _sets(targets), strict=True))
-    router.mode = RoutingMode.REPLAY_FORWARD
-    router.set_targets(targets)
+    assert all(not set(a) & set(b) for a, b in zip(native.tolist(), targets.tolist(), strict=True))
+    router.replay.mode = RoutingMode.REPLAY_FORWARD
+    router.replay.set_targets(targets)
     ids, weights, logits = router(hidden)
     assert torch.equal(ids, targets)
     assert torch.equal(weights, router.family.weights(logits, targets))
@@ -144,12 +141,12 @@ def test_replay_forces_targets_and_gradient_reaches_unpicked_expert(family):
 
 def test_record_appends_one_detached_cpu_entry_per_call():
     router = _router("softmax_topk")
-    router.mode = RoutingMode.RECORD
+    router.replay.mode = RoutingMode.RECORD
     first, _, _ = router(torch.randn(5, 16))
     router(torch.randn(3, 16))
-    assert [r.shape for r in router.recorded] == [(5, 2), (3, 2)]
-    assert router.recorded[0].dtype == torch.int64 and not router.recorded[0].requires_grad
-    assert torch.equal(router.recorded[0], first)
+    assert [r.shape for r in router.replay.recorded] == [(5, 2), (3, 2)]
+    assert router.replay.recorded[0].dtype == torch.int64 and not router.replay.recorded[0].requires_grad
+    assert torch.equal(router.replay.recorded[0], first)
 
 
 def test_replay_mask_routes_unmasked_rows_natively():
@@ -158,11 +155,11 @@ def test_replay_mask_routes_unmasked_rows_natively():
     native, _, _ = router(hidden)
     filler = torch.zeros(4, 2, dtype=torch.long)  # invalid rows, but never replayed
     targets = torch.tensor([[6, 7], [6, 7], [0, 0], [0, 0]])
-    router.set_targets(
+    router.replay.set_targets(
         torch.where(torch.tensor([True, True, False, False])[:, None], targets, filler),
         mask=torch.tensor([True, True, False, False]),
     )
-    router.mode = RoutingMode.REPLAY_FORWARD
+    router.replay.mode = RoutingMode.REPLAY_FORWARD
     ids, _, _ = router(hidden)
     assert torch.equal(ids[:2], targets[:2])
     assert torch.equal(ids[2:], native[2:])
@@ -172,12 +169,12 @@ def test_fifo_replays_forward_targets_in_order():
     router = _router("softmax_topk")
     a = torch.tensor([[0, 1], [2, 3]])
     b = torch.tensor([[4, 5], [6, 7]])
-    router.mode = RoutingMode.REPLAY_FORWARD
-    router.set_targets(a)
+    router.replay.mode = RoutingMode.REPLAY_FORWARD
+    router.replay.set_targets(a)
     router(torch.randn(2, 16))
-    router.set_targets(b)
+    router.replay.set_targets(b)
     router(torch.randn(2, 16))
-    router.mode = RoutingMode.REPLAY_BACKWARD
+    router.replay.mode = RoutingMode.REPLAY_BACKWARD
     assert torch.equal(router(torch.randn(2, 16))[0], a)
     assert torch.equal(router(torch.randn(2, 16))[0], b)
     with pytest.raises(ReplayError, match="FIFO is empty"):
@@ -189,7 +186,7 @@ def test_fifo_replays_forward_targets_in_order():
 
 def test_replay_without_targets_raises_naming_layer():
     router = _router("softmax_topk")
-    router.mode = RoutingMode.REPLAY_FORWARD
+    router.replay.mode = RoutingMode.REPLAY_FORWARD
     with pytest.raises(ReplayError, match=r"decoder layer 3.*no replay targets"):
         router(torch.randn(2, 16))
 
@@ -207,13 +204,13 @@ def test_replay_without_targets_raises_naming_layer():
 )
 def test_malformed_targets_raise(bad, message):
     with pytest.raises(ReplayError, match=message):
-        _router("softmax_topk").set_targets(bad)
+        _router("softmax_topk").replay.set_targets(bad)
 
 
 def test_targets_for_wrong_token_count_raise_at_forward():
     router = _router("softmax_topk")
-    router.set_targets(torch.tensor([[0, 1], [2, 3]]))
-    router.mode = RoutingMode.REPLAY_FORWARD
+    router.replay.set_targets(torch.tensor([[0, 1], [2, 3]]))
+    router.replay.mode = RoutingMode.REPLAY_FORWARD
     with pytest.raises(ReplayError, match=r"decoder layer 3.*expected \[3, 2\]"):
         router(torch.randn(3, 16))
 
@@ -221,7 +218,7 @@ def test_targets_for_wrong_token_count_raise_at_forward():
 def test_bad_mask_raises():
     router = _router("softmax_topk")
     with pytest.raises(ReplayError, match="replay mask"):
-        router.set_targets(torch.tensor([[0, 1], [2, 3]]), mask=torch.tensor([1, 0]))
+        router.replay.set_targets(torch.tensor([[0, 1], [2, 3]]), mask=torch.tensor([1, 0]))
 
 
 # --- config validation -----------------------------------------------------------------------

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from reference_impl.splice import Attempt, SpliceError, splice, splice_replace, truncate
 
@@ -148,41 +146,6 @@ def test_replace_skips_trailing_none_and_checks_row_count() -> None:
         splice_replace(4, [Attempt(2, None)])
 
 
-@st.composite
-def schedules(draw: st.DrawFn) -> tuple[int, list[int]]:
-    prompt_len = draw(st.integers(1, 6))
-    new_tokens = draw(st.lists(st.integers(0, 4), min_size=1, max_size=6))
-    return prompt_len, new_tokens
-
-
-@settings(max_examples=60, deadline=None)
-@given(schedules())
-def test_every_row_comes_from_the_attempt_that_added_the_next_token(
-    schedule: tuple[int, list[int]],
-) -> None:
-    prompt_len, new_tokens = schedule
-    attempts = []
-    owner: list[int | None] = [None] * (
-        prompt_len - 1
-    )  # prompt rows belong to the first attempt adding tokens
-    context_len = prompt_len
-    for version, count in enumerate(new_tokens):
-        context_len += count
-        attempts.append(Attempt(count, payload(context_len, version)))
-        if count:
-            owner = [version if o is None else o for o in owner] + [version] * count
-    total = prompt_len + sum(new_tokens)
-    if total == prompt_len > 1:
-        with pytest.raises(SpliceError, match="no attempt added tokens"):
-            splice(prompt_len, attempts)
-        return
-    trace = splice(prompt_len, attempts)
-    assert trace.shape == (total - 1, LAYERS, TOP_K)
-    assert positions(trace) == list(range(total - 1))
-    assert versions(trace) == owner[: total - 1]
-    assert versions(splice_replace(prompt_len, attempts)) == [len(new_tokens) - 1] * (total - 1)
-
-
 def test_truncate_keeps_tokens_and_rows_aligned() -> None:
     tokens = torch.arange(10)
     routes = payload(10)
@@ -201,16 +164,6 @@ def test_truncate_within_budget_is_identity() -> None:
 def test_truncate_to_empty_response_keeps_prompt_rows() -> None:
     cut_tokens, cut_routes = truncate(torch.arange(10), payload(10), 4, 0)
     assert cut_tokens.shape[0] == 4 and cut_routes.shape[0] == 3
-
-
-@settings(max_examples=40, deadline=None)
-@given(st.integers(1, 12), st.integers(0, 12), st.integers(0, 12))
-def test_truncate_invariant(prompt_len: int, response_len: int, budget: int) -> None:
-    n = prompt_len + response_len
-    cut_tokens, cut_routes = truncate(torch.arange(n), payload(n), prompt_len, budget)
-    assert cut_tokens.shape[0] == prompt_len + min(response_len, budget)
-    assert cut_routes.shape[0] == cut_tokens.shape[0] - 1
-    assert positions(cut_routes) == cut_tokens[:-1].tolist()
 
 
 def test_truncate_rejects_misaligned_input() -> None:

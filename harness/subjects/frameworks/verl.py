@@ -13,8 +13,18 @@ Capabilities, each a thin adapter over the release's own code:
   through; 0.9.x calls ``.numpy()`` on it), ``None`` for an attempt the engine returned nothing for.
   Every attempt but the last reports ``stop_reason="aborted"``, so the release's own loop resumes
   through all of them (a resumed attempt's tool tokens arrive as the engine's new tokens).
-  verl's multi-turn path (``ToolAgentLoop`` keeps each turn's latest payload) is another entry
-  point and is not driven here.
+  A schedule with more than one turn (an engine call after one that ended: verl resumes every
+  aborted call) runs through the release's multi-turn entry point instead: ``ToolAgentLoop.run``
+  (``verl/experimental/agent_loop/tool_agent_loop.py``),
+  its state machine and its ``_handle_generating_state`` as released, with the same resume loop as
+  its ``server_manager`` (fully-async mode), so each turn's aborted attempts resume inside it. What
+  stands in for outside services: the chat template (the prompt is the schedule's ``P`` token ids),
+  the tool parser (a tool call after every turn but the last) and the tool step (the turn's tool
+  tokens appended to the context, masked out of the response, one user turn: what the release's
+  ``_handle_processing_tools_state`` does with a tool response; a turn that generates nothing
+  gets its tool tokens from the engine call instead, since a call returns no token only when
+  aborted); 0.9.x's Continuous Token merge of
+  the assistant's tokens is the plain concatenation it performs for token-exact ids.
 - ``layouts.place_left_padded``: the agent loop's placement,
   ``AgentLoopWorker._agent_loop_postprocess`` per sample (prompt left-padded to
   ``rollout.prompt_length``, response right-padded to ``rollout.response_length``, the rows written
@@ -71,8 +81,9 @@ import torch
 
 from harness.subjects import Subject
 from harness.subjects.frameworks import check_placement_arguments, require_release
-from harness.trainers.hf.replay import HFReplay, Mode, find_routers
+from harness.trainers.hf.replay import HFReplay, find_routers
 from reference_impl.layouts import Placed
+from reference_impl.routers import RoutingMode
 from reference_impl.splice import Attempt
 
 Payload = Literal["numpy", "tensor"]
@@ -128,34 +139,133 @@ def _as_payload(routes: torch.Tensor | None, payload: Payload) -> Any:
     return routes.numpy().copy() if payload == "numpy" else routes.clone()
 
 
-def splice(version: str, payload: Payload, prompt_len: int, attempts: Sequence[Attempt]) -> Any:
-    """Run the release's resume loop over canned engine outputs, one per attempt; its routes."""
-    client_cls = _client_class(version)
-    module: Any = importlib.import_module(client_cls.__module__)
+def _turns(attempts: Sequence[Attempt]) -> list[list[Attempt]]:
+    """The schedule's engine calls grouped by the turn verl runs them in: verl resumes every aborted
+    call (partial rollout), so a call after an aborted one continues its turn whatever the schedule
+    calls it; a new turn starts after a call that ended (``"stop"`` or ``"length"``)."""
+    turns: list[list[Attempt]] = []
+    for attempt in attempts:
+        if not turns or turns[-1][-1].finish_reason != "abort":
+            turns.append([])
+        turns[-1].append(attempt)
+    return turns
+
+
+def _engine_outputs(payload: Payload, turns: list[list[Attempt]], engine_tokens: Any) -> list[Any]:
+    """One canned ``TokenOutput`` per engine call: every call of a turn but its last aborted (so the
+    release's loop resumes it), the last ending as the schedule says; ``engine_tokens(attempt)`` are
+    the token ids the engine returns for that call."""
     from verl.workers.rollout.replica import TokenOutput
 
-    outputs, next_token = [], 1
-    for index, attempt in enumerate(attempts):
-        last = index == len(attempts) - 1
-        outputs.append(
-            TokenOutput(
-                token_ids=list(range(next_token, next_token + attempt.new_tokens)),
-                routed_experts=_as_payload(attempt.routes, payload),
-                stop_reason=attempt.finish_reason if last else "aborted",
-                extra_fields={"global_steps": index},
+    outputs = []
+    for turn in turns:
+        for index, attempt in enumerate(turn):
+            outputs.append(
+                TokenOutput(
+                    token_ids=engine_tokens(attempt),
+                    routed_experts=_as_payload(attempt.routes, payload),
+                    stop_reason=attempt.finish_reason if index == len(turn) - 1 else "aborted",
+                    extra_fields={"global_steps": len(outputs)},
+                )
             )
-        )
-        next_token += attempt.new_tokens
+    return outputs
+
+
+def _token_ids(start: int) -> Any:
+    """Fresh token ids ``start, start + 1, …``: ``take(n)`` hands out the next ``n``."""
+    counter = iter(range(start, 1 << 30))
+
+    def take(n: int) -> list[int]:
+        return [next(counter) for _ in range(n)]
+
+    return take
+
+
+def splice(version: str, payload: Payload, prompt_len: int, attempts: Sequence[Attempt]) -> Any:
+    """Run the release's resume loop (or, with new turns, its multi-turn agent loop around it) over
+    canned engine outputs, one per attempt; the routes it keeps."""
+    client_cls = _client_class(version)
+    module: Any = importlib.import_module(client_cls.__module__)
+    turns, take = _turns(attempts), _token_ids(prompt_len)
+    multi_turn = len(turns) > 1
+    # In the agent loop a new turn's tool tokens come from the tool step, the engine returns the
+    # rest. A turn whose engine calls generate nothing delivers them as the engine's tokens instead:
+    # an engine call that returns no token is an aborted one, which verl always resumes.
+    by_tool_step = {id(turn[0]) for turn in turns[1:] if any(a.new_tokens > a.tool_tokens for a in turn)}
+    tool_tokens = [take(turn[0].tool_tokens if id(turn[0]) in by_tool_step else 0) for turn in turns[1:]]
+    engine_tokens = {
+        id(a): take(a.new_tokens - (a.tool_tokens if id(a) in by_tool_step else 0)) for a in attempts
+    }
+    outputs = _engine_outputs(payload, turns, lambda attempt: engine_tokens[id(attempt)])
     client = _canned_client(version, outputs)
     # A budget no schedule reaches: the loop ends on the last attempt's stop reason.
-    sampling = {"max_tokens": next_token + 1}
+    sampling = {"max_tokens": prompt_len + sum(a.new_tokens for a in attempts) + 1}
     with mock.patch.object(module, "asyncio", _NoWait()):
-        final = asyncio.run(
-            client.generate("sample", prompt_ids=list(range(prompt_len)), sampling_params=sampling)
-        )
+        if multi_turn:
+            loop = _tool_agent_loop(version, client, prompt_len, tool_tokens, sampling["max_tokens"])
+            final = asyncio.run(loop.run(sampling, raw_prompt=[{"role": "user", "content": "canned"}]))
+        else:
+            final = asyncio.run(
+                client.generate("sample", prompt_ids=list(range(prompt_len)), sampling_params=sampling)
+            )
     if outputs:
         raise RuntimeError(f"the release's loop stopped with {len(outputs)} attempt(s) not consumed")
     return final.routed_experts
+
+
+def _tool_agent_loop(
+    version: str, server: Any, prompt_len: int, tool_tokens: list[list[int]], response_length: int
+) -> Any:
+    """The release's ``ToolAgentLoop`` over ``server``, with canned stand-ins for the chat template,
+    the tool parser and the tool step (module docstring); ``tool_tokens[j]`` open turn ``j + 1``."""
+    from verl.experimental.agent_loop.tool_agent_loop import AgentState, ToolAgentLoop
+    from verl.experimental.agent_loop.tool_parser import FunctionCall
+
+    pending = list(tool_tokens)
+
+    class ToolParser:
+        stop_token_ids: tuple[int, ...] = ()  # none added: each turn ends where the schedule says
+
+        @staticmethod
+        async def extract_tool_calls(response_ids: list[int], tools: Any) -> tuple[str, list[Any]]:
+            return "", [FunctionCall(name="tool", arguments="{}")] if pending else []
+
+    class CannedToolAgentLoop(ToolAgentLoop):  # type: ignore[misc, valid-type]
+        async def _handle_pending_state(self, agent_data: Any, sampling_params: Any) -> Any:
+            agent_data.prompt_ids = list(range(prompt_len))
+            return AgentState.GENERATING
+
+        async def _handle_processing_tools_state(self, agent_data: Any) -> Any:
+            tokens = pending.pop(0)
+            agent_data.prompt_ids += tokens
+            agent_data.response_mask += [0] * len(tokens)
+            agent_data.user_turns += 1
+            return AgentState.GENERATING
+
+        async def ct_merge_assistant_token(
+            self,
+            runtime_token_ids: list[int],
+            assistant_token_ids: list[int],
+            response_mask: list[int],
+            response_logprobs: Any = None,
+            assistant_logprobs: Any = None,
+        ) -> tuple[Any, list[int], Any]:
+            merged = types.SimpleNamespace(token_ids=runtime_token_ids + assistant_token_ids)
+            return merged, response_mask + [1] * len(assistant_token_ids), response_logprobs
+
+    loop: Any = object.__new__(CannedToolAgentLoop)
+    loop.server_manager = server
+    loop.processor = None
+    loop.mm_processor_kwargs = None
+    loop.rollout_config = types.SimpleNamespace(
+        full_determinism=False, prompt_length=prompt_len, response_length=response_length
+    )
+    loop.prompt_length, loop.response_length = prompt_len, response_length
+    loop.tools, loop.tool_schemas = {}, []
+    loop.tool_parser, loop.tool_parser_name = ToolParser(), "canned"
+    loop.max_user_turns = loop.max_assistant_turns = None
+    loop.max_parallel_calls = 1
+    return loop
 
 
 # --- placement: the agent loop's padded batch, the trainer's no-padding layout -------------------
@@ -531,7 +641,7 @@ class _VeOmniReplay(HFReplay, abc.ABC):
     def record(self) -> None:
         self._reset()
         self.veomni.begin_record()
-        self.mode = Mode.RECORD
+        self.mode = RoutingMode.RECORD
 
     def recording(self) -> torch.Tensor:
         routes = self._recorded()
@@ -543,7 +653,7 @@ class _VeOmniReplay(HFReplay, abc.ABC):
         self._decoder_targets = self._decoder_axis(targets)
         self._mask = None if mask is None else torch.as_tensor(mask).bool()
         self.veomni.begin_replay()
-        self.mode = Mode.REPLAY_FORWARD
+        self.mode = RoutingMode.REPLAY_FORWARD
 
     def prepare_backward(self) -> None:
         """Nothing to switch: the controller has no backward action (see the class docstring)."""
@@ -562,7 +672,7 @@ class _VeOmniReplay(HFReplay, abc.ABC):
         self._decoder_targets, self._mask, self._recordings, self._forwards = None, None, [], 0
 
     def _after_forward(self) -> None:
-        if self.mode is Mode.RECORD:
+        if self.mode is RoutingMode.RECORD:
             self._forwards += 1
             self._take_recorded()
 
@@ -586,7 +696,7 @@ class _VeOmniReplay091(_VeOmniReplay):
     natively because the row repeats an id."""
 
     def _before_forward(self) -> None:
-        if self.mode is Mode.RECORD:
+        if self.mode is RoutingMode.RECORD:
             self.veomni.begin_microbatch()
         elif self._decoder_targets is not None:
             targets = self._decoder_targets
@@ -608,9 +718,9 @@ class _VeOmniReplay080(_VeOmniReplay):
     end (no SP padding to trim)."""
 
     def _before_forward(self) -> None:
-        if self.mode is Mode.RECORD and self._forwards:
+        if self.mode is RoutingMode.RECORD and self._forwards:
             self.veomni.advance_record_microbatch()
-        elif self.mode is Mode.REPLAY_FORWARD and self._decoder_targets is not None:
+        elif self.mode is RoutingMode.REPLAY_FORWARD and self._decoder_targets is not None:
             per_layer = self.veomni.slice_microbatch_replay_targets(self._decoder_targets)
             mask = None if self._mask is None else self.veomni.slice_microbatch_replay_mask(self._mask)
             self.veomni.set_microbatch_targets(per_layer, replay_mask=mask)

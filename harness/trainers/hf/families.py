@@ -26,6 +26,16 @@ WeightRule = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 """``(router, logits [T, E], ids [T, k] int64) -> weights [T, k]``: the gate weights at ``ids``."""
 
 
+class RuleNotApplicable(ValueError):
+    """A gate-weight rule cannot compute weights for this router: it lacks a routing parameter the
+    rule reads, or routes a ``k`` the rule does not handle. Asking which rules reproduce a router's
+    weights (``rrh gate``), such a rule is simply not one of them."""
+
+
+class MissingRoutingParameter(RuleNotApplicable, AttributeError):
+    """The router has no such routing hyper-parameter (an ``AttributeError`` too)."""
+
+
 def routing_param(router: nn.Module, name: str) -> Any:
     """A routing hyper-parameter of ``router``; transformers ≤ 5.12 kept some on the parent block
     (``HFReplay`` copies them onto ``router._rr_block_params`` at install)."""
@@ -34,7 +44,7 @@ def routing_param(router: nn.Module, name: str) -> Any:
     block_params: dict[str, Any] = getattr(router, "_rr_block_params", {})
     if name in block_params:
         return block_params[name]
-    raise AttributeError(f"router {type(router).__name__} has no routing parameter {name!r}")
+    raise MissingRoutingParameter(f"router {type(router).__name__} has no routing parameter {name!r}")
 
 
 # --- weight rules ---------------------------------------------------------------------------------
@@ -105,7 +115,7 @@ def sparsemixer_rule(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor)
     keeps the eval-mode weights, whose gradient is the plain softmax gradient.
     """
     if ids.shape[1] != 2:
-        raise ValueError(f"PhiMoE sparsemixer routes top-2, got replay ids of shape {list(ids.shape)}")
+        raise RuleNotApplicable(f"PhiMoE sparsemixer routes top-2, got replay ids of shape {list(ids.shape)}")
     eps = 2 * routing_param(router, "router_jitter_noise")
     first, second = ids[:, :1], ids[:, 1:]
     threshold = logits.gather(1, first)

@@ -13,15 +13,17 @@ DeepSeek-V3 and GLM4-MoE routers of transformers ≤ 5.12 return the logits only
 chooses in ``route_tokens_to_experts``; for those the block's method is wrapped instead (detected at
 install from whether the block has that method; at forward time, from what the router returns).
 
+The record/replay state machine is the reference's (``reference_impl.routers.RouterReplay``: modes,
+target checks, the recompute FIFO, the mask merge); each hooked router owns one, so this module only
+reads and rebuilds the routers' outputs.
+
 At install a self-check replays the model's natural choice on a small probe batch and requires the
 logits to be bit-identical; a family whose rule or dtype is wrong fails there, by name.
 """
 
 from __future__ import annotations
 
-import enum
 import re
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -42,19 +44,21 @@ from harness.trainers.hf.families import (
     routing_param,
     supported,
 )
+from reference_impl.routers import ReplayError, RouterReplay, RoutingMode, pop_recording, set_replay_targets
 
 
 class HFReplayError(HarnessError, ValueError):
     """Replay on a transformers model is misconfigured or did not take effect."""
 
 
-class Mode(enum.Enum):
-    """What the routers do on the next forward (Megatron-core ``RouterReplayAction`` + NATIVE)."""
-
-    NATIVE = "native"
-    RECORD = "record"
-    REPLAY_FORWARD = "replay_forward"
-    REPLAY_BACKWARD = "replay_backward"
+@contextmanager
+def _as_hf_error() -> Iterator[None]:
+    """The reference state machine's ``ReplayError`` as this backend's ``HFReplayError`` (same text:
+    it names the router by decoder layer and module)."""
+    try:
+        yield
+    except ReplayError as err:
+        raise HFReplayError(str(err)) from None
 
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
@@ -64,7 +68,7 @@ _INSTALLED = "_rr_hf_replay"
 @dataclass
 class HookedRouter:
     """One MoE layer's router (decoder index ``layer`` read from its module name), its experts
-    module and its replay state."""
+    module and its record/replay state (``replay``, named after the layer and the module)."""
 
     name: str
     layer: int
@@ -74,9 +78,10 @@ class HookedRouter:
     num_experts: int
     top_k: int
     block_routing: Callable[..., Any] | None = None  # ≤ 5.12 DeepSeek/GLM: the block's own routing
-    recorded: list[torch.Tensor] = field(default_factory=list)
-    target: tuple[torch.Tensor, torch.Tensor | None] | None = None
-    fifo: deque[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=deque)
+    replay: RouterReplay = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.replay = RouterReplay(f"decoder layer {self.layer} ({self.name})", self.num_experts, self.top_k)
 
 
 class HFReplay:
@@ -91,9 +96,18 @@ class HFReplay:
     def __init__(self, model: nn.Module, routers: list[HookedRouter]) -> None:
         self.model = model
         self.routers = routers
-        self.mode = Mode.NATIVE
         self._hooks: list[RemovableHandle] = []
         self._probe = RouteProbe(())
+
+    @property
+    def mode(self) -> RoutingMode:
+        """What every router does on the next forward (they are switched together)."""
+        return self.routers[0].replay.mode
+
+    @mode.setter
+    def mode(self, mode: RoutingMode) -> None:
+        for r in self.routers:
+            r.replay.mode = mode
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -120,20 +134,13 @@ class HFReplay:
     def record(self) -> None:
         """Route natively on the next forwards and keep the chosen ids."""
         self._clear()
-        self.mode = Mode.RECORD
+        self.mode = RoutingMode.RECORD
 
     def recording(self) -> torch.Tensor:
         """The ids chosen since ``record()`` (forwards concatenated along tokens); stops recording."""
-        counts = [len(r.recorded) for r in self.routers]
-        if counts[0] == 0 or len(set(counts)) != 1:
-            raise HFReplayError(
-                f"recording: forwards recorded per MoE layer {counts}, expected the same non-zero "
-                "number for every layer (call record() and run a forward first)"
-            )
-        routes = torch.stack([torch.cat(r.recorded) for r in self.routers], dim=1)
-        for r in self.routers:
-            r.recorded.clear()
-        self.mode = Mode.NATIVE
+        with _as_hf_error():
+            routes = pop_recording([r.replay for r in self.routers])
+        self.mode = RoutingMode.NATIVE
         return routes
 
     def replay(self, targets: torch.Tensor, mask: torch.Tensor | None = None) -> None:
@@ -142,28 +149,13 @@ class HFReplay:
         Rows where ``mask`` (``[tokens]`` bool) is False route natively. Replayed rows must hold
         ``top_k`` distinct ids in ``[0, num_experts)``; anything else raises ``HFReplayError``.
         """
-        targets = torch.as_tensor(targets)
-        expected = f"[tokens, {len(self.routers)}, {self.top_k}] (MoE layers {list(self.moe_layers)})"
-        if targets.ndim != 3 or targets.shape[1:] != (len(self.routers), self.top_k):
-            raise HFReplayError(f"replay targets: shape {list(targets.shape)}, expected {expected}")
-        if targets.is_floating_point() or targets.dtype == torch.bool:
-            raise HFReplayError(f"replay targets: dtype {targets.dtype}, expected an integer dtype")
-        targets = targets.to(torch.int64)
-        if mask is not None:
-            mask = torch.as_tensor(mask)
-            if mask.dtype != torch.bool or mask.shape != (targets.shape[0],):
-                raise HFReplayError(
-                    f"replay mask: shape {list(mask.shape)}, dtype {mask.dtype}; "
-                    f"expected [{targets.shape[0]}] bool"
-                )
-        self._check_ids(targets if mask is None else targets[mask])
-        for ordinal, r in enumerate(self.routers):
-            r.target = (targets[:, ordinal], mask)  # the recompute FIFO keeps earlier forwards' targets
-        self.mode = Mode.REPLAY_FORWARD
+        with _as_hf_error():  # the recompute FIFO keeps earlier forwards' targets
+            set_replay_targets([r.replay for r in self.routers], targets, mask, self.moe_layers)
+        self.mode = RoutingMode.REPLAY_FORWARD
 
     def prepare_backward(self) -> None:
         """Activation recompute replays what each forward used, oldest first."""
-        self.mode = Mode.REPLAY_BACKWARD
+        self.mode = RoutingMode.REPLAY_BACKWARD
 
     def dispatched(self) -> torch.Tensor:
         """The ids ``[tokens, num_moe_layers, top_k]`` the experts received in the last forward (read by
@@ -176,7 +168,7 @@ class HFReplay:
     def disarm(self) -> None:
         """Native routing; drop targets, queues and recordings."""
         self._clear()
-        self.mode = Mode.NATIVE
+        self.mode = RoutingMode.NATIVE
 
     def remove(self) -> None:
         """Take every hook off the model (it routes exactly as before ``install_replay``)."""
@@ -194,52 +186,13 @@ class HFReplay:
 
     def _clear(self) -> None:
         for r in self.routers:
-            r.recorded.clear()
-            r.target = None
-            r.fifo.clear()
-
-    def _check_ids(self, targets: torch.Tensor) -> None:
-        if targets.numel() == 0:
-            return
-        low, high = int(targets.min()), int(targets.max())
-        if low < 0 or high >= self.num_experts:
-            raise HFReplayError(
-                f"replay targets: expert id {low if low < 0 else high} out of range, expected ids in "
-                f"[0, {self.num_experts})"
-            )
-        ordered = targets.sort(dim=-1).values
-        repeated = (ordered[..., 1:] == ordered[..., :-1]).any(-1)
-        if bool(repeated.any()):
-            row, ordinal = (int(i) for i in repeated.nonzero()[0])
-            raise HFReplayError(
-                f"replay targets: row {row}, MoE layer {self.routers[ordinal].layer} repeats an expert "
-                f"({targets[row, ordinal].tolist()}), expected top_k={self.top_k} distinct ids"
-            )
+            r.replay.clear()
 
     def _route(self, r: HookedRouter, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
-        """The ids this forward must use at router ``r`` (``None``: keep the router's own)."""
-        if self.mode is Mode.NATIVE:
-            return None
-        if self.mode is Mode.RECORD:
-            r.recorded.append(ids.detach().to("cpu", torch.int64))
-            return None
-        if self.mode is Mode.REPLAY_FORWARD:
-            if r.target is None:
-                raise HFReplayError(f"{r.name}: replay is on but this router has no targets")
-            target = r.target
-            r.fifo.append(target)
-        else:
-            if not r.fifo:
-                raise HFReplayError(f"{r.name}: recompute found no queued targets (no replayed forward)")
-            target = r.fifo.popleft()
-        forced, mask = target
-        if forced.shape[0] != logits.shape[0]:
-            raise HFReplayError(
-                f"{r.name}: replay targets have {forced.shape[0]} rows, expected {logits.shape[0]} "
-                "(one per token this forward routes)"
-            )
-        forced = forced.to(ids.device)
-        return forced if mask is None else torch.where(mask.to(ids.device)[:, None], forced, ids)
+        """The ids this forward must use at router ``r`` (``None``: keep the router's own, ``ids``)."""
+        with _as_hf_error():
+            chosen = r.replay.choose(logits, lambda _: ids)
+        return chosen if r.replay.replaying else None
 
     def _router_hook(self, r: HookedRouter) -> Callable[[nn.Module, Any, Any], Any]:
         readout, rule = r.family.readout, r.family.rule
@@ -252,7 +205,7 @@ class HFReplay:
                         "route_tokens_to_experts to hook"
                     )
                 return None
-            if self.mode is Mode.NATIVE:
+            if self.mode is RoutingMode.NATIVE:
                 return None
             logits, ids = readout.read(module, output)
             forced = self._route(r, logits, ids)

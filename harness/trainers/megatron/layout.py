@@ -29,6 +29,7 @@ import torch
 from harness.errors import HarnessError
 from harness.trace import RoutingTrace
 from reference_impl import layouts
+from reference_impl.config import check_moe_layers
 
 
 class MegatronReplayError(HarnessError, ValueError):
@@ -76,13 +77,7 @@ class MegatronLayout:
         for name in sizes:
             if getattr(self, name) < 1:
                 raise MegatronReplayError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if list(self.moe_layers) != sorted(set(self.moe_layers)) or any(
-            not 0 <= i < self.num_layers for i in self.moe_layers
-        ):
-            raise MegatronReplayError(
-                f"moe_layers must be increasing decoder indices in [0, {self.num_layers}), "
-                f"got {self.moe_layers}"
-            )
+        check_moe_layers(self.moe_layers, self.num_layers, error=MegatronReplayError)
         if not self.moe_layers:
             raise MegatronReplayError("moe_layers is empty: nothing to replay")
         if self.top_k > self.num_experts:

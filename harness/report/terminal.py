@@ -6,13 +6,12 @@ import shutil
 import sys
 import textwrap
 from collections.abc import Mapping, Sequence
-from typing import Any, TextIO
+from typing import TextIO
 
 from harness.check import CheckOutcome
+from harness.outcomes import count_outcomes
+from harness.report.document import MARKS
 from harness.table import format_table as format_table  # re-exported (callers of harness.report)
-
-_MARK = {"passed": "PASS", "failed": "FAIL", "skipped": "skip"}
-
 
 RULES: dict[str, str] = {
     "splice": "rule: reference_impl.splice.splice, DESIGN §3.4 (P = prompt length, a_j = new tokens of "
@@ -90,13 +89,13 @@ def _format_table(outcomes: Sequence[CheckOutcome], width: int, conformance: boo
         suites = ", ".join(dict.fromkeys(o.suite for o in group))
         lines.append(f"{'skip':<6}  {'':<{suite_w}}  {len(group)} test{'s' * (len(group) > 1)} ({suites})")
         lines.extend(wrap.wrap(reason))
-    skipped = sum(len(g) for g in skips.values())
+    counts = count_outcomes(o.outcome for o in outcomes)
     if conformance:
-        return "\n".join(lines) + f"\n\n{len(passed)} passed, {len(failed)} failed, {skipped} skipped"
+        return "\n".join(lines) + f"\n\n{counts}"
     used = sum(bool(o.capabilities) for o in passed)
     summary = (
-        f"{used} passed on the subject, {len(passed) - used} passed without it, {len(failed)} failed, "
-        f"{skipped} skipped"
+        f"{used} passed on the subject, {counts.passed - used} passed without it, {counts.failed} failed, "
+        f"{counts.skipped} skipped"
     )
     return "\n".join(lines) + "\n\n" + summary
 
@@ -134,7 +133,7 @@ class Progress:
         self._open = False
 
     def __call__(self, done: int, total: int, outcome: CheckOutcome) -> None:
-        mark = _MARK.get(outcome.outcome, outcome.outcome)
+        mark = MARKS.get(outcome.outcome, outcome.outcome)
         self.line(f"[{done}/{total}] {self.prefix}{outcome.suite} {mark}: {outcome.invariant}")
 
     def line(self, text: str) -> None:
@@ -153,7 +152,3 @@ class Progress:
             self.stream.write("\r\x1b[2K")
             self.stream.flush()
             self._open = False
-
-
-def describe_counts(counts: Mapping[str, Any]) -> str:
-    return f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped"

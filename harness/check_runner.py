@@ -1,0 +1,105 @@
+"""Execute a ``CheckPlan``: its suite runs in-process, then its mismatch labs, against one subject.
+
+Progress goes to a stream as it happens (one line per test, ``harness.report.Progress``); what
+ran comes back as a ``CheckRun`` for the report. A lab that raises is a finding about the subject's
+replay, recorded in ``CheckRun.errors``, not a crash of ``rrh``; a lab the subject has no
+capability for is left out with a note.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TextIO
+
+from harness.check_plan import CheckPlan, LabStep, SuiteStep
+
+if TYPE_CHECKING:
+    from harness.check import CheckOutcome
+    from harness.mismatch import LabResult
+    from harness.report import LabRun, SuiteRun
+
+__all__ = ["CheckRun", "run_lab", "run_plan"]
+
+
+@dataclass
+class CheckRun:
+    """What a plan's execution produced: suite runs, labs, the labs' errors, and every note (the
+    plan's, then the runner's)."""
+
+    suites: list[SuiteRun] = field(default_factory=list)
+    labs: list[LabRun] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def outcomes(self) -> list[CheckOutcome]:
+        return [o for run in self.suites for o in run.outcomes]
+
+
+def run_lab(step: LabStep, subject: Any) -> LabResult:
+    """Run one mismatch lab (the reference lab replays through ``subject.install_replay``)."""
+    if step.kind == "vllm":
+        from harness.engines.vllm import run_vllm_mismatch_lab
+
+        return run_vllm_mismatch_lab(step.config)
+    if step.kind == "hf":
+        from harness.engines.hf import run_hf_mismatch_lab
+
+        return run_hf_mismatch_lab(step.config)
+    from harness.lab import run_mismatch_lab
+
+    return run_mismatch_lab(step.config, install_replay=subject.install_replay)
+
+
+def _run_suite(plan: CheckPlan, step: SuiteStep, stream: TextIO) -> SuiteRun:
+    from harness.check import run_suites
+    from harness.report import Progress, SuiteRun
+
+    progress = Progress(stream, prefix="" if len(plan.suites) == 1 else f"{step.engine} · ")
+    t0 = time.perf_counter()
+    outcomes, log = run_suites(
+        plan.subject,
+        select=step.select,
+        paths=list(step.paths) if step.paths else None,
+        keyword=step.keyword,
+        extra=list(plan.pytest_args),
+        progress=progress,
+    )
+    progress.done()
+    note = ""
+    if not outcomes:
+        note = "no test was selected or collected"
+        tail = "\n".join(log.strip().splitlines()[-5:])
+        print(f"rrh check: {step.name}: {note}\n{tail}", file=stream)
+    return SuiteRun(step.name, step.engine, step.selection(), outcomes, time.perf_counter() - t0, note)
+
+
+def run_plan(plan: CheckPlan, subject: Any, stream: TextIO) -> CheckRun:
+    """Run ``plan`` against ``subject`` (its loaded object), reporting progress to ``stream``."""
+    from harness.report import LabRun, Progress
+
+    run = CheckRun(notes=list(plan.notes))
+    run.suites = [_run_suite(plan, step, stream) for step in plan.suites]
+    for step in plan.labs:
+        if getattr(subject, step.capability) is None:
+            run.notes.append(
+                f"The {step.kind} mismatch lab was not run: subject '{subject.name}' does not provide "
+                f"{step.capability}."
+            )
+            continue
+        progress = Progress(stream)
+        rollouts = "real vLLM rollouts" if step.kind == "vllm" else "KV-cache rollouts"
+        progress.line(
+            f"[lab] {step.kind} mismatch lab: {rollouts} vs full-forward recompute, without and with R3…"
+        )
+        t0 = time.perf_counter()
+        try:
+            result = run_lab(step, subject)
+        except Exception as err:  # the subject's replay raised: a finding, not a crash of rrh
+            run.errors.append(f"The {step.kind} mismatch lab raised {type(err).__name__}: {err}")
+            continue
+        finally:
+            progress.done()
+        run.labs.append(LabRun(step.kind, result, time.perf_counter() - t0, note=step.note))
+    return run

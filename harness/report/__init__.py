@@ -1,0 +1,83 @@
+"""What ``rrh check`` tells its reader: in the terminal, as a JSON document, as an HTML page.
+
+One concept per module, bottom to top:
+
+- :mod:`~harness.report.environment` — where it ran (versions, CPU, GPU), read without importing engines;
+- :mod:`~harness.report.verdict` — the header line and the verdict in words;
+- :mod:`~harness.report.document` — the typed :class:`CheckReport` and its JSON document (schema:
+  ``harness/schemas/check_report.schema.json``);
+- :mod:`~harness.report.build` — a :class:`CheckReport` from suite outcomes and mismatch-lab results;
+- :mod:`~harness.report.svg` — the grouped-bar SVG chart (why no plotting library: its docstring);
+- :mod:`~harness.report.charts` — the lab's charts drawn with it;
+- :mod:`~harness.report.html_page` — the self-contained HTML page;
+- :mod:`~harness.report.write` — the ``--html`` / ``--json`` files;
+- :mod:`~harness.report.terminal` — tables, the invariant table, the verdict, the progress line.
+"""
+
+from harness.report.build import HIST_EDGES, LabRun, SuiteRun, build_report, histogram
+from harness.report.document import (
+    FORMAT,
+    LEGEND,
+    MARKS,
+    SCHEMA_ID,
+    ArmSummary,
+    CheckReport,
+    Counts,
+    Histogram,
+    InvariantResult,
+    LabSummary,
+    RunSummary,
+    SubjectInfo,
+    schema,
+    to_json,
+)
+from harness.report.environment import Environment, environment
+from harness.report.html_page import to_html
+from harness.report.svg import svg_grouped_bars
+from harness.report.terminal import (
+    RULES,
+    Progress,
+    format_failures,
+    format_legend,
+    format_outcomes,
+    format_table,
+    format_verdict,
+)
+from harness.report.verdict import Verdict, header_line
+from harness.report.write import write_report
+
+__all__ = [
+    "FORMAT",
+    "HIST_EDGES",
+    "LEGEND",
+    "MARKS",
+    "RULES",
+    "SCHEMA_ID",
+    "ArmSummary",
+    "CheckReport",
+    "Counts",
+    "Environment",
+    "Histogram",
+    "InvariantResult",
+    "LabRun",
+    "LabSummary",
+    "Progress",
+    "RunSummary",
+    "SubjectInfo",
+    "SuiteRun",
+    "Verdict",
+    "build_report",
+    "environment",
+    "format_failures",
+    "format_legend",
+    "format_outcomes",
+    "format_table",
+    "format_verdict",
+    "header_line",
+    "histogram",
+    "schema",
+    "svg_grouped_bars",
+    "to_html",
+    "to_json",
+    "write_report",
+]

@@ -1,0 +1,87 @@
+"""Where a check ran: versions and hardware, for the report's header and its Environment table.
+
+Versions come from package metadata, so no engine is imported to learn its version (importing
+vLLM or SGLang takes seconds and may fail on a machine that cannot run them).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from harness import __version__
+
+#: The engine and trainer distributions whose installed version the report names.
+ENGINE_DISTRIBUTIONS = ("vllm", "sglang", "megatron-core")
+
+
+@dataclass(frozen=True)
+class Environment:
+    """Versions of the harness and what it ran on; ``None`` for a package that is not installed."""
+
+    python: str
+    platform: str
+    harness: str
+    torch: str
+    numpy: str
+    transformers: str | None
+    hypothesis: str
+    pytest: str | None
+    engines: dict[str, str | None]
+    cpu: str
+    cores: int
+    gpu: str | None
+
+    def where(self) -> str:
+        """``GPU NAME`` or ``CPU (N cores)``."""
+        return self.gpu or f"CPU ({self.cores} cores)"
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:  # not Linux: the platform module's (vaguer) name below
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment() -> Environment:
+    """This machine's :class:`Environment` (torch and hypothesis are imported: the harness needs both)."""
+    import hypothesis
+    import torch
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    gpu = None
+    if torch.cuda.is_available():
+        gpu = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    return Environment(
+        python=platform.python_version(),
+        platform=platform.platform(),
+        harness=__version__,
+        torch=torch.__version__,
+        numpy=np.__version__,
+        transformers=_dist_version("transformers"),
+        hypothesis=hypothesis.__version__,
+        pytest=_dist_version("pytest"),
+        engines={name: _dist_version(name) for name in ENGINE_DISTRIBUTIONS},
+        cpu=_cpu_name(),
+        cores=cores,
+        gpu=gpu,
+    )
