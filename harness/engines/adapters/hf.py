@@ -16,7 +16,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from harness.baseline import metric
-from harness.engines.adapters.base import Observation, Suites, lab_metrics, layer_axis, observing, row_rule
+from harness.engines.adapters.base import (
+    Observation,
+    ObservationError,
+    Suites,
+    lab_metrics,
+    layer_axis,
+    observing,
+    row_rule,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -221,11 +229,14 @@ class HFAdapter:
         rollout = generate_rollouts(model, handle, prompts, response_len, greedy=True)[0]
         trace = hf_trace(rollout, handle)
         handle.remove()
+        payload = rollout.routes
+        if payload is None:
+            raise ObservationError("hf", "convention", "the KV-cache rollout returned no routes")
         return {
-            "payload_dtype": str(rollout.routes.dtype).removeprefix("torch."),
+            "payload_dtype": str(payload.dtype).removeprefix("torch."),
             "dtype": str(trace.experts.dtype),
-            "row_rule": row_rule(int(rollout.routes.shape[0]), prompt_len, response_len),
+            "row_rule": row_rule(int(payload.shape[0]), prompt_len, response_len),
             "layer_axis": layer_axis(
-                int(rollout.routes.shape[1]), int(model.config.num_hidden_layers), len(handle.moe_layers)
+                int(payload.shape[1]), int(model.config.num_hidden_layers), len(handle.moe_layers)
             ),
         }

@@ -157,7 +157,7 @@ def _engine_outputs(payload: Payload, turns: list[list[Attempt]], engine_tokens:
     the token ids the engine returns for that call."""
     from verl.workers.rollout.replica import TokenOutput
 
-    outputs = []
+    outputs: list[Any] = []
     for turn in turns:
         for index, attempt in enumerate(turn):
             outputs.append(
