@@ -38,9 +38,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.distributed import run_ranks
 from harness.subjects import DEFAULT_SUBJECT, Subject, load_subject
 from harness.subjects.replay import install
+from harness.testing.ranks import run_ranks
 from reference_impl import MoEConfig, MoELM, RoutingMode
 from reference_impl.distributed import (
     ParallelSpec,
