@@ -115,7 +115,6 @@ def run_ranks(
     args: Sequence[Any] = (),
     setup: Callable[[int, int], None] | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
-    backend: str | None = None,
 ) -> RankRun:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks of one process group.
 
@@ -130,7 +129,7 @@ def run_ranks(
     _check_importable("fn", fn)
     if setup is not None:
         _check_importable("setup", setup)
-    backend = backend or default_backend(world_size)
+    backend = default_backend(world_size)
     context = multiprocessing.get_context("spawn")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rrh-ranks-") as scratch:
