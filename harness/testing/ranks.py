@@ -229,11 +229,12 @@ def _collect(
         )
     if failures:
         # The first rank to fail is the cause; peers then typically fail with "connection closed".
+        # The first line names the cause alone (reports keep a failure's first line).
         rank = next(iter(failures))
         _, error_type, text, remote = failures[rank]
         others = [r for r in failures if r != rank]
         also = (
-            f" (then ranks {others} failed too, e.g. rank {others[0]}: {failures[others[0]][2][:200]})"
+            f"\nthen ranks {others} failed too, e.g. rank {others[0]}: {failures[others[0]][2][:200]}"
             if others
             else ""
         )
