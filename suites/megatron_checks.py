@@ -30,7 +30,7 @@ subjects in the zoo (``harness.mutants.megatron``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -343,13 +343,14 @@ def run_checks(layout: MegatronLayout, *, seed: int = 0, subject: str) -> dict[s
     """Run the five checks on this rank against ``subject`` (a ``module:attr`` spec); raise
     ``MegatronReplayError`` on the first failure.
 
-    Returns a small report (this rank's coordinates, token and router counts, the loss values).
+    Returns a small report of plain values (this rank's coordinates as a dict, token and router
+    counts, the loss values).
     """
     if layout.pp != 1:
         raise MegatronReplayError("run_checks drives one pipeline stage (pp = 1); layouts cover pp > 1")
     r = _Rank(layout, seed, subject)
     report: dict[str, Any] = {
-        "coords": r.coords,
+        "coords": asdict(r.coords),  # plain values: the report leaves the rank as torch.save bytes
         "routers": len(r.routers),
         "local_tokens": layout.local_tokens,
     }

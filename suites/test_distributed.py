@@ -37,10 +37,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.distributed import run_ranks
 from harness.subjects import Subject, load_subject
 from harness.subjects.replay import install
 from harness.testing.asserts import assert_close_logprobs, assert_same_routes
+from harness.testing.ranks import run_ranks
 from harness.testing.suite import require, subject_spec
 from reference_impl import MoEConfig, MoELM, RoutingMode
 from reference_impl.distributed import (

@@ -1,7 +1,8 @@
 """Megatron-core ``RouterReplay`` under real parallel layouts (DESIGN §3.5–3.8, FACTS §2).
 
-Each case spawns a world of ranks (gloo on CPU with the test-support patches of
-``harness.testing.megatron_cpu``, NCCL on a GPU runner, unpatched), builds a tiny GPT MoE with
+Each case spawns a world of ranks (``harness.testing.ranks.run_ranks``: gloo on CPU with the
+test-support patches of ``harness.testing.megatron_cpu`` applied by its ``setup_rank`` hook, NCCL on
+a GPU runner, unpatched), builds a tiny GPT MoE with
 the subject driver's ``config_overrides()`` (``moe_enable_routing_replay=True``) and MoE activation
 recompute, and runs ``suites.megatron_checks.run_checks`` on every rank against the
 subject (``--rr-subject``): its ``install_megatron_replay`` driver switches the actions, its
@@ -26,8 +27,11 @@ import os
 import pytest
 
 from harness.subjects import Subject
+from harness.testing.megatron_cpu import setup_rank
+from harness.testing.ranks import run_ranks
 from harness.testing.suite import require, subject_spec
 from harness.trainers.megatron.layout import MegatronLayout
+from suites.megatron_checks import run_checks
 
 TIMEOUT_S = 240
 
@@ -64,17 +68,22 @@ def _params() -> list[object]:
     ]
 
 
-def _run(layout: MegatronLayout, subject_spec: str, **kwargs: object) -> list[dict[str, object]]:
-    from harness.testing.megatron_cpu import spawn_ranks
+def megatron_worker(
+    rank: int, world_size: int, layout: MegatronLayout, subject: str, seed: int
+) -> dict[str, object]:
+    """One rank's checks (``setup_rank`` has patched megatron-core for this process)."""
+    return run_checks(layout, seed=seed, subject=subject)
 
-    return spawn_ranks(
-        "suites.megatron_checks:run_checks",
+
+def _run(layout: MegatronLayout, subject_spec: str, seed: int) -> list[dict[str, object]]:
+    run = run_ranks(
+        megatron_worker,
         layout.world_size,
+        args=(layout, subject_spec, seed),
+        setup=setup_rank,
         timeout=TIMEOUT_S,
-        layout=layout,
-        subject=subject_spec,
-        **kwargs,
     )
+    return run.results
 
 
 @pytest.mark.capability("install_megatron_replay", "megatron_data")
@@ -92,7 +101,7 @@ def test_router_replay_follows_canonical_targets(
     assert len(reports) == layout.world_size, (
         f"{name}: {len(reports)} rank reports, expected {layout.world_size}"
     )
-    coords = {(r["coords"].dp, r["coords"].tp, r["coords"].ep) for r in reports}  # type: ignore[attr-defined]
+    coords = {(r["coords"]["dp"], r["coords"]["tp"], r["coords"]["ep"]) for r in reports}  # type: ignore[index]
     assert len(coords) == layout.world_size, (
         f"{name}: {len(coords)} distinct (dp, tp, ep) coordinates {sorted(coords)}, "
         f"expected {layout.world_size}"

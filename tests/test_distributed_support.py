@@ -1,5 +1,5 @@
-"""harness.distributed: spawned ranks, fresh rendezvous, hard timeout, dead-rank detection; and the
-parallel mutants, each killed by suites/test_distributed.py on real process groups."""
+"""harness.testing.ranks: spawned ranks, fresh rendezvous, setup hook, hard timeout, dead-rank
+detection; and the parallel mutants, each killed by suites/test_distributed.py on real process groups."""
 
 from __future__ import annotations
 
@@ -12,14 +12,7 @@ import torch
 import torch.distributed as dist
 
 from harness.check import run_suites, suites_dir
-from harness.distributed import (
-    RankDied,
-    RankFailed,
-    RanksTimedOut,
-    default_backend,
-    free_port,
-    run_ranks,
-)
+from harness.testing.ranks import RankFailure, default_backend, run_ranks
 from reference_impl.distributed import ParallelSpec, TopologyError
 
 pytestmark = pytest.mark.distributed
@@ -34,6 +27,21 @@ def sum_of_ranks(rank: int, world_size: int, scale: float) -> dict[str, object]:
     x = torch.tensor([float(rank)])
     dist.all_reduce(x)
     return {"rank": rank, "world": world_size, "sum": x * scale, "ids": torch.arange(3, dtype=torch.int16)}
+
+
+def record_setup(rank: int, world_size: int) -> None:
+    """A setup hook: leaves a mark that ``fn`` reads, proving it ran in this rank, inside the group."""
+    os.environ["RRH_TEST_SETUP"] = f"rank {rank} of {world_size}, group up: {dist.is_initialized()}"
+
+
+def read_setup(rank: int, world_size: int) -> str:
+    return os.environ.get("RRH_TEST_SETUP", "no setup ran")
+
+
+def setup_fails_on_rank_0(rank: int, world_size: int) -> None:
+    if rank == 0:
+        raise RuntimeError("setup refused rank 0")
+    dist.barrier()  # rank 1 waits for a peer whose setup failed
 
 
 def one_rank_raises(rank: int, world_size: int) -> None:
@@ -56,13 +64,12 @@ def one_rank_hangs(rank: int, world_size: int) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# harness.distributed
+# harness.testing.ranks
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("init", ["file", pytest.param("tcp", marks=pytest.mark.slow)])
-def test_run_ranks_returns_every_ranks_value_through_a_fresh_rendezvous(init: str) -> None:
-    run = run_ranks(sum_of_ranks, 2, args=(10.0,), init=init)
+def test_run_ranks_returns_every_ranks_value_through_a_fresh_rendezvous() -> None:
+    run = run_ranks(sum_of_ranks, 2, args=(10.0,))
     assert run.backend == default_backend(2)
     assert [r["rank"] for r in run.results] == [0, 1], f"results come back in rank order: {run.results}"
     for result in run.results:
@@ -75,22 +82,35 @@ def test_run_ranks_returns_every_ranks_value_through_a_fresh_rendezvous(init: st
     assert run.wall_seconds > 0
 
 
+def test_the_setup_hook_runs_in_every_rank_inside_the_group_before_fn() -> None:
+    run = run_ranks(read_setup, 2, setup=record_setup)
+    assert run.results == ["rank 0 of 2, group up: True", "rank 1 of 2, group up: True"], run.results
+
+
+def test_a_failing_setup_hook_fails_the_run_naming_the_rank() -> None:
+    with pytest.raises(RankFailure) as caught:
+        run_ranks(read_setup, 2, setup=setup_fails_on_rank_0, timeout=60)
+    err = caught.value
+    assert (err.kind, err.ranks, err.error_type) == ("raised", [0], "RuntimeError"), str(err)
+    assert "setup_fails_on_rank_0" in err.remote_traceback, err.remote_traceback
+
+
 def test_a_rank_that_raises_fails_the_run_naming_the_rank_and_its_message() -> None:
-    with pytest.raises(RankFailed) as caught:
+    with pytest.raises(RankFailure) as caught:
         run_ranks(one_rank_raises, 2, timeout=60)
     err = caught.value
     assert isinstance(err, AssertionError), "a failed check in a rank reads as a failed test"
-    assert err.rank == 1 and err.error_type == "AssertionError", (err.rank, err.error_type)
+    assert (err.kind, err.ranks, err.error_type) == ("raised", [1], "AssertionError"), str(err)
     assert "rank 1 raised AssertionError: expected field 'routes' = [3, 4]" in str(err), str(err)
     assert "one_rank_raises" in err.remote_traceback, "the rank's own traceback comes back"
 
 
 def test_a_killed_rank_fails_the_run_within_60_s_naming_the_dead_rank() -> None:
     start = time.perf_counter()
-    with pytest.raises(RankDied) as caught:
+    with pytest.raises(RankFailure) as caught:
         run_ranks(one_rank_is_killed, 2, timeout=60)
     elapsed = time.perf_counter() - start
-    assert caught.value.ranks == [1], f"dead ranks {caught.value.ranks}, expected [1]"
+    assert (caught.value.kind, caught.value.ranks) == ("died", [1]), str(caught.value)
     assert "rank 1 (killed by signal 9 (SIGKILL)) died" in str(caught.value), str(caught.value)
     assert elapsed < 60, f"noticed the dead rank after {elapsed:.1f} s, expected < 60 s"
 
@@ -98,9 +118,10 @@ def test_a_killed_rank_fails_the_run_within_60_s_naming_the_dead_rank() -> None:
 def test_a_hanging_rank_is_killed_at_the_hard_timeout_and_named() -> None:
     timeout = 6.0  # rank 1 never finishes; rank 0 may not either if importing torch is slow today
     start = time.perf_counter()
-    with pytest.raises(RanksTimedOut) as caught:
+    with pytest.raises(RankFailure) as caught:
         run_ranks(one_rank_hangs, 2, timeout=timeout)
     elapsed = time.perf_counter() - start
+    assert caught.value.kind == "timed out", str(caught.value)
     assert 1 in caught.value.ranks, f"unfinished ranks {caught.value.ranks} should include the hanging rank 1"
     assert "did not finish within 6 s" in str(caught.value), str(caught.value)
     assert elapsed < timeout + 15, f"the run took {elapsed:.1f} s for a {timeout:g} s timeout"
@@ -110,15 +131,12 @@ def test_run_ranks_rejects_what_spawned_ranks_cannot_import() -> None:
     def local(rank: int, world_size: int) -> None:
         return None
 
-    with pytest.raises(ValueError, match="module-level function"):
+    with pytest.raises(ValueError, match=r"fn = .*module-level function"):
         run_ranks(local, 2)
+    with pytest.raises(ValueError, match=r"setup = .*module-level function"):
+        run_ranks(sum_of_ranks, 2, setup=local)
     with pytest.raises(ValueError, match="world_size"):
         run_ranks(sum_of_ranks, 0)
-
-
-def test_free_port_is_bindable() -> None:
-    port = free_port()
-    assert 1024 <= port < 65536
 
 
 def test_parallel_spec_places_ranks_in_megatron_order() -> None:

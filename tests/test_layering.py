@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "harness.conventions",
             "harness.metrics",
             "harness.outcomes",
+            "harness.cpus",
             "harness.mismatch",
             "harness.table",
             "harness.strategies",
@@ -46,7 +47,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "harness.engines.adapters",
         ),
     ),
-    ("test support", ("harness.testing", "harness.distributed")),
+    ("test support", ("harness.testing",)),
     (
         "suites and suite runner",
         ("suites", "harness.check", "harness.check_plan", "harness.mutation", "harness.verdicts"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -54,7 +55,7 @@ def test_patches_are_reverted_and_leave_torch_cuda_alone() -> None:
     assert (torch.cuda.current_device, torch.cuda.get_rng_state, torch.cuda.Event) == before
 
 
-def test_router_replay_instances_are_checked_against_the_class_list(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_router_replay_instances_are_checked_against_the_class_list(tmp_path: Path) -> None:
     """One MoELayer on a one-rank gloo world, in process: orphans are refused, targets are forced."""
     import warnings
 
@@ -74,12 +75,9 @@ def test_router_replay_instances_are_checked_against_the_class_list(monkeypatch:
         from megatron.core.transformer.moe.moe_layer import MoELayer
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
-        from harness.testing.megatron_cpu import _free_port
         from harness.trainers.megatron.model import tiny_config
 
-        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-        monkeypatch.setenv("MASTER_PORT", str(_free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
         try:
             ps.initialize_model_parallel(1, 1)
             model_parallel_cuda_manual_seed(0)

@@ -7,7 +7,6 @@ vLLM or SGLang takes seconds and may fail on a machine that cannot run them).
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from harness import __version__
+from harness.cpus import available_cpus
 
 #: The engine and trainer distributions whose installed version the report names.
 ENGINE_DISTRIBUTIONS = ("vllm", "sglang", "megatron-core")
@@ -64,10 +64,7 @@ def environment() -> Environment:
     import hypothesis
     import torch
 
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
+    cores = available_cpus()
     gpu = None
     if torch.cuda.is_available():
         gpu = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))

@@ -21,6 +21,9 @@ What is patched, by upstream name (all reversible with ``Patches.undo``):
   on CPU).
 - ``torch.cuda.current_stream`` / ``Stream`` / ``Event`` / ``synchronize`` → no-op stand-ins.
 
+``setup_rank`` is the per-rank setup hook of ``harness.testing.ranks.run_ranks`` that applies them
+in every spawned rank (``suites/test_megatron.py``).
+
 The alltoall token dispatcher is **not** made to work (it needs CUDA streams, numpy split sizes
 and an uneven all-gather that gloo lacks): use ``moe_token_dispatcher_type="allgather"`` on CPU.
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -182,122 +186,12 @@ def patched(*, force_cpu: bool = False) -> Iterator[Patches]:
         patches.undo()
 
 
-# --------------------------------------------------------------------------------------------------
-# Spawning a gloo (CPU) / NCCL (GPU) world of megatron-core ranks with a hard timeout.
-# --------------------------------------------------------------------------------------------------
+def setup_rank(rank: int, world_size: int) -> None:
+    """``run_ranks`` setup hook for a megatron-core rank: quiet warnings, then ``apply`` (kept applied).
 
-
-class RankFailure(RuntimeError):
-    """A rank raised, died, or the world ran past its timeout; the message holds every rank's story."""
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _rank_main(
-    rank: int, world_size: int, port: int, target: str, kwargs: dict[str, Any], queue: Any
-) -> None:
-    """Entry point of one spawned rank: patches (CPU only), process group, ``target(**kwargs)``."""
-    import os
-    import traceback
-    import warnings
-
-    import torch.distributed as dist
-
-    # megatron-core warns at import and per call about missing TE/Apex, CUDA env vars and
-    # deprecated torch.distributed names; none of it is about replay, and it floods test output.
+    megatron-core warns at import and per call about missing TE/Apex, CUDA environment variables and
+    deprecated ``torch.distributed`` names; none of it is about replay, and it floods test output.
+    """
     warnings.simplefilter("ignore", UserWarning)
     warnings.simplefilter("ignore", FutureWarning)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
-    )
-    os.environ.setdefault("LOCAL_RANK", str(rank))
-    torch.set_num_threads(1)
-    try:
-        apply()
-        if cuda_present():
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-            backend = "nccl"
-        else:
-            backend = "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
-        module_name, _, attr = target.partition(":")
-        fn = getattr(importlib.import_module(module_name), attr)
-        result = fn(**kwargs)
-        queue.put((rank, "ok", result))
-    except BaseException as err:  # report everything, SystemExit included, to the parent
-        queue.put((rank, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
-
-
-def _last_line(text: str) -> str:
-    """The last non-empty line of a traceback: the exception and its message."""
-    lines = [line for line in str(text).strip().splitlines() if line.strip()]
-    return lines[-1].strip() if lines else ""
-
-
-def spawn_ranks(target: str, world_size: int, *, timeout: float, **kwargs: Any) -> list[Any]:
-    """Run ``target`` (``"module:function"``) on ``world_size`` spawned ranks; return their results.
-
-    Each rank applies the patches it needs (``apply``), joins a gloo (CPU) or NCCL (GPU) process
-    group, and calls ``target(**kwargs)``. Raises ``RankFailure`` naming the failing ranks with
-    their tracebacks, or when the world runs past ``timeout`` seconds (every rank is then killed).
-    """
-    import multiprocessing as mp
-    import queue as queue_mod
-    import time
-
-    ctx = mp.get_context("spawn")
-    results: Any = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(rank, world_size, port, target, kwargs, results), daemon=True)
-        for rank in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    outcomes: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(outcomes) < world_size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                rank, status, payload = results.get(timeout=min(left, 0.5))
-                outcomes[rank] = (status, payload)
-            except queue_mod.Empty:
-                pass
-            died = any(p.exitcode not in (None, 0) and r not in outcomes for r, p in enumerate(procs))
-            if died or any(status == "error" for status, _ in outcomes.values()):
-                # a rank failed or died unreported (segfault, OOM kill): the others may hang in a
-                # collective, so they get a short grace period, not the whole timeout
-                deadline = min(deadline, time.monotonic() + 5)
-    finally:
-        for proc in procs:
-            proc.join(timeout=0.1 if len(outcomes) < world_size else 10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-    errors = {r: p for r, (s, p) in outcomes.items() if s == "error"}
-    missing = [r for r in range(world_size) if r not in outcomes]
-    if errors or missing:
-        # The first line names the error itself (reports keep a failure's first line), then tracebacks.
-        lines = [f"rank {r} failed: {_last_line(errors[r])}\n{errors[r]}" for r in sorted(errors)]
-        if missing:
-            lines.append(
-                f"ranks {missing} did not report within {timeout:.0f} s "
-                f"(exit codes {[procs[r].exitcode for r in missing]})"
-            )
-        raise RankFailure("\n".join(lines))
-    return [outcomes[r][1] for r in range(world_size)]
+    apply()

@@ -21,13 +21,14 @@ integers, and (for the overlap) distinct ids in every route. Errors are the call
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
+
+from harness.cpus import available_cpus
 
 CHUNK_BYTES = 1 << 19
 """Bytes of routes per chunk: numpy's per-call cost stays small, the temporaries stay in cache.
@@ -46,21 +47,13 @@ def chunk_rows(row_bytes: int) -> int:
     return max(1, CHUNK_BYTES // max(1, row_bytes))
 
 
-def workers() -> int:
-    """CPUs this process may run on (never more threads than that: no oversubscription)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def map_spans(fn: Callable[[int, int], _T], length: int, nbytes: int) -> list[_T]:
     """``fn(lo, hi)`` over contiguous spans covering ``[0, length)``, in order.
 
     One span per CPU, each in its own thread, when the work is at least ``PARALLEL_MIN_BYTES``;
     otherwise one span on the calling thread (threads would cost more than they save).
     """
-    spans = workers() if nbytes >= PARALLEL_MIN_BYTES else 1
+    spans = available_cpus() if nbytes >= PARALLEL_MIN_BYTES else 1
     bounds = [length * i // spans for i in range(spans + 1)]
     pairs = [(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
     if len(pairs) <= 1:

@@ -1,26 +1,38 @@
-"""Process-group test support: run a function on N freshly spawned ranks, safely.
+"""Test support: run a function on N freshly spawned ranks of one process group, safely.
 
-``run_ranks(fn, world_size, ...)`` starts ``world_size`` processes with the ``spawn`` start method
-(never fork: a forked torch with threads is undefined behaviour), joins them into one
-``torch.distributed`` process group through a fresh rendezvous (a new file, or a free TCP port),
-calls ``fn(rank, world_size, *args)`` in each, and returns every rank's return value. Hygiene, so a
-distributed test can fail but never hang or leak:
+``run_ranks(fn, world_size, args=..., setup=..., timeout=...)`` starts ``world_size`` processes
+with the ``spawn`` start method (never fork: a forked torch with threads is undefined behaviour),
+joins them into one ``torch.distributed`` process group, runs ``setup(rank, world_size)`` (the
+per-rank setup hook: Megatron's CPU patches, ``harness.testing.megatron_cpu.setup_rank``) and then
+``fn(rank, world_size, *args)`` in each, and returns every rank's return value. It is the one
+spawner of the harness's distributed suites (``suites/test_distributed.py``,
+``suites/test_megatron.py``).
 
-* **hard timeout** — the whole run has ``timeout`` seconds (default 60); past that every rank still
-  running is killed and `RanksTimedOut` names them. The process group's own collective timeout is
-  the same, so a rank stuck in a collective also errors out by itself.
-* **dead ranks** — a rank that exits without reporting (killed by a signal, ``os._exit``, OOM)
-  is noticed as soon as it exits; its peers are killed and `RankDied` names it, its exit code or
-  signal, and what the other ranks said. A rank that raises is reported by `RankFailed` (an
-  ``AssertionError`` when the rank's own error was one, so a failed check reads as a failed test)
-  with the rank's traceback.
-* **cleanup** — only the processes this call started are killed (by their handles), the rendezvous
-  file is removed, and pipes are closed, whatever happens.
+Rendezvous: a ``file://`` store in a fresh temporary directory per run. Unlike a TCP store it needs
+no free port, so parallel test workers (``pytest -n``) cannot race for one, and a stale store from
+an earlier run cannot be joined by mistake.
 
-The backend is chosen by device: NCCL when CUDA has a device per rank, gloo otherwise. ``fn`` must
-be importable by the spawned processes (a module-level function). Return values may hold tensors;
-they travel as ``torch.save`` bytes and are loaded with ``weights_only=True``, so keep them to
-tensors, numbers, strings, None and lists/tuples/dicts of those.
+Hygiene, so a distributed test can fail but never hang or leak:
+
+* **hard timeout**: the whole run has ``timeout`` seconds; past that every rank still running is
+  killed. The process group's own collective timeout is the same, so a rank stuck in a collective
+  also errors out by itself.
+* **dead ranks fail fast**: a rank that exits without reporting (a signal, ``os._exit``, OOM) is
+  noticed as soon as it exits, not at the timeout; its peers get ``_GRACE_S`` to report, then are
+  killed.
+* **one error**: every way a run can fail raises `RankFailure`, which names the ranks, what
+  happened to them (``kind``: raised, died, timed out) and, for a rank that raised, its exception
+  type and traceback. It is an ``AssertionError``, so a check failing inside a rank reads as a
+  failed test.
+* **cleanup**: only the processes this call started are killed (by their handles), the rendezvous
+  directory is removed and the pipes are closed, whatever happens.
+* **determinism**: one torch thread per rank, whatever the machine (reductions do not depend on
+  the core count, and N ranks do not oversubscribe a small CI runner).
+
+The backend is chosen by device: NCCL when CUDA has a device per rank, gloo otherwise. ``fn`` and
+``setup`` must be importable by the spawned processes (module-level functions). Return values travel
+as ``torch.save`` bytes loaded with ``weights_only=True`` (no pickle of arbitrary objects), so keep
+them to tensors, numbers, strings, None and lists/tuples/dicts of those.
 """
 
 from __future__ import annotations
@@ -30,7 +42,6 @@ import multiprocessing
 import os
 import resource
 import signal
-import socket
 import tempfile
 import time
 import traceback
@@ -38,47 +49,40 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Literal
 
 DEFAULT_TIMEOUT_S = 60.0
-_GRACE_S = 2.0  # after a rank fails, how long to wait for its peers' own reports
+_GRACE_S = 2.0  # after a rank fails or dies, how long its peers get to report before they are killed
+
+FailureKind = Literal["raised", "died", "timed out"]
 
 
-class DistributedRunError(RuntimeError):
-    """A distributed run did not complete; the message names the rank(s) and why."""
+class RankFailure(AssertionError):
+    """A run of ranks did not complete.
 
-
-class RankDied(DistributedRunError):
-    """A rank exited without reporting a result (signal, ``os._exit``, out of memory)."""
-
-    def __init__(self, message: str, ranks: Sequence[int]) -> None:
-        super().__init__(message)
-        self.ranks = list(ranks)
-
-
-class RanksTimedOut(DistributedRunError, TimeoutError):
-    """The run exceeded its hard timeout; ``ranks`` were still running and were killed."""
-
-    def __init__(self, message: str, ranks: Sequence[int]) -> None:
-        super().__init__(message)
-        self.ranks = list(ranks)
-
-
-class RankFailed(AssertionError):
-    """A rank raised. ``rank``, ``error_type`` and ``remote_traceback`` say which, what and where.
-
-    An ``AssertionError`` so that a check failing inside a rank is reported as a failed test.
+    ``kind`` says how: a rank ``"raised"`` (``error_type`` and ``remote_traceback`` are its own),
+    ``"died"`` without reporting, or the run ``"timed out"``. ``ranks`` are the ranks it is about:
+    the first rank that raised, the dead ranks, or the ranks still running at the timeout.
     """
 
-    def __init__(self, message: str, rank: int, error_type: str, remote_traceback: str) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: FailureKind,
+        ranks: Sequence[int],
+        error_type: str = "",
+        remote_traceback: str = "",
+    ) -> None:
         super().__init__(message)
-        self.rank = rank
+        self.kind = kind
+        self.ranks = list(ranks)
         self.error_type = error_type
         self.remote_traceback = remote_traceback
 
 
 @dataclass(frozen=True)
-class DistributedRun:
+class RankRun:
     """What a completed run returned, and what it cost.
 
     ``results[r]`` is rank r's return value; ``cpu_seconds[r]`` its process's user + system CPU
@@ -104,48 +108,32 @@ def default_backend(world_size: int) -> str:
     return "gloo"
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read it, release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
     *,
     args: Sequence[Any] = (),
+    setup: Callable[[int, int], None] | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
-    backend: str | None = None,
-    init: str = "file",
-    threads_per_rank: int = 1,
-) -> DistributedRun:
+) -> RankRun:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks of one process group.
 
-    ``init`` is ``"file"`` (a fresh rendezvous file) or ``"tcp"`` (a free port on 127.0.0.1).
-    Raises `RankFailed`, `RankDied` or `RanksTimedOut`; otherwise returns a `DistributedRun`.
+    ``setup(rank, world_size)``, when given, runs in every rank once the process group exists and
+    before ``fn``. Raises `RankFailure` when a rank raises, dies, or the run passes ``timeout``
+    seconds; otherwise returns a `RankRun` with the ranks' values in rank order.
     """
     if world_size < 1:
         raise ValueError(f"world_size = {world_size}: expected an int >= 1")
     if timeout <= 0:
         raise ValueError(f"timeout = {timeout}: expected seconds > 0")
-    if init not in ("file", "tcp"):
-        raise ValueError(f"init = {init!r}: expected 'file' or 'tcp'")
-    qualname = getattr(fn, "__qualname__", "")
-    if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in qualname:
-        raise ValueError(
-            f"fn = {qualname or fn!r}: spawned ranks import it, so it must be a module-level "
-            "function of an importable module"
-        )
-    backend = backend or default_backend(world_size)
+    _check_importable("fn", fn)
+    if setup is not None:
+        _check_importable("setup", setup)
+    backend = default_backend(world_size)
     context = multiprocessing.get_context("spawn")
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="rrh-dist-") as scratch:
-        if init == "file":
-            init_method = f"file://{os.path.join(scratch, 'rendezvous')}"
-        else:
-            init_method = f"tcp://127.0.0.1:{free_port()}"
+    with tempfile.TemporaryDirectory(prefix="rrh-ranks-") as scratch:
+        init_method = f"file://{os.path.join(scratch, 'rendezvous')}"
         processes, readers = [], []
         reports: list[tuple[Any, ...]] = []
         try:
@@ -153,17 +141,7 @@ def run_ranks(
                 reader, writer = context.Pipe(duplex=False)
                 process = context.Process(
                     target=_rank_main,
-                    args=(
-                        fn,
-                        rank,
-                        world_size,
-                        tuple(args),
-                        init_method,
-                        backend,
-                        timeout,
-                        threads_per_rank,
-                        writer,
-                    ),
+                    args=(fn, setup, rank, world_size, tuple(args), init_method, backend, timeout, writer),
                     name=f"rrh-rank-{rank}",
                     daemon=True,
                 )
@@ -183,7 +161,17 @@ def run_ranks(
             for reader in readers:
                 reader.close()
     results = [_loads(report[1]) for report in reports]
-    return DistributedRun(results, [report[2] for report in reports], time.perf_counter() - start, backend)
+    return RankRun(results, [report[2] for report in reports], time.perf_counter() - start, backend)
+
+
+def _check_importable(name: str, fn: Callable[..., Any]) -> None:
+    """Spawned ranks import ``fn`` by module and name: refuse what they could not find."""
+    qualname = getattr(fn, "__qualname__", "")
+    if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in qualname:
+        raise ValueError(
+            f"{name} = {qualname or fn!r}: spawned ranks import it, so it must be a module-level "
+            "function of an importable module"
+        )
 
 
 def _collect(
@@ -204,11 +192,12 @@ def _collect(
         if failed_at is not None and now - failed_at > _GRACE_S:
             break
         if now >= deadline:
-            raise RanksTimedOut(
+            raise RankFailure(
                 f"ranks {waiting} of {len(processes)} did not finish within {timeout:g} s and were killed "
                 f"(finished: {sorted(reports)}); a rank waiting in a collective for a peer that never "
                 "arrives looks like this",
-                waiting,
+                kind="timed out",
+                ranks=waiting,
             )
         limit = deadline - now if failed_at is None else _GRACE_S - (now - failed_at)
         ready = wait(
@@ -232,26 +221,29 @@ def _collect(
     if dead:
         said = "; ".join(f"rank {r} raised {m[1]}: {m[2][:200]}" for r, m in failures.items())
         names = ", ".join(f"rank {r} ({why})" for r, why in sorted(dead.items()))
-        raise RankDied(
+        raise RankFailure(
             f"{names} died without reporting a result; the other ranks were stopped"
             + (f" (what they reported: {said})" if said else ""),
-            sorted(dead),
+            kind="died",
+            ranks=sorted(dead),
         )
     if failures:
         # The first rank to fail is the cause; peers then typically fail with "connection closed".
+        # The first line names the cause alone (reports keep a failure's first line).
         rank = next(iter(failures))
         _, error_type, text, remote = failures[rank]
         others = [r for r in failures if r != rank]
         also = (
-            f" (then ranks {others} failed too, e.g. rank {others[0]}: {failures[others[0]][2][:200]})"
+            f"\nthen ranks {others} failed too, e.g. rank {others[0]}: {failures[others[0]][2][:200]}"
             if others
             else ""
         )
-        raise RankFailed(
+        raise RankFailure(
             f"rank {rank} raised {error_type}: {text}{also}\n--- rank {rank} traceback ---\n{remote}",
-            rank,
-            error_type,
-            remote,
+            kind="raised",
+            ranks=[rank],
+            error_type=error_type,
+            remote_traceback=remote,
         )
     return [reports[r] for r in range(len(processes))]
 
@@ -278,6 +270,8 @@ def _exit_reason(exitcode: int | None) -> str:
 
 
 def _dumps(value: Any) -> bytes:
+    """Tensors go through the pipe as ``torch.save`` bytes, not through torch's shared-memory
+    reductions, which need the sending rank alive until the parent has read them."""
     import torch
 
     buffer = io.BytesIO()
@@ -298,20 +292,22 @@ def _cpu_seconds() -> float:
 
 def _rank_main(
     fn: Callable[..., Any],
+    setup: Callable[[int, int], None] | None,
     rank: int,
     world_size: int,
     args: tuple[Any, ...],
     init_method: str,
     backend: str,
     timeout: float,
-    threads: int,
     writer: Connection,
 ) -> None:
-    """Body of a spawned rank: join the group, run ``fn``, report, leave."""
+    """Body of a spawned rank: join the group, run ``setup`` and ``fn``, report, leave."""
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)
+    # What torchrun sets, for code under test that reads it (the process group itself needs none).
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -322,6 +318,8 @@ def _rank_main(
             world_size=world_size,
             timeout=timedelta(seconds=timeout),
         )
+        if setup is not None:
+            setup(rank, world_size)
         value = fn(rank, world_size, *args)
         writer.send(("ok", _dumps(value), _cpu_seconds()))
     except BaseException as err:  # report anything, then exit non-zero
