@@ -24,6 +24,7 @@ from harness.subjects import DEFAULT_SUBJECT, load_subject
 
 if TYPE_CHECKING:
     from harness.check_runner import CheckRun
+    from harness.report import CheckReport
 
 
 def _check_plan(args: argparse.Namespace) -> CheckPlan:
@@ -41,12 +42,12 @@ def _check_plan(args: argparse.Namespace) -> CheckPlan:
     )
 
 
-def _print_check(doc: dict[str, Any], run: CheckRun, subject_spec: str) -> None:
+def _print_check(report: CheckReport, run: CheckRun, subject_spec: str) -> None:
     """The terminal report of a check: legend, outcomes, failures, labs, lab errors, verdict."""
     from harness.mismatch import format_lab
-    from harness.report import format_failures, format_legend, format_outcomes, format_verdict
+    from harness.report import LEGEND, format_failures, format_legend, format_outcomes, format_verdict
 
-    print("legend:\n" + format_legend(doc["legend"]))
+    print("legend:\n" + format_legend(LEGEND))
     print()
     print(format_outcomes(run.outcomes))
     failures = format_failures(run.outcomes, subject_spec)
@@ -58,7 +59,7 @@ def _print_check(doc: dict[str, Any], run: CheckRun, subject_spec: str) -> None:
     for error in run.errors:
         print(f"\nerror: {error}")
     print()
-    print(format_verdict(doc["verdict"]))
+    print(format_verdict(report.verdict))
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -107,10 +108,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
         for kind, path in (("HTML", args.html), ("JSON", args.json)):
             if path:
                 print(f"{kind} report: {path}")
-    print(f"({doc['wall_seconds']:.1f}s)")
-    if doc["verdict"]["status"] == "fail":
+    print(f"({doc.wall_seconds:.1f}s)")
+    if doc.verdict.status == "fail":
         return 1
-    return 0 if doc["counts"]["passed"] or run.labs else 2
+    return 0 if doc.counts.passed or run.labs else 2
 
 
 def _cmd_bench_replay(args: argparse.Namespace) -> int:

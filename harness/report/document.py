@@ -179,11 +179,6 @@ class CheckReport:
             "verdict": _plain(self.verdict),
         }
 
-    def __getitem__(self, key: str) -> Any:
-        """An entry of the JSON document, so code that reads the document (``report["verdict"]``)
-        reads the object the same way."""
-        return self.to_dict()[key]
-
 
 def _plain(value: Any) -> Any:
     """Dataclasses as dicts and tuples as lists, recursively: the JSON form of a model value."""

@@ -10,7 +10,8 @@ from typing import TextIO
 
 from harness.check import CheckOutcome
 from harness.outcomes import count_outcomes
-from harness.report.document import MARKS
+from harness.report.document import MARKS, Mark
+from harness.report.verdict import Verdict
 from harness.table import format_table as format_table  # re-exported (callers of harness.report)
 
 RULES: dict[str, str] = {
@@ -110,14 +111,14 @@ def format_failures(outcomes: Sequence[CheckOutcome], subject_spec: str) -> str:
     return "\n".join(lines)
 
 
-def format_legend(legend: Mapping[str, str]) -> str:
+def format_legend(legend: Mapping[Mark, str]) -> str:
     return "\n".join(f"  {mark:<4}  {text}" for mark, text in legend.items())
 
 
-def format_verdict(verdict: Mapping[str, str], width: int = 100) -> str:
+def format_verdict(verdict: Verdict, width: int = 100) -> str:
     """``VERDICT: PASS`` and the paragraph, wrapped."""
-    head = f"verdict: {verdict['status'].upper()}"
-    return head + "\n" + textwrap.fill(verdict["text"], width=width)
+    head = f"verdict: {verdict.status.upper()}"
+    return head + "\n" + textwrap.fill(verdict.text, width=width)
 
 
 class Progress:
