@@ -35,7 +35,7 @@ def tiny_chunks(chunk_bytes: int, workers: int = 3) -> Iterator[None]:
     with (
         mock.patch.object(kernels, "CHUNK_BYTES", chunk_bytes),
         mock.patch.object(kernels, "PARALLEL_MIN_BYTES", 0),
-        mock.patch.object(kernels, "workers", lambda: workers),
+        mock.patch.object(kernels, "available_cpus", lambda: workers),
     ):
         yield
 
