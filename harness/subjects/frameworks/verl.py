@@ -23,8 +23,8 @@ Capabilities, each a thin adapter over the release's own code:
   tokens appended to the context, masked out of the response, one user turn: what the release's
   ``_handle_processing_tools_state`` does with a tool response; a turn that generates nothing
   gets its tool tokens from the engine call instead, since a call returns no token only when
-  aborted); 0.9.x's Continuous Token merge of
-  the assistant's tokens is the plain concatenation it performs for token-exact ids.
+  aborted). 0.9.0 runs with Continuous Token off, its default; 0.9.1 has only that path, and its
+  merge of the assistant's tokens is the plain concatenation it performs for token-exact ids.
 - ``layouts.place_left_padded``: the agent loop's placement,
   ``AgentLoopWorker._agent_loop_postprocess`` per sample (prompt left-padded to
   ``rollout.prompt_length``, response right-padded to ``rollout.response_length``, the rows written
@@ -265,6 +265,7 @@ def _tool_agent_loop(
     loop.tool_parser, loop.tool_parser_name = ToolParser(), "canned"
     loop.max_user_turns = loop.max_assistant_turns = None
     loop.max_parallel_calls = 1
+    loop.enable_continuous_token = False  # 0.9.0's default; 0.9.1 has no other path (stand-in above)
     return loop
 
 
