@@ -191,12 +191,20 @@ def splice(version: str, payload: Payload, prompt_len: int, attempts: Sequence[A
     # In the agent loop a new turn's tool tokens come from the tool step, the engine returns the
     # rest. A turn whose engine calls generate nothing delivers them as the engine's tokens instead:
     # an engine call that returns no token is an aborted one, which verl always resumes.
-    by_tool_step = {id(turn[0]) for turn in turns[1:] if any(a.new_tokens > a.tool_tokens for a in turn)}
-    tool_tokens = [take(turn[0].tool_tokens if id(turn[0]) in by_tool_step else 0) for turn in turns[1:]]
-    engine_tokens = {
-        id(a): take(a.new_tokens - (a.tool_tokens if id(a) in by_tool_step else 0)) for a in attempts
-    }
-    outputs = _engine_outputs(payload, turns, lambda attempt: engine_tokens[id(attempt)])
+    # (by position in the schedule: a schedule may hold the same Attempt object twice)
+    by_tool_step = [any(a.new_tokens > a.tool_tokens for a in turn) for turn in turns[1:]]
+    tool_tokens = [
+        take(t[0].tool_tokens if own else 0) for t, own in zip(turns[1:], by_tool_step, strict=True)
+    ]
+    engine_tokens = iter(
+        [
+            take(a.new_tokens - (a.tool_tokens if j == 0 and t > 0 and by_tool_step[t - 1] else 0))
+            for t, turn in enumerate(turns)
+            for j, a in enumerate(turn)
+        ]
+    )
+    # _engine_outputs walks the calls in schedule order, the order these were handed out in
+    outputs = _engine_outputs(payload, turns, lambda attempt: next(engine_tokens))
     client = _canned_client(version, outputs)
     # A budget no schedule reaches: the loop ends on the last attempt's stop reason.
     sampling = {"max_tokens": prompt_len + sum(a.new_tokens for a in attempts) + 1}
