@@ -1,15 +1,17 @@
 """The fast paths of ``harness.trace`` against simple reference implementations.
 
-Validation and set overlap compare parity-tagged flat ids with themselves shifted (any k), after a
-whole-word comparison when a route fits a machine word (``k · itemsize`` of 2, 4 or 8 bytes);
-large arrays are split into spans scanned by threads; files are checked with a CRC-32 computed in
-parallel spans and combined. Each is checked here against the obvious slow computation, over
-top_k 1..9, uint8/uint16 (and wider input dtypes), permuted lanes and dense slots. Tiny chunk and
-parallelism thresholds are patched in so that small arrays cross chunk and span boundaries.
+Validation and set overlap rotate the lanes of a machine word when a route fits one
+(``k · itemsize`` of 2, 4 or 8 bytes, compiled) and otherwise compare parity-tagged flat ids with
+themselves shifted (any k); large arrays are split into spans scanned by threads; files are
+checked with a CRC-32 computed in parallel spans and combined. Each is checked here against the
+obvious slow computation, over top_k 1..9, uint8/uint16 (and wider input dtypes), permuted lanes
+and dense slots. Tiny chunk and parallelism thresholds are patched in so that small arrays cross
+chunk and span boundaries.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import zlib
 from collections.abc import Iterator
@@ -125,6 +127,20 @@ def test_out_of_range_ids_are_found_in_the_input_dtype_first(case, chunk_bytes, 
         tr.validate_routes(routes, num_experts)
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.uint16, np.int32, np.uint64])
+@pytest.mark.parametrize("k", range(2, 10))
+def test_every_pair_of_lanes_is_compared(dtype: type, k: int) -> None:
+    """A repeat at any two lanes is found, and a route matches itself rotated by any number of lanes."""
+    route = np.arange(1, k + 1, dtype=dtype)
+    for i, j in itertools.combinations(range(k), 2):
+        repeated = route.copy()
+        repeated[j] = repeated[i]
+        with pytest.raises(TraceError, match="repeated expert id"):
+            tr.validate_routes(repeated.reshape(1, 1, k), k + 1)
+    rotations = np.stack([np.roll(route, s) for s in range(k)]).reshape(k, 1, k)
+    np.testing.assert_array_equal(tr.route_overlap(np.broadcast_to(route, rotations.shape), rotations), k)
+
+
 def test_all_zero_routes_are_reported_as_skipped_captures() -> None:
     routes = np.ones((40, 4, 8), dtype=np.uint8) * np.arange(8, dtype=np.uint8)
     routes[33, 2] = 0
@@ -140,8 +156,9 @@ def test_all_zero_routes_are_reported_as_skipped_captures() -> None:
     case=route_cases(),
     mix=st.sampled_from(["same", "few", "most", "all"]),
     chunk_bytes=st.sampled_from([1, 40, 256, 1 << 17]),
+    input_dtype=st.sampled_from(["same", np.int32, ">u2", ">i4"]),
 )
-def test_overlap_matches_reference(case, mix, chunk_bytes) -> None:  # type: ignore[no-untyped-def]
+def test_overlap_matches_reference(case, mix, chunk_bytes, input_dtype) -> None:  # type: ignore[no-untyped-def]
     """Equal words, permuted lanes, partly and wholly different sets: exact |A ∩ B| everywhere."""
     dtype, num_experts, a, rng = case
     rows, layers, k = a.shape
@@ -158,7 +175,8 @@ def test_overlap_matches_reference(case, mix, chunk_bytes) -> None:  # type: ign
         outside = np.setdiff1d(fresh[row, layer], b[row, layer])
         if outside.size:
             b[row, layer, rng.integers(k)] = outside[0]
-    a, b = a.astype(dtype), b.astype(dtype)
+    as_dtype = dtype if input_dtype == "same" else input_dtype
+    a, b = a.astype(as_dtype), b.astype(as_dtype)
     with tiny_chunks(chunk_bytes):
         got = tr.route_overlap(a, b)
     assert got.dtype == np.uint8

@@ -1,4 +1,4 @@
-"""Chunked, threaded numpy kernels over route arrays ``[rows, layers, top_k]``.
+"""Chunked, threaded kernels over route arrays ``[rows, layers, top_k]``.
 
 A trace of 256 × 4096 positions × 48 layers × top-8 is 400 MB, and validating or comparing it
 must run near memory speed. The kernels walk cache-sized chunks of rows, so that each vector
@@ -6,13 +6,13 @@ operation's operands and temporaries stay in the core's L2 cache; large arrays a
 contiguous span of chunks per CPU, each scanned by its own thread (numpy releases the GIL inside
 every vector operation, so the spans run in parallel).
 
-Pairs of ids are compared without transposing or sorting anything: a chunk's ids are laid out
-flat, route after route, tagged with their route's parity in a bit no id uses, and compared with
-the flat ids shifted by ``1 .. top_k − 1`` places (``_RepeatScan``, ``_OverlapScan.sets``): each
-shift is one contiguous vector operation that compares one pair of every route, and ids of
-neighbouring routes never compare equal. When a route fits a machine word (``top_k · itemsize``
-of 2, 4 or 8 bytes, e.g. top-8 of uint8), routes listed identically are recognised first by one
-comparison of whole words.
+Routes that fit a machine word (``top_k · itemsize`` of 2, 4 or 8 bytes, e.g. top-8 of uint8)
+are compared by the compiled kernels of ``swar``. The others are compared here without
+transposing or sorting anything: a chunk's ids are laid out flat, route after route, tagged with
+their route's parity in a bit no id uses, and compared with the flat ids shifted by
+``1 .. top_k − 1`` places (``_RepeatScan``, ``_SetScan.sets``): each shift is one contiguous
+vector operation that compares one pair of every route, and ids of neighbouring routes never
+compare equal.
 
 These functions assume what their callers check: arrays of three dimensions, unsigned or signed
 integers, and (for the overlap) distinct ids in every route. Errors are the callers' to word.
@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from harness.cpus import available_cpus
+from harness.trace import swar
 
 CHUNK_BYTES = 1 << 19
 """Bytes of routes per chunk: numpy's per-call cost stays small, the temporaries stay in cache.
@@ -111,8 +112,7 @@ class _RepeatScan:
     shifted by ``s = 1 .. k − 1`` compares every pair of ids of a route once; a pair that
     straddles two neighbouring routes carries two different tags and never compares equal. Each
     shift is one contiguous comparison and a byte reduction, whatever ``k`` and the dtype are,
-    with no transpose: 0.7× the CPU time of comparing lane rotations of machine words (SWAR), the
-    kernel this replaced, on the benchmark's top-8 routes.
+    with no transpose.
     """
 
     def __init__(self, k: int, num_experts: int, size: int) -> None:
@@ -135,6 +135,16 @@ class _RepeatScan:
         return False
 
 
+def _repeat_check(
+    dtype: np.dtype[Any], k: int, num_experts: int, routes: int
+) -> Callable[[npt.NDArray[np.integer[Any]]], bool]:
+    """Whether a chunk of at most ``routes`` routes repeats an id: compiled on words when a route fits one."""
+    if swar.word_dtype(k, dtype) is None:
+        return _RepeatScan(k, num_experts, routes * k).repeats
+    scratch = np.empty(routes, dtype=np.uint8)
+    return lambda chunk: swar.repeats(chunk, scratch)
+
+
 def first_invalid_chunk(
     routes: npt.NDArray[np.integer[Any]], num_experts: int, moe_mask: npt.NDArray[np.bool_], step: int
 ) -> int | None:
@@ -151,12 +161,12 @@ def first_invalid_chunk(
     every_slot = moe.size == layers
 
     def scan(lo: int, hi: int) -> int | None:
-        repeats = _RepeatScan(k, num_experts, step * moe.size * k) if check_repeats else None
+        repeats = _repeat_check(routes.dtype, k, num_experts, step * moe.size) if check_repeats else None
         for r0 in range(lo, hi, step):
             chunk = routes[r0 : min(r0 + step, hi)]
             if not in_range(chunk, num_experts):
                 return r0
-            if repeats is not None and repeats.repeats(chunk if every_slot else chunk[:, moe]):
+            if repeats is not None and repeats(chunk if every_slot else chunk[:, moe]):
                 return r0
         return None
 
@@ -167,27 +177,15 @@ def first_invalid_chunk(
 # --- set overlap ----------------------------------------------------------------------------------
 
 
-class _OverlapScan:
-    """``|A ∩ B|`` per route over a span of chunks: equal words first, sets only where they differ.
+class _SetScan:
+    """``|A ∩ B|`` per route for routes that fit no machine word (``swar`` takes the others)."""
 
-    Two recordings of one sample mostly agree id for id, and when a route fits a machine word an
-    identical word is an identical set (overlap k) after one comparison. The set kernel
-    (``sets``) runs on the other routes only: on the whole chunk when most differ (ids listed
-    in another order by another kernel), otherwise on differing routes gathered over several
-    chunks, so that each of its vector operations still covers a chunk's worth of routes.
-    """
-
-    def __init__(
-        self, k: int, bound: int, word: np.dtype[Any] | None, out: npt.NDArray[np.uint8], batch: int
-    ) -> None:
-        self.k, self.word, self.out, self.batch = k, word, out, batch
+    def __init__(self, k: int, bound: int, batch: int) -> None:
+        self.k = k
         self.tags = parity_tags(bound, k, batch * k)
         self.tagged = (np.empty_like(self.tags), np.empty_like(self.tags))
         self.found, self.equal = np.empty(batch * k, dtype=bool), np.empty(batch * k, dtype=bool)
         self.count = np.dtype(f"u{k}") if k in (1, 2, 4, 8) else None
-        self.differ = np.empty(batch, dtype=bool)
-        self.pending: list[tuple[npt.NDArray[np.intp], npt.NDArray[Any], npt.NDArray[Any]]] = []
-        self.pending_size = 0
 
     def sets(self, a: npt.NDArray[Any], b: npt.NDArray[Any], out: npt.NDArray[np.uint8]) -> None:
         """``out = |A ∩ B|`` per route of ``a, b [routes, k]``, whose routes hold distinct ids.
@@ -215,67 +213,31 @@ class _OverlapScan:
         else:
             np.add.reduce(found.reshape(-1, k), axis=1, dtype=np.uint8, out=out)
 
-    def chunk(self, offset: int, a: npt.NDArray[Any], b: npt.NDArray[Any]) -> None:
-        """``out[offset : offset + routes]`` for chunks ``a, b [routes, k]``, now or queued."""
-        target = self.out[offset : offset + a.shape[0]]
-        if self.word is None:
-            self.sets(a, b, target)
-            return
-        differ = self.differ[: a.shape[0]]
-        np.not_equal(a.view(self.word).reshape(-1), b.view(self.word).reshape(-1), out=differ)
-        count = int(np.count_nonzero(differ))
-        if count * 4 > differ.size:
-            self.sets(a, b, target)
-            return
-        target.fill(self.k)
-        if count:
-            where = np.flatnonzero(differ)
-            self.pending.append((where + offset, self._gather(a, where), self._gather(b, where)))
-            self.pending_size += count
-            if self.pending_size >= self.batch:
-                self.flush()
-
-    def _gather(self, routes: npt.NDArray[Any], where: npt.NDArray[np.intp]) -> npt.NDArray[Any]:
-        """``routes[where]``, gathered as words: one gather per route, not one per id."""
-        assert self.word is not None  # only routes that fit a word are compared word for word
-        return routes.view(self.word).reshape(-1)[where].view(routes.dtype).reshape(-1, self.k)
-
-    def flush(self) -> None:
-        """Run the set kernel on the queued routes and scatter their overlaps into ``out``."""
-        if not self.pending:
-            return
-        where, a, b = (np.concatenate(parts) for parts in zip(*self.pending, strict=True))
-        self.pending, self.pending_size = [], 0
-        overlap = np.empty(where.size, dtype=np.uint8)
-        for lo in range(0, where.size, self.batch):  # the buffers hold a batch
-            hi = lo + self.batch
-            self.sets(a[lo:hi], b[lo:hi], overlap[lo:hi])
-        self.out[where] = overlap
-
 
 def overlap(
     a: npt.NDArray[np.integer[Any]], b: npt.NDArray[np.integer[Any]], bound: int
 ) -> npt.NDArray[np.uint8]:
     """``|A ∩ B|`` for each (row, layer) of two route arrays of one shape, ids distinct in a route.
 
-    ``bound``: every id of both lies in ``[0, bound)``. Cache-sized chunks, spans of chunks in
-    parallel threads (``_OverlapScan``).
+    ``bound``: every id of both lies in ``[0, bound)``. Routes that fit a machine word go to the
+    compiled ``swar.overlap``, one span of rows per thread; the others through ``_SetScan`` on
+    cache-sized chunks.
     """
     rows, layers, k = a.shape
     out = np.empty((rows, layers), dtype=np.uint8)
-    flat = out.reshape(-1)
-    width = k * a.dtype.itemsize
-    word = np.dtype(f"u{width}") if a.dtype == b.dtype and width in (2, 4, 8) else None
+    fits_word = a.dtype == b.dtype and swar.word_dtype(k, a.dtype) is not None
     step = chunk_rows(layers * k * max(a.dtype.itemsize, b.dtype.itemsize))
 
     def scan(lo: int, hi: int) -> None:
-        routes = _OverlapScan(k, bound, word, flat, step * layers)
+        if fits_word:
+            swar.overlap(a[lo:hi], b[lo:hi], out[lo:hi])
+            return
+        sets = _SetScan(k, bound, step * layers)
         for r0 in range(lo, hi, step):
             r1 = min(r0 + step, hi)
             a_chunk = np.ascontiguousarray(a[r0:r1]).reshape(-1, k)
             b_chunk = np.ascontiguousarray(b[r0:r1]).reshape(-1, k)
-            routes.chunk(r0 * layers, a_chunk, b_chunk)
-        routes.flush()
+            sets.sets(a_chunk, b_chunk, out[r0:r1].reshape(-1))
 
     map_spans(scan, rows, a.nbytes + b.nbytes)
     return out
