@@ -19,13 +19,13 @@ Megatron suite's kill in the default run."""
 
 settings.register_profile(
     "benign-quick",
-    max_examples=20,
+    max_examples=10,
     derandomize=True,
     deadline=None,
     database=None,
     phases=[Phase.explicit, Phase.generate],
 )
-"""The default run's false-alarm check: 20 generated cases per property plus every ``@example`` pin
+"""The default run's false-alarm check: 10 generated cases per property plus every ``@example`` pin
 (where the boundaries are); ``-m slow`` and ``rrh mutants`` run the full budget."""
 BENIGN_NAMES = [b.name for b in benign.BENIGN]
 NOT_DISTRIBUTED = ["-m", "not slow and not gpu and not distributed"]
