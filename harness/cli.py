@@ -126,6 +126,9 @@ def _cmd_bench_replay(args: argparse.Namespace) -> int:
 def _cmd_bench_trace(args: argparse.Namespace) -> int:
     from harness.bench import bench_trace
 
+    if args.dir is not None and not args.dir.is_dir():
+        print(f"rrh bench trace: --dir {args.dir}: expected an existing directory", file=sys.stderr)
+        return 2
     result = bench_trace(
         sequences=args.sequences,
         positions=args.positions,

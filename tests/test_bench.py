@@ -27,3 +27,13 @@ def test_cli_prints_every_figure_as_json(tmp_path: Path, capsys: pytest.CaptureF
     figures = json.loads(capsys.readouterr().out)
     for name in ("validate", "disagreement", "disagreement_permuted", "save_load", "file_floor"):
         assert figures[f"{name}_vs_copy"] > 0, name
+
+
+def test_a_dir_that_is_not_a_directory_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "trace", "--dir", str(tmp_path / "missing")]) == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == f"rrh bench trace: --dir {tmp_path / 'missing'}: expected an existing directory"
+    )
