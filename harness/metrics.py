@@ -35,6 +35,8 @@ from harness.errors import MetricError
 
 __all__ = [
     "LOGPROB_TOLERANCE",
+    "ExactSum",
+    "GapAccumulator",
     "LogprobGap",
     "ProbDiffStats",
     "extreme_fraction",
@@ -246,20 +248,6 @@ def _icepop_mask_rate(tok: _Tokens, low: float, high: float) -> float:
     return _mean(outside.astype(np.float64))
 
 
-def _prob_pearson(tok: _Tokens) -> float:
-    if tok.delta.size < 2:
-        return math.nan
-    p = np.exp(tok.train)
-    q = np.exp(tok.infer)
-    pc = p - p.mean()
-    qc = q - q.mean()
-    denom = math.sqrt(float(np.dot(pc, pc)) * float(np.dot(qc, qc)))
-    if denom == 0.0:
-        return math.nan
-    r = float(np.dot(pc, qc)) / denom
-    return max(-1.0, min(1.0, r))
-
-
 # --------------------------------------------------------------------------------------------
 # public API
 # --------------------------------------------------------------------------------------------
@@ -307,7 +295,7 @@ def prob_pearson(train_logprobs: LogprobsLike, infer_logprobs: LogprobsLike, mas
     ``training/rollout_probs_pearson``-style figure). ``nan`` when undefined: fewer than two
     tokens or either probability vector with zero variance.
     """
-    return _prob_pearson(_select(train_logprobs, infer_logprobs, mask))
+    return logprob_gap(train_logprobs, infer_logprobs, mask).prob_pearson
 
 
 def k1(train_logprobs: LogprobsLike, infer_logprobs: LogprobsLike, mask: MaskLike = None) -> float:
@@ -406,6 +394,186 @@ class LogprobGap:
         return asdict(self)
 
 
+class ExactSum:
+    """A sum of floats kept exactly (Shewchuk's non-overlapping partials, as ``math.fsum``).
+
+    Adding the same numbers in any order, or merging two sums in any order, gives the same
+    value to the last bit: what makes the audit's figures identical for any split of a run.
+    Infinities and NaN are summed apart (they have no exact partials).
+    """
+
+    __slots__ = ("partials", "special")
+
+    def __init__(self) -> None:
+        self.partials: list[float] = []
+        self.special = 0.0
+
+    def add(self, x: float) -> None:
+        if not math.isfinite(x):
+            self.special += x
+            return
+        partials, i = self.partials, 0
+        for y in partials:
+            if abs(x) < abs(y):
+                x, y = y, x
+            hi = x + y
+            lo = y - (hi - x)
+            if lo:
+                partials[i] = lo
+                i += 1
+            x = hi
+        partials[i:] = [x]
+
+    def merge(self, other: ExactSum) -> None:
+        for x in other.partials:
+            self.add(x)
+        self.special += other.special
+
+    @property
+    def value(self) -> float:
+        return math.fsum(self.partials) + self.special
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_exact_sum, (list(self.partials), self.special))
+
+
+def _exact_sum(partials: list[float], special: float) -> ExactSum:
+    out = ExactSum()
+    out.partials, out.special = partials, special
+    return out
+
+
+_GAP_SUMS = ("abs_diff", "prob_diff", "k1", "k2", "k3")
+
+
+class GapAccumulator:
+    """The §5 gap metrics as a mergeable accumulator: exact sums, counts and maxima.
+
+    ``add`` folds in the masked-in tokens of a batch, ``add_segments`` those of many samples at
+    once, ``merge`` another accumulator (of the same ``tau``). Each batch's (or segment's) sums
+    are added exactly (``ExactSum``), so merging the same batches in any order gives the same
+    figures to the last bit. The lab, the gate and the audit all compute the gap through this
+    class: one figure, one code path. The Pearson correlation is built from the exact power sums.
+    """
+
+    def __init__(self, tau: float = DEFAULT_TAU) -> None:
+        self.tau = _check_tau(tau)
+        self.n_tokens = 0
+        self.sums = {name: ExactSum() for name in _GAP_SUMS}
+        self.max_abs_diff = -math.inf
+        self.max_prob_diff = -math.inf
+        self.n_extreme = 0
+        self.n_icepop = 0
+        self.moments: list[tuple[int, float, float, float, float, float]] = []
+
+    def add(self, train_logprobs: LogprobsLike, infer_logprobs: LogprobsLike, mask: MaskLike = None) -> None:
+        """Fold in the masked-in tokens of one batch (validated as by :func:`logprob_gap`)."""
+        tok = _select(train_logprobs, infer_logprobs, mask)
+        self._fold(tok, np.zeros(1, dtype=np.int64))
+
+    def add_segments(
+        self, tok_train: FloatArray, tok_infer: FloatArray, starts: npt.NDArray[np.int64]
+    ) -> None:
+        """Fold in already-selected tokens, summed per segment (``starts``: each segment's first index).
+
+        For callers that validated the tokens themselves (the audit: one segment per sample, so a
+        sample's sums do not depend on which batch it was read in).
+        """
+        delta = tok_train - tok_infer
+        self._fold(_Tokens(train=tok_train, infer=tok_infer, delta=delta), starts)
+
+    def _fold(self, tok: _Tokens, starts: npt.NDArray[np.int64]) -> None:
+        n = int(tok.delta.size)
+        if n == 0:
+            return
+        abs_delta = _abs_delta(tok)
+        prob_diff = _prob_abs_diff(tok)
+        with np.errstate(over="ignore", invalid="ignore"):
+            terms = {
+                "abs_diff": abs_delta,
+                "prob_diff": prob_diff,
+                "k1": _k1_terms(tok),
+                "k2": _k2_terms(tok),
+                "k3": _k3_terms(tok),
+            }
+        bounds = np.append(starts, n)
+        keep = bounds[:-1][np.diff(bounds) > 0]
+        for name, values in terms.items():
+            total = self.sums[name]
+            for x in np.add.reduceat(values, keep).tolist():
+                total.add(x)
+        self.moments.extend(_segment_moments(np.exp(tok.train), np.exp(tok.infer), np.append(keep, n)))
+        self.n_tokens += n
+        self.max_abs_diff = max(self.max_abs_diff, float(abs_delta.max()))
+        self.max_prob_diff = max(self.max_prob_diff, float(prob_diff.max()))
+        self.n_extreme += int(np.count_nonzero(abs_delta > math.log(self.tau)))
+        outside = (tok.delta < math.log(ICEPOP_LOW)) | (tok.delta > math.log(ICEPOP_HIGH))
+        self.n_icepop += int(np.count_nonzero(outside))
+
+    def merge(self, other: GapAccumulator) -> None:
+        """Fold ``other`` (same ``tau``) into this accumulator."""
+        if other.tau != self.tau:
+            raise MetricError(f"tau: accumulators differ ({self.tau} vs {other.tau}); expected equal")
+        self.n_tokens += other.n_tokens
+        for name in _GAP_SUMS:
+            self.sums[name].merge(other.sums[name])
+        self.max_abs_diff = max(self.max_abs_diff, other.max_abs_diff)
+        self.max_prob_diff = max(self.max_prob_diff, other.max_prob_diff)
+        self.n_extreme += other.n_extreme
+        self.n_icepop += other.n_icepop
+        self.moments.extend(other.moments)
+
+    def result(self) -> LogprobGap:
+        """The figures of every token folded in so far (every field ``nan`` with no token)."""
+        n = self.n_tokens
+        if n == 0:
+            return LogprobGap(0, *([math.nan] * 10))
+        s = {name: total.value for name, total in self.sums.items()}
+        return LogprobGap(
+            n_tokens=n,
+            mean_abs_diff=s["abs_diff"] / n,
+            max_abs_diff=self.max_abs_diff,
+            mean_prob_diff=s["prob_diff"] / n,
+            max_prob_diff=self.max_prob_diff,
+            prob_pearson=self._pearson(),
+            k1=s["k1"] / n,
+            k2=s["k2"] / n,
+            k3=s["k3"] / n,
+            extreme_fraction=self.n_extreme / n,
+            icepop_mask_rate=self.n_icepop / n,
+        )
+
+    def _pearson(self) -> float:
+        """Pearson's r of the two probabilities: the segments' co-moments combined in sorted order."""
+        if self.n_tokens < 2:
+            return math.nan
+        n, mean_p, mean_q, m2_p, m2_q, c_pq = 0, 0.0, 0.0, 0.0, 0.0, 0.0
+        for nb, mp, mq, m2p, m2q, cpq in sorted(self.moments):
+            total = n + nb
+            dp, dq = mp - mean_p, mq - mean_q
+            m2_p += m2p + dp * dp * n * nb / total
+            m2_q += m2q + dq * dq * n * nb / total
+            c_pq += cpq + dp * dq * n * nb / total
+            mean_p += dp * nb / total
+            mean_q += dq * nb / total
+            n = total
+        denom = math.sqrt(m2_p * m2_q)
+        return max(-1.0, min(1.0, c_pq / denom)) if denom > 0.0 else math.nan
+
+
+def _segment_moments(
+    p: FloatArray, q: FloatArray, bounds: npt.NDArray[np.int64]
+) -> list[tuple[int, float, float, float, float, float]]:
+    """``(n, mean p, mean q, Σ(p−p̄)², Σ(q−q̄)², Σ(p−p̄)(q−q̄))`` of each segment ``bounds[i]:bounds[i+1]``."""
+    out = []
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        ps, qs = p[lo:hi], q[lo:hi]
+        mp, mq = float(ps.mean()), float(qs.mean())
+        pc, qc = ps - mp, qs - mq
+        out.append((hi - lo, mp, mq, float(np.dot(pc, pc)), float(np.dot(qc, qc)), float(np.dot(pc, qc))))
+    return out
+
+
 def logprob_gap(
     train_logprobs: LogprobsLike,
     infer_logprobs: LogprobsLike,
@@ -418,23 +586,9 @@ def logprob_gap(
     Validates the inputs once and evaluates the same kernels as :func:`mean_abs_diff`,
     :func:`max_abs_diff`, :func:`prob_diff_stats`, :func:`prob_pearson`, :func:`k1`, :func:`k2`,
     :func:`k3` (KL(π_infer ‖ π_train) estimators under rollout sampling),
-    :func:`extreme_fraction` (``tau``) and :func:`icepop_mask_rate` (band [0.5, 5]).
-    Empty selection: ``n_tokens == 0`` and every other field ``nan``.
+    :func:`extreme_fraction` (``tau``) and :func:`icepop_mask_rate` (band [0.5, 5]), through
+    :class:`GapAccumulator`. Empty selection: ``n_tokens == 0`` and every other field ``nan``.
     """
-    tau = _check_tau(tau)
-    tok = _select(train_logprobs, infer_logprobs, mask)
-    abs_delta = _abs_delta(tok)
-    prob_diff = _prob_abs_diff(tok)
-    return LogprobGap(
-        n_tokens=int(tok.delta.size),
-        mean_abs_diff=_mean(abs_delta),
-        max_abs_diff=_max(abs_delta),
-        mean_prob_diff=_mean(prob_diff),
-        max_prob_diff=_max(prob_diff),
-        prob_pearson=_prob_pearson(tok),
-        k1=_mean(_k1_terms(tok)),
-        k2=_mean(_k2_terms(tok)),
-        k3=_mean(_k3_terms(tok)),
-        extreme_fraction=_extreme_fraction(tok, tau),
-        icepop_mask_rate=_icepop_mask_rate(tok, ICEPOP_LOW, ICEPOP_HIGH),
-    )
+    acc = GapAccumulator(tau=tau)
+    acc.add(train_logprobs, infer_logprobs, mask)
+    return acc.result()

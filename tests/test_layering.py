@@ -45,6 +45,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             # the gate's view of each engine: the reference adapter runs the reference lab (harness.lab,
             # with the reference subject's driver), so the adapters sit here, above the engines they wrap
             "harness.engines.adapters",
+            # the audit of real runs sits beside the subjects: it reads runs, it never runs suites
+            "harness.audit",
         ),
     ),
     ("test support", ("harness.testing",)),

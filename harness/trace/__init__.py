@@ -10,7 +10,7 @@
 Import the public names from here: ``from harness.trace import RoutingTrace, compare``.
 """
 
-from harness.trace.comparison import RoutingComparison, compare, route_overlap
+from harness.trace.comparison import AgreementCounts, RoutingComparison, compare, route_overlap
 from harness.trace.routing_trace import (
     MAX_EXPERTS,
     MAX_LAYERS,
@@ -24,6 +24,7 @@ from harness.trace.routing_trace import (
 from harness.trace.storage import FORMAT_NAME, FORMAT_VERSION
 
 __all__ = [
+    "AgreementCounts",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MAX_EXPERTS",

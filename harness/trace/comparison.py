@@ -18,12 +18,86 @@ from harness.trace import kernels
 from harness.trace.routing_trace import MAX_EXPERTS, RoutingTrace
 
 
+@dataclass
+class AgreementCounts:
+    """Set agreement of two routings as mergeable counts (DESIGN §7: every figure an accumulator).
+
+    ``differs_per_layer[l]`` counts the positions whose MoE layer ``l`` routes differ,
+    ``tokens_differ`` the positions that differ in at least one MoE layer, ``overlap_sum`` the
+    sum of ``|A ∩ B|`` over (position, layer). ``merge`` adds the counts of another part of the
+    same run, so the figures are the same for any split of the positions and any order.
+    """
+
+    top_k: int
+    positions: int = 0
+    differs_per_layer: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    tokens_differ: int = 0
+    overlap_sum: int = 0
+
+    @classmethod
+    def of(cls, overlap: npt.NDArray[np.uint8], top_k: int) -> AgreementCounts:
+        """The counts of one overlap array ``[positions, moe_layers]`` (``|A ∩ B|`` per cell)."""
+        differs = overlap < top_k
+        return cls(
+            top_k=top_k,
+            positions=int(overlap.shape[0]),
+            differs_per_layer=np.count_nonzero(differs, axis=0).astype(np.int64),
+            tokens_differ=int(np.count_nonzero(differs.any(axis=1))),
+            overlap_sum=int(overlap.sum(dtype=np.int64)),
+        )
+
+    def merge(self, other: AgreementCounts) -> None:
+        """Add the counts of ``other`` (same ``top_k`` and number of MoE layers)."""
+        if other.positions == 0:
+            return
+        if self.positions == 0:
+            self.top_k, self.differs_per_layer = other.top_k, other.differs_per_layer.copy()
+        elif other.top_k != self.top_k or other.differs_per_layer.shape != self.differs_per_layer.shape:
+            raise TraceError(
+                f"top_k, moe layers: counts differ ({self.top_k}, {self.differs_per_layer.size} vs "
+                f"{other.top_k}, {other.differs_per_layer.size}); expected equal"
+            )
+        else:
+            self.differs_per_layer = self.differs_per_layer + other.differs_per_layer
+        self.positions += other.positions
+        self.tokens_differ += other.tokens_differ
+        self.overlap_sum += other.overlap_sum
+
+    @property
+    def cells(self) -> int:
+        """(position, MoE layer) pairs compared."""
+        return self.positions * int(self.differs_per_layer.size)
+
+    @property
+    def disagreement(self) -> float:
+        """Mean over (position, MoE layer) of [sets differ]; nan when there is nothing to compare."""
+        return int(self.differs_per_layer.sum()) / self.cells if self.cells else float("nan")
+
+    @property
+    def per_layer(self) -> npt.NDArray[np.float64]:
+        """Disagreement of each MoE layer (model order); nan for every layer when there are no rows."""
+        if self.positions == 0:
+            return np.full(self.differs_per_layer.shape, np.nan)
+        return self.differs_per_layer / self.positions
+
+    @property
+    def token_disagreement(self) -> float:
+        """Fraction of positions whose route differs in at least one MoE layer."""
+        return self.tokens_differ / self.positions if self.cells else float("nan")
+
+    @property
+    def topk_overlap(self) -> float:
+        """Mean of ``|A ∩ B| / top_k`` over (position, MoE layer)."""
+        return self.overlap_sum / self.cells / self.top_k if self.cells else float("nan")
+
+
 @dataclass(frozen=True)
 class RoutingComparison:
     """Per-(position, MoE layer) comparison of two traces of the same sample.
 
     Two routes are equal when their expert *sets* are equal: kernels order top-k differently.
-    ``overlap[r, l]`` is ``|A ∩ B|`` for row r and MoE layer l (0..top_k).
+    ``overlap[r, l]`` is ``|A ∩ B|`` for row r and MoE layer l (0..top_k). The figures are those
+    of its :class:`AgreementCounts`, the form the audit merges across a run.
     """
 
     overlap: npt.NDArray[np.uint8]
@@ -35,28 +109,31 @@ class RoutingComparison:
         """``[rows, num_moe_layers]``: True where the two expert sets differ."""
         return self.overlap < self.top_k
 
+    def counts(self) -> AgreementCounts:
+        """This comparison as mergeable counts."""
+        if self.overlap.shape[0] == 0:
+            return AgreementCounts(self.top_k, 0, np.zeros(self.overlap.shape[1], np.int64))
+        return AgreementCounts.of(self.overlap, self.top_k)
+
     @property
     def disagreement(self) -> float:
         """Mean over (position, MoE layer) of [sets differ]; nan when there is nothing to compare."""
-        # A count, not ``differs.mean()``: the same float, without converting every flag to float64.
-        return np.count_nonzero(self.differs) / self.overlap.size if self.overlap.size else float("nan")
+        return self.counts().disagreement
 
     @property
     def per_layer(self) -> npt.NDArray[np.float64]:
         """Disagreement of each MoE layer (model order); nan for every layer when there are no rows."""
-        if self.overlap.shape[0] == 0:
-            return np.full(self.overlap.shape[1], np.nan)
-        return self.differs.mean(axis=0)
+        return self.counts().per_layer
 
     @property
     def token_disagreement(self) -> float:
         """Fraction of positions whose route differs in at least one MoE layer."""
-        return float(self.differs.any(axis=1).mean()) if self.overlap.size else float("nan")
+        return self.counts().token_disagreement
 
     @property
     def topk_overlap(self) -> float:
         """Mean of ``|A ∩ B| / top_k`` over (position, MoE layer)."""
-        return float(self.overlap.mean() / self.top_k) if self.overlap.size else float("nan")
+        return self.counts().topk_overlap
 
 
 def route_overlap(

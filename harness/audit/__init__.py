@@ -1,0 +1,20 @@
+"""Audit of a real run (DESIGN §7): what a run wrote to disk, checked sample by sample.
+
+- ``layout``: the run layout (versioned Parquet schema) and ``SampleRecord``;
+- ``writer``: ``RunWriter``, buffered and atomic per file;
+- ``reader``: a run's files, units of work and zero-copy decoding;
+- ``checks``: the strict invariants and metrics, folded batch by batch;
+- ``state``: the mergeable accumulators; ``result``: the figures of a finished audit;
+- ``executors``: serial, process pool and Ray;
+- ``generate``: seeded runs of realistic shape with planted faults.
+
+``from harness.audit import RunWriter, SampleRecord, audit_run``.
+"""
+
+from harness.audit.checks import AuditOptions
+from harness.audit.executors import audit_run
+from harness.audit.layout import LayoutError, SampleRecord
+from harness.audit.result import AuditResult
+from harness.audit.writer import RunWriter
+
+__all__ = ["AuditOptions", "AuditResult", "LayoutError", "RunWriter", "SampleRecord", "audit_run"]

@@ -1,0 +1,519 @@
+"""The invariants of a run (DESIGN §7), folded batch by batch into an ``AuditState``.
+
+Strict invariants name every offender (step, sample, row, layer, both values); metrics are
+counts and exact sums per step. The work per batch is vectorised over the batch's samples: the
+routes of a whole row group are one array, validated and compared by ``harness.trace``'s kernels
+in one call each; offenders are located only in a batch that failed the fast check.
+
+Rows and layers in offenders: ``row`` is the index in the sample's trace (position
+``routes_start + row``), ``layer`` the decoder index of the MoE layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from harness.audit import kernels as audit_kernels
+from harness.audit.reader import Batch, ListColumn, RouteColumn
+from harness.audit.state import OFFENDERS, AuditState, GroupDigests, Offender, SampleFigure
+from harness.metrics import LOGPROB_TOLERANCE
+from harness.trace import AgreementCounts, LayerAxis
+from harness.trace import kernels as trace_kernels
+
+STRICT = (
+    "unique_sample",
+    "coverage",
+    "ids_valid",
+    "dense_empty",
+    "moe_layer_nonzero",
+    "tokens_match",
+    "logprobs_valid",
+    "replay_fidelity",
+    "splice_consistency",
+    "shard_union",
+)
+"""Every strict invariant, in report order."""
+
+METRICS = ("fallback", "agreement", "logprob_gap", "prefix_agreement", "expert_load")
+
+NEEDS: dict[str, tuple[str, ...]] = {
+    "coverage": ("engine_routes",),
+    "ids_valid": ("engine_routes",),
+    "dense_empty": ("engine_routes",),
+    "moe_layer_nonzero": ("engine_routes",),
+    "tokens_match": ("trainer_tokens",),
+    "logprobs_valid": ("engine_logprobs",),
+    "replay_fidelity": ("trainer_routes", "replay"),
+    "splice_consistency": ("attempt payloads",),
+    "shard_union": ("shard positions",),
+    "agreement": ("engine_routes", "trainer_routes"),
+    "logprob_gap": ("engine_logprobs", "trainer_logprobs"),
+    "prefix_agreement": ("engine_routes", "group_key"),
+    "fallback": ("engine_routes",),
+    "expert_load": ("engine_routes",),
+}
+"""The columns each invariant reads: when no sample of a run has them, it is not checkable."""
+
+
+@dataclass(frozen=True)
+class AuditOptions:
+    """What to audit: a step filter and a hash-selected fraction of samples (sampling for huge runs)."""
+
+    steps: frozenset[int] | None = None
+    every: int = 1
+    samples: float = 1.0
+
+    def selects(self, batch: Batch) -> npt.NDArray[np.bool_]:
+        keep = np.ones(batch.size, dtype=bool)
+        if self.steps is not None:
+            keep &= np.isin(batch.step, np.fromiter(self.steps, dtype=np.int64, count=len(self.steps)))
+        if self.every > 1:
+            keep &= batch.step % self.every == 0
+        if self.samples < 1.0:
+            keep &= np.array(
+                [sample_hash(int(s), k) < self.samples for s, k in zip(batch.step, batch.sample_key)]
+            )
+        return keep
+
+
+def sample_hash(step: int, key: str) -> float:
+    """A number in [0, 1) fixed by (step, sample key): two audits of one run sample the same rows."""
+    import hashlib
+
+    digest = hashlib.blake2b(f"{step}\0{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64
+
+
+class _Offenders:
+    """Collects one invariant's offenders of a batch, keeping the first ``OFFENDERS`` by location."""
+
+    def __init__(self, batch: Batch, order: npt.NDArray[np.int64]) -> None:
+        self.batch, self.order = batch, order
+        self.items: list[Offender] = []
+        self.samples: set[int] = set()
+
+    def cells(
+        self,
+        sample: npt.NDArray[np.int64],
+        row: npt.NDArray[np.int64],
+        layer: npt.NDArray[np.int64],
+        describe: Any,
+    ) -> None:
+        """Record violations at (sample, row, layer) cells; ``describe(i)`` gives (expected, actual) of cell i."""
+        if sample.size == 0:
+            return
+        self.samples.update(np.unique(sample).tolist())
+        first = np.lexsort((layer, row, self.order[sample]))[:OFFENDERS]
+        for i in first.tolist():
+            s = int(sample[i])
+            expected, actual = describe(i)
+            self.items.append(
+                Offender(
+                    int(self.batch.step[s]), self.batch.sample_key[s], int(row[i]), int(layer[i]),
+                    expected, actual, self.batch.where(s),
+                )
+            )  # fmt: skip
+
+    def one(self, s: int, expected: str, actual: str, row: int = -1, layer: int = -1) -> None:
+        self.samples.add(s)
+        b = self.batch
+        self.items.append(Offender(int(b.step[s]), b.sample_key[s], row, layer, expected, actual, b.where(s)))
+
+
+def _expand(
+    column: ListColumn, owners: npt.NDArray[np.int64], total: int, fill: Any, dtype: Any
+) -> npt.NDArray[Any]:
+    """A flat array over ``total`` entries owned by samples (``owners[i]``: sample of entry i) with
+    the column's values where the sample's list is not null, ``fill`` elsewhere (lengths already checked)."""
+    out = np.full(total, fill, dtype=dtype)
+    where = column.valid[owners]
+    out[where] = column.values[: int(where.sum())]
+    return out
+
+
+def _offsets(lengths: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+class _BatchAudit:
+    """The per-batch work of ``fold_batch``, split by invariant."""
+
+    def __init__(self, batch: Batch, state: AuditState) -> None:
+        self.b, self.state = batch, state
+        n = batch.size
+        self.order = np.argsort(
+            np.lexsort((np.array(batch.sample_key, dtype=object).astype(str), batch.step))
+        )
+        self.violations = np.zeros(n, dtype=np.int64)
+        self.expected_rows = batch.prompt_len + batch.response_len - 1 - batch.routes_start
+        self.moe = batch.moe_slots
+        self.engine = batch.routes["engine"]
+        self.engine_rows = np.diff(self.engine.row_offsets)
+        self.row_owner = np.repeat(np.arange(n), self.engine_rows)
+        captured = batch.engine_captured
+        if captured.valid.any():
+            self.captured = _expand(captured, self.row_owner, self.row_owner.size, True, bool)
+        else:
+            self.captured = np.ones(self.row_owner.size, dtype=bool)
+        self.uncaptured = np.bincount(self.row_owner[~self.captured], minlength=n)
+        self.row_differs: npt.NDArray[np.bool_] | None = None
+        self.sample_disagreement = np.full(n, np.nan)
+
+    def finish(self, name: str, found: _Offenders, checked: int) -> None:
+        self.state.tally(name).add(checked, found.items, len(found.samples))
+        for s in found.samples:
+            self.violations[s] += 1
+
+    # --- strict ----------------------------------------------------------------------------------
+
+    def coverage(self) -> None:
+        b = self.b
+        found = _Offenders(b, self.order)
+        checked = 0
+        for name, column in b.routes.items():
+            rows = np.diff(column.row_offsets)
+            bad = column.valid & (rows != self.expected_rows)
+            checked += int(column.valid.sum()) if name == "engine" else 0
+            for s in np.flatnonzero(bad).tolist():
+                found.one(
+                    s,
+                    f"{int(self.expected_rows[s])} rows (prompt_len + response_len − 1 − routes_start)",
+                    f"{int(rows[s])} rows in {name}_routes",
+                    row=int(min(rows[s], self.expected_rows[s])),
+                )
+        if not self.engine.valid.any():
+            self.state.note_missing("coverage", "engine_routes")
+        self.finish("coverage", found, checked)
+
+    def ids(self) -> None:
+        """``ids_valid``, ``moe_layer_nonzero`` and ``dense_empty`` on the engine's captured rows."""
+        b, routes = self.b, self.engine.routes
+        checked = int(self.engine.valid.sum())
+        for name in ("ids_valid", "moe_layer_nonzero", "dense_empty"):
+            if not checked:
+                self.state.note_missing(name, "engine_routes")
+        valid_found, zero_found, dense_found = (_Offenders(b, self.order) for _ in range(3))
+        if routes.shape[0]:
+            selected = routes if self.captured.all() else routes[self.captured]
+            moe_mask = np.zeros(routes.shape[1], dtype=bool)
+            moe_mask[self.moe] = True
+            step = trace_kernels.chunk_rows(routes.shape[1] * routes.shape[2] * routes.dtype.itemsize)
+            failed = trace_kernels.first_invalid_chunk(selected, b.num_experts, moe_mask, step) is not None
+            if failed or b.top_k == 1:
+                self._locate_ids(routes, valid_found, zero_found)
+            dense = np.setdiff1d(np.arange(routes.shape[1]), self.moe)
+            if b.layer_axis is LayerAxis.DECODER and dense.size and routes[:, dense].any():
+                cells = np.argwhere(routes[:, dense].any(axis=2))
+                self._cells(dense_found, cells[:, 0], dense[cells[:, 1]], "0 (dense layer: no route)",
+                            lambda r, s: f"ids {routes[r, s].tolist()}", slot_is_decoder=True)  # fmt: skip
+        self.finish("ids_valid", valid_found, checked)
+        self.finish("moe_layer_nonzero", zero_found, checked)
+        self.finish("dense_empty", dense_found, checked)
+
+    def _cells(
+        self,
+        found: _Offenders,
+        rows: Any,
+        slots: Any,
+        expected: str,
+        actual: Any,
+        slot_is_decoder: bool = False,
+    ) -> None:
+        """Offenders at global engine rows ``rows`` and layer slots ``slots``."""
+        owner = self.row_owner[rows]
+        local = rows - self.engine.row_offsets[owner]
+        layer = (
+            slots
+            if slot_is_decoder
+            else np.asarray(self.b.moe_layers)[slots]
+            if self.b.layer_axis is LayerAxis.MOE_ORDINAL
+            else slots
+        )
+        found.cells(owner, local, np.asarray(layer, dtype=np.int64),
+                    lambda i: (expected, actual(int(rows[i]), int(slots[i]))))  # fmt: skip
+
+    def _locate_ids(self, routes: npt.NDArray[Any], valid_found: _Offenders, zero_found: _Offenders) -> None:
+        b = self.b
+        moe_routes = routes[:, self.moe]
+        bad = (moe_routes >= b.num_experts).any(axis=2)
+        if b.top_k > 1:
+            bad |= trace_kernels.repeated_pairs(np.ascontiguousarray(moe_routes))
+        bad &= self.captured[:, None]
+        cells = np.argwhere(bad)
+        slots = self.moe[cells[:, 1]]
+        self._cells(valid_found, cells[:, 0], slots, f"{b.top_k} distinct ids in [0, {b.num_experts})",
+                    lambda r, s: f"ids {routes[r, s].tolist()}")  # fmt: skip
+        # A (sample, MoE layer) whose captured rows are all zero: a capture that never ran.
+        zero = ~moe_routes.any(axis=2) | ~self.captured[:, None]
+        rows = self.engine_rows
+        has = (rows > 0) & self.engine.valid
+        if not has.any():
+            return
+        starts = self.engine.row_offsets[:-1][has]
+        all_zero = np.logical_and.reduceat(zero, starts, axis=0)
+        some_captured = np.add.reduceat(self.captured.astype(np.int64), starts) > 0
+        all_zero &= some_captured[:, None] & (rows[has] > 1)[:, None]
+        pairs = np.argwhere(all_zero)
+        samples = np.flatnonzero(has)[pairs[:, 0]]
+        layer = np.asarray(b.moe_layers)[pairs[:, 1]]
+        zero_found.cells(samples, np.zeros(samples.size, np.int64), layer.astype(np.int64),
+                         lambda i: ("a captured route", f"every row of MoE layer {int(layer[i])} is 0"))  # fmt: skip
+
+    def tokens(self) -> None:
+        b = self.b
+        found = _Offenders(b, self.order)
+        trainer = b.trainer_tokens
+        checked = int(trainer.valid.sum())
+        if not checked:
+            self.state.note_missing("tokens_match", "trainer_tokens")
+        for s in np.flatnonzero(trainer.valid).tolist():
+            mine = b.tokens.values[b.tokens.offsets[s] : b.tokens.offsets[s + 1]]
+            theirs = trainer.values[trainer.offsets[s] : trainer.offsets[s + 1]]
+            differ = np.flatnonzero(mine != theirs)
+            if differ.size:
+                pos = int(differ[0])
+                found.one(
+                    s, f"engine token {int(mine[pos])}", f"trainer token {int(theirs[pos])} at position {pos}"
+                )
+        self.finish("tokens_match", found, checked)
+
+    def logprobs(self) -> None:
+        """``logprobs_valid``; returns the flat mask and log-probs the gap metrics reuse."""
+        b = self.b
+        response = b.response_len
+        self.resp_offsets = _offsets(response)
+        owners = np.repeat(np.arange(b.size), response)
+        self.resp_owner = owners
+        self.mask = _expand(b.loss_mask, owners, owners.size, True, bool)
+        found = _Offenders(b, self.order)
+        checked = 0
+        self.flat: dict[str, npt.NDArray[np.float32]] = {}
+        for name in ("engine_logprobs", "trainer_logprobs"):
+            column: ListColumn = getattr(b, name)
+            checked = max(checked, int(column.valid.sum()))
+            values = _expand(column, owners, owners.size, np.nan, np.float32)
+            self.flat[name] = values
+            present = column.valid[owners] & self.mask
+            with np.errstate(invalid="ignore"):
+                bad = present & ~(np.isfinite(values) & (values <= LOGPROB_TOLERANCE))
+            idx = np.flatnonzero(bad)
+            owner = owners[idx]
+            local = idx - self.resp_offsets[owner]
+            found.cells(owner, b.prompt_len[owner] + local, np.full(idx.size, -1, np.int64),
+                        lambda i, v=values, idx=idx, n=name: ("a finite log-prob <= 0",
+                                                          f"{n} {float(v[idx[i]])!r}"))  # fmt: skip
+        if not checked:
+            self.state.note_missing("logprobs_valid", "engine_logprobs")
+        self.finish("logprobs_valid", found, checked)
+
+    def replay(self) -> None:
+        """``replay_fidelity`` and the ``agreement`` metric: the trainer's routes against the targets."""
+        b = self.b
+        trainer, recorded = b.routes["trainer"], b.routes["recorded"]
+        found = _Offenders(b, self.order)
+        checked = 0
+        if not trainer.valid.any():
+            self.state.note_missing("replay_fidelity", "trainer_routes")
+            self.state.note_missing("agreement", "trainer_routes")
+        modes = np.array([m or "" for m in b.replay])
+        if trainer.valid.any() and not np.isin(modes, ("R2", "R3", "none")).any():
+            self.state.note_missing("replay_fidelity", "replay")
+        aligned = trainer.valid & self.engine.valid & (np.diff(trainer.row_offsets) == self.engine_rows)
+        if aligned.any():
+            overlap = self._overlap(self.engine, trainer, aligned)
+            differs = overlap < b.top_k
+            self.row_differs = differs.any(axis=1)
+            self._agreement(overlap, aligned)
+            r3 = aligned & (modes == "R3")
+            checked += int(r3.sum())
+            bad = differs & (self.captured & r3[self.row_owner])[:, None]
+            self._replay_offenders(found, bad, self.engine, trainer, "engine")
+        r2 = (
+            trainer.valid
+            & recorded.valid
+            & (modes == "R2")
+            & (np.diff(trainer.row_offsets) == np.diff(recorded.row_offsets))
+        )
+        if r2.any():
+            overlap = self._overlap(recorded, trainer, r2)
+            checked += int(r2.sum())
+            owner = np.repeat(np.arange(b.size), np.diff(recorded.row_offsets))
+            bad = (overlap < b.top_k) & r2[owner][:, None]
+            self._replay_offenders(found, bad, recorded, trainer, "recorded", owner=owner)
+        self.finish("replay_fidelity", found, checked)
+
+    def _overlap(self, a: RouteColumn, t: RouteColumn, which: npt.NDArray[np.bool_]) -> npt.NDArray[np.uint8]:
+        """``|A ∩ B|`` per (row of ``a``, MoE layer); rows of samples not in ``which`` hold ``top_k``."""
+        b = self.b
+        ra, rt = a.routes, t.routes
+        if not which.all() or not np.array_equal(a.row_offsets, t.row_offsets):
+            out = np.full((ra.shape[0], self.moe.size), b.top_k, dtype=np.uint8)
+            for s in np.flatnonzero(which).tolist():
+                lo, hi = a.row_offsets[s], a.row_offsets[s + 1]
+                tl = t.row_offsets[s]
+                out[lo:hi] = trace_kernels.overlap(
+                    np.ascontiguousarray(ra[lo:hi][:, self.moe]),
+                    np.ascontiguousarray(rt[tl : tl + hi - lo][:, self.moe]),
+                    b.num_experts,
+                )
+            return out
+        if self.moe.size != ra.shape[1]:
+            ra, rt = np.ascontiguousarray(ra[:, self.moe]), np.ascontiguousarray(rt[:, self.moe])
+        return trace_kernels.overlap(ra, rt, b.num_experts)
+
+    def _replay_offenders(
+        self,
+        found: _Offenders,
+        bad: Any,
+        target: RouteColumn,
+        trainer: RouteColumn,
+        what: str,
+        owner: Any = None,
+    ) -> None:
+        if not bad.any():
+            return
+        cells = np.argwhere(bad)
+        rows = cells[:, 0]
+        owner = self.row_owner if owner is None else owner
+        s = owner[rows]
+        local = rows - target.row_offsets[s]
+        slots = self.moe[cells[:, 1]]
+        layer = np.asarray(self.b.moe_layers)[cells[:, 1]]
+        t_rows = trainer.row_offsets[s] + local
+
+        def describe(i: int) -> tuple[str, str]:
+            want = sorted(target.routes[rows[i], slots[i]].tolist())
+            got = sorted(trainer.routes[t_rows[i], slots[i]].tolist())
+            return f"{what} experts {want}", f"dispatched {got}"
+
+        found.cells(s, local, layer.astype(np.int64), describe)
+
+    def _agreement(self, overlap: npt.NDArray[np.uint8], aligned: npt.NDArray[np.bool_]) -> None:
+        b = self.b
+        keep = self.captured & aligned[self.row_owner]
+        differs = (overlap < b.top_k) & keep[:, None]
+        per_sample = np.bincount(self.row_owner, weights=differs.sum(axis=1), minlength=b.size)
+        cells = np.bincount(self.row_owner, weights=keep, minlength=b.size) * self.moe.size
+        with np.errstate(invalid="ignore", divide="ignore"):
+            self.sample_disagreement = np.where(cells > 0, per_sample / np.maximum(cells, 1), np.nan)
+        for step in np.unique(b.step[aligned]).tolist():
+            rows = keep & (b.step[self.row_owner] == step)
+            counts = AgreementCounts.of(overlap[rows], b.top_k) if rows.any() else None
+            if counts is None:
+                continue
+            figures = self.state.step(step)
+            if figures.agreement is None:
+                figures.agreement = AgreementCounts(b.top_k)
+            figures.agreement.merge(counts)
+
+    # --- metrics ---------------------------------------------------------------------------------
+
+    def gap(self) -> None:
+        b = self.b
+        engine, trainer = self.flat["engine_logprobs"], self.flat["trainer_logprobs"]
+        both = b.engine_logprobs.valid & b.trainer_logprobs.valid
+        if not both.any():
+            for column in ("engine_logprobs", "trainer_logprobs"):
+                if not getattr(b, column).valid.any():
+                    self.state.note_missing("logprob_gap", column)
+            self.sample_gap = np.full(b.size, np.nan)
+            return
+        with np.errstate(invalid="ignore"):
+            ok = self.mask & both[self.resp_owner] & np.isfinite(engine) & np.isfinite(trainer)
+            ok &= (engine <= LOGPROB_TOLERANCE) & (trainer <= LOGPROB_TOLERANCE)
+        agreed = flipped = None
+        if self.row_differs is not None:
+            local = np.arange(self.resp_owner.size) - self.resp_offsets[self.resp_owner]
+            owner = self.resp_owner
+            row = b.prompt_len[owner] + local - 1 - b.routes_start[owner]
+            inside = (row >= 0) & (row < self.engine_rows[owner]) & b.routes["trainer"].valid[owner]
+            global_row = np.where(inside, self.engine.row_offsets[owner] + row, 0)
+            inside &= self.captured[global_row]
+            differs = self.row_differs[global_row]
+            agreed, flipped = inside & ~differs, inside & differs
+        absd = np.where(ok, np.abs(trainer.astype(np.float64) - engine), 0.0)
+        counts = np.bincount(self.resp_owner, weights=ok, minlength=b.size)
+        sums = np.bincount(self.resp_owner, weights=absd, minlength=b.size)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            self.sample_gap = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+        for step in np.unique(b.step[both]).tolist():
+            in_step = ok & (b.step[self.resp_owner] == step)
+            figures = self.state.step(step)
+            targets = [(figures.gap, in_step)]
+            if agreed is not None and flipped is not None:
+                targets += [(figures.gap_agreed, in_step & agreed), (figures.gap_flipped, in_step & flipped)]
+            for acc, sel in targets:
+                idx = np.flatnonzero(sel)
+                if not idx.size:
+                    continue
+                owners = self.resp_owner[idx]
+                starts = np.flatnonzero(np.diff(owners, prepend=-1)).astype(np.int64)
+                acc.add_segments(trainer[idx].astype(np.float64), engine[idx].astype(np.float64), starts)
+
+    def fallback_and_load(self) -> None:
+        b = self.b
+        routes = self.engine.routes
+        for step in np.unique(b.step[self.engine.valid]).tolist():
+            figures = self.state.step(step)
+            in_step = self.engine.valid & (b.step == step)
+            rows = in_step[self.row_owner]
+            figures.rows += int(rows.sum())
+            figures.uncaptured_rows += int((rows & ~self.captured).sum())
+            sub = routes if rows.all() else routes[rows]
+            load = audit_kernels.expert_load(sub, self.moe, self.captured[rows], b.num_experts)
+            figures.load = load if figures.load is None else figures.load + load
+
+    def prefix(self) -> None:
+        b = self.b
+        for s in range(b.size):
+            group = b.group_key[s]
+            if group is None or not self.engine.valid[s]:
+                continue
+            prompt_rows = int(min(self.engine_rows[s], max(0, b.prompt_len[s] - b.routes_start[s])))
+            lo = int(self.engine.row_offsets[s])
+            digests = audit_kernels.row_digests(self.engine.routes[lo : lo + prompt_rows], self.moe)
+            entry = GroupDigests(digests, np.zeros(prompt_rows, dtype=bool))
+            key = (int(b.step[s]), group)
+            if key in self.state.groups:
+                self.state.groups[key].merge(entry)
+            else:
+                self.state.groups[key] = entry
+        if not any(g is not None for g in b.group_key):
+            self.state.note_missing("prefix_agreement", "group_key")
+
+    def samples(self) -> None:
+        b = self.b
+        for s in range(b.size):
+            step = int(b.step[s])
+            self.state.step(step).samples += 1
+            self.state.samples.append(
+                SampleFigure(
+                    step, b.sample_key[s], b.group_key[s] or "", int(self.engine_rows[s]), int(b.response_len[s]),
+                    float(self.sample_gap[s]), float(self.sample_disagreement[s]), int(self.uncaptured[s]),
+                    int(self.violations[s]),
+                )
+            )  # fmt: skip
+
+
+def fold_batch(batch: Batch, state: AuditState) -> None:
+    """Check one decoded batch and fold its figures into ``state``."""
+    state.rows_read += batch.size
+    state.sources.update(batch.source)
+    if batch.size and not state.moe_layers:
+        state.moe_layers = batch.moe_layers
+    for s in range(batch.size):
+        state.see(int(batch.step[s]), batch.sample_key[s], batch.where(s))
+    work = _BatchAudit(batch, state)
+    work.coverage()
+    work.ids()
+    work.tokens()
+    work.logprobs()
+    work.replay()
+    work.gap()
+    work.fallback_and_load()
+    work.prefix()
+    work.samples()

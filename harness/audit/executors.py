@@ -1,0 +1,180 @@
+"""Running an audit: units of work folded into states, serially, in a process pool or on Ray.
+
+Every executor runs the same function, ``audit_unit``, on the same units and merges the states
+it gets back in whatever order they arrive; the result does not depend on that order
+(``harness.audit.state``). A unit that cannot be read becomes an input error of the state and
+the other units are still audited; ``strict`` stops at the first violation or input error.
+
+- ``serial``: in this process, one unit after another;
+- ``processes``: a ``ProcessPoolExecutor`` of the CPUs this process may use (default);
+- ``ray``: one Ray task per unit, on the cluster at ``ray_address`` or a local one (extra
+  ``ray``; imported only when asked for).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+from harness.audit.checks import AuditOptions, fold_batch
+from harness.audit.layout import LayoutError
+from harness.audit.reader import Unit, decode, plan_units, read_unit, run_files
+from harness.audit.result import AuditResult
+from harness.audit.state import AuditState
+from harness.cpus import available_cpus
+
+EXECUTORS = ("serial", "processes", "ray")
+
+
+def _selected(table: Any, options: AuditOptions) -> Any:
+    """The rows of ``table`` the options select (all of them by default: no copy)."""
+    if options.steps is None and options.every <= 1 and options.samples >= 1.0:
+        return table
+    import numpy as np
+    import pyarrow as pa
+
+    from harness.audit.checks import sample_hash
+
+    step = np.asarray(table.column("step").to_numpy(zero_copy_only=False))
+    keep = np.ones(table.num_rows, dtype=bool)
+    if options.steps is not None:
+        keep &= np.isin(step, list(options.steps))
+    if options.every > 1:
+        keep &= step % options.every == 0
+    if options.samples < 1.0:
+        keys = table.column("sample_key").to_pylist()
+        keep &= np.array([sample_hash(int(s), k) < options.samples for s, k in zip(step, keys)], dtype=bool)
+    return table.filter(pa.array(keep))
+
+
+def audit_unit(unit: Unit, options: AuditOptions = AuditOptions()) -> AuditState:
+    """Read and check one unit; a malformed file or row becomes an input error of the returned state."""
+    state = AuditState()
+    state.files.add(unit.path)
+    try:
+        for first_row, table in read_unit(unit):
+            selected = _selected(table, options)
+            if selected.num_rows:
+                fold_batch(decode(selected.combine_chunks(), unit.path, first_row), state)
+    except LayoutError as err:
+        state.input_errors.append(str(err))
+    state.bytes_read = unit.nbytes
+    return state
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The units of a run and the files that could not even be opened."""
+
+    units: list[Unit]
+    errors: list[str]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(u.nbytes for u in self.units)
+
+
+def plan_run(run: str | os.PathLike[str], unit_bytes: int | None = None) -> Plan:
+    """Split ``run`` into units; ``LayoutError`` when there is no run at all."""
+    units, errors = [], []
+    for path in run_files(run):
+        try:
+            units.extend(plan_units(path, *(() if unit_bytes is None else (unit_bytes,))))
+        except LayoutError as err:
+            errors.append(str(err))
+    return Plan(units, errors)
+
+
+def _serial(units: list[Unit], options: AuditOptions) -> Iterator[tuple[Unit, AuditState]]:
+    for unit in units:
+        yield unit, audit_unit(unit, options)
+
+
+def _processes(units: list[Unit], options: AuditOptions, workers: int) -> Iterator[tuple[Unit, AuditState]]:
+    import multiprocessing
+
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pending: dict[Future[AuditState], Unit] = {pool.submit(audit_unit, u, options): u for u in units}
+        try:
+            while pending:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    yield pending.pop(future), future.result()
+        finally:
+            for future in pending:
+                future.cancel()
+
+
+def _ray(units: list[Unit], options: AuditOptions, address: str | None) -> Iterator[tuple[Unit, AuditState]]:
+    try:
+        import ray
+    except ImportError:
+        raise LayoutError(
+            "--executor ray: Ray is not installed; expected the 'audit' extra (pip install 'routing-replay-harness[audit]')"
+        ) from None
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=address, ignore_reinit_error=True, logging_level="ERROR", log_to_driver=False)
+    remote = ray.remote(audit_unit)
+    try:
+        pending = {remote.remote(u, options): u for u in units}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for ref in done:
+                yield pending.pop(ref), ray.get(ref)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def run_units(
+    units: list[Unit],
+    options: AuditOptions,
+    executor: str = "processes",
+    workers: int | None = None,
+    ray_address: str | None = None,
+) -> Iterator[tuple[Unit, AuditState]]:
+    """``(unit, state)`` for every unit, in the order the executor finishes them."""
+    if executor == "serial" or (executor == "processes" and (workers or available_cpus()) <= 1):
+        return _serial(units, options)
+    if executor == "processes":
+        return _processes(units, options, workers or available_cpus())
+    if executor == "ray":
+        return _ray(units, options, ray_address)
+    raise LayoutError(f"executor: {executor!r}; expected one of {list(EXECUTORS)}")
+
+
+def audit_run(
+    run: str | os.PathLike[str],
+    *,
+    options: AuditOptions = AuditOptions(),
+    executor: str = "processes",
+    workers: int | None = None,
+    ray_address: str | None = None,
+    strict: bool = False,
+    progress: Callable[[Iterable[tuple[Unit, AuditState]], int], Iterable[tuple[Unit, AuditState]]]
+    | None = None,
+    unit_bytes: int | None = None,
+) -> AuditResult:
+    """Audit every unit of ``run`` and return the merged result.
+
+    ``progress(stream, total_bytes)`` may wrap the stream of finished units (the CLI's progress
+    bar). ``strict`` stops at the first unit with a violation or an input error.
+    """
+    plan = plan_run(run, unit_bytes)
+    state = AuditState()
+    state.input_errors.extend(plan.errors)
+    stream: Iterable[tuple[Unit, AuditState]] = run_units(plan.units, options, executor, workers, ray_address)
+    if progress is not None:
+        stream = progress(stream, plan.nbytes)
+    for _, part in stream:
+        state.merge(part)
+        if strict and (part.input_errors or any(t.violated for t in part.tallies.values())):
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()
+            break
+    return AuditResult.of(state)

@@ -1,0 +1,200 @@
+"""The run layout (DESIGN §7): one Parquet row per (step, sample), described by a versioned schema.
+
+The schema lives in ``harness/schemas/run_layout.v<N>.json``, shipped in the package, so that any
+reader (pyarrow, DuckDB, Polars, Ray Data, Spark) can learn the columns without the harness. Every
+file the writer makes carries the version in its key-value metadata (``rrh.run_layout``); a
+reader refuses a version it does not know.
+
+Routes are binary blobs: the C-order bytes of ``[rows, num_layers, top_k]`` ids in the narrowest
+unsigned dtype that holds ``num_experts`` (``harness.trace.storage_dtype``), little-endian, with
+their row count in a column beside them. A whole record batch's blobs are one contiguous buffer
+in Arrow, so ``route_buffer`` hands the kernels the routes of every sample of a batch without a
+copy.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from harness.errors import HarnessError
+from harness.trace import LayerAxis, storage_dtype
+
+FORMAT = "rrh-run-layout"
+VERSION = 1
+"""The newest layout version this harness writes; it reads every version listed in ``KNOWN``."""
+KNOWN = (1,)
+METADATA_KEY = b"rrh.run_layout"
+FILE_SUFFIX = ".parquet"
+
+ROUTE_COLUMNS = ("engine", "trainer", "recorded")
+"""The three route blobs a row may carry: ``<name>_routes`` with ``<name>_rows`` beside it."""
+
+REPLAY_MODES = ("none", "R2", "R3")
+ATTEMPT_KINDS = ("start", "resume", "turn")
+
+
+class LayoutError(HarnessError, ValueError):
+    """A run-layout file or record is malformed; the message names file, column and row."""
+
+
+@cache
+def schema_document(version: int = VERSION) -> dict[str, Any]:
+    """The JSON schema document of layout ``version`` (``LayoutError`` for a version not shipped)."""
+    if version not in KNOWN:
+        raise LayoutError(f"rrh.run_layout: version {version}; expected one of {list(KNOWN)}")
+    text = resources.files("harness").joinpath("schemas").joinpath(f"run_layout.v{version}.json").read_text()
+    doc: dict[str, Any] = json.loads(text)
+    return doc
+
+
+def _arrow_type(name: str) -> Any:
+    import pyarrow as pa
+
+    scalars = {
+        "int32": pa.int32(),
+        "int64": pa.int64(),
+        "float32": pa.float32(),
+        "bool": pa.bool_(),
+        "string": pa.string(),
+        "binary": pa.large_binary(),
+    }
+    if name.startswith("list<") and name.endswith(">"):
+        return pa.list_(scalars[name[5:-1]])
+    return scalars[name]
+
+
+@cache
+def arrow_schema(version: int = VERSION) -> Any:
+    """The ``pyarrow.Schema`` of layout ``version``, its version in the schema metadata."""
+    import pyarrow as pa
+
+    doc = schema_document(version)
+    fields = [pa.field(c["name"], _arrow_type(c["type"]), nullable=c["nullable"]) for c in doc["columns"]]
+    return pa.schema(fields, metadata={METADATA_KEY: str(version).encode()})
+
+
+def column_names(version: int = VERSION) -> tuple[str, ...]:
+    return tuple(c["name"] for c in schema_document(version)["columns"])
+
+
+def encode_routes(routes: npt.NDArray[np.integer[Any]], num_experts: int, column: str) -> bytes:
+    """The blob of ``routes [rows, layers, top_k]``: ids cast to the stored dtype, refused if they do not fit.
+
+    A route id outside ``[0, 2**bits)`` of the stored dtype would wrap: refused here, naming the
+    column, because a wrapped id is a different expert (verl #7407), never a representation.
+    """
+    array = np.asarray(routes)
+    if array.ndim != 3 or array.dtype.kind not in "iu":
+        raise LayoutError(
+            f"{column}: expected an integer array [rows, layers, top_k], got {array.dtype} {array.shape}"
+        )
+    dtype = storage_dtype(num_experts)
+    if array.size and (int(array.min()) < 0 or int(array.max()) > np.iinfo(dtype).max):
+        raise LayoutError(
+            f"{column}: ids in [{int(array.min())}, {int(array.max())}] do not fit {dtype} "
+            f"(num_experts={num_experts}); expected ids in [0, {np.iinfo(dtype).max}]"
+        )
+    return np.ascontiguousarray(array, dtype=dtype.newbyteorder("<")).tobytes()
+
+
+@dataclass
+class SampleRecord:
+    """One (step, sample) of a run, as the writer takes it; lists are any 1-D array-likes.
+
+    Routes are ``[rows, num_layers, top_k]`` integer arrays on the layer axis ``layer_axis``; the
+    writer stores them in the narrowest dtype. ``engine_captured`` marks rows whose route the
+    engine really returned (``False`` where the dump held filler); ``None`` means every row.
+    """
+
+    step: int
+    sample_key: str
+    prompt_len: int
+    response_len: int
+    tokens: Any
+    num_experts: int
+    top_k: int
+    num_layers: int
+    moe_layers: Any
+    source: str
+    group_key: str | None = None
+    rank: int = 0
+    layer_axis: str = LayerAxis.DECODER.value
+    routes_start: int = 0
+    trainer_tokens: Any = None
+    loss_mask: Any = None
+    engine_logprobs: Any = None
+    trainer_logprobs: Any = None
+    engine_routes: Any = None
+    engine_captured: Any = None
+    trainer_routes: Any = None
+    recorded_routes: Any = None
+    replay: str | None = None
+    attempt_ends: Any = None
+    attempt_kinds: Any = None
+    weight_versions: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_row(self) -> dict[str, Any]:
+        """The record as a dict of Arrow-ready values (blobs encoded, lists as Python lists)."""
+        if self.replay is not None and self.replay not in REPLAY_MODES:
+            raise LayoutError(f"replay: expected one of {list(REPLAY_MODES)} or None, got {self.replay!r}")
+        if self.layer_axis not in {a.value for a in LayerAxis}:
+            raise LayoutError(
+                f"layer_axis: expected one of {[a.value for a in LayerAxis]}, got {self.layer_axis!r}"
+            )
+        if not 1 <= int(self.num_experts) <= 65536:
+            raise LayoutError(f"num_experts: expected an integer in [1, 65536], got {self.num_experts!r}")
+        row: dict[str, Any] = {
+            "step": int(self.step),
+            "sample_key": str(self.sample_key),
+            "group_key": None if self.group_key is None else str(self.group_key),
+            "rank": int(self.rank),
+            "prompt_len": int(self.prompt_len),
+            "response_len": int(self.response_len),
+            "num_experts": int(self.num_experts),
+            "top_k": int(self.top_k),
+            "layer_axis": self.layer_axis,
+            "num_layers": int(self.num_layers),
+            "moe_layers": [int(x) for x in self.moe_layers],
+            "routes_start": int(self.routes_start),
+            "replay": self.replay,
+            "source": self.source,
+        }
+        for name in ("tokens", "trainer_tokens", "attempt_ends", "weight_versions"):
+            value = getattr(self, name)
+            row[name] = None if value is None else np.asarray(value).astype(np.int64).tolist()
+        for name in ("engine_logprobs", "trainer_logprobs"):
+            value = getattr(self, name)
+            row[name] = None if value is None else np.asarray(value, dtype=np.float32).tolist()
+        for name in ("loss_mask", "engine_captured"):
+            value = getattr(self, name)
+            row[name] = None if value is None else np.asarray(value, dtype=bool).tolist()
+        if self.attempt_kinds is not None:
+            kinds = [str(k) for k in self.attempt_kinds]
+            bad = [k for k in kinds if k not in ATTEMPT_KINDS]
+            if bad:
+                raise LayoutError(f"attempt_kinds: expected each of {list(ATTEMPT_KINDS)}, got {bad[0]!r}")
+            row["attempt_kinds"] = kinds
+        else:
+            row["attempt_kinds"] = None
+        for name in ROUTE_COLUMNS:
+            routes = getattr(self, f"{name}_routes")
+            if routes is None:
+                row[f"{name}_routes"] = row[f"{name}_rows"] = None
+                continue
+            array = np.asarray(routes)
+            if array.ndim != 3 or array.shape[1:] != (self.num_layers, self.top_k):
+                raise LayoutError(
+                    f"{name}_routes: shape {array.shape}; expected [rows, num_layers={self.num_layers}, "
+                    f"top_k={self.top_k}]"
+                )
+            row[f"{name}_routes"] = encode_routes(array, int(self.num_experts), f"{name}_routes")
+            row[f"{name}_rows"] = int(array.shape[0])
+        return row

@@ -1,0 +1,434 @@
+"""Reading a run: its files, the units of work they split into, and batches decoded zero-copy.
+
+A **unit** is a run of consecutive row groups of one file, about ``UNIT_BYTES`` of compressed
+data: what one executor task reads and folds into an accumulator. Row groups are read one at a
+time, so memory is bounded by the row groups in flight, never by a file's or a run's size.
+
+``Batch`` is one row group decoded: scalar columns as numpy arrays, list columns as (offsets,
+values) numpy views of the Arrow buffers, route blobs as one ``[rows, layers, top_k]`` view of
+the batch's contiguous blob buffer. Every length a file declares (list lengths, blob bytes, row
+counts) is checked against the data that is really there before any view is made from it; a
+mismatch is a ``LayoutError`` naming the file, the column and the row.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from harness.atomic import TMP_MARK
+from harness.audit.layout import (
+    FILE_SUFFIX,
+    KNOWN,
+    METADATA_KEY,
+    ROUTE_COLUMNS,
+    LayoutError,
+    arrow_schema,
+    schema_document,
+)
+from harness.trace import MAX_LAYERS, LayerAxis
+
+UNIT_BYTES = 64 << 20
+"""Compressed bytes of row groups per unit of work."""
+
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Consecutive row groups of one layout file: one task of an executor."""
+
+    path: str
+    row_groups: tuple[int, ...]
+    nbytes: int
+    first_row: int
+    """Index in the file of the unit's first row (errors name rows by their index in the file)."""
+
+
+def run_files(run: str | os.PathLike[str]) -> list[Path]:
+    """The layout files of ``run`` (a directory, searched recursively, or one file), sorted.
+
+    Temporary files of a writer that was killed are not part of the run. ``LayoutError`` when
+    there is no run there.
+    """
+    root = Path(run)
+    if root.is_file():
+        return [root]
+    if not root.is_dir():
+        raise LayoutError(f"{root}: no such file or directory; expected a run directory")
+    files = sorted(p for p in root.rglob(f"*{FILE_SUFFIX}") if TMP_MARK not in p.name and p.is_file())
+    if not files:
+        raise LayoutError(f"{root}: no run here (no *{FILE_SUFFIX} file of the run layout)")
+    return files
+
+
+def _open(path: str) -> Any:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except Exception as err:  # pyarrow raises ArrowInvalid, OSError, ... for a file that is not Parquet
+        raise LayoutError(f"{path}: not a readable Parquet file ({type(err).__name__}: {err})") from None
+
+
+def check_schema(path: str, schema: Any) -> int:
+    """The layout version of a file's Arrow ``schema``, after checking its columns and their types."""
+    metadata = schema.metadata or {}
+    raw = metadata.get(METADATA_KEY)
+    if raw is None:
+        raise LayoutError(
+            f"{path}: no {METADATA_KEY.decode()} key in the file's metadata; not a run-layout file"
+        )
+    try:
+        version = int(raw)
+    except ValueError:
+        raise LayoutError(
+            f"{path}: {METADATA_KEY.decode()} is {raw!r}; expected an integer version"
+        ) from None
+    if version not in KNOWN:
+        raise LayoutError(
+            f"{path}: {METADATA_KEY.decode()} version {version}; this harness reads versions {list(KNOWN)}"
+        )
+    expected = arrow_schema(version)
+    for want in expected:
+        index = schema.get_field_index(want.name)
+        if index < 0:
+            raise LayoutError(f"{path}: column {want.name!r} missing; expected {want.type}")
+        got = schema.field(index).type
+        if not got.equals(want.type):
+            raise LayoutError(f"{path}: column {want.name!r} has type {got}; expected {want.type}")
+    return version
+
+
+def plan_units(path: Path, unit_bytes: int = UNIT_BYTES) -> list[Unit]:
+    """Split one file into units of about ``unit_bytes``; checks the file's schema and version first."""
+    handle = _open(str(path))
+    check_schema(str(path), handle.schema_arrow)
+    meta = handle.metadata
+    units: list[Unit] = []
+    groups: list[int] = []
+    nbytes = first = row = 0
+    for index in range(meta.num_row_groups):
+        group = meta.row_group(index)
+        if groups and nbytes + group.total_byte_size > unit_bytes:
+            units.append(Unit(str(path), tuple(groups), nbytes, first))
+            groups, nbytes, first = [], 0, row
+        groups.append(index)
+        nbytes += group.total_byte_size
+        row += group.num_rows
+    if groups:
+        units.append(Unit(str(path), tuple(groups), nbytes, first))
+    return units
+
+
+# --- decoding -------------------------------------------------------------------------------------
+
+
+@dataclass
+class ListColumn:
+    """A list column of a batch: ``values[offsets[i]:offsets[i+1]]`` is row i's list; ``valid[i]`` not null."""
+
+    offsets: IntArray
+    values: npt.NDArray[Any]
+    valid: npt.NDArray[np.bool_]
+
+    def lengths(self) -> IntArray:
+        return np.diff(self.offsets)
+
+
+@dataclass
+class RouteColumn:
+    """A route blob column: ``routes[row_offsets[i]:row_offsets[i+1]]`` are sample i's rows."""
+
+    routes: npt.NDArray[Any]
+    """``[total rows, num_layers, top_k]``, a read-only view of the Arrow buffer."""
+    row_offsets: IntArray
+    valid: npt.NDArray[np.bool_]
+
+
+@dataclass
+class Batch:
+    """One row group of a layout file, decoded and checked (see the module docstring)."""
+
+    path: str
+    first_row: int
+    size: int
+    step: IntArray
+    sample_key: list[str]
+    group_key: list[str | None]
+    rank: IntArray
+    prompt_len: IntArray
+    response_len: IntArray
+    num_experts: int
+    top_k: int
+    num_layers: int
+    layer_axis: LayerAxis
+    moe_layers: tuple[int, ...]
+    routes_start: IntArray
+    replay: list[str | None]
+    source: list[str]
+    tokens: ListColumn
+    trainer_tokens: ListColumn
+    loss_mask: ListColumn
+    engine_logprobs: ListColumn
+    trainer_logprobs: ListColumn
+    engine_captured: ListColumn
+    attempt_ends: ListColumn
+    routes: dict[str, RouteColumn]
+
+    @property
+    def moe_slots(self) -> npt.NDArray[np.intp]:
+        """Indices on the layer axis of the MoE layers."""
+        if self.layer_axis is LayerAxis.DECODER:
+            return np.asarray(self.moe_layers, dtype=np.intp)
+        return np.arange(len(self.moe_layers), dtype=np.intp)
+
+    def where(self, row: int) -> str:
+        """How errors name a batch row: the file and the row's index in the file."""
+        return f"{self.path} row {self.first_row + row}"
+
+
+def _scalar(table: Any, name: str, path: str, first_row: int) -> npt.NDArray[Any]:
+    column = table.column(name)
+    if column.null_count:
+        index = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
+        raise LayoutError(f"{path} row {first_row + index}: column {name!r} is null; expected a value")
+    return np.asarray(column.to_numpy())
+
+
+def _uniform(values: npt.NDArray[Any], name: str, path: str, first_row: int) -> int:
+    """The one value of a per-row model column; a batch mixing models is refused."""
+    if values.size and (values != values[0]).any():
+        index = int(np.flatnonzero(values != values[0])[0])
+        raise LayoutError(
+            f"{path} row {first_row + index}: column {name!r} is {values[index]}, row {first_row} has "
+            f"{values[0]}; expected one model per run"
+        )
+    return int(values[0]) if values.size else 0
+
+
+def _list_column(table: Any, name: str, dtype: Any) -> ListColumn:
+    import pyarrow as pa
+
+    array = table.column(name).combine_chunks()
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks() if array.num_chunks else pa.array([], array.type)
+    valid = ~np.asarray(array.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+    offsets = np.asarray(array.offsets.to_numpy(), dtype=np.int64)
+    values = array.values
+    if values.null_count:
+        raise LayoutError(f"column {name!r}: null inside a list; expected values")
+    flat = values.to_numpy(zero_copy_only=False) if len(values) else np.zeros(0, dtype)
+    base = offsets[0]
+    return ListColumn(offsets - base, np.asarray(flat[base : offsets[-1]], dtype=dtype), valid)
+
+
+def _check_lengths(
+    column: ListColumn, expected: IntArray, name: str, what: str, batch_path: str, first_row: int
+) -> None:
+    """Every non-null list of ``column`` has ``expected`` entries (``LayoutError`` on the first that has not)."""
+    bad = column.valid & (column.lengths() != expected)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise LayoutError(
+            f"{batch_path} row {first_row + i}: column {name!r} has {int(column.lengths()[i])} entries; "
+            f"expected {int(expected[i])} ({what})"
+        )
+
+
+def _route_column(
+    table: Any, name: str, dtype: np.dtype[Any], row_shape: tuple[int, int], path: str, first_row: int
+) -> RouteColumn:
+    """The blobs of ``<name>_routes`` as one view; every blob's length checked against ``<name>_rows``."""
+    blobs = table.column(f"{name}_routes").combine_chunks()
+    rows_col = table.column(f"{name}_rows").to_numpy(zero_copy_only=False)
+    valid = ~np.asarray(blobs.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+    rows = np.where(valid, np.nan_to_num(np.asarray(rows_col, dtype=np.float64), nan=-1), 0).astype(np.int64)
+    missing = valid & (rows < 0)
+    if missing.any():
+        i = int(np.flatnonzero(missing)[0])
+        raise LayoutError(
+            f"{path} row {first_row + i}: column {name}_rows is {rows_col[i]}; expected the row count "
+            f"of {name}_routes (a non-negative integer)"
+        )
+    buffers = blobs.buffers()
+    offsets = np.frombuffer(buffers[1], dtype=np.int64, count=len(blobs) + 1, offset=blobs.offset * 8)
+    row_bytes = row_shape[0] * row_shape[1] * dtype.itemsize
+    lengths = np.diff(offsets)
+    bad = valid & (lengths != rows * row_bytes)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise LayoutError(
+            f"{path} row {first_row + i}: column {name}_routes holds {int(lengths[i])} bytes; expected "
+            f"{int(rows[i])} rows × {row_shape[0]} layers × top-{row_shape[1]} × {dtype.itemsize} B = "
+            f"{int(rows[i]) * row_bytes} ({name}_rows, num_layers, top_k, {dtype})"
+        )
+    start, stop = int(offsets[0]), int(offsets[-1])
+    data = buffers[2]
+    if data is None or stop - start == 0:
+        flat = np.zeros(0, dtype=dtype)
+    else:
+        flat = np.frombuffer(
+            data, dtype=dtype.newbyteorder("<"), count=(stop - start) // dtype.itemsize, offset=start
+        )
+    routes = flat.reshape(-1, *row_shape)
+    return RouteColumn(routes, np.concatenate([[0], np.cumsum(rows)]).astype(np.int64), valid)
+
+
+def _moe_layers(table: Any, path: str, first_row: int) -> tuple[int, ...]:
+    column = _list_column(table, "moe_layers", np.int64)
+    first = (
+        tuple(int(x) for x in column.values[column.offsets[0] : column.offsets[1]])
+        if len(column.valid)
+        else ()
+    )
+    lengths = column.lengths()
+    same = (
+        (lengths == len(first)).all() and (column.values.reshape(-1, len(first)) == np.asarray(first)).all()
+        if len(first)
+        else (lengths == 0).all()
+    )
+    if not same:
+        raise LayoutError(
+            f"{path} rows {first_row}…: column 'moe_layers' differs between rows; expected one model per run"
+        )
+    return first
+
+
+def decode(table: Any, path: str, first_row: int) -> Batch:
+    """Decode and check one row group (a ``pyarrow.Table``) of layout file ``path``."""
+    from harness.trace import storage_dtype
+
+    n = table.num_rows
+    ints = {name: _scalar(table, name, path, first_row).astype(np.int64) for name in (
+        "step", "rank", "prompt_len", "response_len", "num_experts", "top_k", "num_layers", "routes_start"
+    )}  # fmt: skip
+    for name, low in (("prompt_len", 1), ("response_len", 0), ("routes_start", 0), ("rank", 0)):
+        bad = ints[name] < low
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise LayoutError(
+                f"{path} row {first_row + i}: column {name!r} is {ints[name][i]}; expected >= {low}"
+            )
+    num_experts = _uniform(ints["num_experts"], "num_experts", path, first_row)
+    top_k = _uniform(ints["top_k"], "top_k", path, first_row)
+    num_layers = _uniform(ints["num_layers"], "num_layers", path, first_row)
+    if n and not 1 <= num_experts <= 65536:
+        raise LayoutError(f"{path} row {first_row}: column 'num_experts' is {num_experts}; expected 1..65536")
+    if n and not 1 <= top_k <= num_experts:
+        raise LayoutError(
+            f"{path} row {first_row}: column 'top_k' is {top_k}; expected 1..num_experts={num_experts}"
+        )
+    if n and not 1 <= num_layers <= MAX_LAYERS:
+        raise LayoutError(
+            f"{path} row {first_row}: column 'num_layers' is {num_layers}; expected 1..{MAX_LAYERS}"
+        )
+    axes = table.column("layer_axis").to_pylist()
+    try:
+        axis = LayerAxis(axes[0]) if n else LayerAxis.DECODER
+    except ValueError:
+        raise LayoutError(
+            f"{path} row {first_row}: column 'layer_axis' is {axes[0]!r}; expected one of "
+            f"{[a.value for a in LayerAxis]}"
+        ) from None
+    if any(a != axes[0] for a in axes):
+        raise LayoutError(f"{path} rows {first_row}…: column 'layer_axis' differs between rows; expected one")
+    moe = _moe_layers(table, path, first_row) if n else ()
+    width = num_layers if axis is LayerAxis.DECODER else len(moe)
+    bound = num_layers if axis is LayerAxis.DECODER else MAX_LAYERS
+    if n and (
+        not moe or list(moe) != sorted(set(moe)) or moe[0] < 0 or moe[-1] >= bound or width != num_layers
+    ):
+        raise LayoutError(
+            f"{path} row {first_row}: column 'moe_layers' is {list(moe)}; expected distinct increasing "
+            f"decoder indices, within [0, num_layers={num_layers}) on the decoder axis, one per slot on "
+            "the moe_ordinal axis"
+        )
+    lengths = {"tokens": ints["prompt_len"] + ints["response_len"], "response": ints["response_len"]}
+    lists = {
+        "tokens": _list_column(table, "tokens", np.int64),
+        "trainer_tokens": _list_column(table, "trainer_tokens", np.int64),
+        "loss_mask": _list_column(table, "loss_mask", bool),
+        "engine_logprobs": _list_column(table, "engine_logprobs", np.float32),
+        "trainer_logprobs": _list_column(table, "trainer_logprobs", np.float32),
+        "engine_captured": _list_column(table, "engine_captured", bool),
+        "attempt_ends": _list_column(table, "attempt_ends", np.int64),
+    }
+    if not lists["tokens"].valid.all():
+        i = int(np.flatnonzero(~lists["tokens"].valid)[0])
+        raise LayoutError(
+            f"{path} row {first_row + i}: column 'tokens' is null; expected prompt ⊕ response ids"
+        )
+    for name, key, what in (
+        ("tokens", "tokens", "prompt_len + response_len"),
+        ("trainer_tokens", "tokens", "prompt_len + response_len"),
+        ("loss_mask", "response", "response_len"),
+        ("engine_logprobs", "response", "response_len"),
+        ("trainer_logprobs", "response", "response_len"),
+    ):
+        _check_lengths(lists[name], lengths[key], name, what, path, first_row)
+    dtype = storage_dtype(num_experts) if n else np.dtype(np.uint8)
+    routes = {
+        name: _route_column(table, name, dtype, (width, top_k), path, first_row) for name in ROUTE_COLUMNS
+    }
+    engine_rows = np.diff(routes["engine"].row_offsets)
+    _check_lengths(lists["engine_captured"], engine_rows, "engine_captured", "engine_rows", path, first_row)
+    replay = table.column("replay").to_pylist()
+    for i, mode in enumerate(replay):
+        if mode not in (None, "none", "R2", "R3"):
+            raise LayoutError(
+                f"{path} row {first_row + i}: column 'replay' is {mode!r}; expected none, R2, R3 or null"
+            )
+    return Batch(
+        path=path,
+        first_row=first_row,
+        size=n,
+        step=ints["step"],
+        sample_key=table.column("sample_key").to_pylist(),
+        group_key=table.column("group_key").to_pylist(),
+        rank=ints["rank"],
+        prompt_len=ints["prompt_len"],
+        response_len=ints["response_len"],
+        num_experts=num_experts,
+        top_k=top_k,
+        num_layers=num_layers,
+        layer_axis=axis,
+        moe_layers=moe,
+        routes_start=ints["routes_start"],
+        replay=replay,
+        source=table.column("source").to_pylist(),
+        tokens=lists["tokens"],
+        trainer_tokens=lists["trainer_tokens"],
+        loss_mask=lists["loss_mask"],
+        engine_logprobs=lists["engine_logprobs"],
+        trainer_logprobs=lists["trainer_logprobs"],
+        engine_captured=lists["engine_captured"],
+        attempt_ends=lists["attempt_ends"],
+        routes=routes,
+    )
+
+
+def read_unit(unit: Unit, columns: Sequence[str] | None = None) -> Iterator[tuple[int, Any]]:
+    """``(first row in the file, pyarrow.Table)`` for each row group of ``unit``, one at a time."""
+    handle = _open(unit.path)
+    meta = handle.metadata
+    first = unit.first_row
+    for index in unit.row_groups:
+        try:
+            table = handle.read_row_group(index, columns=list(columns) if columns else None)
+        except Exception as err:  # a truncated or corrupt row group: pyarrow's error, said in one line
+            raise LayoutError(
+                f"{unit.path} row group {index} (rows {first}…): unreadable ({type(err).__name__}: {err})"
+            ) from None
+        yield first, table
+        first += meta.row_group(index).num_rows
+
+
+def layout_columns() -> tuple[str, ...]:
+    return tuple(c["name"] for c in schema_document()["columns"])

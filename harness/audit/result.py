@@ -1,0 +1,319 @@
+"""The result of an audit: each invariant checked, violated or not checkable, and the metrics.
+
+``AuditResult.of(state)`` turns the merged ``AuditState`` into plain figures: a status per strict
+invariant with its first offenders, per-step and per-layer metrics, drift flags and the worst
+samples. It is what the terminal summary, ``--json``, ``--html`` and ``--summary`` print.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from harness.audit.checks import METRICS, NEEDS, STRICT
+from harness.audit.state import WORST, AuditState, SampleFigure, nan_if_empty
+
+HINTS: dict[str, str] = {
+    "engine_routes": "the engine's routed experts (vLLM enable_return_routed_experts, SGLang return_routed_experts)",
+    "engine_logprobs": "the engine's log-probs of the sampled tokens (SamplingParams logprobs)",
+    "trainer_logprobs": "the old-log-prob pass (SkyRL trainer.dump_data_batch=true writes it; verl's RolloutSkip "
+    "dump is taken before it); harness.audit.tap writes it",
+    "trainer_tokens": "the tokens the trainer consumed (slime --save-debug-train-data beside the rollout dump)",
+    "trainer_routes": "what the trainer dispatched: no framework dumps it; harness.audit.tap writes it",
+    "replay": "the replay mode (none, R2, R3) of each row; harness.audit.tap writes it",
+    "group_key": "the prompt's GRPO group of each sample",
+    "attempt payloads": "each attempt's own engine payload: harness.audit.tap writes them",
+    "shard positions": "per-rank shards with their positions: harness.audit.tap writes them",
+}
+"""What writes each column an invariant may be missing."""
+
+
+@dataclass
+class InvariantResult:
+    name: str
+    kind: str
+    status: str
+    """``checked``, ``violated`` or ``not checkable``."""
+    checked: int = 0
+    violated: int = 0
+    offenders: list[dict[str, Any]] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    summary: str = ""
+    """A metric's figures over the whole run, in a few words."""
+
+    def line(self) -> str:
+        if self.status == "not checkable":
+            why = "; ".join(f"{m}: {HINTS.get(m, 'not in this dump')}" for m in self.missing)
+            return f"{self.name:<19} not checkable from this dump — missing {why}"
+        if self.status == "violated":
+            o = self.offenders[0]
+            at = f"step {o['step']} sample {o['sample_key']}"
+            at += f" row {o['row']}" if o["row"] is not None else ""
+            at += f" layer {o['layer']}" if o["layer"] is not None else ""
+            return (
+                f"{self.name:<19} VIOLATED in {self.violated} of {self.checked} samples; first at {at}: "
+                f"expected {o['expected']}, got {o['actual']} ({o['where']})"
+            )
+        if self.kind == "metric":
+            return f"{self.name:<19} measured: {self.summary}"
+        return f"{self.name:<19} checked: {self.checked} samples, no violation"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "status": self.status,
+            "checked": self.checked,
+            "violated": self.violated,
+            "offenders": self.offenders,
+            "missing": self.missing,
+            "summary": self.summary,
+        }
+
+
+def _finite(x: float) -> float | None:
+    return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else float(x)
+
+
+@dataclass
+class AuditResult:
+    """The figures of an audit (see the module docstring)."""
+
+    invariants: list[InvariantResult]
+    steps: list[dict[str, Any]]
+    layers: list[dict[str, Any]]
+    worst: dict[str, list[dict[str, Any]]]
+    samples: list[SampleFigure]
+    drift: list[str]
+    input_errors: list[str]
+    files: int
+    rows: int
+    bytes_read: int
+    sources: list[str]
+    moe_layers: list[int]
+    step_layers: list[dict[str, Any]]
+
+    @property
+    def violated(self) -> list[InvariantResult]:
+        return [r for r in self.invariants if r.status == "violated"]
+
+    @classmethod
+    def of(cls, state: AuditState) -> AuditResult:
+        invariants = []
+        duplicates = state.duplicates()
+        unique = state.tally("unique_sample")
+        unique.checked = len(state.seen)
+        unique.add(0, duplicates, len(duplicates))
+        for name in (*STRICT, *METRICS):
+            kind = "strict" if name in STRICT else "metric"
+            tally = state.tallies.get(name)
+            missing = sorted(state.missing.get(name, set()))
+            if kind == "strict":
+                checked = tally.checked if tally else 0
+                if checked == 0 and name != "unique_sample":
+                    status = "not checkable"
+                    missing = missing or list(NEEDS.get(name, ()))
+                else:
+                    status = "violated" if tally and tally.violated else "checked"
+                invariants.append(
+                    InvariantResult(
+                        name, kind, status, checked, tally.violated if tally else 0,
+                        [o.as_dict() for o in (tally.offenders if tally else [])], missing if status != "checked" else [],
+                    )
+                )  # fmt: skip
+            else:
+                checkable = _metric_checkable(name, state)
+                invariants.append(
+                    InvariantResult(
+                        name,
+                        kind,
+                        "checked" if checkable else "not checkable",
+                        0,
+                        0,
+                        [],
+                        [] if checkable else (missing or list(NEEDS.get(name, ()))),
+                    )  # fmt: skip
+                )
+        steps = [_step_row(step, state) for step in sorted(state.steps)]
+        layers, step_layers = _layer_rows(state)
+        summaries = _metric_summaries(state, layers)
+        for result in invariants:
+            if result.kind == "metric" and result.status == "checked":
+                result.summary = summaries[result.name]
+        return cls(
+            invariants=invariants,
+            steps=steps,
+            layers=layers,
+            worst=_worst(state.samples),
+            samples=sorted(state.samples),
+            drift=_drift(steps),
+            input_errors=sorted(state.input_errors),
+            files=len(state.files),
+            rows=state.rows_read,
+            bytes_read=state.bytes_read,
+            sources=sorted(state.sources),
+            moe_layers=list(state.moe_layers),
+            step_layers=step_layers,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "files": self.files,
+            "rows": self.rows,
+            "bytes_read": self.bytes_read,
+            "sources": self.sources,
+            "input_errors": self.input_errors,
+            "invariants": [r.as_dict() for r in self.invariants],
+            "steps": self.steps,
+            "layers": self.layers,
+            "drift": self.drift,
+            "worst": self.worst,
+        }
+
+
+def _metric_summaries(state: AuditState, layers: list[dict[str, Any]]) -> dict[str, str]:
+    """One line of figures per metric over the whole run (exact merges of every step's figures)."""
+    from harness.metrics import GapAccumulator
+    from harness.trace import AgreementCounts
+
+    figures = list(state.steps.values())
+    rows = sum(f.rows for f in figures)
+    uncaptured = sum(f.uncaptured_rows for f in figures)
+    agreement: AgreementCounts | None = None
+    gap, agreed, flipped = GapAccumulator(), GapAccumulator(), GapAccumulator()
+    for f in figures:
+        if f.agreement is not None and f.agreement.positions:
+            if agreement is None:
+                agreement = AgreementCounts(f.agreement.top_k)
+            agreement.merge(f.agreement)
+        gap.merge(f.gap)
+        agreed.merge(f.gap_agreed)
+        flipped.merge(f.gap_flipped)
+    groups = [g for g in state.groups.values() if g.members > 1]
+    prefix_rows = sum(g.differs.size for g in groups)
+    prefix_agree = 1 - sum(int(g.differs.sum()) for g in groups) / prefix_rows if prefix_rows else math.nan
+    g, a, fl = gap.result(), agreed.result(), flipped.result()
+    loads = [r["load_max_over_mean"] for r in layers if r.get("load_max_over_mean") is not None]
+    return {
+        "fallback": f"{uncaptured} of {rows} rows without a captured route ({nan_if_empty(uncaptured, rows):.4f})",
+        "agreement": (
+            f"set agreement {1 - agreement.disagreement:.4f} per (position, layer), "
+            f"{1 - agreement.token_disagreement:.4f} per token (all layers), over {agreement.positions} positions"
+            if agreement
+            else ""
+        ),
+        "logprob_gap": (
+            f"mean |Δ| {g.mean_abs_diff:.3e}, k3 {g.k3:.3e} over {g.n_tokens} tokens; "
+            f"routes agreed: {a.mean_abs_diff:.3e} ({a.n_tokens} tokens), flipped: {fl.mean_abs_diff:.3e} "
+            f"({fl.n_tokens} tokens)"
+        ),
+        "prefix_agreement": f"{prefix_agree:.4f} of prompt rows agree within their group ({len(groups)} groups)",
+        "expert_load": f"busiest expert / mean, worst layer: {max(loads):.2f}" if loads else "",
+    }
+
+
+def _metric_checkable(name: str, state: AuditState) -> bool:
+    figures = state.steps.values()
+    if name == "agreement":
+        return any(f.agreement is not None and f.agreement.positions for f in figures)
+    if name == "logprob_gap":
+        return any(f.gap.n_tokens for f in figures)
+    if name == "prefix_agreement":
+        return any(g.members > 1 for g in state.groups.values())
+    return any(f.rows for f in figures)
+
+
+def _step_row(step: int, state: AuditState) -> dict[str, Any]:
+    f = state.steps[step]
+    gap, agreed, flipped = f.gap.result(), f.gap_agreed.result(), f.gap_flipped.result()
+    groups = [g for (s, _), g in state.groups.items() if s == step and g.members > 1]
+    prefix_rows = sum(g.differs.size for g in groups)
+    prefix_differ = sum(int(g.differs.sum()) for g in groups)
+    agreement = f.agreement
+    return {
+        "step": step,
+        "samples": f.samples,
+        "rows": f.rows,
+        "fallback_fraction": _finite(f.uncaptured_rows / f.rows) if f.rows else None,
+        "disagreement": _finite(agreement.disagreement) if agreement else None,
+        "token_disagreement": _finite(agreement.token_disagreement) if agreement else None,
+        "tokens": gap.n_tokens,
+        "mean_abs_diff": _finite(gap.mean_abs_diff),
+        "k3": _finite(gap.k3),
+        "extreme_fraction": _finite(gap.extreme_fraction),
+        "mean_abs_diff_agreed": _finite(agreed.mean_abs_diff),
+        "tokens_agreed": agreed.n_tokens,
+        "mean_abs_diff_flipped": _finite(flipped.mean_abs_diff),
+        "tokens_flipped": flipped.n_tokens,
+        "prefix_agreement": _finite(1 - prefix_differ / prefix_rows) if prefix_rows else None,
+    }
+
+
+def _layer_rows(state: AuditState) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    layers = list(state.moe_layers)
+    total_differs = np.zeros(len(layers), np.int64)
+    positions = 0
+    load = None
+    step_layers = []
+    for step in sorted(state.steps):
+        f = state.steps[step]
+        for j, layer in enumerate(layers):
+            row: dict[str, Any] = {"step": step, "layer": layer}
+            if (
+                f.agreement is not None
+                and f.agreement.positions
+                and f.agreement.differs_per_layer.size == len(layers)
+            ):
+                row["disagreement"] = float(f.agreement.per_layer[j])
+            if f.load is not None and f.load.shape[0] == len(layers):
+                counts = f.load[j]
+                row["load_max_over_mean"] = (
+                    _finite(float(counts.max() / counts.mean())) if counts.sum() else None
+                )
+            step_layers.append(row)
+        if f.agreement is not None and f.agreement.differs_per_layer.size == len(layers):
+            total_differs += f.agreement.differs_per_layer
+            positions += f.agreement.positions
+        if f.load is not None and f.load.shape[0] == len(layers):
+            load = f.load.copy() if load is None else load + f.load
+    rows = []
+    for j, layer in enumerate(layers):
+        row = {"layer": layer, "disagreement": _finite(total_differs[j] / positions) if positions else None}
+        if load is not None and load[j].sum():
+            row["load_max_over_mean"] = float(load[j].max() / load[j].mean())
+        rows.append(row)
+    return rows, step_layers
+
+
+def _worst(samples: list[SampleFigure]) -> dict[str, list[dict[str, Any]]]:
+    out = {}
+    for figure in ("mean_abs_diff", "disagreement"):
+        ranked = sorted(
+            (s for s in samples if math.isfinite(getattr(s, figure))),
+            key=lambda s, f=figure: (-getattr(s, f), s.step, s.sample_key),
+        )
+        out[figure] = [s.as_dict() for s in ranked[:WORST]]
+    return out
+
+
+DRIFT_FACTOR = 2.0
+"""A step's figure more than this many times the run's median is flagged as drift."""
+
+
+def _drift(steps: list[dict[str, Any]]) -> list[str]:
+    flags = []
+    for figure in ("mean_abs_diff", "disagreement", "fallback_fraction"):
+        values = [(s["step"], s[figure]) for s in steps if s.get(figure) is not None]
+        if len(values) < 3:
+            continue
+        median = statistics.median(v for _, v in values)
+        for step, value in values:
+            if median > 0 and value > DRIFT_FACTOR * median:
+                flags.append(
+                    f"{figure} at step {step} is {value:.3g}, {value / median:.1f}× the run's median {median:.3g}"
+                )
+    return flags

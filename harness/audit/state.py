@@ -1,0 +1,210 @@
+"""The audit's mergeable state: every figure an accumulator (DESIGN §7).
+
+``AuditState`` holds counts, exact sums (``harness.metrics.ExactSum`` inside
+``GapAccumulator``), per-(step, layer) count arrays, per-group row digests and bounded lists of
+the first offenders. ``merge`` adds another state; the final figures are the same, to the last
+bit, for any split of a run into units, any order of merging and any executor, because:
+
+- counts and count arrays add;
+- sums are exact, and each sample's own sums never depend on which batch carried it;
+- offender lists keep the ``OFFENDERS`` smallest by (step, sample, row, layer), a total order;
+- group digests merge by an order-free rule (a row agrees when every member's digest is equal).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from harness.metrics import DEFAULT_TAU, GapAccumulator
+from harness.trace import AgreementCounts
+
+OFFENDERS = 20
+"""Offenders kept per invariant (the first, in (step, sample, row, layer) order)."""
+WORST = 10
+"""Worst samples kept per figure."""
+
+
+@dataclass(frozen=True, order=True)
+class Offender:
+    """One violation: where (step, sample, row, layer) and both values. ``row``/``layer`` −1: not applicable."""
+
+    step: int
+    sample_key: str
+    row: int
+    layer: int
+    expected: str
+    actual: str
+    where: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "sample_key": self.sample_key,
+            "row": None if self.row < 0 else self.row,
+            "layer": None if self.layer < 0 else self.layer,
+            "expected": self.expected,
+            "actual": self.actual,
+            "where": self.where,
+        }
+
+
+@dataclass
+class Tally:
+    """A strict invariant's count of samples checked and violated, with its first offenders."""
+
+    checked: int = 0
+    violated: int = 0
+    offenders: list[Offender] = field(default_factory=list)
+
+    def add(self, checked: int, offenders: list[Offender], violated: int | None = None) -> None:
+        self.checked += checked
+        self.violated += len({(o.step, o.sample_key) for o in offenders}) if violated is None else violated
+        if offenders:
+            self.offenders = sorted(self.offenders + offenders)[:OFFENDERS]
+
+    def merge(self, other: Tally) -> None:
+        self.add(other.checked, other.offenders, other.violated)
+
+
+@dataclass
+class StepFigures:
+    """The metrics of one step, all counts and exact sums."""
+
+    samples: int = 0
+    rows: int = 0
+    uncaptured_rows: int = 0
+    agreement: AgreementCounts | None = None
+    gap: GapAccumulator = field(default_factory=lambda: GapAccumulator(DEFAULT_TAU))
+    gap_agreed: GapAccumulator = field(default_factory=lambda: GapAccumulator(DEFAULT_TAU))
+    gap_flipped: GapAccumulator = field(default_factory=lambda: GapAccumulator(DEFAULT_TAU))
+    load: npt.NDArray[np.int64] | None = None
+
+    def merge(self, other: StepFigures) -> None:
+        self.samples += other.samples
+        self.rows += other.rows
+        self.uncaptured_rows += other.uncaptured_rows
+        if other.agreement is not None:
+            if self.agreement is None:
+                self.agreement = AgreementCounts(other.agreement.top_k)
+            self.agreement.merge(other.agreement)
+        self.gap.merge(other.gap)
+        self.gap_agreed.merge(other.gap_agreed)
+        self.gap_flipped.merge(other.gap_flipped)
+        if other.load is not None:
+            self.load = other.load.copy() if self.load is None else self.load + other.load
+
+
+@dataclass
+class GroupDigests:
+    """Prompt rows of one GRPO group: a digest per row and whether any two members differ there."""
+
+    digests: npt.NDArray[np.uint64]
+    differs: npt.NDArray[np.bool_]
+    members: int = 1
+
+    def merge(self, other: GroupDigests) -> None:
+        common = min(self.digests.size, other.digests.size)
+        differs = (
+            self.differs[:common] | other.differs[:common] | (self.digests[:common] != other.digests[:common])
+        )
+        longer = self if self.digests.size >= other.digests.size else other
+        self.differs = np.concatenate([differs, longer.differs[common:]])
+        self.digests = longer.digests.copy()
+        self.members += other.members
+
+
+@dataclass(frozen=True, order=True)
+class SampleFigure:
+    """One sample's summary row (also what the worst-samples lists hold)."""
+
+    step: int
+    sample_key: str
+    group_key: str
+    rows: int
+    response_tokens: int
+    mean_abs_diff: float
+    disagreement: float
+    uncaptured_rows: int
+    violations: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass
+class AuditState:
+    """Everything an audit has learnt from the units folded in so far (see the module docstring)."""
+
+    tallies: dict[str, Tally] = field(default_factory=dict)
+    steps: dict[int, StepFigures] = field(default_factory=dict)
+    groups: dict[tuple[int, str], GroupDigests] = field(default_factory=dict)
+    seen: dict[tuple[int, str], tuple[int, tuple[str, ...]]] = field(default_factory=dict)
+    samples: list[SampleFigure] = field(default_factory=list)
+    input_errors: list[str] = field(default_factory=list)
+    missing: dict[str, set[str]] = field(default_factory=dict)
+    sources: set[str] = field(default_factory=set)
+    files: set[str] = field(default_factory=set)
+    bytes_read: int = 0
+    rows_read: int = 0
+    moe_layers: tuple[int, ...] = ()
+
+    def tally(self, name: str) -> Tally:
+        return self.tallies.setdefault(name, Tally())
+
+    def step(self, step: int) -> StepFigures:
+        return self.steps.setdefault(step, StepFigures())
+
+    def note_missing(self, invariant: str, column: str) -> None:
+        self.missing.setdefault(invariant, set()).add(column)
+
+    def see(self, step: int, key: str, where: str) -> None:
+        count, places = self.seen.get((step, key), (0, ()))
+        self.seen[step, key] = (count + 1, tuple(sorted((*places, where)))[:2])
+
+    def merge(self, other: AuditState) -> None:
+        for name, tally in other.tallies.items():
+            self.tally(name).merge(tally)
+        for step, figures in other.steps.items():
+            self.step(step).merge(figures)
+        for key, group in other.groups.items():
+            if key in self.groups:
+                self.groups[key].merge(group)
+            else:
+                self.groups[key] = group
+        for key, (count, places) in other.seen.items():
+            mine, where = self.seen.get(key, (0, ()))
+            self.seen[key] = (mine + count, tuple(sorted((*where, *places)))[:2])
+        self.samples.extend(other.samples)
+        self.input_errors.extend(other.input_errors)
+        for name, columns in other.missing.items():
+            self.missing.setdefault(name, set()).update(columns)
+        self.sources |= other.sources
+        self.files |= other.files
+        self.bytes_read += other.bytes_read
+        self.rows_read += other.rows_read
+        self.moe_layers = self.moe_layers or other.moe_layers
+
+    def duplicates(self) -> list[Offender]:
+        """Offenders of ``unique_sample``: every (step, sample) written more than once."""
+        return sorted(
+            Offender(
+                step,
+                key,
+                -1,
+                -1,
+                "one row per (step, sample)",
+                f"{count} rows: {', '.join(places)}",
+                places[0],
+            )
+            for (step, key), (count, places) in self.seen.items()
+            if count > 1
+        )
+
+
+def nan_if_empty(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator else math.nan
