@@ -1,0 +1,55 @@
+"""Importers: what frameworks already dump, converted into the run layout (FACTS §7).
+
+Each importer module converts one framework's dump, streaming, into ``SampleRecord``s: its layer
+axis, its dtype and its missing-row filler (zero rows, ``arange`` dummies, −1 sentinels,
+``router_padding_mask``) become the layout's explicit ``engine_captured`` mask, never routes.
+Pickles are untrusted input, read only through ``harness.audit.importers.safe_pickle``.
+
+A module ``harness.audit.importers.<name>`` provides:
+
+- ``DESCRIPTION``: what it reads (framework, release, flag that writes the dump);
+- ``NOTES``: what the dump cannot show (printed in the report, e.g. "hash-level checks only");
+- ``detect(path) -> bool``: whether ``path`` (a file or directory) looks like this dump;
+- ``records(path) -> Iterator[SampleRecord]``: the dump's samples, one at a time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+from harness.audit.layout import LayoutError, SampleRecord
+from harness.audit.writer import RunWriter
+
+IMPORTERS = ("skyrl", "verl", "slime", "nemo_rl", "megatron_lm")
+"""Every importer, by the name ``rrh audit --from`` takes."""
+
+
+def importer(name: str) -> ModuleType:
+    """The importer module called ``name`` (``LayoutError`` naming the known ones otherwise)."""
+    if name not in IMPORTERS:
+        raise LayoutError(f"--from {name!r}: expected one of {list(IMPORTERS)}")
+    return importlib.import_module(f"harness.audit.importers.{name}")
+
+
+def detect(path: str | os.PathLike[str]) -> str | None:
+    """The name of the importer whose dump ``path`` is, or ``None`` (a run layout, or nothing known)."""
+    for name in IMPORTERS:
+        try:
+            if importer(name).detect(Path(path)):
+                return name
+        except ModuleNotFoundError:
+            continue
+    return None
+
+
+def import_dump(name: str, source: str | os.PathLike[str], directory: str | os.PathLike[str]) -> list[Path]:
+    """Convert the dump at ``source`` with importer ``name`` into run-layout files in ``directory``."""
+    records: Iterator[SampleRecord] = importer(name).records(Path(source))
+    with RunWriter(directory) as writer:
+        for record in records:
+            writer.write(record)
+    return writer.files
