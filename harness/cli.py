@@ -234,6 +234,92 @@ def _cmd_mutants(args: argparse.Namespace) -> int:
     return 1 if survivors or alarms or report["reference_failures"] else 0
 
 
+def _parse_size(text: str) -> int:
+    """``4GiB``, ``512MiB``, ``100000`` → bytes (argparse type)."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    low = text.strip().lower()
+    for unit, factor in units.items():
+        if low.endswith(unit):
+            number = low[: -len(unit)]
+            break
+    else:
+        number, factor = low, 1
+    try:
+        value = float(number) * factor
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 1GiB, 512MiB or 1000000") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive size")
+    return int(value)
+
+
+def _parse_steps(text: str) -> frozenset[int]:
+    """``3``, ``0-9``, ``1,4,7-8`` → a set of steps (argparse type)."""
+    steps: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, sep, hi = part.strip().partition("-")
+            steps.update(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected steps such as 3, 0-9 or 1,4,7-8") from None
+    return frozenset(steps)
+
+
+def _parse_fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a fraction in (0, 1]")
+    return value
+
+
+def _parse_threshold(text: str) -> tuple[str, float]:
+    """``mean_abs_diff=0.01`` → (figure, threshold) for ``--fail-on`` (argparse type)."""
+    from harness.audit.result import THRESHOLD_FIGURES
+
+    name, sep, value = text.partition("=")
+    if not sep or name not in THRESHOLD_FIGURES:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected FIGURE=VALUE with FIGURE one of {list(THRESHOLD_FIGURES)}")
+    try:
+        return name, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: {value!r} is not a number") from None
+
+
+def _cmd_audit(args: argparse.Namespace) -> int:
+    """``rrh audit``: 0 clean, 1 a strict violation or a figure over ``--fail-on``, 2 an input error."""
+    from harness.run_audit import run_audit
+
+    return run_audit(args)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from harness.audit.generate import FAULTS, RunShape, generate_run
+
+    faults = FAULTS if args.faults == ["all"] else tuple(args.faults)
+    unknown = [f for f in faults if f not in FAULTS]
+    if unknown:
+        print(f"rrh generate: --faults {unknown[0]!r}: expected 'all' or some of {list(FAULTS)}", file=sys.stderr)
+        return 2
+    planted = generate_run(args.directory, RunShape(steps=args.steps), seed=args.seed, faults=faults,
+                           target_bytes=args.size)  # fmt: skip
+    print(f"wrote a run to {args.directory} ({args.steps if args.size is None else 'sized'} steps)")
+    for fault in planted:
+        where = f"step {fault.step} sample {fault.sample_key} row {fault.row} layer {fault.layer}"
+        print(f"  planted {fault.kind:<18} → {fault.invariant} at {where}")
+    return 0
+
+
+def _cmd_bench_audit(args: argparse.Namespace) -> int:
+    from harness.audit.bench import bench_audit, format_bench_audit
+
+    result = bench_audit(size_bytes=args.size, directory=args.dir)
+    print(json.dumps(result, indent=2) if args.json else format_bench_audit(result))
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, with a usage error said in one line (exit status 2) instead of usage + error."""
 
@@ -337,6 +423,58 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--json", action="store_true", help="print the figures as JSON")
     replay.add_argument("--repeats", type=int, default=15, help="interleaved repetitions per dtype")
     replay.set_defaults(func=_cmd_bench_replay)
+    audit_bench = benches.add_parser(
+        "audit", help="audit throughput against the read floor: serial, process pool, Ray; peak memory"
+    )
+    audit_bench.add_argument("--json", action="store_true", help="print the figures as JSON")
+    audit_bench.add_argument("--size", type=_parse_size, default=4 << 30, help="bytes of routes (default 4GiB)")
+    audit_bench.add_argument("--dir", type=Path, default=None, help="where the generated run goes")
+    audit_bench.set_defaults(func=_cmd_bench_audit)
+
+    audit = commands.add_parser(
+        "audit",
+        help="check a real run's dumps: every sample, row and layer",
+        description="Check what a run wrote to disk (the run layout, or a framework's own dump with --from) "
+        "against the strict invariants and metrics of DESIGN §7. Exit 0 clean, 1 a strict violation or a "
+        "figure over --fail-on, 2 a usage or input error.",
+    )
+    audit.add_argument("run", metavar="RUN", help="a run directory (or file) of the run layout, or a framework dump")
+    audit.add_argument(
+        "--from",
+        dest="source",
+        metavar="NAME",
+        help="the dump's framework (skyrl, verl, slime, nemo_rl, megatron_lm); default: detected",
+    )
+    audit.add_argument("--import-to", metavar="DIR", help="keep the imported run layout here (default: a temporary directory)")
+    audit.add_argument("--executor", choices=("serial", "processes", "ray"), default="processes")
+    audit.add_argument("--workers", type=int, default=None, help="processes (default: the CPUs this process may use)")
+    audit.add_argument("--ray-address", default=None, metavar="ADDR", help="a Ray cluster (default: a local one)")
+    audit.add_argument("--steps", type=_parse_steps, default=None, metavar="SPEC", help="only these steps: 3, 0-9, 1,4,7-8")
+    audit.add_argument("--every", type=int, default=1, metavar="N", help="only steps divisible by N")
+    audit.add_argument(
+        "--samples", type=_parse_fraction, default=1.0, metavar="FRACTION",
+        help="a hash-selected fraction of samples (the same samples in every audit of the run)",
+    )  # fmt: skip
+    audit.add_argument("--html", metavar="PATH", help="also write a self-contained HTML report with plots")
+    audit.add_argument("--json", metavar="PATH", help="also write the result as JSON (schema: audit_report)")
+    audit.add_argument("--summary", metavar="DIR", help="also write per-step, per-layer and per-sample Parquet tables")
+    audit.add_argument(
+        "--fail-on", type=_parse_threshold, action="append", default=[], metavar="FIGURE=VALUE",
+        help="exit 1 when a step's figure exceeds VALUE (e.g. mean_abs_diff=0.01, disagreement=0.05)",
+    )  # fmt: skip
+    audit.add_argument("--strict", action="store_true", help="stop at the first violation or input error")
+    audit.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    audit.set_defaults(func=_cmd_audit)
+
+    generate = commands.add_parser(
+        "generate", help="write a seeded run of realistic shape (Qwen3-30B-A3B routing), faults planted on request"
+    )
+    generate.add_argument("directory", metavar="DIR")
+    generate.add_argument("--steps", type=int, default=2)
+    generate.add_argument("--size", type=_parse_size, default=None, help="grow the run to this many bytes of routes")
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--faults", nargs="*", default=[], metavar="FAULT", help="'all' or some of the fault kinds")
+    generate.set_defaults(func=_cmd_generate)
 
     from harness.gate import add_parser as add_gate_parser
 

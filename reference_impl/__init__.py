@@ -8,21 +8,30 @@ trace from its attempts), `layouts.py` (the trainer's layouts) and `training.py`
 reference pass).
 """
 
-from . import layouts, splice, training
-from .config import DTYPES, ROUTER_FAMILIES, ConfigError, MoEConfig
-from .engine import Rollout, RolloutEngine
-from .episode import AttemptPlan, Episode, EpisodeError, Schedule, run_episode
-from .model import KVCache, MoEBlock, MoELM
-from .routers import (
-    FAMILIES,
-    ReplayError,
-    ReplayTargets,
-    Router,
-    RouterFamily,
-    RouterReplay,
-    RoutingMode,
-    make_family,
-)
+import importlib
+from typing import Any
+
+# Names are imported on first use (PEP 562), so that ``reference_impl.axes`` — the one module the
+# harness's trace core needs — does not bring torch with it.
+_SUBMODULES = ("layouts", "splice", "training")
+_NAMES = {
+    "DTYPES": "config", "ROUTER_FAMILIES": "config", "ConfigError": "config", "MoEConfig": "config",
+    "Rollout": "engine", "RolloutEngine": "engine",
+    "AttemptPlan": "episode", "Episode": "episode", "EpisodeError": "episode", "Schedule": "episode",
+    "run_episode": "episode",
+    "KVCache": "model", "MoEBlock": "model", "MoELM": "model",
+    "FAMILIES": "routers", "ReplayError": "routers", "ReplayTargets": "routers", "Router": "routers",
+    "RouterFamily": "routers", "RouterReplay": "routers", "RoutingMode": "routers", "make_family": "routers",
+}  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    if name in _NAMES:
+        return getattr(importlib.import_module(f".{_NAMES[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DTYPES",

@@ -8,36 +8,13 @@ must be, so a test never runs on a silently impossible model.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
 import torch
 
-
-class LayerAxis(str, enum.Enum):
-    """What the layer axis of a trace indexes (DESIGN §2 "layer axis").
-
-    The one definition of the two conventions and of their width rule: the reference engine and
-    trainer, the harness's trace type, engine conventions and strategies all use it. A `str` enum,
-    so ``"decoder"`` and ``LayerAxis.DECODER`` are interchangeable as arguments.
-    """
-
-    DECODER = "decoder"
-    """One slot per hidden layer; dense-layer slots hold filler (vLLM ≠ 0.21, SGLang)."""
-    MOE_ORDINAL = "moe_ordinal"
-    """One slot per MoE layer, in model order (vLLM 0.21, Megatron R2 recordings)."""
-
-    @classmethod
-    def parse(cls, value: object) -> LayerAxis:
-        """`value` (a `LayerAxis` or its string) as a `LayerAxis`; a ValueError naming the field otherwise."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(
-                f"layer_axis = {value!r}: expected one of {[axis.value for axis in cls]}"
-            ) from None
+from .axes import LayerAxis
 
 
 def layer_width(axis: LayerAxis | str, num_layers: int, moe_layers: Sequence[int]) -> int:

@@ -58,6 +58,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "cli, pytest plugin, reports",
         (
             "harness.cli",
+            "harness.run_audit",  # rrh audit: imports, audits, prints and writes the audit's report
             "harness.check_runner",  # runs a check plan and reports it as it goes (harness.report)
             "harness.__main__",
             "harness.pytest_plugin",

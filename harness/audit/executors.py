@@ -138,7 +138,8 @@ def run_units(
     ray_address: str | None = None,
 ) -> Iterator[tuple[Unit, AuditState]]:
     """``(unit, state)`` for every unit, in the order the executor finishes them."""
-    if executor == "serial" or (executor == "processes" and (workers or available_cpus()) <= 1):
+    # One unit, or one worker: a pool would only add its start-up (a process importing the audit).
+    if executor == "serial" or (executor == "processes" and min(len(units), workers or available_cpus()) <= 1):
         return _serial(units, options)
     if executor == "processes":
         return _processes(units, options, workers or available_cpus())

@@ -32,6 +32,13 @@ HINTS: dict[str, str] = {
 """What writes each column an invariant may be missing."""
 
 
+THRESHOLD_FIGURES = (
+    "mean_abs_diff", "mean_abs_diff_agreed", "mean_abs_diff_flipped", "k3", "extreme_fraction",
+    "disagreement", "token_disagreement", "fallback_fraction",
+)  # fmt: skip
+"""The per-step figures ``rrh audit --fail-on FIGURE=VALUE`` may set a threshold on."""
+
+
 @dataclass
 class InvariantResult:
     name: str
@@ -100,6 +107,22 @@ class AuditResult:
     @property
     def violated(self) -> list[InvariantResult]:
         return [r for r in self.invariants if r.status == "violated"]
+
+    def over(self, thresholds: list[tuple[str, float]]) -> list[str]:
+        """One line per (figure, step) whose value exceeds the user's threshold for it."""
+        return [
+            f"{name} at step {s['step']} is {s[name]:.4g}, over --fail-on {name}={limit:g}"
+            for name, limit in thresholds
+            for s in self.steps
+            if s.get(name) is not None and s[name] > limit
+        ]
+
+    def lines(self) -> list[str]:
+        """The terminal summary: one line per invariant, then drift and input errors."""
+        out = [r.line() for r in self.invariants]
+        out += [f"drift: {d}" for d in self.drift]
+        out += [f"input error: {x}" for x in self.input_errors]
+        return out
 
     @classmethod
     def of(cls, state: AuditState) -> AuditResult:

@@ -14,7 +14,7 @@ from harness.report.document import FORMAT, LEGEND, CheckReport, InvariantResult
 from harness.report.environment import Environment
 from harness.report.verdict import percent, scientific
 
-_CSS = """
+CSS = """
 :root { --pass:#1e7d32; --fail:#b3261e; --skip:#6b6b6b; --ink:#1d1d1f; --muted:#5f6368; --line:#e3e3e6; }
 * { box-sizing: border-box; }
 body { font: 14px/1.45 -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif;
@@ -182,7 +182,7 @@ def to_html(report: CheckReport) -> str:
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>rrh check — {e(name)}: {e(v.status.upper())}</title>
-<style>{_CSS}</style></head>
+<style>{CSS}</style></head>
 <body><main>
 <h1>Routing replay check: {e(name)}</h1>
 <p class="sub">{e(report.header)}<br>capabilities: {e(caps)} · {e(report.created)} ·

@@ -24,11 +24,11 @@ from harness.trace.routing_trace import (
 from harness.trace.storage import FORMAT_NAME, FORMAT_VERSION
 
 __all__ = [
-    "AgreementCounts",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MAX_EXPERTS",
     "MAX_LAYERS",
+    "AgreementCounts",
     "LayerAxis",
     "Provenance",
     "RoutingComparison",

@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from harness.errors import TraceError, TraceFileError
 from harness.trace import kernels, storage
-from reference_impl.config import LayerAxis
+from reference_impl.axes import LayerAxis
 
 MAX_EXPERTS = 1 << 16
 """The largest ``num_experts`` a trace can store (uint16)."""

@@ -1,0 +1,159 @@
+"""``rrh audit --html``: an audit as one self-contained page (inline CSS and SVG, no script).
+
+In the style of the ``rrh check`` page: a verdict, one row per invariant (checked, violated with
+its first offenders, or not checkable and why), then the plots people would rather look at than
+read — the per-step trend of the gap (split by whether the token's routes agreed) and of
+agreement and fallback, per-layer agreement, and the worst samples.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+from harness.audit.result import AuditResult
+from harness.report.html_page import CSS
+from harness.report.svg import svg_grouped_bars
+
+_STATUS = {"checked": "PASS", "violated": "FAIL", "not checkable": "skip"}
+
+
+def _every(count: int) -> int:
+    return max(1, count // 16)
+
+
+def _trend_charts(result: AuditResult) -> list[str]:
+    steps = result.steps
+    if not steps:
+        return []
+    cats = [str(s["step"]) for s in steps]
+    charts = []
+    if any(s["mean_abs_diff"] is not None for s in steps):
+        charts.append(
+            svg_grouped_bars(
+                "Train–inference gap per step: mean |Δ log-prob|",
+                cats,
+                [
+                    ("all tokens", [s["mean_abs_diff"] for s in steps], "#555"),
+                    ("routes agreed", [s["mean_abs_diff_agreed"] for s in steps], "#2b6cb0"),
+                    ("routes flipped", [s["mean_abs_diff_flipped"] for s in steps], "#d9822b"),
+                ],
+                y_label="mean |Δ|",
+                x_label="step",
+                label_every=_every(len(cats)),
+                width=max(560, 24 * len(cats) + 120),
+            )
+        )
+    series = [
+        ("routes differ (trainer vs engine)", [s["disagreement"] for s in steps], "#d9822b"),
+        ("rows without a captured route", [s["fallback_fraction"] for s in steps], "#777"),
+    ]
+    if any(v is not None for _, vals, _ in series for v in vals):
+        charts.append(
+            svg_grouped_bars(
+                "Disagreement and fallback per step",
+                cats,
+                series,
+                y_label="fraction",
+                x_label="step",
+                percent=True,
+                label_every=_every(len(cats)),
+                width=max(560, 24 * len(cats) + 120),
+            )
+        )
+    layers = [r for r in result.layers if r.get("disagreement") is not None]
+    if layers:
+        charts.append(
+            svg_grouped_bars(
+                "Routing disagreement per MoE layer, whole run",
+                [f"L{r['layer']}" for r in layers],
+                [("routes differ", [r["disagreement"] for r in layers], "#d9822b")],
+                y_label="routes that differ",
+                x_label="decoder layer",
+                percent=True,
+                label_every=_every(len(layers)),
+                width=max(560, 14 * len(layers) + 120),
+            )
+        )
+    return charts
+
+
+def _invariant_rows(result: AuditResult) -> str:
+    e = html.escape
+    out = []
+    for inv in result.invariants:
+        mark = _STATUS[inv.status]
+        detail = e(inv.line().split(None, 1)[1] if " " in inv.line() else inv.line())
+        if inv.offenders:
+            rows = "".join(
+                f"<tr><td class=num>{o['step']}</td><td class=mono>{e(o['sample_key'])}</td>"
+                f"<td class=num>{'' if o['row'] is None else o['row']}</td>"
+                f"<td class=num>{'' if o['layer'] is None else o['layer']}</td>"
+                f"<td>{e(o['expected'])}</td><td>{e(o['actual'])}</td></tr>"
+                for o in inv.offenders
+            )
+            detail += (
+                f"<details><summary>{len(inv.offenders)} first offenders</summary><table><thead><tr>"
+                "<th>step</th><th>sample</th><th>row</th><th>layer</th><th>expected</th><th>got</th></tr>"
+                f"</thead><tbody>{rows}</tbody></table></details>"
+            )
+        out.append(
+            f'<tr class="{mark}"><td><span class="badge {mark}">{e(inv.status)}</span></td>'
+            f"<td>{e(inv.kind)}</td><td class=mono>{e(inv.name)}</td><td class=msg>{detail}</td></tr>"
+        )
+    return "".join(out)
+
+
+def _worst_table(rows: list[dict[str, Any]], figure: str) -> str:
+    e = html.escape
+    if not rows:
+        return ""
+    body = "".join(
+        f"<tr><td class=num>{r['step']}</td><td class=mono>{e(r['sample_key'])}</td>"
+        f"<td class=mono>{e(r['group_key'])}</td><td class=num>{r[figure]:.4g}</td>"
+        f"<td class=num>{r['response_tokens']}</td><td class=num>{r['violations']}</td></tr>"
+        for r in rows
+    )
+    return (
+        f"<h3>Worst samples by {e(figure)}</h3><table><thead><tr><th>step</th><th>sample</th><th>group</th>"
+        f"<th>{e(figure)}</th><th>response tokens</th><th>invariants violated</th></tr></thead>"
+        f"<tbody>{body}</tbody></table>"
+    )
+
+
+def audit_html(result: AuditResult, *, title: str, command: str, seconds: float) -> str:
+    """The page for ``result`` (``title``: the run audited)."""
+    e = html.escape
+    violated = result.violated
+    status = "incomplete" if result.input_errors else "fail" if violated else "pass"
+    text = (
+        f"{len(violated)} strict invariant(s) violated"
+        if violated
+        else "no strict invariant violated" + (", but some files could not be read" if result.input_errors else "")
+    )
+    errors = "".join(f'<p class="error">{e(x)}</p>' for x in result.input_errors)
+    drift = "".join(f'<p class="note">drift: {e(x)}</p>' for x in result.drift)
+    charts = "".join(_trend_charts(result)) or "<p class=sub>No metric to plot.</p>"
+    worst = "".join(_worst_table(rows, figure) for figure, rows in result.worst.items())
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>rrh audit — {e(title)}: {e(status.upper())}</title>
+<style>{CSS}</style></head>
+<body><main>
+<h1>Routing replay audit: {e(title)}</h1>
+<p class="sub">{result.files} files · {result.rows} samples · {result.bytes_read / 2**20:.1f} MiB ·
+{seconds:.1f}s · <span class="mono">{e(command)}</span><br>sources: {e("; ".join(result.sources))}</p>
+<div class="verdict {e(status)}"><div class="status">{e(status.upper())}</div><p>{e(text)}</p></div>
+{errors}{drift}
+<h2>Invariants</h2>
+<table><thead><tr><th></th><th>kind</th><th>invariant</th><th>detail</th></tr></thead>
+<tbody>{_invariant_rows(result)}</tbody></table>
+<h2>Trends</h2>
+<div class="charts">{charts}</div>
+<h2>Worst samples</h2>
+{worst or "<p class=sub>No per-sample figure.</p>"}
+<footer>Generated by <span class="mono">rrh audit</span>. Machine-readable twin:
+<span class="mono">rrh audit --json PATH</span>; tables: <span class="mono">rrh audit --summary DIR</span>.</footer>
+</main></body></html>
+"""

@@ -1,0 +1,118 @@
+"""``rrh audit``: import a framework's dump if asked, audit the run, print and write the report.
+
+The terminal shows a progress bar over the bytes of the run (tqdm: bytes, rate, ETA) and one
+line per invariant; ``--html``, ``--json`` and ``--summary`` write the same result for a reader,
+a program and a query engine. Exit 0 clean, 1 a strict violation (or a figure over
+``--fail-on``), 2 a usage or input error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from harness.atomic import atomic_write
+from harness.audit import AuditOptions, audit_run
+from harness.audit.layout import LayoutError
+from harness.audit.result import AuditResult
+
+REPORT_FORMAT = "rrh-audit-report/1"
+
+
+def _progress(enabled: bool) -> Any:
+    """A wrapper of the stream of finished units that drives a tqdm bar over their bytes."""
+
+    def wrap(stream: Iterable[Any], total: int) -> Iterator[Any]:
+        from tqdm import tqdm
+
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="audit", file=sys.stderr,
+                  disable=not enabled, dynamic_ncols=True) as bar:  # fmt: skip
+            for unit, state in stream:
+                bar.update(unit.nbytes)
+                yield unit, state
+
+    return wrap
+
+
+def report_document(result: AuditResult, *, run: str, command: str, seconds: float) -> dict[str, Any]:
+    """The JSON report (schema ``harness/schemas/audit_report.schema.json``)."""
+    return {"format": REPORT_FORMAT, "run": run, "command": command, "seconds": seconds, **result.as_dict()}
+
+
+def _import(args: argparse.Namespace, keep: list[Any]) -> str:
+    """The run-layout directory to audit: ``args.run`` itself, or the dump imported into one."""
+    from harness.audit import importers
+
+    name = args.source or importers.detect(args.run)
+    if name is None:
+        return str(args.run)
+    if args.import_to:
+        target = args.import_to
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="rrh-audit-")
+        keep.append(tmp)
+        target = tmp.name
+    module = importers.importer(name)
+    print(f"importing {args.run} as a {module.DESCRIPTION}", file=sys.stderr)
+    importers.import_dump(name, args.run, target)
+    for note in getattr(module, "NOTES", ()) or ():
+        print(f"note ({name}): {note}")
+    return target
+
+
+def run_audit(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    keep: list[Any] = []
+    try:
+        run = _import(args, keep)
+        options = AuditOptions(steps=args.steps, every=max(1, args.every), samples=args.samples)
+        result = audit_run(
+            run,
+            options=options,
+            executor=args.executor,
+            workers=args.workers,
+            ray_address=args.ray_address,
+            strict=args.strict,
+            progress=_progress(args.progress and sys.stderr.isatty()),
+        )
+    except LayoutError as err:
+        print(f"rrh audit: {err}", file=sys.stderr)
+        return 2
+    finally:
+        for tmp in keep:
+            tmp.cleanup()
+    seconds = time.perf_counter() - start
+    print(f"rrh audit {args.run}: {result.files} files, {result.rows} samples, "
+          f"{result.bytes_read / 2**20:.1f} MiB in {seconds:.1f}s")  # fmt: skip
+    for line in result.lines():
+        print(line)
+    over = result.over(args.fail_on)
+    for line in over:
+        print(f"over threshold: {line}")
+    command = shlex.join(["rrh", *args.argv])
+    if args.json:
+        doc = report_document(result, run=str(args.run), command=command, seconds=seconds)
+        text = json.dumps(doc, indent=2, allow_nan=False)
+        atomic_write(args.json, lambda h: h.write(text.encode()))
+        print(f"JSON report: {args.json}")
+    if args.html:
+        from harness.report.audit_page import audit_html
+
+        page = audit_html(result, title=str(args.run), command=command, seconds=seconds)
+        atomic_write(args.html, lambda h: h.write(page.encode()))
+        print(f"HTML report: {args.html}")
+    if args.summary:
+        from harness.audit.summary import write_summary
+
+        paths = write_summary(result, args.summary)
+        print(f"summary tables: {', '.join(str(Path(p)) for p in paths)}")
+    if result.input_errors:
+        return 2
+    return 1 if result.violated or over else 0
