@@ -445,6 +445,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="the dump's framework (skyrl, verl, slime, nemo_rl, megatron_lm); default: detected",
     )
+    audit.add_argument(
+        "--num-experts", type=int, default=None, metavar="E",
+        help="experts per MoE layer, for dumps that do not record it (SkyRL, verl, slime)",
+    )  # fmt: skip
+    audit.add_argument(
+        "--moe-layers", type=lambda t: sorted(_parse_steps(t)), default=None, metavar="SPEC",
+        help="decoder indices of the MoE layers (e.g. 1-47), for dumps that do not record them",
+    )  # fmt: skip
     audit.add_argument("--import-to", metavar="DIR", help="keep the imported run layout here (default: a temporary directory)")
     audit.add_argument("--executor", choices=("serial", "processes", "ray"), default="processes")
     audit.add_argument("--workers", type=int, default=None, help="processes (default: the CPUs this process may use)")

@@ -61,7 +61,7 @@ def _import(args: argparse.Namespace, keep: list[Any]) -> str:
         target = tmp.name
     module = importers.importer(name)
     print(f"importing {args.run} as a {module.DESCRIPTION}", file=sys.stderr)
-    importers.import_dump(name, args.run, target)
+    importers.import_dump(name, args.run, target, num_experts=args.num_experts, moe_layers=args.moe_layers)
     for note in getattr(module, "NOTES", ()) or ():
         print(f"note ({name}): {note}")
     return target

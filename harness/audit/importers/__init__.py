@@ -3,23 +3,27 @@
 Each importer module converts one framework's dump, streaming, into ``SampleRecord``s: its layer
 axis, its dtype and its missing-row filler (zero rows, ``arange`` dummies, −1 sentinels,
 ``router_padding_mask``) become the layout's explicit ``engine_captured`` mask, never routes.
-Pickles are untrusted input, read only through ``harness.audit.importers.safe_pickle``.
+Pickles are untrusted input: read only through an allowlist (``safe_pickle``'s unpickler for
+SkyRL's and verl's framework classes, torch's ``weights_only`` loader for slime's plain dicts).
 
 A module ``harness.audit.importers.<name>`` provides:
 
 - ``DESCRIPTION``: what it reads (framework, release, flag that writes the dump);
 - ``NOTES``: what the dump cannot show (printed in the report, e.g. "hash-level checks only");
 - ``detect(path) -> bool``: whether ``path`` (a file or directory) looks like this dump;
-- ``records(path) -> Iterator[SampleRecord]``: the dump's samples, one at a time.
+- ``records(path, **options) -> Iterator[SampleRecord]``: the dump's samples, one at a time;
+  options a dump does not record (``num_experts``, ``moe_layers``) are keyword arguments.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from harness.audit.layout import LayoutError, SampleRecord
 from harness.audit.writer import RunWriter
@@ -46,9 +50,21 @@ def detect(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
-def import_dump(name: str, source: str | os.PathLike[str], directory: str | os.PathLike[str]) -> list[Path]:
-    """Convert the dump at ``source`` with importer ``name`` into run-layout files in ``directory``."""
-    records: Iterator[SampleRecord] = importer(name).records(Path(source))
+def import_dump(
+    name: str, source: str | os.PathLike[str], directory: str | os.PathLike[str], **options: Any
+) -> list[Path]:
+    """Convert the dump at ``source`` with importer ``name`` into run-layout files in ``directory``.
+
+    ``options`` (``None`` values dropped) go to the importer's ``records``; one it does not take is
+    refused, naming the importer, rather than silently ignored.
+    """
+    module = importer(name)
+    given = {k: v for k, v in options.items() if v is not None}
+    accepted = inspect.signature(module.records).parameters
+    unknown = sorted(k for k in given if k not in accepted)
+    if unknown:
+        raise LayoutError(f"--{unknown[0].replace('_', '-')}: the {name} importer does not take it")
+    records: Iterator[SampleRecord] = module.records(Path(source), **given)
     with RunWriter(directory) as writer:
         for record in records:
             writer.write(record)

@@ -1,0 +1,291 @@
+"""Importer for SkyRL's ``trainer.dump_data_batch=true`` dumps (SkyRL 0.3.0; FACTS §7).
+
+Each training step SkyRL writes ``{export_path}/dumped_data/global_step_{N}_training_input.pkl``
+(``RayPPOTrainer.dump_data``, skyrl/train/trainer.py:1222, called at trainer.py:439 after the
+old-log-prob pass and the advantages): ``TrainingInputBatch.save``, a pickle of
+``_rebuild_tensor_batch(TrainingInputBatch, state)`` whose ``state["batch_dict"]`` holds every
+tensor as numpy bytes (``_serialize_tensor``, skyrl/backends/skyrl_train/training_batch.py:15).
+It is read through ``safe_pickle`` with stand-ins for those two names: SkyRL need not be installed.
+
+The layout of the batch (``convert_prompts_responses_to_batch_tensors``,
+skyrl/train/dataset/preprocess.py:32): ``sequences``/``attention_mask`` ``[B, S]`` hold prompt ⊕
+response left-padded to ``S = max(P+R)``; response tensors ``[B, R_max]`` (``response_mask``,
+``loss_mask``, ``rollout_logprobs``, ``action_log_probs``) are right-aligned;
+``rollout_expert_indices`` ``[B, S, L, K]`` (uint8 when every id < 256, else int16) holds the
+engine payload row for position j of a sample at sequence index ``left_pad + j`` (preprocess.py,
+``padded[i, left_pad : left_pad + n] = sample_indices[:n]``) and zeros elsewhere. The payload is
+vLLM's ``routed_experts`` of the sample's last turn (skyrl_gym_generator.py:1121–1125), cut to
+``P+R`` rows (skyrl_gym_generator.py:791), so it covers a prefix of positions ``[0, P+R−1)`` (one
+more real row when a response was truncated, §3.1), followed by zero rows for an appended EOS
+(skyrl_gym_generator.py:577–580) or tokens no turn fed to the engine. SkyRL 0.3.0 has no mask,
+so trailing zero rows are read as "no route captured"; a ``router_padding_mask`` ``[B, S]`` (SkyRL
+after 0.3.0: True where no route was captured) is used instead when the dump has one. The last
+``metadata["pad_size"]`` samples are copies of sample 0 added for DP divisibility
+(``pad_training_input_batch``) and are dropped.
+
+The helpers of ``model_shape`` (``num_experts_input``, ``moe_layers_input``, ``payload_rows``, …)
+are shared with the verl importer, whose dump uses the same zero-filled
+padded route tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from harness.audit.importers import safe_pickle
+from harness.audit.importers.model_shape import (
+    check_ids_fit,
+    check_moe_layers,
+    infer_moe_layers,
+    moe_layers_input,
+    num_experts_input,
+    payload_rows,
+)
+from harness.audit.layout import LayoutError, SampleRecord
+from harness.trace import LayerAxis
+
+DESCRIPTION = (
+    "SkyRL 0.3.0 trainer.dump_data_batch=true: {export_path}/dumped_data/"
+    "global_step_{N}_training_input.pkl (TrainingInputBatch.save, written after the old-log-prob pass)"
+)
+NOTES = (
+    "num_experts is not in the dump: give it (num_experts=, RRH_NUM_EXPERTS). "
+    "moe_layers is inferred from the first step's non-zero layers unless given "
+    "(moe_layers=, RRH_MOE_LAYERS): "
+    "a MoE layer all zero in every sample of that step is read as dense. "
+    "SkyRL 0.3.0 fills missing rows with zeros and has no mask: trailing all-zero rows, and a sample whose "
+    "routes are all zero, are read as not captured (fallback metric), never as routes. "
+    "No trainer routes and no replay mode: replay_fidelity and agreement are not checkable."
+)
+
+SOURCE = "SkyRL trainer.dump_data_batch (rrh import skyrl)"
+FILE_PATTERN = re.compile(r"^global_step_(\d+)_training_input\.pkl$")
+MODULE = "skyrl.backends.skyrl_train.training_batch"
+BATCH_CLASS = f"{MODULE}.TrainingInputBatch"
+
+_STAND_INS = dict(
+    [
+        safe_pickle.stand_in(MODULE, "TrainingInputBatch"),
+        safe_pickle.stand_in_function(MODULE, "_rebuild_tensor_batch"),
+    ]
+)
+
+
+# --- reading the dump ----------------------------------------------------------------------------
+
+
+def dump_files(path: Path) -> list[tuple[int, Path]]:
+    """``(step, file)`` of every dump at ``path`` (a file, ``dumped_data/`` or the export path), by step."""
+    path = Path(path)
+    if path.is_file():
+        candidates = [path]
+    elif (path / "dumped_data").is_dir():
+        candidates = list((path / "dumped_data").iterdir())
+    elif path.is_dir():
+        candidates = list(path.iterdir())
+    else:
+        candidates = []
+    found = [(int(m.group(1)), p) for p in candidates if (m := FILE_PATTERN.match(p.name)) and p.is_file()]
+    return sorted(found)
+
+
+def detect(path: Path) -> bool:
+    """Whether ``path`` is a SkyRL dump file, its ``dumped_data`` directory or the export path above it."""
+    return bool(dump_files(path))
+
+
+def _tensor(entry: Any, source: str, field: str) -> npt.NDArray[Any]:
+    """One ``_serialize_tensor`` entry as an array: numpy bytes, or ``torch.save`` bytes (bfloat16)."""
+    safe_pickle.expect(entry, dict, source, field, "a serialized tensor dict")
+    if entry.get("format") == "torch":
+        data = safe_pickle.expect(entry.get("data"), bytes, source, f"{field}.data", "torch.save bytes")
+        array = safe_pickle.load_torch_bytes(data, f"{source} field {field!r}")
+        return safe_pickle.expect(array, np.ndarray, source, field, "a tensor")
+    if entry.get("format", "numpy") != "numpy":
+        raise LayoutError(
+            f"{source}: field {field!r} has format {entry.get('format')!r}; expected 'numpy' or 'torch'"
+        )
+    data = safe_pickle.expect(entry.get("data"), bytes, source, f"{field}.data", "bytes")
+    shape = safe_pickle.expect(entry.get("shape"), tuple, source, f"{field}.shape", "a shape tuple")
+    try:
+        dtype = np.dtype(str(entry.get("dtype")))
+    except TypeError:
+        dtype = np.dtype("O")
+    if dtype.kind not in "biuf" or not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise LayoutError(
+            f"{source}: field {field!r} is {entry.get('dtype')!r} {shape}; "
+            "expected a numeric dtype and a shape"
+        )
+    if len(data) != int(np.prod(shape)) * dtype.itemsize:
+        raise LayoutError(
+            f"{source}: field {field!r} holds {len(data)} bytes; "
+            f"expected {int(np.prod(shape)) * dtype.itemsize} "
+            f"for {dtype} {shape}"
+        )
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+def read_batch(file: Path) -> tuple[dict[str, npt.NDArray[Any] | None], dict[str, Any]]:
+    """The tensors (numpy arrays, ``None`` where the batch holds ``None``) and metadata of one dump."""
+    source = str(file)
+    batch = safe_pickle.load(file, _STAND_INS)
+    if not isinstance(batch, safe_pickle.Pickled) or batch.qualname != BATCH_CLASS:
+        raise LayoutError(
+            f"{source}: the pickle holds {getattr(batch, 'qualname', type(batch).__name__)}; "
+            "expected a TrainingInputBatch written by TrainingInputBatch.save"
+        )
+    state = safe_pickle.expect(batch.state, dict, source, "state", "the TrainingInputBatch state dict")
+    fields = safe_pickle.expect(state.get("batch_dict"), dict, source, "batch_dict", "a dict of tensors")
+    metadata = state.get("metadata") or {}
+    safe_pickle.expect(metadata, dict, source, "metadata", "a dict")
+    tensors: dict[str, npt.NDArray[Any] | None] = {}
+    for name in (
+        "sequences", "attention_mask", "response_mask", "loss_mask", "rollout_logprobs",
+        "action_log_probs", "rollout_expert_indices", "router_padding_mask",
+    ):  # fmt: skip
+        entry = fields.get(name)
+        tensors[name] = None if entry is None else _tensor(entry, source, name)
+    return tensors, metadata
+
+
+def _require(tensors: dict[str, Any], name: str, ndim: int, source: str, what: str) -> npt.NDArray[Any]:
+    array = tensors.get(name)
+    if array is None:
+        raise LayoutError(f"{source}: field {name!r} missing; expected {what}")
+    if array.ndim != ndim:
+        raise LayoutError(f"{source}: field {name!r} has shape {array.shape}; expected {what}")
+    return array  # type: ignore[no-any-return]
+
+
+def _shape_check(
+    array: npt.NDArray[Any] | None, shape: tuple[int, ...], source: str, name: str, what: str
+) -> None:
+    if array is not None and array.shape != shape:
+        raise LayoutError(f"{source}: field {name!r} has shape {array.shape}; expected {what} {list(shape)}")
+
+
+def _row(array: npt.NDArray[Any] | None, where: Any, dtype: Any) -> npt.NDArray[Any] | None:
+    """``array[where]`` as ``dtype`` (a mask: non-zero), or ``None`` for a field the dump does not hold."""
+    if array is None:
+        return None
+    values = array[where]
+    return values != 0 if dtype is bool else values.astype(dtype)
+
+
+def _groups(metadata: dict[str, Any], size: int) -> list[str | None]:
+    """Each sample's GRPO group from ``metadata["policy_prompt_boundaries"]`` ``[(start, end)]``."""
+    keys: list[str | None] = [None] * size
+    for index, bounds in enumerate(metadata.get("policy_prompt_boundaries") or ()):
+        if isinstance(bounds, (tuple, list)) and len(bounds) == 2 and all(isinstance(b, int) for b in bounds):
+            for i in range(max(0, bounds[0]), min(size, bounds[1])):
+                keys[i] = f"p{index}"
+    return keys
+
+
+def batch_records(
+    file: Path, step: int, num_experts: int, moe_layers: tuple[int, ...] | None
+) -> tuple[list[SampleRecord], tuple[int, ...]]:
+    """The records of one dump file, and the MoE layers used (inferred here when ``moe_layers`` is None)."""
+    source = str(file)
+    tensors, metadata = read_batch(file)
+    sequences = _require(tensors, "sequences", 2, source, "[B, S] token ids")
+    batch, width = sequences.shape
+    attention = _require(tensors, "attention_mask", 2, source, "[B, S]")
+    response = _require(tensors, "response_mask", 2, source, "[B, R_max]")
+    routes = _require(
+        tensors, "rollout_expert_indices", 4, source,
+        "[B, S, layers, top_k] expert ids (generator.inference_engine.enable_return_routed_experts=true)",
+    )  # fmt: skip
+    r_max = response.shape[1]
+    _shape_check(attention, (batch, width), source, "attention_mask", "[B, S] =")
+    if routes.shape[:2] != (batch, width):
+        raise LayoutError(
+            f"{source}: field 'rollout_expert_indices' has shape {routes.shape}; expected [B, S, …] = "
+            f"[{batch}, {width}, …]"
+        )
+    _shape_check(response, (batch, r_max), source, "response_mask", "[B, R_max] =")
+    for name in ("loss_mask", "rollout_logprobs", "action_log_probs"):
+        _shape_check(tensors[name], (batch, r_max), source, name, "[B, R_max] =")
+    _shape_check(tensors["router_padding_mask"], (batch, width), source, "router_padding_mask", "[B, S] =")
+    if routes.dtype.kind not in "iu":
+        raise LayoutError(f"{source}: field 'rollout_expert_indices' is {routes.dtype}; expected integer ids")
+    num_layers, top_k = int(routes.shape[2]), int(routes.shape[3])
+    if not 1 <= top_k <= num_experts:
+        raise LayoutError(
+            f"{source}: top_k={top_k} (rollout_expert_indices); expected 1..num_experts={num_experts}"
+        )
+    pad = metadata.get("pad_size", 0)
+    if not isinstance(pad, int) or not 0 <= pad < batch:
+        raise LayoutError(f"{source}: metadata 'pad_size' is {pad!r}; expected an integer in [0, {batch})")
+    real = batch - pad
+    padding = tensors["router_padding_mask"]
+    groups = _groups(metadata, real)
+    samples = []
+    for i in range(real):
+        total, resp = int(attention[i].sum()), int(response[i].sum())
+        prompt = total - resp
+        if prompt < 1 or resp > r_max:
+            raise LayoutError(
+                f"{source} sample {i}: attention_mask sums to {total}, response_mask to {resp}; expected "
+                "1 <= response tokens < tokens"
+            )
+        first = width - total
+        engine, captured = payload_rows(
+            routes[i], first, total, None if padding is None else ~padding[i].astype(bool)
+        )
+        check_ids_fit(engine, num_experts, source, i, step)
+        samples.append((i, prompt, resp, first, engine, captured))
+    if moe_layers is None:
+        moe_layers = infer_moe_layers(
+            np.concatenate([s[4] for s in samples]), np.concatenate([s[5] for s in samples]), source
+        )
+    check_moe_layers(moe_layers, num_layers, source)
+    out = []
+    for i, prompt, resp, first, engine, captured in samples:
+        tail = (i, slice(r_max - resp, r_max))
+        out.append(
+            SampleRecord(
+                step=step,
+                sample_key=str(i),
+                group_key=groups[i],
+                prompt_len=prompt,
+                response_len=resp,
+                tokens=sequences[i, first:],
+                num_experts=num_experts,
+                top_k=top_k,
+                num_layers=num_layers,
+                moe_layers=moe_layers,
+                layer_axis=LayerAxis.DECODER.value,
+                source=SOURCE,
+                loss_mask=_row(tensors["loss_mask"], tail, bool),
+                engine_logprobs=_row(tensors["rollout_logprobs"], tail, np.float32),
+                trainer_logprobs=_row(tensors["action_log_probs"], tail, np.float32),
+                engine_routes=engine,
+                engine_captured=captured,
+            )
+        )
+    return out, moe_layers
+
+
+def records(
+    path: Path, *, num_experts: int | None = None, moe_layers: Sequence[int] | None = None
+) -> Iterator[SampleRecord]:
+    """One ``SampleRecord`` per (step, sample) of the SkyRL dump at ``path``, step by step.
+
+    ``num_experts`` (or ``$RRH_NUM_EXPERTS``) is required: the dump does not hold it. ``moe_layers``
+    (or ``$RRH_MOE_LAYERS``) defaults to the layers with a non-zero id in the first step.
+    """
+    files = dump_files(Path(path))
+    if not files:
+        raise LayoutError(f"{path}: no SkyRL dump (dumped_data/global_step_<N>_training_input.pkl)")
+    experts = num_experts_input(num_experts, "SkyRL")
+    layers = moe_layers_input(moe_layers)
+    for step, file in files:
+        batch, layers = batch_records(file, step, experts, layers)
+        yield from batch

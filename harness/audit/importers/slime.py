@@ -1,0 +1,478 @@
+"""slime / miles debug dumps → the run layout (FACTS §7).
+
+What the dumps hold (read in THUDM/slime and radixark/miles, never imported):
+
+- ``--save-debug-rollout-data T`` (``--dump-details D`` sets ``T = D/rollout_data/{rollout_id}.pt``,
+  ``slime/utils/arguments.py``) writes, per rollout, ``torch.save({"rollout_id": id, "samples":
+  [Sample.to_dict(), ...]})`` (``slime/observability/rollout_data_utils.py``; miles adds a
+  ``metadata`` dict, ``miles/ray/rollout/debug_data.py``). A sample dict has ``tokens`` (prompt ⊕
+  response, tool tokens included), ``response_length``, ``loss_mask`` (``None``: every response
+  token is trained), ``rollout_log_probs`` (the engine's, one per response token, 0.0 on tool
+  tokens), ``remove_sample`` (its loss mask is zeroed for training, ``slime/ray/rollout.py``),
+  ``group_index`` and ``rollout_routed_experts`` ``[len(tokens) − 1, num_layers, top_k]`` int32 on
+  the decoder axis (every hidden layer, dense layers 0): a torch tensor in slime, a numpy array in
+  miles. Partial rollouts splice it in ``Sample._apply_meta_info`` (``slime/utils/types.py``:
+  ``existing[:routed_experts_start_len]`` ⊕ the new rows), so it always starts at position 0.
+- ``--save-debug-train-data`` (``D/train_data/{rollout_id}.pt``) writes, per rollout, format_version
+  2 (``slime/observability/train_data_utils.py`` ``_build_dump_payload``): the DP shards gathered
+  on the DP source rank into one ``samples`` list, each with ``rollout_position`` (its index in
+  the rollout dump's ``samples``; ``sample_index`` = ``Sample.index`` where that is missing),
+  ``tokens``, ``total_lengths``, ``response_lengths``, ``loss_masks``, ``rollout_log_probs`` and
+  ``log_probs`` (the trainer's, CP shards reassembled). The routes are deleted before the dump
+  (``slime/backends/megatron_utils/actor.py``). Older per-rank dumps (slime before #2266, miles)
+  hold CP-sliced, unordered shards and are refused.
+
+A step is a rollout id; a sample is keyed by its position in the rollout dump, the key both files
+share. Files are read one rollout at a time (its rollout file and its train file), with
+``torch.load(weights_only=True)`` — torch's loader that refuses arbitrary globals — plus the
+numpy globals that rebuild numeric arrays (miles' routes), never anything else.
+
+Missing rows: slime pads the last position (which has no route) and the packing remainder with
+``arange % num_experts`` *at replay* (``_pad_routed_experts`` in
+``slime/backends/megatron_utils/cp_utils.py``). That filler is built from the dumped rows and
+never written, so every row in the dump is a captured route: ``engine_captured`` stays null. The
+filler replayed for the last position is invisible to an audit of the dump.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from harness.audit.layout import LayoutError, SampleRecord
+from harness.trace import LayerAxis, storage_dtype
+
+DESCRIPTION = (
+    "slime/miles debug dump: --save-debug-rollout-data (or --dump-details D: D/rollout_data/{id}.pt), "
+    "joined with --save-debug-train-data format_version 2 (D/train_data/{id}.pt) where present"
+)
+NOTES = (
+    "every dumped route row is a captured route: slime's arange % E filler for the last position and "
+    "packing pads is built at replay (cp_utils._pad_routed_experts), never dumped, so it cannot be checked",
+    "num_experts and the MoE layers are not in the dump: without num_experts= and moe_layers= they are "
+    "inferred (largest id + 1; decoder layers with a non-zero id), so ids are checked for distinctness "
+    "but not against the model's expert count, and a MoE layer all-zero in every sample looks dense",
+    "trainer tokens and log-probs come only from a format_version 2 train dump beside the rollout dump; "
+    "no trainer routes, replay mode or attempt boundaries are dumped: replay fidelity, agreement, "
+    "splice consistency and shard union are not checkable",
+    "evaluation dumps (eval_{id}.pt) are skipped: they were never trained on",
+)
+SOURCE = "slime/miles --save-debug-rollout-data"
+TRAIN_FORMAT_VERSION = 2
+_ID = re.compile(r"(\d+)$")
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The model's routing shape, the same for every record of the run."""
+
+    num_experts: int
+    top_k: int
+    num_layers: int
+    moe_layers: tuple[int, ...]
+
+
+_NO_ROUTES = _Shape(num_experts=1, top_k=1, num_layers=1, moe_layers=(0,))
+"""A dump without routes (R3 off) has no routing shape; the layout needs one, so this placeholder."""
+
+
+def detect(path: Path) -> bool:
+    """A ``.pt`` file, a ``--dump-details`` directory, or a directory of rollout ``.pt`` files."""
+    if path.is_file():
+        return path.suffix == ".pt"
+    if not path.is_dir():
+        return False
+    if any(any((path / sub).glob("*.pt")) for sub in ("rollout_data", "train_data")):
+        return True
+    # A rollout file's name ends in its id; Megatron-LM's router_state_rank{r}.pt sidecar is no dump.
+    return any(_ID.search(p.stem) and not p.name.startswith("router_state_rank") for p in path.glob("*.pt"))
+
+
+def records(
+    path: Path,
+    *,
+    train: str | Path | None = None,
+    num_experts: int | None = None,
+    moe_layers: Sequence[int] | None = None,
+) -> Iterator[SampleRecord]:
+    """The samples of the dump at ``path``, one rollout file at a time, joined with the train dump.
+
+    ``path`` is a ``--dump-details`` directory (``rollout_data/`` and/or ``train_data/``), a
+    directory of rollout files, or one rollout file. ``train`` is the train dump when it is not
+    ``path/train_data``: a directory of ``{rollout_id}.pt`` or the ``--save-debug-train-data``
+    template itself (``.../{rollout_id}.pt``). ``num_experts`` and ``moe_layers`` (decoder indices)
+    are the model's; left out, they are inferred from the routes in a first pass (see ``NOTES``).
+    """
+    path = Path(path)
+    rollout_files, template = _files(path, train)
+    if not rollout_files:
+        train_files = _numbered(path / "train_data")
+        if not train_files:
+            raise LayoutError(
+                f"{path}: no rollout or train dump; expected rollout_data/{{rollout_id}}.pt, "
+                "train_data/{rollout_id}.pt or rollout .pt files"
+            )
+        yield from _train_only(train_files)
+        return
+    shape = _model_shape([p for _, p in rollout_files], num_experts, moe_layers)
+    for step, rollout_path in rollout_files:
+        samples = _samples(_load(rollout_path), rollout_path, step)
+        train_path = Path(template.format(rollout_id=step)) if template else None
+        trained = _train_samples(train_path, step, samples) if train_path and train_path.is_file() else {}
+        for position, sample in enumerate(samples):
+            yield _record(step, position, sample, trained.get(position), shape, rollout_path, train_path)
+        del samples, trained  # one rollout in memory: free this one before the next is loaded
+
+
+def _files(path: Path, train: str | Path | None) -> tuple[list[tuple[int, Path]], str | None]:
+    """``(rollout id, file)`` of every rollout file, in id order, and the train dump's template."""
+    if path.is_file():
+        found = [path]
+    elif (path / "rollout_data").is_dir() or (path / "train_data").is_dir():
+        found = sorted((path / "rollout_data").glob("*.pt"))
+        train = path / "train_data" if train is None else train
+    elif path.is_dir():
+        found = sorted(p for p in path.glob("*.pt") if not p.name.startswith("router_state_rank"))
+    else:
+        raise LayoutError(f"{path}: no such file or directory; expected a slime debug dump")
+    files = []
+    for file in found:
+        if "eval_" in file.stem:
+            continue
+        match = _ID.search(file.stem)
+        if match is None:
+            raise LayoutError(
+                f"{file}: the file name holds no rollout id; expected a name ending in it "
+                "(--save-debug-rollout-data .../{rollout_id}.pt)"
+            )
+        files.append((int(match.group(1)), file))
+    if len({step for step, _ in files}) != len(files):
+        raise LayoutError(f"{path}: two rollout files carry one rollout id; expected one file per rollout")
+    template = None
+    if train is not None:
+        text = str(train)
+        template = text if "{" in text else str(Path(text) / "{rollout_id}.pt")
+        fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+        if fields != {"rollout_id"}:
+            raise LayoutError(
+                f"train={text!r}: template fields {sorted(fields)}; expected only {{rollout_id}} (one train "
+                "file per rollout, as slime's --dump-details writes)"
+            )
+    return sorted(files), template
+
+
+def _safe_numpy_globals() -> list[Any]:
+    """The numpy globals that rebuild a numeric array (miles stores routes as numpy arrays).
+
+    Object arrays stay refused: their dtype class is not listed.
+    """
+    from numpy._core.multiarray import _reconstruct as reconstruct  # numpy >= 2 (pyproject)
+
+    kinds = {type(np.dtype(c)) for c in "?bBhHiIlLqQefd"}
+    return [
+        (reconstruct, "numpy.core.multiarray._reconstruct"),
+        (reconstruct, "numpy._core.multiarray._reconstruct"),
+        np.ndarray,
+        np.dtype,
+        *kinds,
+    ]
+
+
+def _load(path: Path) -> dict[str, Any]:
+    """``torch.load(path, weights_only=True)``: a refused global or a broken file is one line."""
+    import pickle
+    import zipfile
+
+    import torch
+
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; its directory sits at the end
+        raise LayoutError(
+            f"{path}: not a torch.save archive (no zip directory: truncated, or not torch.save output); "
+            "expected a complete torch.save file"
+        )
+    try:
+        with torch.serialization.safe_globals(_safe_numpy_globals()):
+            payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        text = str(err)
+        name = re.search(r"GLOBAL ([\w.]+)|got <class '([\w.]+)'>", text)
+        what = next(g for g in name.groups() if g) if name else text.splitlines()[0][:200]
+        raise LayoutError(
+            f"{path}: torch.load(weights_only=True) refused {what}; expected plain dicts, lists, "
+            "tensors and numeric numpy arrays (slime Sample.to_dict)"
+        ) from None
+    except (RuntimeError, OSError, EOFError, ValueError) as err:
+        first = (str(err).splitlines() or [""])[0][:200]
+        raise LayoutError(
+            f"{path}: unreadable ({type(err).__name__}: {first}); expected a complete torch.save file"
+        ) from None
+    if not isinstance(payload, dict):
+        raise LayoutError(f"{path}: holds a {type(payload).__name__}; expected a dict with 'samples'")
+    return payload
+
+
+def _samples(payload: dict[str, Any], path: Path, step: int | None) -> list[dict[str, Any]]:
+    """The ``samples`` list of a dump, its ``rollout_id`` checked against the file name."""
+    samples = payload.get("samples")
+    if not isinstance(samples, list) or not all(isinstance(s, dict) for s in samples):
+        raise LayoutError(f"{path}: field 'samples' is {type(samples).__name__}; expected a list of dicts")
+    rollout_id = payload.get("rollout_id")
+    if step is not None and rollout_id != step:
+        raise LayoutError(
+            f"{path}: field 'rollout_id' is {rollout_id!r}; expected {step} (from the file name)"
+        )
+    return samples
+
+
+def _array(value: Any, where: str, field: str, kind: str) -> npt.NDArray[Any]:
+    """``value`` (tensor, numpy array or nested list) as int64 (``kind`` ``"i"``) or float64 (``"f"``)."""
+    if hasattr(value, "detach"):  # a torch tensor (bfloat16 included)
+        value = value.detach().cpu()
+        value = (value.double() if value.is_floating_point() else value.long()).numpy()
+    try:
+        array = np.asarray(value)
+    except ValueError:  # ragged nested lists
+        raise LayoutError(f"{where}: field {field!r} is ragged; expected a rectangular array") from None
+    allowed, what = ("iub", "integers") if kind == "i" else ("iuf", "numbers")
+    if array.dtype.kind not in allowed:
+        raise LayoutError(f"{where}: field {field!r} holds {array.dtype} values; expected {what}")
+    return array.astype(np.int64 if kind == "i" else np.float64, copy=False)
+
+
+def _vector(sample: dict[str, Any], field: str, where: str, kind: str, length: int | None) -> Any:
+    """A 1-D field of ``length`` entries, ``None`` where the dump has none."""
+    value = sample.get(field)
+    if value is None:
+        return None
+    array = _array(value, where, field, kind)
+    if array.ndim != 1 or (length is not None and array.size != length):
+        expected = "n" if length is None else length
+        raise LayoutError(f"{where}: field {field!r} has shape {list(array.shape)}; expected [{expected}]")
+    return array
+
+
+def _count(sample: dict[str, Any], field: str, where: str) -> int:
+    value: Any = sample.get(field)
+    if hasattr(value, "item"):  # a 0-d tensor or numpy scalar
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise LayoutError(f"{where}: field {field!r} is {value!r}; expected a non-negative integer")
+    return value
+
+
+def _sequence(sample: dict[str, Any], response_field: str, where: str) -> tuple[npt.NDArray[np.int64], int]:
+    """``tokens`` (prompt ⊕ response) and the response length, with a prompt of at least one token."""
+    tokens = _vector(sample, "tokens", where, "i", None)
+    if tokens is None:
+        raise LayoutError(f"{where}: field 'tokens' is missing; expected prompt ⊕ response token ids")
+    response = _count(sample, response_field, where)
+    if response >= tokens.size:
+        raise LayoutError(
+            f"{where}: field {response_field!r} is {response}; expected less than len(tokens) = {tokens.size}"
+        )
+    return tokens, response
+
+
+def _routes(sample: dict[str, Any], where: str) -> npt.NDArray[np.int64] | None:
+    value = sample.get("rollout_routed_experts")
+    if value is None:
+        return None
+    routes = _array(value, where, "rollout_routed_experts", "i")
+    if routes.ndim != 3:
+        raise LayoutError(
+            f"{where}: field 'rollout_routed_experts' has shape {list(routes.shape)}; "
+            "expected [len(tokens) − 1, num_layers, top_k]"
+        )
+    return routes
+
+
+def _model_shape(files: list[Path], num_experts: int | None, moe_layers: Sequence[int] | None) -> _Shape:
+    """The routing shape: layers and top-k from the first routes; the rest given or inferred (a full pass)."""
+    known = num_experts is not None and moe_layers is not None
+    layers = top_k = 0
+    high, used = -1, None
+    for path in files:
+        for i, sample in enumerate(_samples(_load(path), path, None)):
+            routes = _routes(sample, f"{path}: samples[{i}]")
+            if routes is None:
+                continue
+            if used is None:
+                layers, top_k = int(routes.shape[1]), int(routes.shape[2])
+                used = np.zeros(layers, dtype=bool)
+                if known:
+                    break
+            elif routes.shape[1:] != (layers, top_k):
+                raise LayoutError(
+                    f"{path}: samples[{i}] field 'rollout_routed_experts' has shape {list(routes.shape)}; "
+                    f"expected [rows, {layers}, {top_k}] like the samples before it"
+                )
+            if routes.size:
+                high = max(high, int(routes.max()))
+                used |= routes.any(axis=(0, 2))
+        if known and used is not None:
+            break
+    if used is None:
+        return _NO_ROUTES
+    if num_experts is None:
+        num_experts = max(high + 1, top_k)
+    chosen = tuple(int(x) for x in (np.flatnonzero(used).tolist() if moe_layers is None else moe_layers))
+    if not chosen:
+        chosen = tuple(range(layers))  # every layer all-zero: moe_layer_nonzero names them
+    if list(chosen) != sorted(set(chosen)) or chosen[0] < 0 or chosen[-1] >= layers:
+        raise LayoutError(
+            f"moe_layers: {list(chosen)}; expected distinct increasing decoder indices in [0, {layers})"
+        )
+    if not top_k <= num_experts <= 65536:
+        raise LayoutError(f"num_experts: {num_experts}; expected an integer in [top_k={top_k}, 65536]")
+    return _Shape(int(num_experts), top_k, layers, chosen)
+
+
+def _train_payload(path: Path) -> dict[str, Any]:
+    """A train dump of format_version 2, the only one whose samples are whole and in rollout order."""
+    payload = _load(path)
+    version = payload.get("format_version")
+    if version != TRAIN_FORMAT_VERSION:
+        raise LayoutError(
+            f"{path}: field 'format_version' is {version!r}; expected {TRAIN_FORMAT_VERSION} (slime ≥ #2266; "
+            "per-rank train dumps of older slime and of miles hold CP-sliced shards and are not read)"
+        )
+    return payload
+
+
+def _train_samples(path: Path, step: int, rollout: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """The train dump's samples by their position in the rollout dump (``rollout_position``)."""
+    samples = _samples(_train_payload(path), path, step)
+    by_index = {s.get("index"): i for i, s in enumerate(rollout) if s.get("index") is not None}
+    out: dict[int, dict[str, Any]] = {}
+    for i, sample in enumerate(samples):
+        where = f"{path}: samples[{i}]"
+        if sample.get("rollout_position") is not None:
+            position = _count(sample, "rollout_position", where)
+        elif sample.get("sample_index") is not None and sample["sample_index"] in by_index:
+            position = by_index[sample["sample_index"]]
+        else:
+            raise LayoutError(
+                f"{where}: fields 'rollout_position' and 'sample_index' are missing or unknown; expected "
+                "one of them to join the sample with the rollout dump"
+            )
+        if position >= len(rollout) or position in out:
+            raise LayoutError(
+                f"{where}: field 'rollout_position' is {position}; expected a distinct index below "
+                f"{len(rollout)} (the rollout dump's samples)"
+            )
+        out[position] = sample
+    return out
+
+
+def _record(
+    step: int,
+    position: int,
+    sample: dict[str, Any],
+    trained: dict[str, Any] | None,
+    shape: _Shape,
+    path: Path,
+    train_path: Path | None,
+) -> SampleRecord:
+    """One layout record from a rollout sample and, where it was trained, its train sample."""
+    where = f"{path}: samples[{position}]"
+    tokens, response = _sequence(sample, "response_length", where)
+    mask = _vector(sample, "loss_mask", where, "i", response)
+    mask = np.ones(response, dtype=bool) if mask is None else mask != 0
+    if sample.get("remove_sample"):
+        mask[:] = False  # slime/ray/rollout.py zeroes a removed sample's loss mask
+    engine_lp = _vector(sample, "rollout_log_probs", where, "f", response)
+    routes = _routes(sample, where)
+    if routes is not None:
+        _check_routes(routes, shape, where)
+    trainer_tokens = trainer_lp = None
+    if trained is not None:
+        twhere = f"{train_path}: samples[rollout_position={position}]"
+        trainer_tokens, trained_response = _sequence(trained, "response_lengths", twhere)
+        if trainer_tokens.size != tokens.size or trained_response != response:
+            raise LayoutError(
+                f"{twhere}: fields 'tokens', 'response_lengths' describe {trainer_tokens.size} tokens with "
+                f"{trained_response} in the response; expected {tokens.size} with {response} (the rollout "
+                "dump's sample)"
+            )
+        trained_mask = _vector(trained, "loss_masks", twhere, "i", response)
+        mask = mask if trained_mask is None else trained_mask != 0
+        trainer_lp = _vector(trained, "log_probs", twhere, "f", response)
+    group = sample.get("group_index")
+    return SampleRecord(
+        step=step,
+        sample_key=str(position),
+        group_key=None if group is None else str(group),
+        prompt_len=int(tokens.size - response),
+        response_len=response,
+        tokens=tokens,
+        trainer_tokens=trainer_tokens,
+        loss_mask=mask,
+        engine_logprobs=engine_lp,
+        trainer_logprobs=trainer_lp,
+        num_experts=shape.num_experts,
+        top_k=shape.top_k,
+        num_layers=shape.num_layers,
+        moe_layers=shape.moe_layers,
+        layer_axis=LayerAxis.DECODER.value,
+        engine_routes=routes,
+        source=SOURCE if trained is None else f"{SOURCE} + --save-debug-train-data",
+    )
+
+
+def _check_routes(routes: npt.NDArray[np.int64], shape: _Shape, where: str) -> None:
+    """Routes the layout can store: the run's layer and top-k widths, ids that fit its dtype.
+
+    An id in ``[num_experts, 2**bits)`` is stored and named by the audit (``ids_valid``); one the
+    dtype cannot hold (negative, or past it) would wrap, so it is refused here with its place.
+    """
+    if routes.shape[1:] != (shape.num_layers, shape.top_k):
+        raise LayoutError(
+            f"{where}: field 'rollout_routed_experts' has shape {list(routes.shape)}; expected "
+            f"[rows, {shape.num_layers}, {shape.top_k}] like the samples before it"
+        )
+    dtype = storage_dtype(shape.num_experts)
+    bad = (routes < 0) | (routes > np.iinfo(dtype).max)
+    if bad.any():
+        row, layer, slot = (int(x) for x in np.argwhere(bad)[0])
+        raise LayoutError(
+            f"{where}: field 'rollout_routed_experts' row {row} layer {layer} holds id "
+            f"{int(routes[row, layer, slot])}; expected ids in [0, {shape.num_experts}) that fit {dtype} "
+            "(slime has no missing-row sentinel)"
+        )
+
+
+def _numbered(directory: Path) -> list[tuple[int, Path]]:
+    """``(rollout id, file)`` of the ``{rollout_id}.pt`` files of ``directory``, in id order."""
+    return sorted((int(m.group(1)), p) for p in directory.glob("*.pt") if (m := _ID.fullmatch(p.stem)))
+
+
+def _train_only(files: list[tuple[int, Path]]) -> Iterator[SampleRecord]:
+    """Records from a train dump alone (no rollout dump): tokens, masks and both log-probs, no routes."""
+    for step, path in files:
+        for i, sample in enumerate(_samples(_train_payload(path), path, step)):
+            where = f"{path}: samples[{i}]"
+            tokens, response = _sequence(sample, "response_lengths", where)
+            mask = _vector(sample, "loss_masks", where, "i", response)
+            position = sample.get("rollout_position")
+            yield SampleRecord(
+                step=step,
+                sample_key=str(i if position is None else position),
+                prompt_len=int(tokens.size - response),
+                response_len=response,
+                tokens=tokens,
+                loss_mask=None if mask is None else mask != 0,
+                engine_logprobs=_vector(sample, "rollout_log_probs", where, "f", response),
+                trainer_logprobs=_vector(sample, "log_probs", where, "f", response),
+                num_experts=_NO_ROUTES.num_experts,
+                top_k=_NO_ROUTES.top_k,
+                num_layers=_NO_ROUTES.num_layers,
+                moe_layers=_NO_ROUTES.moe_layers,
+                source="slime --save-debug-train-data",
+            )

@@ -1,0 +1,264 @@
+"""Importer for verl's RolloutSkip dumps (verl 0.9.1; FACTS §7).
+
+With ``skip.rollout.enable=True`` verl writes, per step, the agent loop's output batch to
+``{dump_dir}/{exp}_{project}/GBS{g}_N{n}_in{p}_out{r}/{step}/gen_batch.dp`` with ``meta.json``
+(``{"global_steps": step}``) beside it (``RolloutSkip.prepare_data``,
+verl/utils/skip/rollout_skip.py:95–103; ``dump_dir`` defaults to ``~/.verl/rollout_dump``). The file
+is ``DataProto.save_to_disk`` (verl/protocol.py:423): a pickle of the ``DataProto`` whose state
+(protocol.py:377–399) is the ``TensorDict`` batch as ``torch.save`` bytes of a consolidated
+TensorDict (or, under ``VERL_DATAPROTO_SERIALIZATION_METHOD=numpy``, ``(batch_size, device,
+{key: (dtype, shape, bytes)})``), the ``non_tensor_batch`` dict of numpy arrays and ``meta_info``.
+It is read through ``safe_pickle``: verl, tensordict and torch never unpickle anything.
+
+The batch (``AgentLoopWorker._agent_loop_postprocess`` and ``_postprocess``,
+verl/experimental/agent_loop/agent_loop.py:728–856, 1057–1148): ``prompts [B, P_max]`` left-padded,
+``responses [B, R_max]`` right-padded, ``input_ids``/``attention_mask [B, P_max+R_max]`` their
+concatenation, ``response_mask [B, R_max]`` (1 on LLM tokens, 0 on tool tokens and padding),
+``rollout_log_probs [B, R_max]`` zero-padded, and ``routed_experts [B, P_max+R_max, L, K]`` int16
+zeros with the engine payload written at ``start_pos = P_max − P`` (agent_loop.py:797–809): the row
+of position j at index ``P_max − P + j``. The payload is the engine's routes of the last turn
+(``single_turn_agent_loop.py:99``, ``tool_agent_loop.py:286``), a prefix of ``[0, P+R−1)``;
+trailing zero rows are read as "no route captured", never as routes. The dump is taken before
+``compute_log_prob``: it holds no trainer log-probs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from harness.audit.importers import safe_pickle
+from harness.audit.importers.model_shape import (
+    check_ids_fit,
+    check_moe_layers,
+    infer_moe_layers,
+    moe_layers_input,
+    num_experts_input,
+    payload_rows,
+)
+from harness.audit.layout import LayoutError, SampleRecord
+from harness.trace import LayerAxis
+
+DESCRIPTION = (
+    "verl 0.9.1 RolloutSkip (skip.rollout.enable=True): {dump_dir}/{exp}_{project}/GBS{g}_N{n}_in{p}_out{r}/"
+    "{step}/gen_batch.dp + meta.json (DataProto.save_to_disk of the agent loop's output)"
+)
+NOTES = (
+    "Dumped before compute_log_prob: no trainer log-probs, so logprob_gap is not checkable. "
+    "num_experts is not in the dump: give it (num_experts=, RRH_NUM_EXPERTS). "
+    "moe_layers is inferred from the first step's non-zero layers unless given "
+    "(moe_layers=, RRH_MOE_LAYERS): "
+    "a MoE layer all zero in every sample of that step is read as dense. "
+    "verl fills rows outside the payload with zeros: trailing all-zero rows, and a sample whose routes are "
+    "all zero, are read as not captured (fallback metric), never as routes. "
+    "No trainer routes and no replay mode: replay_fidelity and agreement are not checkable."
+)
+
+SOURCE = "verl RolloutSkip gen_batch.dp (rrh import verl)"
+FILE_NAME = "gen_batch.dp"
+DATAPROTO = "verl.protocol.DataProto"
+_STAND_INS = dict([safe_pickle.stand_in("verl.protocol", "DataProto")])
+_GROUP_SIZE = re.compile(r"^GBS\d+_N(\d+)_in\d+_out\d+$")
+
+
+def dump_files(path: Path) -> list[Path]:
+    """Every ``gen_batch.dp`` at ``path`` (the file, a step directory, or up to the dump root), sorted."""
+    path = Path(path)
+    if path.is_file():
+        return [path] if path.name == FILE_NAME else []
+    found: list[Path] = []
+    for depth in range(4):  # {step}/, GBS…/{step}/, {exp}_{project}/GBS…/{step}/
+        found.extend(p for p in path.glob("/".join(["*"] * depth + [FILE_NAME])) if p.is_file())
+    return sorted(found)
+
+
+def detect(path: Path) -> bool:
+    """Whether ``path`` holds a verl RolloutSkip dump (a ``gen_batch.dp`` file or directories of them)."""
+    return bool(dump_files(path))
+
+
+def step_of(file: Path) -> int:
+    """The step of a dump: ``meta.json``'s ``global_steps``, else its directory's name."""
+    meta = file.parent / "meta.json"
+    if meta.is_file():
+        try:
+            step = json.loads(meta.read_text()).get("global_steps")
+        except (ValueError, AttributeError):
+            raise LayoutError(f'{meta}: not a JSON object; expected {{"global_steps": <step>}}') from None
+        if not isinstance(step, int):
+            raise LayoutError(f"{meta}: global_steps is {step!r}; expected an integer step")
+        return step
+    try:
+        return int(file.parent.name)
+    except ValueError:
+        raise LayoutError(
+            f"{file}: no meta.json and directory {file.parent.name!r} is not a step number"
+        ) from None
+
+
+def group_size_of(file: Path) -> int | None:
+    """``rollout.n`` from the dump directory ``GBS{g}_N{n}_in{p}_out{r}`` above the step, if named so."""
+    match = _GROUP_SIZE.match(file.parent.parent.name)
+    return int(match.group(1)) if match and int(match.group(1)) > 0 else None
+
+
+def read_batch(file: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The tensors (numpy arrays) and the ``non_tensor_batch`` of one ``gen_batch.dp``."""
+    source = str(file)
+    proto = safe_pickle.load(file, _STAND_INS)
+    if not isinstance(proto, safe_pickle.Pickled) or proto.qualname != DATAPROTO:
+        raise LayoutError(
+            f"{source}: the pickle holds {getattr(proto, 'qualname', type(proto).__name__)}; "
+            "expected a DataProto written by DataProto.save_to_disk"
+        )
+    state = safe_pickle.expect(proto.state, tuple, source, "state", "(batch, non_tensor_batch, meta_info)")
+    if len(state) != 3:
+        raise LayoutError(
+            f"{source}: field 'state' has {len(state)} entries; expected (batch, non_tensor_batch, meta_info)"
+        )
+    batch, non_tensor, _meta = state
+    if isinstance(batch, bytes):
+        tensors = safe_pickle.load_torch_bytes(batch, f"{source} field 'batch'")
+    elif isinstance(batch, tuple) and len(batch) == 3 and isinstance(batch[2], dict):
+        tensors = {
+            key: safe_pickle.view_bytes(
+                entry[2],
+                entry[0],
+                tuple(entry[1]) if isinstance(entry[1], (tuple, list)) else entry[1],
+                source,
+                key,
+            )
+            for key, entry in batch[2].items()
+            if isinstance(entry, tuple) and len(entry) == 3
+        }
+    else:
+        raise LayoutError(
+            f"{source}: field 'batch' is {type(batch).__name__}; expected torch.save bytes of a TensorDict "
+            "(or verl's numpy serialization)"
+        )
+    safe_pickle.expect(tensors, dict, source, "batch", "a TensorDict of tensors")
+    safe_pickle.expect(non_tensor, dict, source, "non_tensor_batch", "a dict of numpy arrays")
+    return tensors, non_tensor
+
+
+def _field(tensors: dict[str, Any], name: str, shape: Sequence[int | None], source: str, what: str) -> Any:
+    array = tensors.get(name)
+    if array is None:
+        raise LayoutError(f"{source}: field {name!r} missing; expected {what}")
+    if (
+        not isinstance(array, np.ndarray)
+        or array.ndim != len(shape)
+        or any(want is not None and got != want for got, want in zip(array.shape, shape, strict=True))
+    ):
+        got = array.shape if isinstance(array, np.ndarray) else type(array).__name__
+        raise LayoutError(f"{source}: field {name!r} has shape {got}; expected {what}")
+    return array
+
+
+def _groups(non_tensor: dict[str, Any], size: int, group_size: int | None) -> list[str | None]:
+    """Each sample's GRPO group: its ``uid`` when the dump kept it, else ``i // rollout.n`` (samples of
+    a prompt are consecutive: ``gen_batch.repeat(interleave=True)``), else unknown."""
+    uids = non_tensor.get("uid")
+    if isinstance(uids, np.ndarray) and uids.shape == (size,):
+        return [str(u) for u in uids]
+    if group_size:
+        return [f"p{i // group_size}" for i in range(size)]
+    return [None] * size
+
+
+def batch_records(
+    file: Path, num_experts: int, moe_layers: tuple[int, ...] | None
+) -> tuple[list[SampleRecord], tuple[int, ...]]:
+    """The records of one ``gen_batch.dp``, and the MoE layers used (inferred when ``moe_layers`` is None)."""
+    source, step = str(file), step_of(file)
+    tensors, non_tensor = read_batch(file)
+    prompts = _field(tensors, "prompts", (None, None), source, "[B, P_max] left-padded prompt ids")
+    batch, p_max = prompts.shape
+    responses = _field(tensors, "responses", (batch, None), source, "[B, R_max] right-padded response ids")
+    r_max = responses.shape[1]
+    width = p_max + r_max
+    input_ids = _field(tensors, "input_ids", (batch, width), source, f"[B, P_max+R_max] = [{batch}, {width}]")
+    attention = _field(
+        tensors, "attention_mask", (batch, width), source, f"[B, P_max+R_max] = [{batch}, {width}]"
+    )
+    response_mask = _field(
+        tensors, "response_mask", (batch, r_max), source, f"[B, R_max] = [{batch}, {r_max}]"
+    )
+    routes = _field(
+        tensors, "routed_experts", (batch, width, None, None), source,
+        f"[B, P_max+R_max, layers, top_k] = [{batch}, {width}, L, K] (rollout routing replay capture)",
+    )  # fmt: skip
+    logprobs = None
+    if tensors.get("rollout_log_probs") is not None:
+        logprobs = _field(
+            tensors, "rollout_log_probs", (batch, r_max), source, f"[B, R_max] = [{batch}, {r_max}]"
+        )
+    if routes.dtype.kind not in "iu":
+        raise LayoutError(f"{source}: field 'routed_experts' is {routes.dtype}; expected integer ids")
+    num_layers, top_k = int(routes.shape[2]), int(routes.shape[3])
+    if not 1 <= top_k <= num_experts:
+        raise LayoutError(f"{source}: top_k={top_k} (routed_experts); expected 1..num_experts={num_experts}")
+    groups = _groups(non_tensor, batch, group_size_of(file))
+    samples = []
+    for i in range(batch):
+        prompt, resp = int(attention[i, :p_max].sum()), int(attention[i, p_max:].sum())
+        if prompt < 1:
+            raise LayoutError(
+                f"{source} sample {i}: attention_mask has no prompt token; expected at least one"
+            )
+        first = p_max - prompt
+        engine, captured = payload_rows(routes[i], first, prompt + resp)
+        check_ids_fit(engine, num_experts, source, i, step)
+        samples.append((i, prompt, resp, first, engine, captured))
+    if moe_layers is None:
+        moe_layers = infer_moe_layers(
+            np.concatenate([s[4] for s in samples]), np.concatenate([s[5] for s in samples]), source
+        )
+    check_moe_layers(moe_layers, num_layers, source)
+    out = [
+        SampleRecord(
+            step=step,
+            sample_key=str(i),
+            group_key=groups[i],
+            prompt_len=prompt,
+            response_len=resp,
+            tokens=input_ids[i, first : p_max + resp],
+            num_experts=num_experts,
+            top_k=top_k,
+            num_layers=num_layers,
+            moe_layers=moe_layers,
+            layer_axis=LayerAxis.DECODER.value,
+            source=SOURCE,
+            loss_mask=response_mask[i, :resp] != 0,
+            engine_logprobs=None if logprobs is None else logprobs[i, :resp].astype(np.float32),
+            engine_routes=engine,
+            engine_captured=captured,
+        )
+        for i, prompt, resp, first, engine, captured in samples
+    ]
+    return out, moe_layers
+
+
+def records(
+    path: Path, *, num_experts: int | None = None, moe_layers: Sequence[int] | None = None
+) -> Iterator[SampleRecord]:
+    """One ``SampleRecord`` per (step, sample) of the verl RolloutSkip dump at ``path``, step by step.
+
+    ``num_experts`` (or ``$RRH_NUM_EXPERTS``) is required: the dump does not hold it. ``moe_layers``
+    (or ``$RRH_MOE_LAYERS``) defaults to the layers with a non-zero id in the first step. Point
+    ``path`` at one run's ``GBS…`` directory: the dump root may hold several runs, whose steps collide.
+    """
+    files = dump_files(Path(path))
+    if not files:
+        raise LayoutError(f"{path}: no verl RolloutSkip dump ({{step}}/{FILE_NAME})")
+    experts = num_experts_input(num_experts, "verl")
+    layers: tuple[int, ...] | None = moe_layers_input(moe_layers)
+    ordered: list[tuple[int, Path]] = sorted((step_of(f), f) for f in files)
+    for _, file in ordered:
+        batch, layers = batch_records(file, experts, layers)
+        yield from batch
