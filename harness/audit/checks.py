@@ -11,6 +11,7 @@ Rows and layers in offenders: ``row`` is the index in the sample's trace (positi
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,14 @@ import numpy.typing as npt
 
 from harness.audit import kernels as audit_kernels
 from harness.audit.reader import Batch, ListColumn, RouteColumn
-from harness.audit.state import OFFENDERS, AuditState, GroupDigests, Offender, SampleFigure
+from harness.audit.state import (
+    OFFENDER_SAMPLES,
+    OFFENDERS_PER_SAMPLE,
+    AuditState,
+    GroupDigests,
+    Offender,
+    SampleFigure,
+)
 from harness.metrics import LOGPROB_TOLERANCE
 from harness.trace import AgreementCounts, LayerAxis
 from harness.trace import kernels as trace_kernels
@@ -37,6 +45,9 @@ STRICT = (
     "shard_union",
 )
 """Every strict invariant, in report order."""
+
+LOCATE_ROWS = 4096
+"""Rows of a batch whose offenders are located at once (only in a batch that failed a fast check)."""
 
 METRICS = ("fallback", "agreement", "logprob_gap", "prefix_agreement", "expert_load")
 
@@ -89,7 +100,7 @@ def sample_hash(step: int, key: str) -> float:
 
 
 class _Offenders:
-    """Collects one invariant's offenders of a batch, keeping the first ``OFFENDERS`` by location."""
+    """Collects one invariant's offenders of a batch, keeping the first by location (``Tally``'s caps)."""
 
     def __init__(self, batch: Batch, order: npt.NDArray[np.int64]) -> None:
         self.batch, self.order = batch, order
@@ -107,7 +118,13 @@ class _Offenders:
         if sample.size == 0:
             return
         self.samples.update(np.unique(sample).tolist())
-        first = np.lexsort((layer, row, self.order[sample]))[:OFFENDERS]
+        # What ``Tally`` keeps (``state.first_offenders``): the first cells of each of the first
+        # samples. Taking the same here, per sample, keeps the result independent of the split.
+        ordered = np.lexsort((layer, row, self.order[sample]))
+        run = np.cumsum(np.diff(sample[ordered], prepend=-1) != 0) - 1
+        starts = np.flatnonzero(np.diff(run, prepend=-1))
+        rank = np.arange(ordered.size) - starts[run]
+        first = ordered[(rank < OFFENDERS_PER_SAMPLE) & (run < OFFENDER_SAMPLES)]
         for i in first.tolist():
             s = int(sample[i])
             expected, actual = describe(i)
@@ -124,14 +141,23 @@ class _Offenders:
         self.items.append(Offender(int(b.step[s]), b.sample_key[s], row, layer, expected, actual, b.where(s)))
 
 
+def _owned(column: ListColumn, samples: npt.NDArray[np.bool_]) -> Any:
+    """Which entries of ``column.values`` belong to the lists of ``samples`` (a slice when all do)."""
+    if samples.all():
+        return slice(None)
+    return np.repeat(samples, column.lengths())
+
+
 def _expand(
     column: ListColumn, owners: npt.NDArray[np.int64], total: int, fill: Any, dtype: Any
 ) -> npt.NDArray[Any]:
     """A flat array over ``total`` entries owned by samples (``owners[i]``: sample of entry i) with
     the column's values where the sample's list is not null, ``fill`` elsewhere (lengths already checked)."""
+    if column.valid.all() and column.values.size == total:
+        return np.asarray(column.values, dtype=dtype)
     out = np.full(total, fill, dtype=dtype)
     where = column.valid[owners]
-    out[where] = column.values[: int(where.sum())]
+    out[where] = column.values[_owned(column, column.valid)]
     return out
 
 
@@ -160,8 +186,13 @@ class _BatchAudit:
         else:
             self.captured = np.ones(self.row_owner.size, dtype=bool)
         self.uncaptured = np.bincount(self.row_owner[~self.captured], minlength=n)
+        # The batch's steps: ``row_group[r]`` is the index in ``self.steps`` of engine row r's step.
+        self.steps, self.sample_group = np.unique(batch.step, return_inverse=True)
+        self.sample_group = self.sample_group.reshape(-1).astype(np.int64)
+        self.row_group = self.sample_group[self.row_owner]
         self.row_differs: npt.NDArray[np.bool_] | None = None
         self.sample_disagreement = np.full(n, np.nan)
+        self._counts: audit_kernels.Counts | None = None
 
     def finish(self, name: str, found: _Offenders, checked: int) -> None:
         self.state.tally(name).add(checked, found.items, len(found.samples))
@@ -198,11 +229,17 @@ class _BatchAudit:
                 self.state.note_missing(name, "engine_routes")
         valid_found, zero_found, dense_found = (_Offenders(b, self.order) for _ in range(3))
         if routes.shape[0]:
-            selected = routes if self.captured.all() else routes[self.captured]
-            moe_mask = np.zeros(routes.shape[1], dtype=bool)
-            moe_mask[self.moe] = True
-            step = trace_kernels.chunk_rows(routes.shape[1] * routes.shape[2] * routes.dtype.itemsize)
-            failed = trace_kernels.first_invalid_chunk(selected, b.num_experts, moe_mask, step) is not None
+            # Ids in range: read off the counts (uint8 ids); no repeated id: one compiled pass (routes
+            # that fit a word). Either may also flag uncaptured rows: _locate_ids keeps captured ones.
+            out_of_range = self.counts().out_of_range()
+            repeats = audit_kernels.repeats(routes, self.moe) if b.top_k > 1 else False
+            if out_of_range is not None and repeats is not None:
+                failed = out_of_range or repeats
+            else:
+                selected = routes if self.captured.all() else routes[self.captured]
+                moe_mask = np.zeros(routes.shape[1], dtype=bool)
+                moe_mask[self.moe] = True
+                failed = audit_kernels.ids_invalid(selected, b.num_experts, moe_mask)
             if failed or b.top_k == 1:
                 self._locate_ids(routes, valid_found, zero_found)
             dense = np.setdiff1d(np.arange(routes.shape[1]), self.moe)
@@ -237,28 +274,42 @@ class _BatchAudit:
                     lambda i: (expected, actual(int(rows[i]), int(slots[i]))))  # fmt: skip
 
     def _locate_ids(self, routes: npt.NDArray[Any], valid_found: _Offenders, zero_found: _Offenders) -> None:
+        """The offenders of ``ids_valid`` and ``moe_layer_nonzero``, over spans of whole samples of
+        about ``LOCATE_ROWS`` rows (the temporaries stay the size of a span, not of the batch)."""
+        offsets = self.engine.row_offsets
+        marks = np.searchsorted(offsets, np.arange(0, offsets[-1], LOCATE_ROWS), side="right") - 1
+        spans = [*np.unique(np.concatenate([[0], marks])).tolist(), self.b.size]
+        for s0, s1 in itertools.pairwise(spans):
+            if s1 > s0:
+                self._locate_span(routes, int(s0), int(s1), valid_found, zero_found)
+
+    def _locate_span(
+        self, routes: npt.NDArray[Any], s0: int, s1: int, valid_found: _Offenders, zero_found: _Offenders
+    ) -> None:
         b = self.b
-        moe_routes = routes[:, self.moe]
+        r0, r1 = int(self.engine.row_offsets[s0]), int(self.engine.row_offsets[s1])
+        moe_routes = routes[r0:r1, self.moe]
+        captured = self.captured[r0:r1]
         bad = (moe_routes >= b.num_experts).any(axis=2)
         if b.top_k > 1:
             bad |= trace_kernels.repeated_pairs(np.ascontiguousarray(moe_routes))
-        bad &= self.captured[:, None]
+        bad &= captured[:, None]
         cells = np.argwhere(bad)
         slots = self.moe[cells[:, 1]]
-        self._cells(valid_found, cells[:, 0], slots, f"{b.top_k} distinct ids in [0, {b.num_experts})",
+        self._cells(valid_found, cells[:, 0] + r0, slots, f"{b.top_k} distinct ids in [0, {b.num_experts})",
                     lambda r, s: f"ids {routes[r, s].tolist()}")  # fmt: skip
         # A (sample, MoE layer) whose captured rows are all zero: a capture that never ran.
-        zero = ~moe_routes.any(axis=2) | ~self.captured[:, None]
-        rows = self.engine_rows
-        has = (rows > 0) & self.engine.valid
+        zero = ~moe_routes.any(axis=2) | ~captured[:, None]
+        rows = self.engine_rows[s0:s1]
+        has = (rows > 0) & self.engine.valid[s0:s1]
         if not has.any():
             return
-        starts = self.engine.row_offsets[:-1][has]
+        starts = self.engine.row_offsets[s0:s1][has] - r0
         all_zero = np.logical_and.reduceat(zero, starts, axis=0)
-        some_captured = np.add.reduceat(self.captured.astype(np.int64), starts) > 0
+        some_captured = np.add.reduceat(captured.astype(np.int64), starts) > 0
         all_zero &= some_captured[:, None] & (rows[has] > 1)[:, None]
         pairs = np.argwhere(all_zero)
-        samples = np.flatnonzero(has)[pairs[:, 0]]
+        samples = s0 + np.flatnonzero(has)[pairs[:, 0]]
         layer = np.asarray(b.moe_layers)[pairs[:, 1]]
         zero_found.cells(samples, np.zeros(samples.size, np.int64), layer.astype(np.int64),
                          lambda i: ("a captured route", f"every row of MoE layer {int(layer[i])} is 0"))  # fmt: skip
@@ -270,15 +321,22 @@ class _BatchAudit:
         checked = int(trainer.valid.sum())
         if not checked:
             self.state.note_missing("tokens_match", "trainer_tokens")
-        for s in np.flatnonzero(trainer.valid).tolist():
-            mine = b.tokens.values[b.tokens.offsets[s] : b.tokens.offsets[s + 1]]
-            theirs = trainer.values[trainer.offsets[s] : trainer.offsets[s + 1]]
+        else:
+            # Both lists have prompt_len + response_len entries (checked on decoding): compare them
+            # flat, the engine's entries of the samples whose trainer list is not null.
+            kept = np.flatnonzero(trainer.valid)
+            mine = b.tokens.values[_owned(b.tokens, trainer.valid)]
+            theirs = trainer.values[_owned(trainer, trainer.valid)]
             differ = np.flatnonzero(mine != theirs)
             if differ.size:
-                pos = int(differ[0])
-                found.one(
-                    s, f"engine token {int(mine[pos])}", f"trainer token {int(theirs[pos])} at position {pos}"
-                )
+                starts = _offsets(b.tokens.lengths()[kept])
+                owner = np.searchsorted(starts, differ, side="right") - 1
+                first = np.flatnonzero(np.diff(owner, prepend=-1))  # each sample's first difference
+                for i, j in zip(differ[first].tolist(), owner[first].tolist(), strict=True):
+                    found.one(
+                        int(kept[j]), f"engine token {int(mine[i])}",
+                        f"trainer token {int(theirs[i])} at position {i - int(starts[j])}",
+                    )  # fmt: skip
         self.finish("tokens_match", found, checked)
 
     def logprobs(self) -> None:
@@ -290,11 +348,12 @@ class _BatchAudit:
         self.resp_owner = owners
         self.mask = _expand(b.loss_mask, owners, owners.size, True, bool)
         found = _Offenders(b, self.order)
-        checked = 0
+        # Samples with log-probs of either side: counted per sample, so the sum over batches is
+        # the same for any split of the run.
+        checked = int((b.engine_logprobs.valid | b.trainer_logprobs.valid).sum())
         self.flat: dict[str, npt.NDArray[np.float32]] = {}
         for name in ("engine_logprobs", "trainer_logprobs"):
             column: ListColumn = getattr(b, name)
-            checked = max(checked, int(column.valid.sum()))
             values = _expand(column, owners, owners.size, np.nan, np.float32)
             self.flat[name] = values
             present = column.valid[owners] & self.mask
@@ -325,13 +384,15 @@ class _BatchAudit:
         aligned = trainer.valid & self.engine.valid & (np.diff(trainer.row_offsets) == self.engine_rows)
         if aligned.any():
             overlap = self._overlap(self.engine, trainer, aligned)
-            differs = overlap < b.top_k
-            self.row_differs = differs.any(axis=1)
             self._agreement(overlap, aligned)
             r3 = aligned & (modes == "R3")
             checked += int(r3.sum())
-            bad = differs & (self.captured & r3[self.row_owner])[:, None]
-            self._replay_offenders(found, bad, self.engine, trainer, "engine")
+            # Cells are located only in rows that differ somewhere (``row_differs``, one pass).
+            assert self.row_differs is not None
+            rows_bad = self.row_differs & self.captured & r3[self.row_owner]
+            if rows_bad.any():
+                bad = (overlap < b.top_k) & rows_bad[:, None]
+                self._replay_offenders(found, bad, self.engine, trainer, "engine")
         r2 = (
             trainer.valid
             & recorded.valid
@@ -355,7 +416,7 @@ class _BatchAudit:
             for s in np.flatnonzero(which).tolist():
                 lo, hi = a.row_offsets[s], a.row_offsets[s + 1]
                 tl = t.row_offsets[s]
-                out[lo:hi] = trace_kernels.overlap(
+                out[lo:hi] = audit_kernels.overlap(
                     np.ascontiguousarray(ra[lo:hi][:, self.moe]),
                     np.ascontiguousarray(rt[tl : tl + hi - lo][:, self.moe]),
                     b.num_experts,
@@ -363,7 +424,7 @@ class _BatchAudit:
             return out
         if self.moe.size != ra.shape[1]:
             ra, rt = np.ascontiguousarray(ra[:, self.moe]), np.ascontiguousarray(rt[:, self.moe])
-        return trace_kernels.overlap(ra, rt, b.num_experts)
+        return audit_kernels.overlap(ra, rt, b.num_experts)
 
     def _replay_offenders(
         self,
@@ -393,22 +454,29 @@ class _BatchAudit:
         found.cells(s, local, layer.astype(np.int64), describe)
 
     def _agreement(self, overlap: npt.NDArray[np.uint8], aligned: npt.NDArray[np.bool_]) -> None:
+        """The ``agreement`` metric per step, each sample's disagreement and ``row_differs``: one pass."""
         b = self.b
         keep = self.captured & aligned[self.row_owner]
-        differs = (overlap < b.top_k) & keep[:, None]
-        per_sample = np.bincount(self.row_owner, weights=differs.sum(axis=1), minlength=b.size)
-        cells = np.bincount(self.row_owner, weights=keep, minlength=b.size) * self.moe.size
+        figures = audit_kernels.agreement(
+            overlap, keep, self.row_group, self.steps.size, self.row_owner, b.size, b.top_k
+        )
+        self.row_differs = figures["row_differs"]
+        per_sample = figures["sample_differs"].astype(np.float64)
+        cells = figures["sample_rows"].astype(np.float64) * self.moe.size
         with np.errstate(invalid="ignore", divide="ignore"):
             self.sample_disagreement = np.where(cells > 0, per_sample / np.maximum(cells, 1), np.nan)
-        for step in np.unique(b.step[aligned]).tolist():
-            rows = keep & (b.step[self.row_owner] == step)
-            counts = AgreementCounts.of(overlap[rows], b.top_k) if rows.any() else None
-            if counts is None:
-                continue
-            figures = self.state.step(step)
-            if figures.agreement is None:
-                figures.agreement = AgreementCounts(b.top_k)
-            figures.agreement.merge(counts)
+        for g in np.flatnonzero(figures["positions"]).tolist():
+            counts = AgreementCounts(
+                top_k=b.top_k,
+                positions=int(figures["positions"][g]),
+                differs_per_layer=figures["differs_per_layer"][g].copy(),
+                tokens_differ=int(figures["tokens_differ"][g]),
+                overlap_sum=int(figures["overlap_sum"][g]),
+            )
+            step = self.state.step(int(self.steps[g]))
+            if step.agreement is None:
+                step.agreement = AgreementCounts(b.top_k)
+            step.agreement.merge(counts)
 
     # --- metrics ---------------------------------------------------------------------------------
 
@@ -440,43 +508,74 @@ class _BatchAudit:
         sums = np.bincount(self.resp_owner, weights=absd, minlength=b.size)
         with np.errstate(invalid="ignore", divide="ignore"):
             self.sample_gap = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+        # The terms of every kept token once; each accumulator folds its tokens, a segment per sample.
+        kept = np.flatnonzero(ok)
+        tokens = audit_kernels.GapTerms(trainer[kept].astype(np.float64), engine[kept].astype(np.float64))
+        owners, steps = self.resp_owner[kept], b.step[self.resp_owner[kept]]
         for step in np.unique(b.step[both]).tolist():
-            in_step = ok & (b.step[self.resp_owner] == step)
+            in_step = steps == step
             figures = self.state.step(step)
             targets = [(figures.gap, in_step)]
             if agreed is not None and flipped is not None:
-                targets += [(figures.gap_agreed, in_step & agreed), (figures.gap_flipped, in_step & flipped)]
+                targets += [
+                    (figures.gap_agreed, in_step & agreed[kept]),
+                    (figures.gap_flipped, in_step & flipped[kept]),
+                ]
             for acc, sel in targets:
                 idx = np.flatnonzero(sel)
                 if not idx.size:
                     continue
-                owners = self.resp_owner[idx]
-                starts = np.flatnonzero(np.diff(owners, prepend=-1)).astype(np.int64)
-                acc.add_segments(trainer[idx].astype(np.float64), engine[idx].astype(np.float64), starts)
+                starts = np.flatnonzero(np.diff(owners[idx], prepend=-1)).astype(np.int64)
+                audit_kernels.fold_gap_terms(acc, tokens, idx, starts)
+
+    def counts(self) -> audit_kernels.Counts:
+        """The engine routes' id counts per step and the prompt rows' digests (one pass, made once)."""
+        if self._counts is None:
+            b = self.b
+            # Prompt rows of samples with a group: the first min(rows, prompt_len − routes_start).
+            self.prompt_rows = np.where(
+                self.engine.valid & np.array([g is not None for g in b.group_key], dtype=bool),
+                np.minimum(self.engine_rows, np.maximum(0, b.prompt_len - b.routes_start)),
+                0,
+            ).astype(np.int64)
+            local = np.arange(self.row_owner.size) - self.engine.row_offsets[:-1][self.row_owner]
+            prompt = local < self.prompt_rows[self.row_owner]
+            self._counts = audit_kernels.Counts(
+                self.engine.routes,
+                self.moe,
+                self.captured,
+                self.row_group,
+                self.steps.size,
+                b.num_experts,
+                prompt,
+            )
+        return self._counts
 
     def fallback_and_load(self) -> None:
-        b = self.b
-        routes = self.engine.routes
-        for step in np.unique(b.step[self.engine.valid]).tolist():
-            figures = self.state.step(step)
-            in_step = self.engine.valid & (b.step == step)
-            rows = in_step[self.row_owner]
-            figures.rows += int(rows.sum())
-            figures.uncaptured_rows += int((rows & ~self.captured).sum())
-            sub = routes if rows.all() else routes[rows]
-            load = audit_kernels.expert_load(sub, self.moe, self.captured[rows], b.num_experts)
-            figures.load = load if figures.load is None else figures.load + load
+        """``fallback`` and ``expert_load`` per step, and the prompt rows' digests (``prefix``)."""
+        n_steps = self.steps.size
+        counts = self.counts()
+        load, self.digests = counts.load(), counts.digests
+        rows = np.bincount(self.row_group, minlength=n_steps)
+        uncaptured = np.bincount(self.row_group[~self.captured], minlength=n_steps)
+        in_steps = np.zeros(n_steps, dtype=bool)
+        in_steps[self.sample_group[self.engine.valid]] = True
+        for g in np.flatnonzero(in_steps).tolist():
+            figures = self.state.step(int(self.steps[g]))
+            figures.rows += int(rows[g])
+            figures.uncaptured_rows += int(uncaptured[g])
+            figures.load = load[g] if figures.load is None else figures.load + load[g]
 
     def prefix(self) -> None:
         b = self.b
-        for s in range(b.size):
+        starts = self.engine.row_offsets
+        for s in np.flatnonzero(self.engine.valid).tolist():
             group = b.group_key[s]
-            if group is None or not self.engine.valid[s]:
+            if group is None:
                 continue
-            prompt_rows = int(min(self.engine_rows[s], max(0, b.prompt_len[s] - b.routes_start[s])))
-            lo = int(self.engine.row_offsets[s])
-            digests = audit_kernels.row_digests(self.engine.routes[lo : lo + prompt_rows], self.moe)
-            entry = GroupDigests(digests, np.zeros(prompt_rows, dtype=bool))
+            lo = int(starts[s])
+            rows = int(self.prompt_rows[s])
+            entry = GroupDigests(self.digests[lo : lo + rows].copy(), np.zeros(rows, dtype=bool))
             key = (int(b.step[s]), group)
             if key in self.state.groups:
                 self.state.groups[key].merge(entry)

@@ -13,6 +13,7 @@ the other units are still audited; ``strict`` stops at the first violation or in
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -29,16 +30,17 @@ from harness.cpus import available_cpus
 EXECUTORS = ("serial", "processes", "ray")
 
 
-def _selected(table: Any, options: AuditOptions) -> Any:
-    """The rows of ``table`` the options select (all of them by default: no copy)."""
+def _selected(table: Any, options: AuditOptions) -> tuple[Any, Any]:
+    """The rows of ``table`` the options select (all of them by default: no copy), and their indices."""
     if options.steps is None and options.every <= 1 and options.samples >= 1.0:
-        return table
+        return table, None
     import numpy as np
     import pyarrow as pa
 
     from harness.audit.checks import sample_hash
+    from harness.audit.reader import _array, _numpy
 
-    step = np.asarray(table.column("step").to_numpy(zero_copy_only=False))
+    step = _numpy(_array(table, "step")).astype(np.int64)
     keep = np.ones(table.num_rows, dtype=bool)
     if options.steps is not None:
         keep &= np.isin(step, list(options.steps))
@@ -47,7 +49,20 @@ def _selected(table: Any, options: AuditOptions) -> Any:
     if options.samples < 1.0:
         keys = table.column("sample_key").to_pylist()
         keep &= np.array([sample_hash(int(s), k) < options.samples for s, k in zip(step, keys)], dtype=bool)
-    return table.filter(pa.array(keep))
+    return table.filter(pa.array(keep)), np.flatnonzero(keep)
+
+
+def _fold_table(table: Any, path: str, first_row: int, options: AuditOptions, state: AuditState) -> None:
+    selected, kept = _selected(table, options)
+    if selected.num_rows:
+        rows = None if kept is None else first_row + kept  # the file's rows, named in offenders
+        fold_batch(decode(selected, path, first_row, rows), state)
+
+
+def _release_arrow_memory() -> None:
+    import pyarrow as pa
+
+    pa.default_memory_pool().release_unused()
 
 
 def audit_unit(unit: Unit, options: AuditOptions = AuditOptions()) -> AuditState:
@@ -55,10 +70,14 @@ def audit_unit(unit: Unit, options: AuditOptions = AuditOptions()) -> AuditState
     state = AuditState()
     state.files.add(unit.path)
     try:
-        for first_row, table in read_unit(unit):
-            selected = _selected(table, options)
-            if selected.num_rows:
-                fold_batch(decode(selected.combine_chunks(), unit.path, first_row), state)
+        # One thread: pyarrow decodes on the calling thread and so do the kernels. The executors'
+        # parallelism is their processes; threads inside each would only oversubscribe the CPUs.
+        for first_row, table in read_unit(unit, use_threads=False):
+            _fold_table(table, unit.path, first_row, options, state)
+            del table
+            # Arrow's allocator keeps what a row group freed for the next one, which may not fit in it:
+            # handed back, memory stays one row group in flight over any number of row groups.
+            _release_arrow_memory()
     except LayoutError as err:
         state.input_errors.append(str(err))
     state.bytes_read = unit.nbytes
@@ -93,10 +112,55 @@ def _serial(units: list[Unit], options: AuditOptions) -> Iterator[tuple[Unit, Au
         yield unit, audit_unit(unit, options)
 
 
-def _processes(units: list[Unit], options: AuditOptions, workers: int) -> Iterator[tuple[Unit, AuditState]]:
-    import multiprocessing
+_WARM = "RRH_AUDIT_WARM_FORKSERVER"
+"""Set (to 1) only in the environment the pool's fork server starts with: its import warms the kernels."""
 
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+
+def _warm_kernels() -> None:
+    """Load the compiled kernels (numba's disk cache) and pyarrow's readers, by auditing a tiny
+    generated batch of the default routing shape (top-8 of 128 experts, uint8) read back from Parquet."""
+    import io
+
+    import pyarrow.parquet as pq
+
+    from harness.audit.generate import RunShape, _step_samples, _table
+
+    shape = RunShape(steps=1, prompts=1, group_size=2, prompt_len=3, response_len=4)
+    buffer = io.BytesIO()
+    pq.write_table(_table([s for s, _ in _step_samples(shape, 0, 0, {})], shape), buffer)
+    table = pq.ParquetFile(io.BytesIO(buffer.getvalue())).read_row_group(0, use_threads=False)
+    fold_batch(decode(table, "warm-up", 0), AuditState())
+
+
+def _pool_context() -> Any:
+    """How pool workers start: forked from a server that imported the audit and warmed its kernels.
+
+    A spawned worker imports numpy, pyarrow, numba and the harness and loads the compiled kernels
+    on its own (about a CPU-second each); workers forked from a server that already did start at
+    once. The server is a fresh process with no threads (never a fork of this one, whose pyarrow or
+    numba threads may hold locks). Where there is no fork server (Windows), workers are spawned.
+    """
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["harness.audit.executors"])
+    previous = os.environ.get(_WARM)
+    os.environ[_WARM] = "1"
+    try:
+        forkserver.ensure_running()  # a server already running (started elsewhere) is kept as it is
+    finally:
+        if previous is None:
+            del os.environ[_WARM]
+        else:
+            os.environ[_WARM] = previous
+    return context
+
+
+def _processes(units: list[Unit], options: AuditOptions, workers: int) -> Iterator[tuple[Unit, AuditState]]:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=_pool_context()) as pool:
         pending: dict[Future[AuditState], Unit] = {pool.submit(audit_unit, u, options): u for u in units}
         try:
             while pending:
@@ -113,12 +177,22 @@ def _ray(units: list[Unit], options: AuditOptions, address: str | None) -> Itera
         import ray
     except ImportError:
         raise LayoutError(
-            "--executor ray: Ray is not installed; expected the 'audit' extra (pip install 'routing-replay-harness[audit]')"
+            "--executor ray: Ray is not installed; expected the 'ray' extra "
+            "(pip install 'routing-replay-harness[ray]')"
         ) from None
     started = not ray.is_initialized()
     if started:
-        ray.init(address=address, ignore_reinit_error=True, logging_level="ERROR", log_to_driver=False)
-    remote = ray.remote(audit_unit)
+        # A cluster of our own (no address, none in RAY_ADDRESS) starts without the dashboard.
+        own = address is None and not os.environ.get("RAY_ADDRESS")
+        local: dict[str, Any] = {"include_dashboard": False} if own else {}
+        ray.init(
+            address=address,
+            ignore_reinit_error=True,
+            logging_level=logging.ERROR,
+            log_to_driver=False,
+            **local,
+        )
+    remote: Any = ray.remote(audit_unit)
     try:
         pending = {remote.remote(u, options): u for u in units}
         while pending:
@@ -139,7 +213,9 @@ def run_units(
 ) -> Iterator[tuple[Unit, AuditState]]:
     """``(unit, state)`` for every unit, in the order the executor finishes them."""
     # One unit, or one worker: a pool would only add its start-up (a process importing the audit).
-    if executor == "serial" or (executor == "processes" and min(len(units), workers or available_cpus()) <= 1):
+    if executor == "serial" or (
+        executor == "processes" and min(len(units), workers or available_cpus()) <= 1
+    ):
         return _serial(units, options)
     if executor == "processes":
         return _processes(units, options, workers or available_cpus())
@@ -179,3 +255,10 @@ def audit_run(
                 close()
             break
     return AuditResult.of(state)
+
+
+if os.environ.get(_WARM) == "1":  # this is the pool's fork server (``_pool_context``): warm up once
+    try:
+        _warm_kernels()
+    except Exception:  # a warm-up is an optimisation: workers load what they need themselves
+        pass

@@ -11,11 +11,18 @@ another order (sets are compared, never lists). Faults, each at one (step, sampl
 - ``wrapped_id``: an id wrapped into ``[num_experts, 256)`` (the signed/unsigned wrap class);
 - ``replay_noop``: replay that did nothing: the trainer routes natively (verl #4562);
 - ``nan_logprob``: a NaN engine log-prob on a trained token.
+
+Each step draws from its own generator, seeded by ``(seed, step)``, so a run is the same whatever
+writes it: the columnar path (default: Arrow arrays built from numpy, one file per block of
+steps, blocks in parallel processes with ``workers``) or ``columnar=False`` (``SampleRecord``
+through ``RunWriter``, as a framework would write it). Both give the same rows; only the split
+into files and row groups differs, which no audit figure depends on.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,8 +30,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit.layout import SampleRecord
-from harness.audit.writer import RunWriter
+from harness.audit.layout import FILE_SUFFIX, SampleRecord, arrow_schema
+from harness.audit.writer import ROW_GROUP_BYTES, RunWriter
 
 FAULTS = ("layer_shift", "duplicated_resume", "all_zero_layer", "wrapped_id", "replay_noop", "nan_logprob")
 SOURCE = "rrh audit generate (synthetic: Qwen3-30B-A3B routing shape)"
@@ -63,21 +70,99 @@ class PlantedFault:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def _routes(rng: np.random.Generator, rows: int, shape: RunShape) -> npt.NDArray[np.uint8]:
-    """Random routes with ``top_k`` distinct ids: ``(a + j·s) mod E`` with s odd (E a power of two) or 1."""
+def _routes(rng: np.random.Generator, rows: int, shape: RunShape) -> npt.NDArray[Any]:
+    """Random routes with ``top_k`` distinct ids: ``(a + j·s) mod E`` with s odd (E a power of two) or 1.
+
+    With E a power of two that fits a byte, the arithmetic runs on bytes drawn in one call: a byte
+    wraps mod 256 and E divides 256, so the ids are those of exact arithmetic, 8× cheaper to make.
+    """
     e, k = shape.experts, shape.top_k
-    a = rng.integers(0, e, size=(rows, shape.layers, 1), dtype=np.int64)
-    stride = (
+    if e & (e - 1) == 0 and e <= 256:
+        # One draw of random bytes: a = b mod E, s = (b' mod E) | 1 (uniform over the odd ids).
+        mask = np.uint8(e - 1)
+        draws = np.frombuffer(rng.bytes(2 * rows * shape.layers), dtype=np.uint8).reshape(
+            2, rows, shape.layers, 1
+        )
+        a = draws[0] & mask
+        stride = (draws[1] & mask) | np.uint8(1)
+        out = a + np.arange(k, dtype=np.uint8) * stride
+        if e < 256:
+            out &= mask
+        return out
+    a64 = rng.integers(0, e, size=(rows, shape.layers, 1), dtype=np.int64)
+    stride64 = (
         2 * rng.integers(0, e // 2, size=(rows, shape.layers, 1), dtype=np.int64) + 1
         if e & (e - 1) == 0
         else 1
     )
-    return ((a + np.arange(k) * stride) % e).astype(np.uint8 if e <= 256 else np.uint16)
+    return ((a64 + np.arange(k) * stride64) % e).astype(np.uint8 if e <= 256 else np.uint16)
 
 
 def _different(rng: np.random.Generator, route: npt.NDArray[Any], experts: int) -> npt.NDArray[Any]:
     """A route whose set differs from ``route`` (ids shifted by one, mod E)."""
     return ((route.astype(np.int64) + 1) % experts).astype(route.dtype)
+
+
+@dataclass
+class _Sample:
+    """One generated sample as arrays (what a ``SampleRecord`` holds, before encoding)."""
+
+    step: int
+    key: str
+    group: str
+    prompt_len: int
+    response_len: int
+    tokens: npt.NDArray[Any]
+    engine: npt.NDArray[Any]
+    trainer: npt.NDArray[Any]
+    engine_lp: npt.NDArray[np.float32]
+    trainer_lp: npt.NDArray[np.float32]
+    attempt_ends: list[int]
+
+    def record(self, shape: RunShape) -> SampleRecord:
+        return SampleRecord(
+            step=self.step,
+            sample_key=self.key,
+            group_key=self.group,
+            prompt_len=self.prompt_len,
+            response_len=self.response_len,
+            tokens=self.tokens,
+            num_experts=shape.experts,
+            top_k=shape.top_k,
+            num_layers=shape.layers,
+            moe_layers=range(shape.layers),
+            source=SOURCE,
+            loss_mask=np.ones(self.response_len, dtype=bool),
+            engine_logprobs=self.engine_lp,
+            trainer_logprobs=self.trainer_lp,
+            engine_routes=self.engine,
+            trainer_routes=self.trainer,
+            replay="R3",
+            attempt_ends=self.attempt_ends,
+            attempt_kinds=["start", "resume"][: len(self.attempt_ends)],
+            weight_versions=[self.step] * len(self.attempt_ends),
+        )
+
+
+def _steps(shape: RunShape, target_bytes: int | None) -> int:
+    per_step = shape.prompts * shape.group_size * shape.sample_bytes()
+    return shape.steps if target_bytes is None else max(shape.steps, -(-target_bytes // per_step))
+
+
+def _step_samples(
+    shape: RunShape, seed: int, step: int, victims: dict[str, int]
+) -> Iterator[tuple[_Sample, list[PlantedFault]]]:
+    """The samples of one step, drawn from the step's own generator; ``victims``: fault → sample index."""
+    rng = np.random.default_rng((seed, step))
+    index = 0
+    for prompt in range(shape.prompts):
+        group = f"s{step}-p{prompt}"
+        prompt_routes = _routes(rng, shape.prompt_len, shape)
+        prompt_tokens = rng.integers(0, 32000, size=shape.prompt_len, dtype=np.int32)
+        for member in range(shape.group_size):
+            kinds = [k for k, v in victims.items() if v == index]
+            yield _sample(rng, shape, step, group, member, prompt_routes, prompt_tokens, kinds)
+            index += 1
 
 
 def generate_run(
@@ -88,41 +173,195 @@ def generate_run(
     faults: tuple[str, ...] = (),
     target_bytes: int | None = None,
     file_bytes: int = 256 << 20,
+    columnar: bool = True,
+    workers: int = 1,
+    row_group_bytes: int = ROW_GROUP_BYTES,
 ) -> list[PlantedFault]:
     """Write a run into ``directory``; return the faults planted (one of each kind asked for).
 
     ``target_bytes`` grows the number of steps until the engine routes reach that size.
     Faults go to distinct samples of the last step, so a clean run and a faulty one share all
-    other rows.
+    other rows. ``columnar`` (default) builds Arrow arrays from numpy, one file per block of
+    steps of about ``file_bytes``, ``workers`` processes writing blocks in parallel; otherwise
+    every sample goes through ``SampleRecord`` and ``RunWriter``. The rows are the same.
+    ``row_group_bytes`` sizes the columnar path's row groups as ``RunWriter`` does with its
+    ``ROW_GROUP_BYTES`` (smaller ones make a small run of many row groups, for tests).
     """
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:
         raise ValueError(f"faults: {unknown[0]!r}; expected some of {list(FAULTS)}")
-    if shape.experts > 256 and "wrapped_id" in faults:
-        raise ValueError("faults: wrapped_id needs num_experts <= 256 (an id wrapped into [E, 256))")
-    steps = shape.steps
-    per_step = shape.prompts * shape.group_size * shape.sample_bytes()
-    if target_bytes is not None:
-        steps = max(steps, -(-target_bytes // per_step))
-    rng = np.random.default_rng(seed)
-    planted: list[PlantedFault] = []
+    if shape.experts >= 256 and "wrapped_id" in faults:
+        raise ValueError("faults: wrapped_id needs num_experts < 256 (an id wrapped into [E, 256))")
+    if len(faults) > shape.prompts * shape.group_size:
+        raise ValueError(f"faults: {len(faults)} faults need as many samples per step; the shape has fewer")
+    steps = _steps(shape, target_bytes)
     victims = {kind: i for i, kind in enumerate(faults)}  # fault → sample index in the last step
-    with RunWriter(directory, file_bytes=file_bytes) as writer:
-        for step in range(steps):
-            index = 0
-            for prompt in range(shape.prompts):
-                group = f"s{step}-p{prompt}"
-                prompt_routes = _routes(rng, shape.prompt_len, shape)
-                prompt_tokens = rng.integers(0, 32000, size=shape.prompt_len)
-                for member in range(shape.group_size):
-                    kinds = [k for k, v in victims.items() if v == index and step == steps - 1]
-                    record, fault = _sample(
-                        rng, shape, step, group, member, prompt_routes, prompt_tokens, kinds
-                    )
+    if not columnar:
+        planted: list[PlantedFault] = []
+        with RunWriter(directory, file_bytes=file_bytes) as writer:
+            for step in range(steps):
+                for sample, fault in _step_samples(shape, seed, step, victims if step == steps - 1 else {}):
                     planted.extend(fault)
-                    writer.write(record)
-                    index += 1
+                    writer.write(sample.record(shape))
+        return planted
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    # Blocks of whole steps, sized from the shape, so that each file is known before it is made.
+    per_step = shape.prompts * shape.group_size * 2 * shape.sample_bytes()
+    block = max(1, file_bytes // max(1, per_step))
+    jobs = [
+        (
+            str(directory),
+            shape,
+            seed,
+            lo,
+            min(lo + block, steps),
+            steps,
+            victims,
+            lo // block,
+            row_group_bytes,
+        )
+        for lo in range(0, steps, block)
+    ]
+    if workers <= 1 or len(jobs) == 1:
+        return [f for job in jobs for f in _write_block(*job)]
+    from concurrent.futures import ProcessPoolExecutor
+
+    from harness.audit.executors import _pool_context  # the audit's pool: forked from a warm server
+
+    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=_pool_context()) as pool:
+        return [f for part in pool.map(_write_block, *zip(*jobs, strict=True)) for f in part]
+
+
+def _write_block(
+    directory: str,
+    shape: RunShape,
+    seed: int,
+    lo: int,
+    hi: int,
+    steps: int,
+    victims: dict[str, int],
+    sequence: int,
+    row_group_bytes: int = ROW_GROUP_BYTES,
+) -> list[PlantedFault]:
+    """Generate steps ``[lo, hi)`` and write them as one layout file (``part-r00000-<sequence>``)."""
+    samples: list[_Sample] = []
+    planted: list[PlantedFault] = []
+    for step in range(lo, hi):
+        for sample, fault in _step_samples(shape, seed, step, victims if step == steps - 1 else {}):
+            samples.append(sample)
+            planted.extend(fault)
+    path = Path(directory) / f"part-r00000-{sequence:06d}{FILE_SUFFIX}"
+    _write_table(path, _table(samples, shape), sum(_row_bytes(s, shape) for s in samples), row_group_bytes)
     return planted
+
+
+def _offsets(lengths: list[int], dtype: Any) -> npt.NDArray[Any]:
+    out = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out.astype(dtype)
+
+
+def _table(samples: list[_Sample], shape: RunShape) -> Any:
+    """The samples as one Arrow table of the run layout, built column by column from numpy."""
+    import pyarrow as pa
+
+    from harness.trace import storage_dtype
+
+    schema = arrow_schema()
+    n = len(samples)
+    dtype = storage_dtype(shape.experts).newbyteorder("<")
+
+    def ints(values: list[int], name: str) -> Any:
+        return pa.array(np.asarray(values, dtype=np.int64), schema.field(name).type)
+
+    def const(value: Any, name: str) -> Any:
+        return pa.array([value] * n, schema.field(name).type)
+
+    def lists(parts: list[npt.NDArray[Any]], name: str) -> Any:
+        kind = schema.field(name).type
+        values = np.concatenate(parts).astype(kind.value_type.to_pandas_dtype(), copy=False)
+        return pa.ListArray.from_arrays(
+            pa.array(_offsets([p.size for p in parts], np.int32)), pa.array(values)
+        )
+
+    def blobs(parts: list[npt.NDArray[Any]]) -> tuple[Any, Any]:
+        data = np.concatenate([np.ascontiguousarray(p, dtype=dtype).reshape(-1) for p in parts])
+        offsets = _offsets([p.size * dtype.itemsize for p in parts], np.int64)
+        array = pa.Array.from_buffers(pa.large_binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+        return array, pa.array(np.asarray([p.shape[0] for p in parts], dtype=np.int32))
+
+    engine, engine_rows = blobs([s.engine for s in samples])
+    trainer, trainer_rows = blobs([s.trainer for s in samples])
+    moe = np.arange(shape.layers, dtype=np.int32)
+    columns = {
+        "step": ints([s.step for s in samples], "step"),
+        "sample_key": pa.array([s.key for s in samples], pa.string()),
+        "group_key": pa.array([s.group for s in samples], pa.string()),
+        "rank": const(0, "rank"),
+        "prompt_len": ints([s.prompt_len for s in samples], "prompt_len"),
+        "response_len": ints([s.response_len for s in samples], "response_len"),
+        "tokens": lists([s.tokens for s in samples], "tokens"),
+        "trainer_tokens": pa.nulls(n, schema.field("trainer_tokens").type),
+        "loss_mask": lists([np.ones(s.response_len, dtype=bool) for s in samples], "loss_mask"),
+        "engine_logprobs": lists([s.engine_lp for s in samples], "engine_logprobs"),
+        "trainer_logprobs": lists([s.trainer_lp for s in samples], "trainer_logprobs"),
+        "num_experts": const(shape.experts, "num_experts"),
+        "top_k": const(shape.top_k, "top_k"),
+        "layer_axis": const("decoder", "layer_axis"),
+        "num_layers": const(shape.layers, "num_layers"),
+        "moe_layers": lists([moe] * n, "moe_layers"),
+        "routes_start": const(0, "routes_start"),
+        "engine_routes": engine,
+        "engine_rows": engine_rows,
+        "engine_captured": pa.nulls(n, schema.field("engine_captured").type),
+        "trainer_routes": trainer,
+        "trainer_rows": trainer_rows,
+        "recorded_routes": pa.nulls(n, schema.field("recorded_routes").type),
+        "recorded_rows": pa.nulls(n, schema.field("recorded_rows").type),
+        "replay": const("R3", "replay"),
+        "attempt_ends": lists([np.asarray(s.attempt_ends) for s in samples], "attempt_ends"),
+        "attempt_kinds": pa.array(
+            [["start", "resume"][: len(s.attempt_ends)] for s in samples], schema.field("attempt_kinds").type
+        ),
+        "weight_versions": lists([np.full(len(s.attempt_ends), s.step) for s in samples], "weight_versions"),
+        "source": const(SOURCE, "source"),
+    }
+    return pa.Table.from_arrays([columns[f.name] for f in schema], schema=schema)
+
+
+def _write_table(path: Path, table: Any, nbytes: int, row_group_bytes: int = ROW_GROUP_BYTES) -> None:
+    """Write ``table`` as ``RunWriter`` writes a file: zstd, row groups of about ``ROW_GROUP_BYTES``.
+
+    ``nbytes``: ``RunWriter``'s estimate of the rows' size (256 bytes a row, its blobs, four bytes
+    per list entry), from which it sizes row groups.
+    """
+    import pyarrow.parquet as pq
+
+    from harness.atomic import atomic_write
+
+    blobs = ("engine_routes", "trainer_routes", "recorded_routes")
+    group_rows = max(1, row_group_bytes // max(1, nbytes // max(1, table.num_rows)))
+    names = table.schema.names
+
+    def write(handle: Any) -> None:
+        pq.write_table(
+            table,
+            handle,
+            row_group_size=group_rows,
+            compression="zstd",
+            compression_level=1,
+            use_dictionary=[n for n in names if n not in blobs],
+            write_statistics=["step", "rank", "prompt_len", "response_len"],
+        )
+
+    atomic_write(path, write)
+
+
+def _row_bytes(sample: _Sample, shape: RunShape) -> int:
+    """``RunWriter``'s size estimate of the sample's row (``harness.audit.writer._row_bytes``)."""
+    attempts = len(sample.attempt_ends)
+    entries = sample.tokens.size + 3 * sample.response_len + shape.layers + 3 * attempts
+    return 256 + sample.engine.nbytes + sample.trainer.nbytes + 4 * entries
 
 
 def _sample(
@@ -134,7 +373,7 @@ def _sample(
     prompt_routes: npt.NDArray[Any],
     prompt_tokens: npt.NDArray[Any],
     kinds: list[str],
-) -> tuple[SampleRecord, list[PlantedFault]]:
+) -> tuple[_Sample, list[PlantedFault]]:
     p = shape.prompt_len
     r = int(rng.integers(shape.response_len // 2, shape.response_len * 3 // 2 + 1))
     key = f"{group}-m{member}"
@@ -176,29 +415,9 @@ def _sample(
             token = int(rng.integers(0, r))
             engine_lp[token] = np.nan
             faults.append(PlantedFault(kind, "logprobs_valid", step, key, p + token, -1))
-    record = SampleRecord(
-        step=step,
-        sample_key=key,
-        group_key=group,
-        prompt_len=p,
-        response_len=r,
-        tokens=np.concatenate([prompt_tokens, rng.integers(0, 32000, size=r)]),
-        num_experts=shape.experts,
-        top_k=shape.top_k,
-        num_layers=shape.layers,
-        moe_layers=range(shape.layers),
-        source=SOURCE,
-        loss_mask=np.ones(r, dtype=bool),
-        engine_logprobs=engine_lp,
-        trainer_logprobs=trainer_lp,
-        engine_routes=engine,
-        trainer_routes=trainer,
-        replay="R3",
-        attempt_ends=attempt_ends,
-        attempt_kinds=["start", "resume"][: len(attempt_ends)],
-        weight_versions=[step] * len(attempt_ends),
-    )
-    return record, faults
+    tokens = np.concatenate([prompt_tokens, rng.integers(0, 32000, size=r, dtype=np.int32)])
+    sample = _Sample(step, key, group, p, r, tokens, engine, trainer, engine_lp, trainer_lp, attempt_ends)
+    return sample, faults
 
 
 def write_example(directory: Path) -> list[PlantedFault]:

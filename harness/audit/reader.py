@@ -181,6 +181,8 @@ class Batch:
     engine_captured: ListColumn
     attempt_ends: ListColumn
     routes: dict[str, RouteColumn]
+    file_rows: IntArray
+    """The file's index of each row of the batch (``first_row + i`` unless rows were filtered out)."""
 
     @property
     def moe_slots(self) -> npt.NDArray[np.intp]:
@@ -191,71 +193,113 @@ class Batch:
 
     def where(self, row: int) -> str:
         """How errors name a batch row: the file and the row's index in the file."""
-        return f"{self.path} row {self.first_row + row}"
+        return f"{self.path} row {int(self.file_rows[row])}"
 
 
-def _scalar(table: Any, name: str, path: str, first_row: int) -> npt.NDArray[Any]:
-    column = table.column(name)
-    if column.null_count:
-        index = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
-        raise LayoutError(f"{path} row {first_row + index}: column {name!r} is null; expected a value")
-    return np.asarray(column.to_numpy())
+def _numpy(array: Any) -> npt.NDArray[Any]:
+    """A primitive Arrow ``array``'s values as numpy: numbers a view of the buffer, booleans unpacked.
+
+    What ``Array.to_numpy`` gives for an array without nulls (a null slot holds whatever its buffer
+    holds), without its first call importing pandas (most of a second, in every worker).
+    """
+    import pyarrow as pa
+
+    kind, n = array.type, len(array)
+    if pa.types.is_boolean(kind):
+        bits = array.buffers()[1]
+        if bits is None or n == 0:
+            return np.zeros(n, dtype=bool)
+        unpacked = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")
+        return unpacked[array.offset : array.offset + n].astype(bool)
+    if pa.types.is_integer(kind) or pa.types.is_floating(kind):
+        code = "f" if pa.types.is_floating(kind) else "i" if pa.types.is_signed_integer(kind) else "u"
+        dtype = np.dtype(f"{code}{kind.bit_width // 8}")
+        values = array.buffers()[1]
+        if values is None or n == 0:
+            return np.zeros(n, dtype=dtype)
+        return np.frombuffer(values, dtype=dtype, count=n, offset=array.offset * dtype.itemsize)
+    return np.asarray(array.to_numpy(zero_copy_only=False))
 
 
-def _uniform(values: npt.NDArray[Any], name: str, path: str, first_row: int) -> int:
+def _scalar(table: Any, name: str, path: str, file_rows: IntArray) -> npt.NDArray[Any]:
+    array = _array(table, name)
+    if array.null_count:
+        index = int(np.flatnonzero(~_valid(array))[0])
+        raise LayoutError(f"{path} row {int(file_rows[index])}: column {name!r} is null; expected a value")
+    return _numpy(array)
+
+
+def _uniform(values: npt.NDArray[Any], name: str, path: str, file_rows: IntArray) -> int:
     """The one value of a per-row model column; a batch mixing models is refused."""
     if values.size and (values != values[0]).any():
         index = int(np.flatnonzero(values != values[0])[0])
         raise LayoutError(
-            f"{path} row {first_row + index}: column {name!r} is {values[index]}, row {first_row} has "
+            f"{path} row {int(file_rows[index])}: column {name!r} is {values[index]}, "
+            f"row {int(file_rows[0])} has "
             f"{values[0]}; expected one model per run"
         )
     return int(values[0]) if values.size else 0
 
 
-def _list_column(table: Any, name: str, dtype: Any) -> ListColumn:
+def _array(table: Any, name: str) -> Any:
+    """Column ``name`` of ``table`` as one Arrow array: its only chunk as is, or the chunks joined."""
     import pyarrow as pa
 
-    array = table.column(name).combine_chunks()
-    if isinstance(array, pa.ChunkedArray):
-        array = array.combine_chunks() if array.num_chunks else pa.array([], array.type)
-    valid = ~np.asarray(array.is_null().to_numpy(zero_copy_only=False), dtype=bool)
-    offsets = np.asarray(array.offsets.to_numpy(), dtype=np.int64)
+    column = table.column(name)
+    if column.num_chunks == 1:
+        return column.chunk(0)
+    return column.combine_chunks() if column.num_chunks else pa.array([], column.type)
+
+
+def _list_column(table: Any, name: str, dtype: Any) -> ListColumn:
+    array = _array(table, name)
+    valid = _valid(array)
+    offsets = _numpy(array.offsets).astype(np.int64)
     values = array.values
     if values.null_count:
         raise LayoutError(f"column {name!r}: null inside a list; expected values")
-    flat = values.to_numpy(zero_copy_only=False) if len(values) else np.zeros(0, dtype)
+    flat = _numpy(values) if len(values) else np.zeros(0, dtype)
     base = offsets[0]
     return ListColumn(offsets - base, np.asarray(flat[base : offsets[-1]], dtype=dtype), valid)
 
 
+def _valid(array: Any) -> npt.NDArray[np.bool_]:
+    """Which entries of ``array`` are not null (no work for an array without nulls)."""
+    if array.null_count == 0:
+        return np.ones(len(array), dtype=bool)
+    if array.null_count == len(array):
+        return np.zeros(len(array), dtype=bool)
+    return ~_numpy(array.is_null())
+
+
 def _check_lengths(
-    column: ListColumn, expected: IntArray, name: str, what: str, batch_path: str, first_row: int
+    column: ListColumn, expected: IntArray, name: str, what: str, batch_path: str, file_rows: IntArray
 ) -> None:
     """Every non-null list of ``column`` has ``expected`` entries (``LayoutError`` on the first that has not)."""
     bad = column.valid & (column.lengths() != expected)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise LayoutError(
-            f"{batch_path} row {first_row + i}: column {name!r} has {int(column.lengths()[i])} entries; "
+            f"{batch_path} row {int(file_rows[i])}: column {name!r} has {int(column.lengths()[i])} entries; "
             f"expected {int(expected[i])} ({what})"
         )
 
 
 def _route_column(
-    table: Any, name: str, dtype: np.dtype[Any], row_shape: tuple[int, int], path: str, first_row: int
+    table: Any, name: str, dtype: np.dtype[Any], row_shape: tuple[int, int], path: str, file_rows: IntArray
 ) -> RouteColumn:
     """The blobs of ``<name>_routes`` as one view; every blob's length checked against ``<name>_rows``."""
-    blobs = table.column(f"{name}_routes").combine_chunks()
-    rows_col = table.column(f"{name}_rows").to_numpy(zero_copy_only=False)
-    valid = ~np.asarray(blobs.is_null().to_numpy(zero_copy_only=False), dtype=bool)
-    rows = np.where(valid, np.nan_to_num(np.asarray(rows_col, dtype=np.float64), nan=-1), 0).astype(np.int64)
+    blobs = _array(table, f"{name}_routes")
+    counts = _array(table, f"{name}_rows")
+    valid = _valid(blobs)
+    counted = _valid(counts)
+    rows = np.where(valid & counted, _numpy(counts), np.where(valid, -1, 0)).astype(np.int64)
     missing = valid & (rows < 0)
     if missing.any():
         i = int(np.flatnonzero(missing)[0])
         raise LayoutError(
-            f"{path} row {first_row + i}: column {name}_rows is {rows_col[i]}; expected the row count "
-            f"of {name}_routes (a non-negative integer)"
+            f"{path} row {int(file_rows[i])}: column {name}_rows is {int(rows[i]) if counted[i] else None}; "
+            f"expected the row count of {name}_routes (a non-negative integer)"
         )
     buffers = blobs.buffers()
     offsets = np.frombuffer(buffers[1], dtype=np.int64, count=len(blobs) + 1, offset=blobs.offset * 8)
@@ -265,7 +309,7 @@ def _route_column(
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise LayoutError(
-            f"{path} row {first_row + i}: column {name}_routes holds {int(lengths[i])} bytes; expected "
+            f"{path} row {int(file_rows[i])}: column {name}_routes holds {int(lengths[i])} bytes; expected "
             f"{int(rows[i])} rows × {row_shape[0]} layers × top-{row_shape[1]} × {dtype.itemsize} B = "
             f"{int(rows[i]) * row_bytes} ({name}_rows, num_layers, top_k, {dtype})"
         )
@@ -281,7 +325,7 @@ def _route_column(
     return RouteColumn(routes, np.concatenate([[0], np.cumsum(rows)]).astype(np.int64), valid)
 
 
-def _moe_layers(table: Any, path: str, first_row: int) -> tuple[int, ...]:
+def _moe_layers(table: Any, path: str, file_rows: IntArray) -> tuple[int, ...]:
     column = _list_column(table, "moe_layers", np.int64)
     first = (
         tuple(int(x) for x in column.values[column.offsets[0] : column.offsets[1]])
@@ -296,17 +340,25 @@ def _moe_layers(table: Any, path: str, first_row: int) -> tuple[int, ...]:
     )
     if not same:
         raise LayoutError(
-            f"{path} rows {first_row}…: column 'moe_layers' differs between rows; expected one model per run"
+            f"{path} rows {int(file_rows[0])}…: column 'moe_layers' differs between rows; "
+            "expected one model per run"
         )
     return first
 
 
-def decode(table: Any, path: str, first_row: int) -> Batch:
-    """Decode and check one row group (a ``pyarrow.Table``) of layout file ``path``."""
+def decode(table: Any, path: str, first_row: int, rows: IntArray | None = None) -> Batch:
+    """Decode and check one row group (a ``pyarrow.Table``) of layout file ``path``.
+
+    Its rows are rows ``first_row, first_row + 1, …`` of the file, or ``rows`` (the file's index of
+    each row of ``table``, when rows were filtered out): errors and offenders name them so.
+    """
     from harness.trace import storage_dtype
 
     n = table.num_rows
-    ints = {name: _scalar(table, name, path, first_row).astype(np.int64) for name in (
+    file_rows = (
+        np.arange(first_row, first_row + n, dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
+    )
+    ints = {name: _scalar(table, name, path, file_rows).astype(np.int64) for name in (
         "step", "rank", "prompt_len", "response_len", "num_experts", "top_k", "num_layers", "routes_start"
     )}  # fmt: skip
     for name, low in (("prompt_len", 1), ("response_len", 0), ("routes_start", 0), ("rank", 0)):
@@ -314,39 +366,45 @@ def decode(table: Any, path: str, first_row: int) -> Batch:
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise LayoutError(
-                f"{path} row {first_row + i}: column {name!r} is {ints[name][i]}; expected >= {low}"
+                f"{path} row {int(file_rows[i])}: column {name!r} is {ints[name][i]}; expected >= {low}"
             )
-    num_experts = _uniform(ints["num_experts"], "num_experts", path, first_row)
-    top_k = _uniform(ints["top_k"], "top_k", path, first_row)
-    num_layers = _uniform(ints["num_layers"], "num_layers", path, first_row)
+    num_experts = _uniform(ints["num_experts"], "num_experts", path, file_rows)
+    top_k = _uniform(ints["top_k"], "top_k", path, file_rows)
+    num_layers = _uniform(ints["num_layers"], "num_layers", path, file_rows)
     if n and not 1 <= num_experts <= 65536:
-        raise LayoutError(f"{path} row {first_row}: column 'num_experts' is {num_experts}; expected 1..65536")
+        raise LayoutError(
+            f"{path} row {int(file_rows[0])}: column 'num_experts' is {num_experts}; expected 1..65536"
+        )
     if n and not 1 <= top_k <= num_experts:
         raise LayoutError(
-            f"{path} row {first_row}: column 'top_k' is {top_k}; expected 1..num_experts={num_experts}"
+            f"{path} row {int(file_rows[0])}: column 'top_k' is {top_k}; "
+            f"expected 1..num_experts={num_experts}"
         )
     if n and not 1 <= num_layers <= MAX_LAYERS:
         raise LayoutError(
-            f"{path} row {first_row}: column 'num_layers' is {num_layers}; expected 1..{MAX_LAYERS}"
+            f"{path} row {int(file_rows[0])}: column 'num_layers' is {num_layers}; expected 1..{MAX_LAYERS}"
         )
     axes = table.column("layer_axis").to_pylist()
     try:
         axis = LayerAxis(axes[0]) if n else LayerAxis.DECODER
     except ValueError:
         raise LayoutError(
-            f"{path} row {first_row}: column 'layer_axis' is {axes[0]!r}; expected one of "
+            f"{path} row {int(file_rows[0])}: column 'layer_axis' is {axes[0]!r}; expected one of "
             f"{[a.value for a in LayerAxis]}"
         ) from None
     if any(a != axes[0] for a in axes):
-        raise LayoutError(f"{path} rows {first_row}…: column 'layer_axis' differs between rows; expected one")
-    moe = _moe_layers(table, path, first_row) if n else ()
+        raise LayoutError(
+            f"{path} rows {int(file_rows[0])}…: column 'layer_axis' differs between rows; expected one"
+        )
+    moe = _moe_layers(table, path, file_rows) if n else ()
     width = num_layers if axis is LayerAxis.DECODER else len(moe)
     bound = num_layers if axis is LayerAxis.DECODER else MAX_LAYERS
     if n and (
         not moe or list(moe) != sorted(set(moe)) or moe[0] < 0 or moe[-1] >= bound or width != num_layers
     ):
         raise LayoutError(
-            f"{path} row {first_row}: column 'moe_layers' is {list(moe)}; expected distinct increasing "
+            f"{path} row {int(file_rows[0])}: column 'moe_layers' is {list(moe)}; "
+            "expected distinct increasing "
             f"decoder indices, within [0, num_layers={num_layers}) on the decoder axis, one per slot on "
             "the moe_ordinal axis"
         )
@@ -363,7 +421,7 @@ def decode(table: Any, path: str, first_row: int) -> Batch:
     if not lists["tokens"].valid.all():
         i = int(np.flatnonzero(~lists["tokens"].valid)[0])
         raise LayoutError(
-            f"{path} row {first_row + i}: column 'tokens' is null; expected prompt ⊕ response ids"
+            f"{path} row {int(file_rows[i])}: column 'tokens' is null; expected prompt ⊕ response ids"
         )
     for name, key, what in (
         ("tokens", "tokens", "prompt_len + response_len"),
@@ -372,22 +430,23 @@ def decode(table: Any, path: str, first_row: int) -> Batch:
         ("engine_logprobs", "response", "response_len"),
         ("trainer_logprobs", "response", "response_len"),
     ):
-        _check_lengths(lists[name], lengths[key], name, what, path, first_row)
+        _check_lengths(lists[name], lengths[key], name, what, path, file_rows)
     dtype = storage_dtype(num_experts) if n else np.dtype(np.uint8)
     routes = {
-        name: _route_column(table, name, dtype, (width, top_k), path, first_row) for name in ROUTE_COLUMNS
+        name: _route_column(table, name, dtype, (width, top_k), path, file_rows) for name in ROUTE_COLUMNS
     }
     engine_rows = np.diff(routes["engine"].row_offsets)
-    _check_lengths(lists["engine_captured"], engine_rows, "engine_captured", "engine_rows", path, first_row)
+    _check_lengths(lists["engine_captured"], engine_rows, "engine_captured", "engine_rows", path, file_rows)
     replay = table.column("replay").to_pylist()
     for i, mode in enumerate(replay):
         if mode not in (None, "none", "R2", "R3"):
             raise LayoutError(
-                f"{path} row {first_row + i}: column 'replay' is {mode!r}; expected none, R2, R3 or null"
+                f"{path} row {int(file_rows[i])}: column 'replay' is {mode!r}; expected none, R2, R3 or null"
             )
     return Batch(
         path=path,
         first_row=first_row,
+        file_rows=file_rows,
         size=n,
         step=ints["step"],
         sample_key=table.column("sample_key").to_pylist(),
@@ -414,14 +473,31 @@ def decode(table: Any, path: str, first_row: int) -> Batch:
     )
 
 
-def read_unit(unit: Unit, columns: Sequence[str] | None = None) -> Iterator[tuple[int, Any]]:
-    """``(first row in the file, pyarrow.Table)`` for each row group of ``unit``, one at a time."""
+AUDIT_COLUMNS = (
+    "step", "sample_key", "group_key", "rank", "prompt_len", "response_len", "tokens", "trainer_tokens",
+    "loss_mask", "engine_logprobs", "trainer_logprobs", "num_experts", "top_k", "layer_axis", "num_layers",
+    "moe_layers", "routes_start", "engine_routes", "engine_rows", "engine_captured", "trainer_routes",
+    "trainer_rows", "recorded_routes", "recorded_rows", "replay", "attempt_ends", "source",
+)  # fmt: skip
+"""The columns ``decode`` reads: what the audit reads of a run (the benchmark's read floor reads the same)."""
+
+
+def read_unit(
+    unit: Unit, columns: Sequence[str] | None = AUDIT_COLUMNS, *, use_threads: bool = True
+) -> Iterator[tuple[int, Any]]:
+    """``(first row in the file, pyarrow.Table)`` for each row group of ``unit``, one at a time.
+
+    ``columns``: the columns to read (default: those the audit reads; ``None``: every column).
+    ``use_threads``: whether pyarrow decodes the columns of a row group in parallel threads (a
+    worker of a process pool runs one thread: the pool is the parallelism).
+    """
     handle = _open(unit.path)
     meta = handle.metadata
+    names = None if columns is None else list(columns)
     first = unit.first_row
     for index in unit.row_groups:
         try:
-            table = handle.read_row_group(index, columns=list(columns) if columns else None)
+            table = handle.read_row_group(index, columns=names, use_threads=use_threads)
         except Exception as err:  # a truncated or corrupt row group: pyarrow's error, said in one line
             raise LayoutError(
                 f"{unit.path} row group {index} (rows {first}…): unreadable ({type(err).__name__}: {err})"

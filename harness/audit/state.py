@@ -23,8 +23,12 @@ import numpy.typing as npt
 from harness.metrics import DEFAULT_TAU, GapAccumulator
 from harness.trace import AgreementCounts
 
-OFFENDERS = 20
-"""Offenders kept per invariant (the first, in (step, sample, row, layer) order)."""
+OFFENDER_SAMPLES = 20
+"""Samples whose offenders an invariant keeps: the first, in (step, sample) order."""
+OFFENDERS_PER_SAMPLE = 3
+"""Offenders kept per sample: the first, in (row, layer) order (a broken sample does not crowd out the
+others). Both caps are exact under merging: the samples and rows kept never depend on the split."""
+OFFENDERS = OFFENDER_SAMPLES * OFFENDERS_PER_SAMPLE
 WORST = 10
 """Worst samples kept per figure."""
 
@@ -53,6 +57,22 @@ class Offender:
         }
 
 
+def first_offenders(offenders: list[Offender]) -> list[Offender]:
+    """The first ``OFFENDERS_PER_SAMPLE`` offenders of each of the first ``OFFENDER_SAMPLES`` samples."""
+    kept: list[Offender] = []
+    samples: dict[tuple[int, str], int] = {}
+    for offender in sorted(set(offenders)):
+        key = (offender.step, offender.sample_key)
+        if key not in samples:
+            if len(samples) == OFFENDER_SAMPLES:
+                break
+            samples[key] = 0
+        if samples[key] < OFFENDERS_PER_SAMPLE:
+            samples[key] += 1
+            kept.append(offender)
+    return kept
+
+
 @dataclass
 class Tally:
     """A strict invariant's count of samples checked and violated, with its first offenders."""
@@ -65,7 +85,7 @@ class Tally:
         self.checked += checked
         self.violated += len({(o.step, o.sample_key) for o in offenders}) if violated is None else violated
         if offenders:
-            self.offenders = sorted(self.offenders + offenders)[:OFFENDERS]
+            self.offenders = first_offenders(self.offenders + offenders)
 
     def merge(self, other: Tally) -> None:
         self.add(other.checked, other.offenders, other.violated)
@@ -157,7 +177,10 @@ class AuditState:
         return self.tallies.setdefault(name, Tally())
 
     def step(self, step: int) -> StepFigures:
-        return self.steps.setdefault(step, StepFigures())
+        figures = self.steps.get(step)
+        if figures is None:  # not setdefault: a StepFigures (three accumulators) only when new
+            figures = self.steps[step] = StepFigures()
+        return figures
 
     def note_missing(self, invariant: str, column: str) -> None:
         self.missing.setdefault(invariant, set()).add(column)

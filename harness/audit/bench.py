@@ -1,0 +1,467 @@
+"""``rrh bench audit``: the audit's throughput against its read floor, per executor, and its memory.
+
+A seeded run of ``size_bytes`` of engine routes (Qwen3-30B-A3B routing: 48 MoE layers, 128
+experts, top-8, uint8; GRPO groups of 8 with 512-token prompts and 512–1536-token responses; the
+trainer's replayed routes beside the engine's, every fault of ``generate.FAULTS`` planted in the
+last step) is generated, then audited on the same files, each configuration in a fresh Python
+process, timed from after its imports (a pool's start and Ray's workers' included; a Ray
+cluster is started before the clock starts: a cluster is there before an audit is run on it):
+
+- ``read_floor``: pyarrow reading the columns the audit reads, row group by row group, one
+  thread, nothing else (``read_floor_threads``: the same with pyarrow's threads, for reference);
+- ``serial``, ``processes`` (a pool of ``workers``), ``ray`` (a local cluster of ``workers`` CPUs).
+
+Each figure is the best of ``repeats`` interleaved rounds. On a shared machine a configuration
+gets the CPU others leave it (and Linux shares CPU per session: a pool's workers share their
+parent's share, Ray's daemons have their own), so beside the measured ratios the figures include
+each configuration's CPU time and a projection for otherwise idle CPUs: its busiest process's CPU
+time or its total CPU time over the CPUs, whichever is longer (CPU-bound work). Peak
+memory is the RSS high-water mark (``VmHWM``) of the auditing process and of each worker, read
+from ``/proc`` (Linux; ``None`` elsewhere), for the full run and for its first ``memory_bytes``
+(the first files: a run of that size, the same rows). The audit's result must be the same for
+every executor, find every planted fault at its (step, sample, row, layer), and find no strict
+violation in the first ``memory_bytes`` (no fault is planted there). The run is deleted after.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from harness.audit.generate import FAULTS, RunShape, generate_run
+from harness.cpus import available_cpus
+
+BENCH_SHAPE = RunShape(prompts=16, group_size=8, prompt_len=512, response_len=1024)
+"""Qwen3-30B-A3B routing (the default shape's model), with a realistic batch: 16 prompts × 8."""
+
+TARGETS = {
+    "serial_vs_floor": 0.5,
+    "processes_vs_serial": 1.6,
+    "ray_vs_serial": 1.3,
+    "memory_growth": 0.10,
+}
+"""serial ≥ 0.5× the read floor; the pool ≥ 1.6× serial; Ray ≥ 1.3× serial; peak RSS within 10%."""
+
+CONFIGS = ("read_floor", "read_floor_threads", "serial", "processes", "ray")
+
+
+# --- the child process: one configuration, measured --------------------------------------------
+
+
+class _Peak(threading.Thread):
+    """Polls the RSS high-water mark and CPU time of this process and all its descendants.
+
+    ``VmHWM`` never decreases, so the last reading of each process is its peak up to then; a
+    reading every ``interval`` seconds catches workers (forked, spawned, raylet's) while they run.
+    Descendants are found through ``/proc/<pid>/task/<tid>/children`` (the poller costs well under
+    1% of a CPU).
+    """
+
+    def __init__(self, interval: float = 0.25) -> None:
+        super().__init__(daemon=True)
+        self.interval = interval
+        self.hwm: dict[int, int] = {}
+        self.cpu: dict[int, float] = {}
+        self.names: dict[int, str] = {}
+        self._stop_event = threading.Event()
+        self.supported = Path("/proc/self/task").is_dir()
+        self._ticks = os.sysconf("SC_CLK_TCK") if self.supported else 100
+        self.baseline: dict[int, float] = {}
+
+    @staticmethod
+    def _children(pid: int) -> list[int]:
+        found: list[int] = []
+        try:
+            for task in os.scandir(f"/proc/{pid}/task"):
+                with open(f"{task.path}/children") as handle:
+                    found.extend(int(child) for child in handle.read().split())
+        except OSError:
+            pass
+        return found
+
+    def _cpu(self, stat: str) -> float:
+        fields = stat[stat.rindex(")") + 2 :].split()
+        return (int(fields[11]) + int(fields[12])) / self._ticks
+
+    def sample(self) -> None:
+        frontier = [os.getpid()]
+        while frontier:
+            pid = frontier.pop()
+            frontier.extend(self._children(pid))
+            try:
+                with open(f"/proc/{pid}/status") as handle:
+                    status = handle.read()
+                with open(f"/proc/{pid}/stat") as handle:
+                    stat = handle.read()
+            except OSError:
+                continue
+            hwm = status.split("VmHWM:", 1)[1].split(None, 2) if "VmHWM:" in status else None
+            if hwm:
+                self.hwm[pid] = max(self.hwm.get(pid, 0), int(hwm[0]) * 1024)
+            self.names[pid] = stat[stat.index("(") + 1 : stat.rindex(")")]
+            self.cpu[pid] = self._cpu(stat)
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval):
+            self.sample()
+
+    def mark(self) -> None:
+        """Count CPU time from now on (what each process has used so far is left out)."""
+        self.sample()
+        self.baseline = dict(self.cpu)
+
+    def stop(self) -> dict[str, Any]:
+        self._stop_event.set()
+        self.join()
+        self.sample()
+        me = os.getpid()
+        for pid, before in self.baseline.items():
+            if pid in self.cpu:
+                self.cpu[pid] -= before
+        others = {pid: hwm for pid, hwm in self.hwm.items() if pid != me}
+        busiest = max(self.cpu, key=lambda pid: self.cpu[pid]) if self.cpu else None
+        return {
+            "rss_peak_bytes": self.hwm.get(me),
+            "rss_peak_worker_bytes": max(others.values()) if others else None,
+            "processes": len(self.hwm),
+            "cpu_s": round(sum(self.cpu.values()), 2),
+            "cpu_busiest_s": round(self.cpu[busiest], 2) if busiest is not None else None,
+            "cpu_by_process": sorted(
+                ((self.names.get(pid, "?"), round(cpu, 2)) for pid, cpu in self.cpu.items() if cpu >= 0.05),
+                key=lambda item: -item[1],
+            ),
+        }
+
+
+def _read_floor(paths: list[str], use_threads: bool) -> dict[str, Any]:
+    import pyarrow.parquet as pq
+
+    from harness.audit.reader import AUDIT_COLUMNS
+
+    decoded = 0
+    for path in paths:
+        handle = pq.ParquetFile(path)
+        for index in range(handle.metadata.num_row_groups):
+            table = handle.read_row_group(index, columns=list(AUDIT_COLUMNS), use_threads=use_threads)
+            decoded += table.nbytes
+            del table
+    return {"decoded_bytes": decoded}
+
+
+def _child(config: dict[str, Any]) -> dict[str, Any]:
+    """Run one configuration in this (fresh) process: wall and CPU time, peak RSS, what it found.
+
+    The clock and the CPU count start after the imports (and, for Ray, the cluster's start) and
+    stop when the last figure is in: what is measured is reading, or reading and auditing.
+    """
+    peak = _Peak()
+    if peak.supported:
+        peak.start()
+    out: dict[str, Any] = {}
+    floor = config["name"].startswith("read_floor")
+    if floor:
+        import pyarrow.parquet  # noqa: F401
+
+        from harness.audit.reader import AUDIT_COLUMNS  # noqa: F401
+    else:
+        from harness.audit import audit_run
+    if config.get("executor") == "ray":
+        import ray
+
+        started = time.perf_counter()
+        ray.init(
+            num_cpus=config["workers"],
+            include_dashboard=False,
+            logging_level=logging.ERROR,
+            log_to_driver=False,
+        )
+        out["cluster_start_s"] = round(time.perf_counter() - started, 2)
+    if peak.supported:
+        peak.mark()
+    started = time.perf_counter()
+    if floor:
+        paths = [str(p) for p in sorted(Path(config["run"]).rglob("*.parquet"))]
+        out.update(_read_floor(paths, use_threads=config["name"] == "read_floor_threads"))
+    else:
+        result = audit_run(config["run"], executor=config["executor"], workers=config["workers"])
+        out["result"], out["samples"] = result.as_dict(), result.rows
+    out["wall_s"] = time.perf_counter() - started
+    out.update(peak.stop() if peak.supported else {"rss_peak_bytes": None, "rss_peak_worker_bytes": None})
+    if config.get("executor") == "ray":
+        ray.shutdown()
+    return out
+
+
+def _run_child(config: dict[str, Any], timeout: float) -> dict[str, Any]:
+    code = (
+        "import json, sys; from harness.audit.bench import _child; "
+        "print(json.dumps(_child(json.loads(sys.argv[1]))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(config)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"bench audit: {config['name']} failed ({done.returncode}): {done.stderr[-2000:]}")
+    out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    out["load_average"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+    return out
+
+
+# --- the benchmark ------------------------------------------------------------------------------
+
+
+def _first_files(run: Path, target: Path, nbytes: int, shape: RunShape) -> int:
+    """Link ``target`` to the first files of ``run`` holding about ``nbytes`` of engine routes."""
+    target.mkdir(parents=True, exist_ok=True)
+    files = sorted(run.glob("*.parquet"))
+    per_file = max(1, (256 << 20) // (shape.prompts * shape.group_size * 2 * shape.sample_bytes()))
+    per_file_bytes = per_file * shape.prompts * shape.group_size * shape.sample_bytes()
+    # Never the last file: the faults are planted in the last step.
+    count = max(1, min(len(files) - 1, round(nbytes / per_file_bytes)))
+    for path in files[:count]:
+        (target / path.name).symlink_to(path.resolve())
+    return count * per_file_bytes
+
+
+def _faults_found(result: dict[str, Any], planted: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    invariants = {r["name"]: r for r in result["invariants"]}
+    out = []
+    for fault in planted:
+        want = (fault["step"], fault["sample_key"], None if fault["row"] < 0 else fault["row"],
+                None if fault["layer"] < 0 else fault["layer"])  # fmt: skip
+        offenders = invariants[fault["invariant"]]["offenders"]
+        found = want in [(o["step"], o["sample_key"], o["row"], o["layer"]) for o in offenders]
+        out.append({**fault, "found": found})
+    return out
+
+
+def _strict_violations(result: dict[str, Any]) -> int:
+    return sum(r["violated"] for r in result["invariants"] if r["kind"] == "strict")
+
+
+def _ratios(wall: dict[str, float]) -> dict[str, float]:
+    ratios = {}
+    if "serial" in wall and "read_floor" in wall:
+        ratios["serial_vs_floor"] = wall["read_floor"] / wall["serial"]
+    if "serial" in wall and "processes" in wall:
+        ratios["processes_vs_serial"] = wall["serial"] / wall["processes"]
+    if "serial" in wall and "ray" in wall:
+        ratios["ray_vs_serial"] = wall["serial"] / wall["ray"]
+    return ratios
+
+
+def bench_audit(
+    size_bytes: int,
+    directory: Path | None,
+    *,
+    workers: int = 2,
+    repeats: int = 1,
+    memory_bytes: int = 1 << 30,
+    shape: RunShape = BENCH_SHAPE,
+    seed: int = 0,
+    configs: tuple[str, ...] = CONFIGS,
+    keep: bool = False,
+    timeout_s: float = 3600,
+) -> dict[str, Any]:
+    """Generate a run of ``size_bytes`` of engine routes in ``directory`` (a temporary one by default),
+    measure every configuration of ``configs`` on it (best of ``repeats`` interleaved rounds) and
+    peak memory at ``memory_bytes`` and ``size_bytes``; delete the run unless ``keep``."""
+    from harness.audit.generate import _steps
+
+    try:
+        import ray  # noqa: F401
+
+        has_ray = True
+    except ImportError:
+        has_ray = False
+    configs = tuple(c for c in configs if c != "ray" or has_ray)
+    root = Path(tempfile.mkdtemp(prefix="rrh-bench-audit-", dir=directory))
+    run = root / "run"
+    out: dict[str, Any] = {
+        "size_bytes": size_bytes,
+        "workers": workers,
+        "repeats": repeats,
+        "cpus": available_cpus(),
+        "shape": {k: getattr(shape, k) for k in shape.__dataclass_fields__},
+        "ray_installed": has_ray,
+    }
+    try:
+        t0 = time.perf_counter()
+        planted = generate_run(run, shape, seed=seed, faults=FAULTS, target_bytes=size_bytes, workers=workers)
+        out["generate_s"] = round(time.perf_counter() - t0, 2)
+        files = sorted(run.glob("*.parquet"))
+        steps = _steps(shape, size_bytes)
+        out["run"] = {
+            "files": len(files),
+            "bytes_on_disk": sum(p.stat().st_size for p in files),
+            "steps": steps,
+            "samples": steps * shape.prompts * shape.group_size,
+            "engine_route_bytes": steps * shape.prompts * shape.group_size * shape.sample_bytes(),
+        }
+        base = {"run": str(run), "workers": workers}
+        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+        for _ in range(repeats):
+            for name in configs:
+                executor = name if name in ("serial", "processes", "ray") else None
+                rounds[name].append(_run_child({**base, "name": name, "executor": executor}, timeout_s))
+        figures: dict[str, Any] = {}
+        for name, tries in rounds.items():
+            best = min(tries, key=lambda t: t["wall_s"])
+            figures[name] = {k: v for k, v in best.items() if k != "result"}
+            figures[name]["wall_s_all"] = [round(t["wall_s"], 2) for t in tries]
+            figures[name]["gib_per_s"] = round(out["run"]["engine_route_bytes"] / best["wall_s"] / 2**30, 3)
+        floor = figures.get("read_floor", {}).get("decoded_bytes")
+        out["decoded_bytes"] = floor
+        out["configs"] = figures
+
+        results = {
+            name: tries[0]["result"] for name, tries in rounds.items() if tries and "result" in tries[0]
+        }
+        serial = results.get("serial")
+        out["identical_results"] = all(r == serial for r in results.values()) if serial else None
+        planted_dicts = [f.as_dict() for f in planted]
+        out["faults"] = _faults_found(serial, planted_dicts) if serial else []
+        ratios = _ratios({name: f["wall_s"] for name, f in figures.items()})
+        # On a shared machine a configuration gets the CPU that others leave it. What it would take
+        # on an otherwise idle one, if CPU-bound: its busiest process's CPU time, or all its CPU
+        # time spread over the CPUs, whichever is longer.
+        cpus = available_cpus()
+        projected = {
+            name: max(f["cpu_busiest_s"], f["cpu_s"] / cpus)
+            for name, f in figures.items()
+            if f.get("cpu_busiest_s") is not None
+        }
+        out["projected_idle_wall_s"] = {k: round(v, 2) for k, v in projected.items()}
+        out["projected_ratios"] = {k: round(v, 3) for k, v in _ratios(projected).items()}
+
+        # Peak memory: the first memory_bytes of the run (its first files, no fault) against all of it.
+        memory: dict[str, Any] = {}
+        if memory_bytes < size_bytes and out["run"]["files"] > 1:
+            small = root / "first"
+            small_bytes = _first_files(run, small, memory_bytes, shape)
+            memory["small_bytes"] = small_bytes
+            for name in ("serial", "processes"):
+                if name not in configs:
+                    continue
+                child = _run_child(
+                    {"run": str(small), "workers": workers, "name": name, "executor": name}, timeout_s
+                )
+                memory[name] = {
+                    "small": {k: child.get(k) for k in ("rss_peak_bytes", "rss_peak_worker_bytes", "wall_s")},
+                    "full": {
+                        k: figures[name].get(k) for k in ("rss_peak_bytes", "rss_peak_worker_bytes", "wall_s")
+                    },
+                }
+                if name == "serial":
+                    out["clean_strict_violations"] = _strict_violations(child["result"])
+                    out["clean_samples"] = child["result"]["rows"]
+            growth = []
+            for name, both in memory.items():
+                if not isinstance(both, dict) or "small" not in both:
+                    continue
+                key = "rss_peak_bytes" if name == "serial" else "rss_peak_worker_bytes"
+                a, b = both["small"].get(key), both["full"].get(key)
+                if a and b:
+                    both["growth"] = b / a - 1
+                    growth.append(abs(b / a - 1))
+            if growth:
+                ratios["memory_growth"] = max(growth)
+        out["memory"] = memory
+        out["ratios"] = {k: round(v, 3) for k, v in ratios.items()}
+        out["targets"] = {
+            k: {
+                "target": TARGETS[k],
+                "measured": round(v, 3),
+                "met": v <= TARGETS[k] if k == "memory_growth" else v >= TARGETS[k],
+            }
+            for k, v in ratios.items()
+        }
+    finally:
+        if not keep:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            out["kept"] = str(root)
+    return out
+
+
+def _gib(nbytes: float | None) -> str:
+    return "—" if nbytes is None else f"{nbytes / 2**30:.2f} GiB"
+
+
+def _mib(nbytes: float | None) -> str:
+    return "—" if nbytes is None else f"{nbytes / 2**20:.0f} MiB"
+
+
+def format_bench_audit(result: dict[str, Any]) -> str:
+    """The figures of ``bench_audit`` as a few lines of text."""
+    run = result.get("run", {})
+    shape = result["shape"]
+    lines = [
+        f"rrh bench audit: {_gib(run.get('engine_route_bytes'))} of engine routes "
+        f"({shape['layers']} layers × {shape['experts']} experts, top-{shape['top_k']}; groups of "
+        f"{shape['group_size']}, prompts {shape['prompt_len']}, responses ~{shape['response_len']}), "
+        f"{run.get('samples')} samples in {run.get('files')} files, "
+        f"{_gib(run.get('bytes_on_disk'))} on disk; "
+        f"{result['cpus']} CPUs, {result['workers']} workers",
+        f"generated in {result.get('generate_s')} s",
+        "",
+        f"{'configuration':<20} {'wall s':>8} {'GiB/s':>7} {'cpu s':>7} {'peak RSS':>10} "
+        f"{'worker RSS':>11} {'load':>5}",
+    ]
+    for name, f in result.get("configs", {}).items():
+        lines.append(
+            f"{name:<20} {f['wall_s']:>8.2f} {f['gib_per_s']:>7.3f} {f.get('cpu_s', 0):>7.1f} "
+            f"{_mib(f.get('rss_peak_bytes')):>10} {_mib(f.get('rss_peak_worker_bytes')):>11} "
+            f"{f.get('load_average') or 0:>5.1f}"
+        )
+    if not result.get("ray_installed"):
+        lines.append("ray                  not installed (the 'ray' extra): not measured")
+    lines.append("")
+    projected = result.get("projected_ratios", {})
+    for name, t in result.get("targets", {}).items():
+        relation = "<=" if name == "memory_growth" else ">="
+        idle = f"   (CPU-bound on idle CPUs: {projected[name]:.3f})" if name in projected else ""
+        lines.append(
+            f"{name:<20} {t['measured']:>7.3f}  (target {relation} {t['target']})  "
+            f"{'met' if t['met'] else 'NOT MET'}{idle}"
+        )
+    memory = result.get("memory", {})
+    for name in ("serial", "processes"):
+        if name in memory:
+            m = memory[name]
+            key = "rss_peak_bytes" if name == "serial" else "rss_peak_worker_bytes"
+            lines.append(
+                f"peak RSS {name:<10} {_gib(memory.get('small_bytes'))}: {_mib(m['small'].get(key))}, "
+                f"{_gib(run.get('engine_route_bytes'))}: {_mib(m['full'].get(key))}"
+            )
+    lines.append("")
+    faults = result.get("faults", [])
+    found = sum(f["found"] for f in faults)
+    lines.append(f"planted faults found at their (step, sample, row, layer): {found} of {len(faults)}")
+    for f in faults:
+        if not f["found"]:
+            lines.append(f"  MISSED {f['kind']} ({f['invariant']}) at step {f['step']} {f['sample_key']} "
+                         f"row {f['row']} layer {f['layer']}")  # fmt: skip
+    if "clean_strict_violations" in result:
+        lines.append(
+            f"strict violations in the clean first {_gib(memory.get('small_bytes'))} "
+            f"({result.get('clean_samples')} samples): {result['clean_strict_violations']}"
+        )
+    if result.get("identical_results") is not None:
+        lines.append(
+            f"every executor's result identical to serial: {'yes' if result['identical_results'] else 'NO'}"
+        )
+    return "\n".join(lines)
