@@ -8,12 +8,13 @@ layer (DESIGN §4): the zoo itself (``harness.mutants``) is subjects and imports
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from harness.check import run_suites, suites_dir
-from harness.mutants import Mutant
+from harness.mutants import Mutant, benign
 from harness.mutants.benign import Benign
 from harness.outcomes import count_outcomes
 from harness.subjects import DEFAULT_SUBJECT
@@ -79,10 +80,26 @@ def run_mutant(
     )
 
 
-def run_benign(variant: Benign, *, extra: Sequence[str] = ()) -> BenignOutcome:
-    """Run the tests that declare the variant's capabilities against it: each must pass or skip."""
+def run_benign(variant: Benign, *, extra: Sequence[str] = (), keyword: str | None = None) -> BenignOutcome:
+    """Run the tests that declare the variant's capabilities against it: each must pass or skip. A
+    variant that ships a driver without ``unpatch()`` runs in a forked process, so that its patch
+    cannot refuse the drivers of the subjects this process runs after it. ``keyword`` (``-k``) keeps
+    a part of those tests."""
+    if variant.own_process:
+        with multiprocessing.get_context("fork").Pool(1) as pool:
+            return pool.apply(_run_benign_by_name, (variant.name, tuple(extra), keyword))
+    return _run_benign(variant, extra, keyword)
+
+
+def _run_benign_by_name(name: str, extra: Sequence[str], keyword: str | None) -> BenignOutcome:
+    return _run_benign(benign.get(name), extra, keyword)
+
+
+def _run_benign(variant: Benign, extra: Sequence[str], keyword: str | None) -> BenignOutcome:
     start = time.perf_counter()
-    outcomes, _ = run_suites(variant.subject_spec, capabilities=variant.capabilities, extra=list(extra))
+    outcomes, _ = run_suites(
+        variant.subject_spec, capabilities=variant.capabilities, extra=list(extra), keyword=keyword
+    )
     alarms = tuple(f"{o.nodeid.split('::', 1)[-1]}: {o.detail}" for o in outcomes if o.outcome == "failed")
     ran = count_outcomes(o.outcome for o in outcomes).ran
     return BenignOutcome(

@@ -23,6 +23,8 @@ import torch
 from harness.conventions import decode_payload
 from harness.mutants import changed_capabilities, patched_module
 from harness.mutants.conventions import rebuilt
+from harness.mutants.drivers import ConstructorPatchDriver
+from harness.mutants.replay import ReplayForwardThroughBackward
 from harness.subjects import Subject
 from harness.subjects.reference import REFERENCE
 from harness.trace import RoutingTrace
@@ -43,6 +45,9 @@ class Benign:
     name: str
     choice: str
     subject: Subject
+    own_process: bool = False
+    """Run in a process of its own: it ships a driver without ``unpatch()``, which would refuse every
+    later patching driver of the process that runs it (``harness.subjects.replay``)."""
 
     @property
     def capabilities(self) -> tuple[str, ...]:
@@ -191,6 +196,39 @@ def reference_logprobs_on_a_copy(model_ref: MoELM, placed: Placed) -> torch.Tens
         return training.token_logprobs(frozen, placed.tokens, placed.attention_mask)
 
 
+# --- replay drivers ----------------------------------------------------------------------------------
+
+
+class OneForwardInFlightThroughBackward(ReplayForwardThroughBackward):
+    """REPLAY_FORWARD left on through backward, under a declared one-forward-in-flight contract (each
+    micro-batch's backward runs before the next forward, as in verl's VeOmni engine): the recompute
+    then replays the one forward's own targets, which is right."""
+
+    forwards_in_flight = 1
+
+
+def one_forward_in_flight(model: MoELM) -> OneForwardInFlightThroughBackward:
+    return OneForwardInFlightThroughBackward(model)
+
+
+class HooksWithoutUnpatch:
+    """A transformers driver whose ``patch()`` sets a process-wide default and cannot be undone (no
+    ``unpatch()``), as a framework that imports its patches for good."""
+
+    patched = False
+
+    def patch(self) -> None:
+        type(self).patched = True
+
+    def install(self, model: torch.nn.Module) -> Any:
+        return REFERENCE.install_hf_replay(model)  # type: ignore[misc]
+
+
+def bare_install_replay(model: MoELM) -> Any:
+    """A bare ``model -> controller`` callable: a driver with nothing to patch."""
+    return REFERENCE.install_replay(model)  # type: ignore[misc]
+
+
 def _namespace(module: Any) -> SimpleNamespace:
     """Every public name of ``module`` in a plain (unhashable) namespace."""
     return SimpleNamespace(**{n: getattr(module, n) for n in dir(module) if not n.startswith("_")})
@@ -266,6 +304,30 @@ BENIGN: tuple[Benign, ...] = (
             "reference-pass-on-a-copy",
             training=patched_module(training, reference_logprobs=reference_logprobs_on_a_copy),
         ),
+    ),
+    Benign(
+        "constructor-patch-driver",
+        "replay through a patched Router.__init__ and a process-global registry (verl's "
+        "apply_router_replay_patch shape), per-model controllers in layer order; models built before the "
+        "patch are refused loudly",
+        _variant("constructor-patch-driver", install_replay=ConstructorPatchDriver()),
+    ),
+    Benign(
+        "one-forward-in-flight",
+        "declares one forward in flight (OneForwardInFlight) and keeps REPLAY_FORWARD through backward: "
+        "the recompute replays the one forward's own targets",
+        _variant("one-forward-in-flight", install_replay=one_forward_in_flight),
+    ),
+    Benign(
+        "un-undoable-driver-beside-a-bare-callable",
+        "a transformers driver without unpatch() and a bare model -> controller callable for the "
+        "reference model, in one subject (the bare callable patches nothing, so nothing conflicts)",
+        _variant(
+            "un-undoable-driver-beside-a-bare-callable",
+            install_replay=bare_install_replay,
+            install_hf_replay=HooksWithoutUnpatch(),
+        ),
+        own_process=True,
     ),
     Benign(
         "namespace-capabilities",
