@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from harness.schedules import SimulatedEngine, route, simulate
 from harness.strategies import attempt_schedules
 from harness.testing.asserts import differing_routes
-from harness.testing.judge import as_ids, raises_naming, route_sets
+from harness.testing.judge import Refusal, as_ids, refuses, route_sets
 from harness.testing.suite import require
 from reference_impl.engine import Rollout
 from reference_impl.episode import AttemptPlan, Episode, Schedule
@@ -381,25 +381,35 @@ def test_missing_payload_raises_a_value_error(subject: Any, case: tuple[Schedule
 
 
 @pytest.mark.capability("splice", "truncate")
-def test_bad_splice_and_truncate_input_raises_an_error_naming_the_field(subject: Any) -> None:
-    """Bad input raises a ValueError that names the field and the expected value, never a trace."""
+def test_bad_splice_and_truncate_input_is_refused(subject: Any, refused: Refusal = refuses) -> None:
+    """Bad input raises, in the subject's own words, never returns a trace, and leaves the attempts'
+    payloads as they were. The reference's own tests run these cases with ``raises_naming``: its errors
+    name the field and the expected value."""
     splice, truncate = require(subject, "splice"), require(subject, "truncate")
     episode, _ = _simulate(RESUMED_AFTER_UPDATE)
+    payloads = [None if a.routes is None else torch.as_tensor(a.routes).clone() for a in episode.attempts]
     rows = len(episode.tokens) - 1
     good = list(episode.attempts)
     short = replace(good[1], routes=good[1].routes[:-1])  # type: ignore[index]
-    raises_naming(lambda: splice(4, [good[0], short]), f"{rows - 1} rows", str(rows))
-    raises_naming(lambda: splice(4, [good[0], replace(good[1], routes=good[1].routes[..., 0])]), "routes")  # type: ignore[index]
+    refused(lambda: splice(4, [good[0], short]), f"{rows - 1} rows", str(rows))
+    refused(lambda: splice(4, [good[0], replace(good[1], routes=good[1].routes[..., 0])]), "routes")  # type: ignore[index]
     wider = replace(good[1], routes=torch.cat([good[1].routes, good[1].routes], dim=1))  # type: ignore[list-item]
-    raises_naming(lambda: splice(4, [good[0], wider]), "layers")
-    raises_naming(lambda: splice(0, good), "prompt_len", "1")
-    raises_naming(lambda: splice(4, [replace(good[0], new_tokens=-1)]), "new_tokens", "0")
-    raises_naming(lambda: splice(3, [Attempt(0, None, "abort")]), "2 prompt rows")
+    refused(lambda: splice(4, [good[0], wider]), "layers")
+    refused(lambda: splice(0, good), "prompt_len", "1")
+    refused(lambda: splice(4, [replace(good[0], new_tokens=-1)]), "new_tokens", "0")
+    refused(lambda: splice(3, [Attempt(0, None, "abort")]), "2 prompt rows")
     tokens, routes = _coded_sample(6, 0, torch.int64)
-    raises_naming(lambda: truncate(tokens[None], routes, 2, 1), "tokens")
-    raises_naming(lambda: truncate(tokens, routes[:-1], 2, 1), "4 rows", "= 5")
-    raises_naming(lambda: truncate(tokens, routes, 7, 1), "prompt_len", "[1, 6]")
-    raises_naming(lambda: truncate(tokens, routes, 2, -1), "max_response_len", "0")
+    refused(lambda: truncate(tokens[None], routes, 2, 1), "tokens")
+    refused(lambda: truncate(tokens, routes[:-1], 2, 1), "4 rows", "= 5")
+    refused(lambda: truncate(tokens, routes, 7, 1), "prompt_len", "[1, 6]")
+    refused(lambda: truncate(tokens, routes, 2, -1), "max_response_len", "0")
+    kept = [
+        p is None or torch.equal(torch.as_tensor(a.routes), p)
+        for a, p in zip(episode.attempts, payloads, strict=True)
+    ]
+    assert all(kept), (
+        f"refused splices changed the payloads of attempts {[i + 1 for i, k in enumerate(kept) if not k]}"
+    )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ loads one.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
@@ -26,6 +27,7 @@ from harness.mutants.conventions import rebuilt
 from harness.mutants.drivers import ConstructorPatchDriver
 from harness.mutants.replay import ReplayForwardThroughBackward
 from harness.subjects import Subject
+from harness.subjects.capabilities import LayoutsCapability, members
 from harness.subjects.reference import REFERENCE
 from harness.trace import RoutingTrace
 from reference_impl import MoELM, layouts, splice, training
@@ -196,6 +198,27 @@ def reference_logprobs_on_a_copy(model_ref: MoELM, placed: Placed) -> torch.Tens
         return training.token_logprobs(frozen, placed.tokens, placed.attention_mask)
 
 
+# --- errors in a framework's own words ------------------------------------------------------------------
+
+
+def in_own_words(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` refusing bad input with a framework's own terse wording (the offending field unnamed)."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ValueError:
+            raise ValueError(f"{fn.__name__}: arguments do not describe a valid batch") from None
+
+    return call
+
+
+LAYOUTS_IN_OWN_WORDS = patched_module(
+    layouts, **{name: in_own_words(getattr(layouts, name)) for name in members(LayoutsCapability)}
+)
+
+
 # --- replay drivers ----------------------------------------------------------------------------------
 
 
@@ -303,6 +326,17 @@ BENIGN: tuple[Benign, ...] = (
         _variant(
             "reference-pass-on-a-copy",
             training=patched_module(training, reference_logprobs=reference_logprobs_on_a_copy),
+        ),
+    ),
+    Benign(
+        "errors-in-own-words",
+        "splice, truncate and layouts refuse bad input with their own ValueError wording, naming no field "
+        "(the reference's wording is its own tests' business)",
+        _variant(
+            "errors-in-own-words",
+            splice=in_own_words(splice.splice),
+            truncate=in_own_words(splice.truncate),
+            layouts=LAYOUTS_IN_OWN_WORDS,
         ),
     ),
     Benign(
