@@ -99,6 +99,35 @@ def splice_to_numpy(prompt_len: int, attempts: Sequence[splice.Attempt]) -> np.n
     return np.sort(splice.splice(prompt_len, attempts).numpy().astype(np.int32), axis=-1)
 
 
+def splice_into_buffer(prompt_len: int, attempts: Sequence[splice.Attempt]) -> torch.Tensor | None:
+    """The correct splice written as a buffer fill: allocate ``P + Σa − 1`` rows, then copy each
+    contributing attempt's own new positions from the same rows of its payload, by index. It never
+    compares rows, so rows that repeat across a seam stay where they are (the twin of the
+    ``repeated-row-at-seam`` mutant). ``None`` when no position was fed; its own ValueErrors."""
+    if prompt_len < 1 or any(a.new_tokens < 0 for a in attempts):
+        raise ValueError(
+            f"bad schedule: prompt of {prompt_len}, new tokens {[a.new_tokens for a in attempts]}"
+        )
+    rows = prompt_len + sum(a.new_tokens for a in attempts) - 1
+    buffer: torch.Tensor | None = None
+    filled, context_len = 0, prompt_len
+    for attempt in attempts:
+        context_len += attempt.new_tokens
+        if not attempt.new_tokens:
+            continue
+        payload = attempt.routes
+        if payload is None or payload.dim() != 3 or payload.shape[0] != context_len - 1:
+            shape = None if payload is None else tuple(payload.shape)
+            raise ValueError(f"payload {shape} cannot fill positions [{filled}, {context_len - 1})")
+        if buffer is None:
+            buffer = payload.new_zeros((rows, *payload.shape[1:]))
+        buffer[filled : context_len - 1] = payload[filled : context_len - 1]
+        filled = context_len - 1
+    if buffer is None and rows:
+        raise ValueError(f"no attempt added a token: nobody owns the {rows} prompt rows")
+    return buffer
+
+
 # --- decode_payload ---------------------------------------------------------------------------------
 
 
@@ -272,6 +301,12 @@ BENIGN: tuple[Benign, ...] = (
         "splice-numpy-sorted",
         "the splice as a numpy int32 array, each route's ids sorted",
         _variant("splice-numpy-sorted", splice=splice_to_numpy),
+    ),
+    Benign(
+        "splice-into-buffer",
+        "the splice as a preallocated buffer filled by position from each attempt's payload, never "
+        "comparing rows (equal rows across a seam stay put)",
+        _variant("splice-into-buffer", splice=splice_into_buffer),
     ),
     Benign(
         "decode-sorted-ids",
