@@ -33,11 +33,13 @@ QUICK_KEYWORD = {
     "constructor-patch-driver": "test_replay and reference and not bf16",
     "one-forward-in-flight": "test_recompute",
     "un-undoable-driver-beside-a-bare-callable": "test_hf and qwen2_moe or test_r2",
+    "splice-into-buffer": "test_splice",
 }
 """Variants that take ~30 s each over every suite of their capabilities run, in the default run, the
 part of those suites their choice meets: the bad-input cases, the reference replay cases, the
-recompute check, and a transformers test that patches the un-undoable driver followed by a reference
-test that must not be refused. ``-m slow`` and ``rrh mutants`` run them all."""
+recompute check, a transformers test that patches the un-undoable driver followed by a reference
+test that must not be refused, and the simulated-engine splice cases (the repeated-row seams among
+them) without the real-engine coverage run. ``-m slow`` and ``rrh mutants`` run them all."""
 NOT_DISTRIBUTED = ["-m", "not slow and not gpu and not distributed"]
 
 
