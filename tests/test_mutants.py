@@ -30,16 +30,21 @@ settings.register_profile(
 BENIGN_NAMES = [b.name for b in benign.BENIGN]
 QUICK_KEYWORD = {
     "errors-in-own-words": "bad_",
-    "constructor-patch-driver": "test_replay and reference and not bf16",
+    "constructor-patch-driver": (
+        "test_replay and reference and not bf16 and (two_controlled or disarmed or part_built or deep_model"
+        " or (softmax_topk and not softmax_topk_fp32))"
+    ),
     "one-forward-in-flight": "test_recompute",
     "un-undoable-driver-beside-a-bare-callable": "test_hf and qwen2_moe or test_r2",
     "splice-into-buffer": "test_splice",
 }
 """Variants that take ~30 s each over every suite of their capabilities run, in the default run, the
-part of those suites their choice meets: the bad-input cases, the reference replay cases, the
-recompute check, a transformers test that patches the un-undoable driver followed by a reference
-test that must not be refused, and the simulated-engine splice cases (the repeated-row seams among
-them) without the real-engine coverage run. ``-m slow`` and ``rrh mutants`` run them all."""
+part of those suites their choice meets: the bad-input cases, the reference replay cases that a
+process-global registry meets (two models, disarm, a part built before the patch, a deep model) with
+one router family, the recompute check, a transformers test that patches the un-undoable driver
+followed by a reference test that must not be refused, and the simulated-engine splice cases (the
+repeated-row seams among them) without the real-engine coverage run. ``-m slow`` and
+``rrh mutants`` run them all."""
 NOT_DISTRIBUTED = ["-m", "not slow and not gpu and not distributed"]
 
 
