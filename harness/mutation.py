@@ -12,6 +12,7 @@ import multiprocessing
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from harness.check import run_suites, suites_dir
 from harness.mutants import Mutant, benign
@@ -86,13 +87,28 @@ def run_benign(variant: Benign, *, extra: Sequence[str] = (), keyword: str | Non
     cannot refuse the drivers of the subjects this process runs after it. ``keyword`` (``-k``) keeps
     a part of those tests."""
     if variant.own_process:
-        with multiprocessing.get_context("fork").Pool(1) as pool:
-            return pool.apply(_run_benign_by_name, (variant.name, tuple(extra), keyword))
+        # A plain (non-daemonic) child, not a Pool worker: the suites it runs spawn ranks of their own.
+        fork = multiprocessing.get_context("fork")
+        receive, send = fork.Pipe(duplex=False)
+        child = fork.Process(target=_run_benign_by_name, args=(variant.name, tuple(extra), keyword, send))
+        child.start()
+        send.close()
+        try:
+            outcome: BenignOutcome = receive.recv()
+        except EOFError:
+            child.join()
+            raise RuntimeError(f"{variant.name}: its process died (exit code {child.exitcode})") from None
+        child.join()
+        return outcome
     return _run_benign(variant, extra, keyword)
 
 
-def _run_benign_by_name(name: str, extra: Sequence[str], keyword: str | None) -> BenignOutcome:
-    return _run_benign(benign.get(name), extra, keyword)
+def _run_benign_by_name(name: str, extra: Sequence[str], keyword: str | None, send: Any) -> None:
+    from harness.testing.ranks import forget_inherited_forkserver
+
+    forget_inherited_forkserver()  # the suites' ranks need a fork server this process owns
+    send.send(_run_benign(benign.get(name), extra, keyword))
+    send.close()
 
 
 def _run_benign(variant: Benign, extra: Sequence[str], keyword: str | None) -> BenignOutcome:
