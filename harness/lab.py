@@ -11,7 +11,7 @@ import torch
 from harness.mismatch import LabArm, LabConfig, LabResult, build_model, format_lab, lab_result
 from harness.probes.reference import attach
 from harness.subjects.reference import install_replay as reference_install
-from harness.subjects.replay import controlled
+from harness.subjects.replay import controlled, prepare
 from reference_impl import RolloutEngine, training
 from reference_impl.layouts import place_left_padded
 
@@ -47,8 +47,9 @@ def run_mismatch_lab(cfg: LabConfig | None = None, install_replay: object | None
     native_routes = native_probe.last().ids
     native_probe.remove()
 
+    driver = prepare(install_replay or reference_install)  # patch before building the model it controls
     subject_model = build_model(cfg)
-    with controlled(install_replay or reference_install, subject_model) as controller:
+    with controlled(driver, subject_model) as controller:
         r3_probe = attach(subject_model)
         controller.replay(targets, mask)
         with torch.no_grad():

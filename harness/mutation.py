@@ -8,12 +8,14 @@ layer (DESIGN §4): the zoo itself (``harness.mutants``) is subjects and imports
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from harness.check import run_suites, suites_dir
-from harness.mutants import Mutant
+from harness.mutants import Mutant, benign
 from harness.mutants.benign import Benign
 from harness.outcomes import count_outcomes
 from harness.subjects import DEFAULT_SUBJECT
@@ -79,10 +81,41 @@ def run_mutant(
     )
 
 
-def run_benign(variant: Benign, *, extra: Sequence[str] = ()) -> BenignOutcome:
-    """Run the tests that declare the variant's capabilities against it: each must pass or skip."""
+def run_benign(variant: Benign, *, extra: Sequence[str] = (), keyword: str | None = None) -> BenignOutcome:
+    """Run the tests that declare the variant's capabilities against it: each must pass or skip. A
+    variant that ships a driver without ``unpatch()`` runs in a forked process, so that its patch
+    cannot refuse the drivers of the subjects this process runs after it. ``keyword`` (``-k``) keeps
+    a part of those tests."""
+    if variant.own_process:
+        # A plain (non-daemonic) child, not a Pool worker: the suites it runs spawn ranks of their own.
+        fork = multiprocessing.get_context("fork")
+        receive, send = fork.Pipe(duplex=False)
+        child = fork.Process(target=_run_benign_by_name, args=(variant.name, tuple(extra), keyword, send))
+        child.start()
+        send.close()
+        try:
+            outcome: BenignOutcome = receive.recv()
+        except EOFError:
+            child.join()
+            raise RuntimeError(f"{variant.name}: its process died (exit code {child.exitcode})") from None
+        child.join()
+        return outcome
+    return _run_benign(variant, extra, keyword)
+
+
+def _run_benign_by_name(name: str, extra: Sequence[str], keyword: str | None, send: Any) -> None:
+    from harness.testing.ranks import forget_inherited_forkserver
+
+    forget_inherited_forkserver()  # the suites' ranks need a fork server this process owns
+    send.send(_run_benign(benign.get(name), extra, keyword))
+    send.close()
+
+
+def _run_benign(variant: Benign, extra: Sequence[str], keyword: str | None) -> BenignOutcome:
     start = time.perf_counter()
-    outcomes, _ = run_suites(variant.subject_spec, capabilities=variant.capabilities, extra=list(extra))
+    outcomes, _ = run_suites(
+        variant.subject_spec, capabilities=variant.capabilities, extra=list(extra), keyword=keyword
+    )
     alarms = tuple(f"{o.nodeid.split('::', 1)[-1]}: {o.detail}" for o in outcomes if o.outcome == "failed")
     ran = count_outcomes(o.outcome for o in outcomes).ran
     return BenignOutcome(

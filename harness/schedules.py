@@ -7,18 +7,24 @@ route for position ``p`` under weight version ``v`` is a known, distinct functio
 "replace with the latest payload" (verl #6046) and "concatenate payloads" (verl #5430) observably
 wrong. The engine generates exactly its budget (token id 0, log-prob 0) and prefills every tool
 token it is given, so a plan's ``max_new_tokens`` is the number of tokens the attempt generates.
+
+Real routing is not that kind: a top-1 router over few experts, or a model that sends a stretch of
+tokens to the same experts, returns the same row again and again, across a resume or a turn boundary
+too. A `RouteTable` gives the engine such low-entropy routes on purpose, so that a splice which takes
+an equal row for a duplicate, or finds its rows by content, is seen to lose or misplace them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from reference_impl.engine import Rollout
 from reference_impl.episode import AttemptPlan, Episode, Schedule, run_episode
 
-__all__ = ["AttemptPlan", "Schedule", "SimulatedEngine", "route", "simulate"]
+__all__ = ["AttemptPlan", "RouteTable", "Schedule", "SimulatedEngine", "route", "simulate"]
 
 
 def route(position: int, version: int, layers: int, top_k: int, num_experts: int) -> torch.Tensor:
@@ -31,6 +37,43 @@ def route(position: int, version: int, layers: int, top_k: int, num_experts: int
     return (starts[:, None] + torch.arange(top_k)[None, :]) % num_experts
 
 
+@dataclass(frozen=True)
+class RouteTable:
+    """Low-entropy routes: the route of position ``p`` under weight version ``v`` is
+    ``palette[(p // run + v·shift) mod len(palette)]``, its ids reversed at odd positions when
+    ``reorder`` (the same set in another kernel order, DESIGN §3.3).
+
+    One palette entry gives constant rows; two give runs of ``run`` equal rows. With ``shift = 0`` a
+    weight update changes nothing, so the rows on both sides of every seam can be equal. Routes are
+    nested tuples ``[layers][top_k]`` of distinct valid ids, so a table is hashable and prints whole.
+    """
+
+    palette: tuple[tuple[tuple[int, ...], ...], ...]
+    run: int = 1
+    shift: int = 0
+    reorder: bool = False
+
+    @property
+    def layers(self) -> int:
+        return len(self.palette[0])
+
+    @property
+    def top_k(self) -> int:
+        return len(self.palette[0][0])
+
+    def __call__(self, position: int, version: int) -> torch.Tensor:
+        """The route ``[layers, top_k]`` of ``position`` under weights ``version``."""
+        entry = torch.tensor(self.palette[(position // self.run + version * self.shift) % len(self.palette)])
+        return entry.flip(-1) if self.reorder and position % 2 else entry
+
+    def describe(self) -> str:
+        reordered = ", odd rows reordered" if self.reorder else ""
+        return (
+            f"routes from a palette of {len(self.palette)} ({list(map(list, self.palette))}), runs of "
+            f"{self.run}, shift {self.shift} per weight update{reordered}"
+        )
+
+
 class SimulatedEngine:
     """An engine call ``(context, max_new_tokens) -> Rollout`` whose rows are ``route(p, version)``.
 
@@ -39,7 +82,8 @@ class SimulatedEngine:
     version. A call that runs none returns no payload, or with ``idle_payloads`` the rows of the
     context it prefilled before the abort (vLLM ≥ 0.22 returns the rows so far); either way a correct
     splice takes nothing from it. ``version_of_row`` records which version first computed each row:
-    `expected` is the trace a correct splice builds.
+    `expected` is the trace a correct splice builds. With a ``table`` its routes are the table's
+    (low-entropy, rows repeat) and ``layers``/``top_k`` are the table's.
     """
 
     def __init__(
@@ -50,8 +94,12 @@ class SimulatedEngine:
         top_k: int = 2,
         num_experts: int = 64,
         idle_payloads: bool = False,
+        table: RouteTable | None = None,
     ) -> None:
+        if table is not None:
+            layers, top_k = table.layers, table.top_k
         self.layers, self.top_k, self.num_experts = layers, top_k, num_experts
+        self.table = table
         self.idle_payloads = idle_payloads
         self.version = 0
         self.fed = prompt_len  # positions [0, fed) are in the context a forward has seen or skipped
@@ -82,15 +130,18 @@ class SimulatedEngine:
         """``[rows, layers, top_k]``: each row under the weights that first computed it (DESIGN §3.4)."""
         if not self.version_of_row:
             return self._rows(0, 0)
-        return torch.stack([self._route(p, v) for p, v in enumerate(self.version_of_row)])
+        return torch.stack([self.route_at(p, v) for p, v in enumerate(self.version_of_row)])
 
-    def _route(self, position: int, version: int) -> torch.Tensor:
+    def route_at(self, position: int, version: int) -> torch.Tensor:
+        """The route ``[layers, top_k]`` this engine computes for ``position`` under weights ``version``."""
+        if self.table is not None:
+            return self.table(position, version)
         return route(position, version, self.layers, self.top_k, self.num_experts)
 
     def _rows(self, version: int, count: int) -> torch.Tensor:
         if count <= 0:
             return torch.zeros((0, self.layers, self.top_k), dtype=torch.long)
-        return torch.stack([self._route(p, version) for p in range(count)])
+        return torch.stack([self.route_at(p, version) for p in range(count)])
 
 
 def simulate(
@@ -100,9 +151,15 @@ def simulate(
     top_k: int = 2,
     num_experts: int = 64,
     idle_payloads: bool = False,
+    table: RouteTable | None = None,
 ) -> tuple[Episode[Rollout], SimulatedEngine]:
     """``schedule`` played through a fresh `SimulatedEngine`: the episode, and the engine (its oracle)."""
     engine = SimulatedEngine(
-        schedule.prompt_len, layers=layers, top_k=top_k, num_experts=num_experts, idle_payloads=idle_payloads
+        schedule.prompt_len,
+        layers=layers,
+        top_k=top_k,
+        num_experts=num_experts,
+        idle_payloads=idle_payloads,
+        table=table,
     )
     return run_episode(engine, schedule, update_weights=engine.update_weights), engine

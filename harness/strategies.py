@@ -2,7 +2,8 @@
 
 They reach the boundaries on purpose, not by luck: 0-length responses, a single row, 256 and 257
 experts (the uint8/uint16 edge), 65536 experts, ``top_k = 1`` and ``top_k = num_experts``,
-dense-first layers, ids at 0 and ``num_experts − 1``, and both layer-axis conventions.
+dense-first layers, ids at 0 and ``num_experts − 1``, both layer-axis conventions, and rows that
+repeat (``route_tables``: top-1, one or two experts, constant rows), which random ids never give.
 
 Routes are drawn from a numpy generator seeded by hypothesis, so a trace of thousands of rows costs
 one draw; the boundary values (extreme ids, which rows hold them) are explicit draws so they shrink.
@@ -17,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 from hypothesis import strategies as st
 
+from harness.schedules import RouteTable
 from harness.trace import MAX_EXPERTS, LayerAxis, RoutingTrace
 from reference_impl.config import layer_width, moe_slots
 from reference_impl.episode import AttemptPlan, Schedule
@@ -253,6 +255,32 @@ def attempt_schedules(
     if not any(plan.max_new_tokens or plan.tool_tokens for plan in plans):
         plans[-1] = replace(plans[-1], max_new_tokens=1)
     return Schedule(tuple(range(1, prompt + 1)), tuple(plans))
+
+
+@st.composite
+def route_tables(draw: st.DrawFn, max_layers: int = 2) -> RouteTable:
+    """Low-entropy routes for the simulated engine: two or three experts, top-1 or every expert, a
+    palette of one or two routes (constant rows, or runs of equal rows), weight updates that change
+    nothing or move the palette, and the same set in another id order.
+
+    Random routes over many experts never put two equal rows across a seam; these do, so a splice
+    that treats an equal row as a duplicate, or finds rows by content, loses or moves them. Top-1
+    routes avoid expert 0, so no row is an all-zero route (DESIGN §3.2).
+    """
+    experts = draw(st.sampled_from((2, 3)))
+    top_k = draw(st.sampled_from((1, experts)))
+    layers = draw(st.integers(1, max_layers))
+
+    def one_route() -> tuple[int, ...]:
+        if top_k == 1:
+            return (draw(st.integers(1, experts - 1)),)
+        return tuple(draw(st.permutations(range(experts))))
+
+    def entry() -> tuple[tuple[int, ...], ...]:
+        return tuple(one_route() for _ in range(layers))
+
+    palette = tuple(entry() for _ in range(draw(st.integers(1, 2))))
+    return RouteTable(palette, draw(st.integers(1, 4)), draw(st.sampled_from((0, 1))), draw(st.booleans()))
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from harness.subjects import Subject, load_subject
-from harness.subjects.replay import install
+from harness.subjects.capabilities import OneForwardInFlight
+from harness.subjects.replay import install, prepare
 from harness.testing.asserts import assert_close_logprobs, assert_same_routes
 from harness.testing.ranks import run_ranks
 from harness.testing.suite import require, subject_spec
@@ -142,8 +143,9 @@ def _rank_setup(rank: int, spec: ParallelSpec, subject_spec: str) -> tuple[Any, 
     layouts = subject.layouts
     groups = new_groups(spec, rank)
     device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    driver = prepare(subject.install_replay)  # patch first: the protocol promises models built after it
     model = ShardedMoELM(CFG, spec, rank, groups, layouts=layouts, device=device)
-    return subject, layouts, model, install(subject.install_replay, model)
+    return subject, layouts, model, install(driver, model)
 
 
 def layout_worker(rank: int, world_size: int, layout: str, subject_spec: str) -> dict[str, Any] | None:
@@ -231,6 +233,8 @@ def recompute_worker(rank: int, world_size: int, subject_spec: str) -> dict[str,
     spec = LAYOUTS["pp2"]
     place = spec.place(rank)
     _, layouts, model, handle = _rank_setup(rank, spec, subject_spec)
+    if isinstance(handle, OneForwardInFlight) and handle.forwards_in_flight == 1:
+        return {"pp_rank": place.pp, "one_forward_in_flight": True}  # outside its contract: 1F1B keeps two
     mine = make_batch(RECOMPUTE_LENGTHS)[place.dp]
     tokens = [rank_tokens(s.tokens, spec, place, layouts) for s in mine]
     targets = [rank_targets(s.decoder_routes, s.mask, CFG, spec, place, layouts) for s in mine]
@@ -375,6 +379,11 @@ def test_recompute_under_pp2_replays_each_forwards_targets(
         recompute_worker, LAYOUTS["pp2"].world_size, args=(subject_spec(request.config),), timeout=TIMEOUT_S
     )
     request.node.user_properties.append(("distributed_cpu_s", run.total_cpu_seconds))
+    if any(stage.get("one_forward_in_flight") for stage in run.results):
+        pytest.skip(
+            "the controller declares one forward in flight (OneForwardInFlight); 1F1B keeps two "
+            "micro-batches in flight on stage 0, outside its contract"
+        )
     batch = make_batch(RECOMPUTE_LENGTHS)[0]
     expected = single_process_gradients(batch)
     for stage in run.results:

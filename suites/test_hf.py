@@ -21,7 +21,7 @@ import torch
 from harness.probes import RouteProbe
 from harness.subjects import Subject
 from harness.subjects.capabilities import ReplayController
-from harness.subjects.replay import controlled
+from harness.subjects.replay import controlled, patches, prepare
 from harness.testing.asserts import assert_close_logprobs, assert_same_routes, differing_routes
 from harness.testing.suite import require
 from harness.trainers.hf import install_replay
@@ -45,10 +45,9 @@ def arm(
     stack = ExitStack()
 
     def arm_model(model_type: str) -> tuple[torch.nn.Module, ReplayController, RouteProbe, Routing]:
-        model = KIND.build(model_type, "fp32")
-        controller = stack.enter_context(
-            controlled(require(subject, KIND.capability), model, KIND.capability)
-        )
+        driver = prepare(require(subject, KIND.capability), KIND.capability)  # patch, then build
+        model = KIND.build(model_type, "fp32", fresh=patches(driver))
+        controller = stack.enter_context(controlled(driver, model, KIND.capability))
         probe = KIND.probe(model)
         stack.callback(probe.remove)
         return model, controller, probe, KIND.routing(model)

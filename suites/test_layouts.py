@@ -20,7 +20,7 @@ import torch
 from hypothesis import example, given, note
 from hypothesis import strategies as st
 
-from harness.testing.judge import as_ids, raises_naming
+from harness.testing.judge import Refusal, as_ids, refuses
 from harness.testing.suite import require
 from reference_impl.layouts import Placed
 
@@ -708,68 +708,69 @@ def test_ep_ownership_is_megatrons_contiguous_shards(
 # --------------------------------------------------------------------------------------------------
 
 
-def test_bad_layout_input_raises_an_error_naming_the_field(subject: Any) -> None:
-    """A layout that cannot apply raises a ValueError naming what is wrong, never a silently wrong batch,
-    shard or id (DESIGN §3.8): samples that do not fit, a rank outside its group, a trace on the other
-    layer axis (verl #5037), stage recordings that do not match their ranges, ids outside their range."""
+def test_bad_layout_input_is_refused(subject: Any, refused: Refusal = refuses) -> None:
+    """A layout that cannot apply raises, in the subject's own words, never returns a silently wrong
+    batch, shard or id, and leaves its input as it was (DESIGN §3.8): samples that do not fit, a rank
+    outside its group, a trace on the other layer axis (verl #5037), stage recordings that do not match
+    their ranges, ids outside their range. The reference's own tests run these cases with
+    ``raises_naming``: its errors name the field."""
     layouts = require(subject, "layouts")
     samples = coded_batch((4, 2), 0)
+    before = [(t.clone(), r.clone()) for t, r in samples]
     (t0, r0), (t1, r1) = samples
     place = layouts.place_left_padded
-    raises_naming(lambda: place(samples, 4, [1]), "prompt_lens")
-    raises_naming(lambda: place([], 4), "samples")
-    raises_naming(lambda: place([(t0, r0), (t1[:, None], r1)], 4), "sample 1", "tokens")
-    raises_naming(lambda: place(samples, 3), "sample 0", "width", "4")
-    raises_naming(lambda: place([(t0, r0[:-1]), (t1, r1)], 4), "sample 0", "2 rows", "= 3")
-    raises_naming(lambda: place([(t0, r0), (t1, r1[:, :2])], 4), "sample 1", "routes")
-    raises_naming(lambda: place(samples, 4, [1, 3]), "sample 1", "prompt_lens", "3")
+    refused(lambda: place(samples, 4, [1]), "prompt_lens")
+    refused(lambda: place([], 4), "samples")
+    refused(lambda: place([(t0, r0), (t1[:, None], r1)], 4), "sample 1", "tokens")
+    refused(lambda: place(samples, 3), "sample 0", "width", "4")
+    refused(lambda: place([(t0, r0[:-1]), (t1, r1)], 4), "sample 0", "2 rows", "= 3")
+    refused(lambda: place([(t0, r0), (t1, r1[:, :2])], 4), "sample 1", "routes")
+    refused(lambda: place(samples, 4, [1, 3]), "sample 1", "prompt_lens", "3")
     placed = place(samples, 4)
     no_token = torch.as_tensor(placed.attention_mask).bool().clone()
     no_token[1] = False
-    raises_naming(
+    refused(
         lambda: layouts.unplace(Placed(placed.tokens, no_token, placed.routes, placed.replay_mask)),
         "sample 1",
         "attention_mask",
     )
 
-    raises_naming(lambda: layouts.pack(torch.ones(4, dtype=torch.bool)), "attention_mask")
+    refused(lambda: layouts.pack(torch.ones(4, dtype=torch.bool)), "attention_mask")
     packing = layouts.pack(placed.attention_mask)
-    raises_naming(lambda: packing.gather(torch.zeros(3, 4)), "(2, 4)")
-    raises_naming(lambda: packing.scatter(torch.zeros(5)), "5 rows", "6")
-    raises_naming(lambda: layouts.plan_micro_batches([3, 2], 0), "max_tokens_per_micro_batch")
-    raises_naming(lambda: layouts.plan_micro_batches([], 4), "seq_lens")
-    raises_naming(lambda: layouts.plan_micro_batches([3, 5], 4), "sample 1", "seq_len 5")
-    raises_naming(lambda: layouts.plan_micro_batches([3, -1], 4), "sample 1", "seq_len -1")
+    refused(lambda: packing.gather(torch.zeros(3, 4)), "(2, 4)")
+    refused(lambda: packing.scatter(torch.zeros(5)), "5 rows", "6")
+    refused(lambda: layouts.plan_micro_batches([3, 2], 0), "max_tokens_per_micro_batch")
+    refused(lambda: layouts.plan_micro_batches([], 4), "seq_lens")
+    refused(lambda: layouts.plan_micro_batches([3, 5], 4), "sample 1", "seq_len 5")
+    refused(lambda: layouts.plan_micro_batches([3, -1], 4), "sample 1", "seq_len -1")
     plan = layouts.plan_micro_batches([3, 2, 2], 4)
-    raises_naming(lambda: plan.split(torch.zeros(2)), "2 samples", "3")
-    raises_naming(lambda: plan.merge(plan.split(torch.arange(3))[:-1]), "micro-batch sizes")
+    refused(lambda: plan.split(torch.zeros(2)), "2 samples", "3")
+    refused(lambda: plan.merge(plan.split(torch.arange(3))[:-1]), "micro-batch sizes")
 
     x = torch.arange(5)
-    raises_naming(lambda: layouts.sp_pad(x, 0), "tp")
-    raises_naming(lambda: layouts.sp_shard(x, 2, 2), "rank", "tp")
-    raises_naming(lambda: layouts.sp_valid_mask(5, 2, -1), "rank", "tp")
-    raises_naming(lambda: layouts.sp_gather([], 0), "shards")
-    raises_naming(lambda: layouts.sp_gather([x[:3], x[:2]], 0), "shards", "[3, 2]")
-    raises_naming(lambda: layouts.cp_pad(x, 0), "cp")
-    raises_naming(lambda: layouts.cp_zigzag_indices(8, 2, 2), "rank", "cp")
-    raises_naming(lambda: layouts.cp_zigzag_indices(6, 2, 0), "padded_len", "4")
+    refused(lambda: layouts.sp_pad(x, 0), "tp")
+    refused(lambda: layouts.sp_shard(x, 2, 2), "rank", "tp")
+    refused(lambda: layouts.sp_valid_mask(5, 2, -1), "rank", "tp")
+    refused(lambda: layouts.sp_gather([], 0), "shards")
+    refused(lambda: layouts.sp_gather([x[:3], x[:2]], 0), "shards", "[3, 2]")
+    refused(lambda: layouts.cp_pad(x, 0), "cp")
+    refused(lambda: layouts.cp_zigzag_indices(8, 2, 2), "rank", "cp")
+    refused(lambda: layouts.cp_zigzag_indices(6, 2, 0), "padded_len", "4")
 
-    raises_naming(lambda: layouts.pp_layer_ranges(4, 0), "pp")
-    raises_naming(lambda: layouts.pp_layer_ranges(4, 1, 0), "vpp")
-    raises_naming(lambda: layouts.pp_layer_ranges(6, 2, 2), "num_layers", "4")
+    refused(lambda: layouts.pp_layer_ranges(4, 0), "pp")
+    refused(lambda: layouts.pp_layer_ranges(4, 1, 0), "vpp")
+    refused(lambda: layouts.pp_layer_ranges(6, 2, 2), "num_layers", "4")
     decoder = decoder_trace(2, 4, (1, 3))
     ordinal = decoder[:, [1, 3]]
-    raises_naming(lambda: layouts.stage_targets(ordinal, [1, 3], range(0, 2)), "routes")
-    raises_naming(lambda: layouts.stage_targets(decoder[:, :, 0], [1, 3], range(0, 4)), "routes")
-    raises_naming(lambda: layouts.stage_targets_moe_ordinal(decoder, [1, 3], range(0, 4)), "routes")
-    raises_naming(lambda: layouts.stage_targets(decoder, [3, 1], range(0, 4)), "moe_layers")
-    raises_naming(lambda: layouts.stage_targets(decoder, [1, 1], range(0, 4)), "moe_layers")
-    raises_naming(lambda: layouts.stage_targets_moe_ordinal(ordinal, [-1, 3], range(0, 4)), "moe_layers")
+    refused(lambda: layouts.stage_targets(ordinal, [1, 3], range(0, 2)), "routes")
+    refused(lambda: layouts.stage_targets(decoder[:, :, 0], [1, 3], range(0, 4)), "routes")
+    refused(lambda: layouts.stage_targets_moe_ordinal(decoder, [1, 3], range(0, 4)), "routes")
+    refused(lambda: layouts.stage_targets(decoder, [3, 1], range(0, 4)), "moe_layers")
+    refused(lambda: layouts.stage_targets(decoder, [1, 1], range(0, 4)), "moe_layers")
+    refused(lambda: layouts.stage_targets_moe_ordinal(ordinal, [-1, 3], range(0, 4)), "moe_layers")
     ranges = ranges_by_hand(4, 2, 1)
-    raises_naming(
-        lambda: layouts.merge_stage_recordings({(0, 0): ordinal[:, :1]}, ranges), "per_stage", "(1, 0)"
-    )
-    raises_naming(
+    refused(lambda: layouts.merge_stage_recordings({(0, 0): ordinal[:, :1]}, ranges), "per_stage", "(1, 0)")
+    refused(
         lambda: layouts.merge_stage_recordings({(0, 0): ordinal[:, :0], (1, 0): ordinal}, ranges, [1, 3]),
         "pp_rank=0",
         "0 MoE slots",
@@ -777,9 +778,15 @@ def test_bad_layout_input_raises_an_error_naming_the_field(subject: Any) -> None
     )
 
     ids = torch.tensor([0, 8])
-    raises_naming(lambda: layouts.ep_local_ids(ids, 8, 2, 0), "ids", "8")
-    raises_naming(lambda: layouts.ep_local_ids(ids - 1, 8, 2, 0), "ids", "-1")
-    raises_naming(lambda: layouts.ep_global_ids(torch.tensor([0, 4]), 8, 2, 1), "local_ids", "4")
-    raises_naming(lambda: layouts.ep_local_ids(ids[:1], 8, 3, 0), "num_experts", "ep")
-    raises_naming(lambda: layouts.ep_local_ids(ids[:1], 8, 2, 2), "rank", "ep")
-    raises_naming(lambda: layouts.ep_global_ids(ids[:1], 8, 0, 0), "ep")
+    refused(lambda: layouts.ep_local_ids(ids, 8, 2, 0), "ids", "8")
+    refused(lambda: layouts.ep_local_ids(ids - 1, 8, 2, 0), "ids", "-1")
+    refused(lambda: layouts.ep_global_ids(torch.tensor([0, 4]), 8, 2, 1), "local_ids", "4")
+    refused(lambda: layouts.ep_local_ids(ids[:1], 8, 3, 0), "num_experts", "ep")
+    refused(lambda: layouts.ep_local_ids(ids[:1], 8, 2, 2), "rank", "ep")
+    refused(lambda: layouts.ep_global_ids(ids[:1], 8, 0, 0), "ep")
+    changed = [
+        i
+        for i, ((t, r), (t0, r0)) in enumerate(zip(samples, before, strict=True))
+        if not (torch.equal(t, t0) and torch.equal(r, r0))
+    ]
+    assert not changed, f"refused layouts changed samples {changed} of their input"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from hypothesis import given, note, settings
@@ -11,7 +9,7 @@ from hypothesis import strategies as st
 
 from harness.probes.reference import attach
 from harness.subjects import Subject
-from harness.subjects.replay import install
+from harness.subjects.replay import install, prepare
 from harness.testing.asserts import assert_close_logprobs, assert_same_routes, differing_routes
 from harness.testing.suite import require
 from reference_impl import MoEConfig, MoELM, training
@@ -19,9 +17,13 @@ from reference_impl import MoEConfig, MoELM, training
 pytestmark = pytest.mark.capability("install_replay")
 
 
-@functools.cache
-def _model() -> MoELM:
-    return MoELM(MoEConfig.tiny(seed=3))
+CFG = MoEConfig.tiny(seed=3)
+
+
+def _model(subject: Subject) -> MoELM:
+    """A model built after the subject's driver patched (its routers may need the patched constructor)."""
+    prepare(require(subject, "install_replay"))
+    return MoELM(CFG)
 
 
 def _batch(seed: int, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +43,7 @@ def _batch(seed: int, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 def test_first_on_policy_update_has_zero_kl(subject: Subject, seed: int, lengths: list[int]) -> None:
     """The first on-policy update mini-batch reproduces the old log-probs exactly: ppo_kl == 0 (fp32)."""
     note(f"counterexample: seed={seed}, lengths={lengths}")
-    model = _model()
+    model = _model(subject)
     handle = install(require(subject, "install_replay"), model)
     tokens, mask = _batch(seed, lengths)
     with torch.no_grad():
@@ -59,7 +61,7 @@ def test_first_on_policy_update_has_zero_kl(subject: Subject, seed: int, lengths
 
 def test_r2_replay_holds_routes_after_a_weight_update(subject: Subject) -> None:
     """After the router weights move, R2 still dispatches the recorded experts (native routing would not)."""
-    model = MoELM(_model().cfg)
+    model = _model(subject)
     handle = install(require(subject, "install_replay"), model)
     probe = attach(model)  # the harness observes the dispatch; the subject's word is not taken
     tokens, mask = _batch(0, [12, 12, 12, 12])

@@ -1,8 +1,9 @@
 """Replay effect (DESIGN §3.6–3.8), one suite over (model kind × router family), observed by the harness.
 
 The subject supplies the driver of each model kind (``install_replay`` for the reference ``MoELM``,
-``install_hf_replay`` for transformers MoE models); the harness builds the model, installs the
-driver, and attaches its *own* route probe (``harness.probes``) at the dispatch step, after the
+``install_hf_replay`` for transformers MoE models); the harness runs the driver's ``patch()``, then
+builds the model (a driver that patches a router constructor needs models built after it), installs
+the driver, and attaches its *own* route probe (``harness.probes``) at the dispatch step, after the
 subject's hooks. Every check compares what the subject was asked to do with what the probe saw the
 experts receive; nothing the subject reports about itself (``dispatched()``) is used.
 
@@ -11,12 +12,17 @@ experts receive; nothing the subject reports about itself (``dispatched()``) is 
 - replaying a model's own recording reproduces its logits and gate weights bit for bit (fp32, bf16);
 - the router gets gradients at targets its live top-k would not pick;
 - activation recompute replays each forward's own targets (two forwards in flight);
+- a model with more than ten decoder layers gets each layer's targets (name order is not layer order);
+- two controlled models alive at once (actor and reference) each route by their own controller;
+- a disarmed model routes natively again, after replay and after a recording;
+- a model part built before the driver's ``patch()`` is replayed or refused, never left native;
 - rows without a target (left padding, last tokens) route natively, never with the filler;
 - targets for the wrong number of MoE layers are an error, not native routing.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -28,7 +34,7 @@ from hypothesis import strategies as st
 from harness.probes import RouteProbe
 from harness.subjects import Subject
 from harness.subjects.capabilities import MissingMember, OneForwardInFlight, ReplayController
-from harness.subjects.replay import controlled
+from harness.subjects.replay import controlled, patches, prepare
 from harness.testing.asserts import assert_close_logprobs, assert_same_routes
 from harness.testing.suite import require
 from harness.trainers.hf.models import MODEL_TYPES
@@ -58,16 +64,27 @@ fp32_cases = pytest.mark.parametrize(("kind", "family", "dtype"), _cases(("fp32"
 
 @contextmanager
 def _armed(
-    subject: Subject, kind: str, family: str, dtype: str, *, negate: bool = False
+    subject: Subject,
+    kind: str,
+    family: str,
+    dtype: str,
+    *,
+    negate: bool = False,
+    deep: bool = False,
+    model: torch.nn.Module | None = None,
 ) -> Iterator[tuple[ModelKind, torch.nn.Module, ReplayController, RouteProbe, Routing]]:
-    """A fresh model of ``family``, the subject's controller on it, then the harness's probe."""
+    """The subject's driver patched, then a model of ``family`` built (or ``model``), the subject's
+    controller on it, then the harness's probe. A driver that may patch gets a model constructed after
+    its patch, never a copy of one built before."""
     model_kind = KINDS[kind]
-    model = model_kind.build(family, dtype)
-    if negate:
-        model_kind.negate_routers(model)
     capability = require(subject, model_kind.capability)
     try:
-        with controlled(capability, model, model_kind.capability) as controller:
+        driver = prepare(capability, model_kind.capability)
+        if model is None:
+            model = model_kind.build(family, dtype, fresh=patches(driver), deep=deep)
+        if negate:
+            model_kind.negate_routers(model)
+        with controlled(driver, model, model_kind.capability) as controller:
             probe = model_kind.probe(model)
             try:
                 yield model_kind, model, controller, probe, model_kind.routing(model)
@@ -92,6 +109,20 @@ def _random_targets(routing: Routing, rows: int, seed: int) -> torch.Tensor:
 AXES = ("token", "MoE ordinal")
 
 
+def _check_experts_receive_targets(
+    subject: Subject, kind: str, family: str, dtype: str, seed: int, *, deep: bool = False
+) -> None:
+    note(f"counterexample: seed={seed}")
+    with _armed(subject, kind, family, dtype, negate=True, deep=deep) as (k, model, ctl, probe, routing):
+        targets = _random_targets(routing, BATCH * SEQ, seed)
+        ctl.replay(targets)
+        with torch.no_grad():
+            k.run(model, _tokens(k, seed))
+        seen = probe.last().ids
+    what = f"{kind} {family} {dtype}" + (f", {len(routing.moe_layers)} MoE layers" if deep else "")
+    assert_same_routes(seen, targets, names=("dispatched", "targets"), what=what, axes=AXES)
+
+
 @every_case
 @settings(max_examples=4)
 @given(seed=st.integers(0, 2**31 - 1))
@@ -99,15 +130,157 @@ def test_experts_receive_the_targets_whatever_the_live_logits(
     subject: Subject, kind: str, family: str, dtype: str, seed: int
 ) -> None:
     """With the routers negated (live logits prefer other experts), every expert receives its targets."""
-    note(f"counterexample: seed={seed}")
-    with _armed(subject, kind, family, dtype, negate=True) as (k, model, ctl, probe, routing):
-        targets = _random_targets(routing, BATCH * SEQ, seed)
-        ctl.replay(targets)
-        with torch.no_grad():
-            k.run(model, _tokens(k, seed))
-        seen = probe.last().ids
+    _check_experts_receive_targets(subject, kind, family, dtype, seed)
+
+
+ONE_FAMILY = {"reference": "softmax_topk", "hf": "qwen2_moe"}
+"""The family each model kind's cross-cutting cases (deep model, two models, disarm) are built with."""
+
+
+def _one_family_per_kind(*variants: str) -> list[object]:
+    cases = []
+    for kind, family in ONE_FAMILY.items():
+        marks = [pytest.mark.capability(KINDS[kind].capability)] + ([pytest.mark.hf] if kind == "hf" else [])
+        for variant in variants or ("",):
+            cases.append(
+                pytest.param(
+                    kind,
+                    family,
+                    *((variant,) if variant else ()),
+                    id="-".join(filter(None, (kind, variant))),
+                    marks=marks,
+                )
+            )
+    return cases
+
+
+@pytest.mark.parametrize(("kind", "family"), _one_family_per_kind())
+@settings(max_examples=2)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_experts_receive_the_targets_in_a_deep_model(
+    subject: Subject, kind: str, family: str, seed: int
+) -> None:
+    """More than ten decoder layers (``layers.10`` sorts before ``layers.2`` as a string): each layer's
+    experts still receive that layer's targets."""
+    _check_experts_receive_targets(subject, kind, family, "fp32", seed, deep=True)
+
+
+def _native(
+    k: ModelKind, model: torch.nn.Module, probe: RouteProbe, tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dispatched ids, logits) of one forward of ``model`` on ``tokens``."""
+    with torch.no_grad():
+        logits = k.run(model, tokens)
+    return probe.last().ids, logits
+
+
+def _assert_native(
+    k: ModelKind,
+    model: torch.nn.Module,
+    probe: RouteProbe,
+    tokens: torch.Tensor,
+    native: tuple[torch.Tensor, torch.Tensor],
+    what: str,
+) -> None:
+    ids, logits = _native(k, model, probe, tokens)
+    assert_same_routes(ids, native[0], names=("dispatched", "a native forward"), what=what, axes=AXES)
+    assert_close_logprobs(
+        logits,
+        native[1],
+        names=("got", "a native forward"),
+        what=f"{what}: logits",
+        axes=("sample", "position", "vocab id"),
+    )
+
+
+@pytest.mark.parametrize(("kind", "family", "order"), _one_family_per_kind("replayed-first", "replayed-last"))
+def test_two_controlled_models_replay_independently(
+    subject: Subject, kind: str, family: str, order: str
+) -> None:
+    """An actor and a reference model alive in one process, both controlled (installed in either order):
+    replaying on one dispatches its targets there and leaves the other routing natively (a driver whose
+    state is process-global must not let the last installed model win)."""
+    first = order == "replayed-first"
+    with _armed(subject, kind, family, "fp32") as (k, one, ctl_one, probe_one, routing):
+        with _armed(subject, kind, family, "fp32") as (_, two, ctl_two, probe_two, _):
+            replayed, other = (one, two) if first else (two, one)
+            ctl, (probe, probe_other) = (
+                (ctl_one, (probe_one, probe_two)) if first else (ctl_two, (probe_two, probe_one))
+            )
+            tokens = _tokens(k, 5)
+            native = _native(k, other, probe_other, tokens)
+            targets = _random_targets(routing, BATCH * SEQ, 5)
+            ctl.replay(targets)
+            with torch.no_grad():
+                k.run(replayed, tokens)
+            seen = probe.last().ids
+            _assert_native(
+                k, other, probe_other, tokens, native, f"{kind} {family}: the model not replayed ({order})"
+            )
     assert_same_routes(
-        seen, targets, names=("dispatched", "targets"), what=f"{kind} {family} {dtype}", axes=AXES
+        seen,
+        targets,
+        names=("dispatched", "targets"),
+        what=f"{kind} {family}: the replayed model ({order})",
+        axes=AXES,
+    )
+
+
+@pytest.mark.parametrize(("kind", "family"), _one_family_per_kind())
+def test_a_disarmed_model_routes_natively(subject: Subject, kind: str, family: str) -> None:
+    """Replay → forward → ``disarm()`` → forward routes like a native forward (ids and logits), and so
+    does a forward after ``recording()``: no stale targets reach a later reference, evaluation or
+    colocated-prefill forward."""
+    with _armed(subject, kind, family, "fp32") as (k, model, ctl, probe, routing):
+        tokens = _tokens(k, 7)
+        native = _native(k, model, probe, tokens)
+        ctl.replay(_random_targets(routing, BATCH * SEQ, 7))
+        _native(k, model, probe, tokens)
+        ctl.disarm()
+        _assert_native(
+            k, model, probe, tokens, native, f"{kind} {family}: a forward after replay and disarm()"
+        )
+        ctl.record()
+        _native(k, model, probe, tokens)
+        ctl.recording()
+        _assert_native(k, model, probe, tokens, native, f"{kind} {family}: a forward after recording()")
+
+
+def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    inner = getattr(model, "model", model)
+    return inner.layers  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(("kind", "family"), _one_family_per_kind())
+def test_a_part_built_before_the_patch_is_replayed_or_refused(
+    subject: Subject, kind: str, family: str
+) -> None:
+    """A model part built before the driver's ``patch()`` (an MTP head, a critic; here the last decoder
+    layer, built before the patch and copied in) is replayed like the rest or refused loudly (an
+    exception) — never left routing natively while the other layers replay (DESIGN §3.8)."""
+    k = KINDS[kind]
+    early = copy.deepcopy(_decoder_layers(k.build(family, "fp32", fresh=True))[-1])  # before prepare()
+    driver = prepare(require(subject, k.capability), k.capability)
+    model = k.build(family, "fp32", fresh=patches(driver))
+    _decoder_layers(model)[-1] = early
+    k.negate_routers(model)
+    try:
+        with _armed(subject, kind, family, "fp32", model=model) as (_, _, ctl, probe, routing):
+            targets = _random_targets(routing, BATCH * SEQ, 3)
+            ctl.replay(targets)
+            with torch.no_grad():
+                k.run(model, _tokens(k, 3))
+            seen = probe.last().ids
+    except AssertionError:
+        raise
+    except Exception:  # refused loudly: the invariant holds
+        return
+    assert_same_routes(
+        seen,
+        targets,
+        names=("dispatched", "targets"),
+        what=f"{kind} {family}: the last decoder layer built before patch()",
+        axes=AXES,
     )
 
 

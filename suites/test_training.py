@@ -18,7 +18,7 @@ import torch
 
 from harness.subjects import Subject
 from harness.testing.asserts import assert_close_logprobs, assert_same_routes, differing_routes
-from harness.testing.judge import as_ids, raises_naming
+from harness.testing.judge import Refusal, as_ids, refuses
 from harness.testing.suite import require
 from reference_impl import MoEConfig, MoELM, ReplayError, RoutingMode
 from reference_impl.layouts import Placed, place_left_padded
@@ -131,8 +131,7 @@ def test_r2_with_rollout_routes_is_a_configuration_error(subject: Subject, slots
         placed = replace(placed, routes=placed.routes[:, :, :slots])
     where = f"a batch with rollout routes of {placed.routes.shape[2]} layer slots"
     assert training.has_rollout_routes(placed), f"{where}: has_rollout_routes says False, expected True"
-    with pytest.raises(ValueError, match="R2"):
-        training.check_mode("R2", placed)
+    refuses(lambda: training.check_mode("R2", placed), "R2")
     mode = str(getattr(training.check_mode("R3", placed), "value", "R3"))
     assert mode == "R3", f"{where}: check_mode('R3') gave {mode!r}, expected 'R3'"
 
@@ -149,32 +148,32 @@ def test_r3_without_rollout_routes_is_a_configuration_error(subject: Subject) ->
         f"place_without_routes: each row ends in {right_end.tolist()}, expected [[4, 5], [1, 2]] (each "
         "sample's tokens at the right end of its row)"
     )
-    with pytest.raises(ValueError, match="R3"):
-        training.check_mode("R3", placed)
+    refuses(lambda: training.check_mode("R3", placed), "R3")
     mode = str(getattr(training.check_mode("R2", placed), "value", "R2"))
     assert mode == "R2", f"a token-only batch: check_mode('R2') gave {mode!r}, expected 'R2'"
 
 
-def test_bad_trainer_input_raises_an_error_naming_the_field(subject: Subject) -> None:
-    """A mode, layer list, layer axis, R2 recording or loss mask that cannot be right is a ValueError naming
-    it, never a pass that routes natively in silence (DESIGN §3.8); the routers are left native."""
+def test_bad_trainer_input_is_refused(subject: Subject, refused: Refusal = refuses) -> None:
+    """A mode, layer list, layer axis, R2 recording or loss mask that cannot be right raises, in the
+    subject's own words, never a pass that routes natively in silence (DESIGN §3.8); the routers are
+    left native. The reference's own tests run these cases with ``raises_naming``."""
     training = require(subject, "training")
     model, placed = MoELM(CFG), _batch(CFG)
     moe = list(CFG.moe_layers)
-    raises_naming(lambda: training.check_mode("R4", placed), "mode", "R4")
-    raises_naming(lambda: training.replay_targets(placed, [], "decoder"), "moe_layers")
-    raises_naming(lambda: training.replay_targets(placed, moe, "expert"), "layer_axis", "expert")
+    refused(lambda: training.check_mode("R4", placed), "mode", "R4")
+    refused(lambda: training.replay_targets(placed, [], "decoder"), "moe_layers")
+    refused(lambda: training.replay_targets(placed, moe, "expert"), "layer_axis", "expert")
     tokens_only = training.place_without_routes([t for t, _ in _rollout_routes(CFG)], WIDTH)
     not_recorded = training.old_logprobs(model, tokens_only, "disabled", moe_layers=moe)
-    raises_naming(
+    refused(
         lambda: training.policy_logprobs(model, tokens_only, "R2", old=not_recorded, moe_layers=moe),
         "recording",
     )
     _assert_routes_natively(model, placed, "an R2 update pass refused for want of a recording")
     nothing = torch.zeros(placed.tokens.shape, dtype=torch.bool)
     logprobs = not_recorded.logprobs
-    raises_naming(lambda: training.ppo_kl(logprobs, logprobs, nothing), "mask")
-    raises_naming(lambda: training.ppo_loss(logprobs, logprobs, logprobs, nothing), "mask")
+    refused(lambda: training.ppo_kl(logprobs, logprobs, nothing), "mask")
+    refused(lambda: training.ppo_loss(logprobs, logprobs, logprobs, nothing), "mask")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -103,6 +103,18 @@ def test_a_patch_that_cannot_be_undone_refuses_a_second_driver(monkeypatch: pyte
         seam.install(_Undoable(log, "next"), model)
 
 
+def test_a_patch_that_cannot_be_undone_admits_a_driver_that_patches_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bare ``model -> controller`` callable patches nothing: a stuck driver is no reason to refuse it."""
+    monkeypatch.setattr(seam, "_patched", [])
+    log: list[str] = []
+    model = reference_kind().build("softmax_topk", "fp32")
+    seam.install(_Patching(log, "stuck"), model)
+    seam.install(REFERENCE.install_replay, model).disarm()
+    assert log == ["patch stuck"]
+
+
 @pytest.mark.parametrize("name", ["claims-replay-without-arming", "stale-router-objects"])
 def test_probe_only_mutants_report_success_while_the_probe_sees_native_routing(name: str) -> None:
     """The new mutants lie convincingly: their own ``dispatched()`` equals the targets; the probe does not."""

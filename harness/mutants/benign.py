@@ -12,7 +12,8 @@ loads one.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
@@ -23,7 +24,10 @@ import torch
 from harness.conventions import decode_payload
 from harness.mutants import changed_capabilities, patched_module
 from harness.mutants.conventions import rebuilt
+from harness.mutants.drivers import ConstructorPatchDriver
+from harness.mutants.replay import ReplayForwardThroughBackward
 from harness.subjects import Subject
+from harness.subjects.capabilities import LayoutsCapability, members
 from harness.subjects.reference import REFERENCE
 from harness.trace import RoutingTrace
 from reference_impl import MoELM, layouts, splice, training
@@ -43,6 +47,9 @@ class Benign:
     name: str
     choice: str
     subject: Subject
+    own_process: bool = False
+    """Run in a process of its own: it ships a driver without ``unpatch()``, which would refuse every
+    later patching driver of the process that runs it (``harness.subjects.replay``)."""
 
     @property
     def capabilities(self) -> tuple[str, ...]:
@@ -90,6 +97,35 @@ def truncate_keeping_last_kept_row(
 def splice_to_numpy(prompt_len: int, attempts: Sequence[splice.Attempt]) -> np.ndarray:
     """The correct splice, returned as a numpy int32 array with each route's ids sorted."""
     return np.sort(splice.splice(prompt_len, attempts).numpy().astype(np.int32), axis=-1)
+
+
+def splice_into_buffer(prompt_len: int, attempts: Sequence[splice.Attempt]) -> torch.Tensor | None:
+    """The correct splice written as a buffer fill: allocate ``P + Σa − 1`` rows, then copy each
+    contributing attempt's own new positions from the same rows of its payload, by index. It never
+    compares rows, so rows that repeat across a seam stay where they are (the twin of the
+    ``repeated-row-at-seam`` mutant). ``None`` when no position was fed; its own ValueErrors."""
+    if prompt_len < 1 or any(a.new_tokens < 0 for a in attempts):
+        raise ValueError(
+            f"bad schedule: prompt of {prompt_len}, new tokens {[a.new_tokens for a in attempts]}"
+        )
+    rows = prompt_len + sum(a.new_tokens for a in attempts) - 1
+    buffer: torch.Tensor | None = None
+    filled, context_len = 0, prompt_len
+    for attempt in attempts:
+        context_len += attempt.new_tokens
+        if not attempt.new_tokens:
+            continue
+        payload = attempt.routes
+        if payload is None or payload.dim() != 3 or payload.shape[0] != context_len - 1:
+            shape = None if payload is None else tuple(payload.shape)
+            raise ValueError(f"payload {shape} cannot fill positions [{filled}, {context_len - 1})")
+        if buffer is None:
+            buffer = payload.new_zeros((rows, *payload.shape[1:]))
+        buffer[filled : context_len - 1] = payload[filled : context_len - 1]
+        filled = context_len - 1
+    if buffer is None and rows:
+        raise ValueError(f"no attempt added a token: nobody owns the {rows} prompt rows")
+    return buffer
 
 
 # --- decode_payload ---------------------------------------------------------------------------------
@@ -191,6 +227,60 @@ def reference_logprobs_on_a_copy(model_ref: MoELM, placed: Placed) -> torch.Tens
         return training.token_logprobs(frozen, placed.tokens, placed.attention_mask)
 
 
+# --- errors in a framework's own words ------------------------------------------------------------------
+
+
+def in_own_words(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` refusing bad input with a framework's own terse wording (the offending field unnamed)."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ValueError:
+            raise ValueError(f"{fn.__name__}: arguments do not describe a valid batch") from None
+
+    return call
+
+
+LAYOUTS_IN_OWN_WORDS = patched_module(
+    layouts, **{name: in_own_words(getattr(layouts, name)) for name in members(LayoutsCapability)}
+)
+
+
+# --- replay drivers ----------------------------------------------------------------------------------
+
+
+class OneForwardInFlightThroughBackward(ReplayForwardThroughBackward):
+    """REPLAY_FORWARD left on through backward, under a declared one-forward-in-flight contract (each
+    micro-batch's backward runs before the next forward, as in verl's VeOmni engine): the recompute
+    then replays the one forward's own targets, which is right."""
+
+    forwards_in_flight = 1
+
+
+def one_forward_in_flight(model: MoELM) -> OneForwardInFlightThroughBackward:
+    return OneForwardInFlightThroughBackward(model)
+
+
+class HooksWithoutUnpatch:
+    """A transformers driver whose ``patch()`` sets a process-wide default and cannot be undone (no
+    ``unpatch()``), as a framework that imports its patches for good."""
+
+    patched = False
+
+    def patch(self) -> None:
+        type(self).patched = True
+
+    def install(self, model: torch.nn.Module) -> Any:
+        return REFERENCE.install_hf_replay(model)  # type: ignore[misc]
+
+
+def bare_install_replay(model: MoELM) -> Any:
+    """A bare ``model -> controller`` callable: a driver with nothing to patch."""
+    return REFERENCE.install_replay(model)  # type: ignore[misc]
+
+
 def _namespace(module: Any) -> SimpleNamespace:
     """Every public name of ``module`` in a plain (unhashable) namespace."""
     return SimpleNamespace(**{n: getattr(module, n) for n in dir(module) if not n.startswith("_")})
@@ -211,6 +301,12 @@ BENIGN: tuple[Benign, ...] = (
         "splice-numpy-sorted",
         "the splice as a numpy int32 array, each route's ids sorted",
         _variant("splice-numpy-sorted", splice=splice_to_numpy),
+    ),
+    Benign(
+        "splice-into-buffer",
+        "the splice as a preallocated buffer filled by position from each attempt's payload, never "
+        "comparing rows (equal rows across a seam stay put)",
+        _variant("splice-into-buffer", splice=splice_into_buffer),
     ),
     Benign(
         "decode-sorted-ids",
@@ -266,6 +362,41 @@ BENIGN: tuple[Benign, ...] = (
             "reference-pass-on-a-copy",
             training=patched_module(training, reference_logprobs=reference_logprobs_on_a_copy),
         ),
+    ),
+    Benign(
+        "errors-in-own-words",
+        "splice, truncate and layouts refuse bad input with their own ValueError wording, naming no field "
+        "(the reference's wording is its own tests' business)",
+        _variant(
+            "errors-in-own-words",
+            splice=in_own_words(splice.splice),
+            truncate=in_own_words(splice.truncate),
+            layouts=LAYOUTS_IN_OWN_WORDS,
+        ),
+    ),
+    Benign(
+        "constructor-patch-driver",
+        "replay through a patched Router.__init__ and a process-global registry (verl's "
+        "apply_router_replay_patch shape), per-model controllers in layer order; models built before the "
+        "patch are refused loudly",
+        _variant("constructor-patch-driver", install_replay=ConstructorPatchDriver()),
+    ),
+    Benign(
+        "one-forward-in-flight",
+        "declares one forward in flight (OneForwardInFlight) and keeps REPLAY_FORWARD through backward: "
+        "the recompute replays the one forward's own targets",
+        _variant("one-forward-in-flight", install_replay=one_forward_in_flight),
+    ),
+    Benign(
+        "un-undoable-driver-beside-a-bare-callable",
+        "a transformers driver without unpatch() and a bare model -> controller callable for the "
+        "reference model, in one subject (the bare callable patches nothing, so nothing conflicts)",
+        _variant(
+            "un-undoable-driver-beside-a-bare-callable",
+            install_replay=bare_install_replay,
+            install_hf_replay=HooksWithoutUnpatch(),
+        ),
+        own_process=True,
     ),
     Benign(
         "namespace-capabilities",

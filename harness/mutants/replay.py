@@ -10,6 +10,8 @@ import torch
 from torch import Tensor
 
 from harness.mutants import Mutant, mutate
+from harness.mutants.drivers import Bug, ConstructorPatchDriver
+from harness.subjects import Subject
 from harness.subjects.capabilities import ReplayController
 from harness.subjects.reference import ReferenceReplay
 from reference_impl import MoELM, RoutingMode
@@ -133,6 +135,17 @@ def hooks_on_a_stale_copy(model: torch.nn.Module) -> ReplayController:
     return handle
 
 
+class OneForwardInFlightNativeRecompute(ReferenceReplay):
+    """Declares one forward in flight (``OneForwardInFlight``), then treats the forward's targets as
+    spent once it ran: ``prepare_backward`` returns the routers to native routing, so activation
+    recompute routes natively and the backward differentiates another routing than the forward."""
+
+    forwards_in_flight = 1
+
+    def prepare_backward(self) -> None:
+        self.model.set_routing_mode(RoutingMode.NATIVE)
+
+
 def _installer(handle: type[ReferenceReplay]) -> Callable[[MoELM], ReferenceReplay]:
     def install_replay(model: MoELM) -> ReferenceReplay:
         return handle(model)
@@ -146,6 +159,10 @@ def structural_softmax_hook(model: torch.nn.Module) -> ReplayController:
     from harness.trainers.hf import softmax_rule as rule
 
     return install(model, rule=rule, self_check=False)
+
+
+def _driver_with(bug: Bug, name: str) -> Subject:
+    return mutate(name, install_replay=ConstructorPatchDriver(bug))
 
 
 MUTANTS = (
@@ -212,5 +229,51 @@ MUTANTS = (
         "for Qwen/OlMoE, wrong for DeepSeek-V3/GLM4 (sigmoid ×scale) and Mixtral in bf16 (fp32 weights)",
         mutate("hf-softmax-hook", install_hf_replay=structural_softmax_hook),
         killed_by="test_replay.py::test_replaying_own_recording_is_bit_exact[hf-mixtral-bf16]",
+    ),
+    Mutant(
+        "one-forward-in-flight-native-recompute",
+        "recompute drift",
+        "a controller under the one-forward-in-flight contract (verl's VeOmni engine: each micro-batch's "
+        "backward before the next forward) that drops the forward's targets before backward: activation "
+        "recompute routes natively",
+        mutate(
+            "one-forward-in-flight-native-recompute",
+            install_replay=_installer(OneForwardInFlightNativeRecompute),
+        ),
+        killed_by="test_replay.py::test_recompute_replays_each_forwards_targets[reference-softmax_topk-fp32]",
+    ),
+    Mutant(
+        "routers-built-before-patch-left-native",
+        "silent no-op",
+        "a driver that patches the router constructor (verl's apply_router_replay_patch on "
+        "TopKRouter.__init__) and replays only the routers it saw built: a part built before patch() (an "
+        "MTP head, a critic) routes natively in silence while the rest replays",
+        _driver_with(Bug.SKIPS_UNPATCHED_ROUTERS, "routers-built-before-patch-left-native"),
+        killed_by="test_replay.py::test_a_part_built_before_the_patch_is_replayed_or_refused[reference]",
+    ),
+    Mutant(
+        "global-router-registry-last-model-wins",
+        "silent no-op",
+        "routers kept in a process-global registry keyed by layer (Megatron-core's class-level "
+        "RouterReplay list, verl's global router registry): with an actor and a reference model alive in "
+        "one process, the last installed model's routers receive the other model's targets",
+        _driver_with(Bug.GLOBAL_BY_LAYER, "global-router-registry-last-model-wins"),
+        killed_by="test_replay.py::test_two_controlled_models_replay_independently[reference-replayed-first]",
+    ),
+    Mutant(
+        "routers-in-name-order",
+        "PP/VPP offsets",
+        "routers ordered by sorting module names as strings: layers.10 comes before layers.2, so every "
+        "model with more than ten decoder layers replays layer targets on the wrong routers",
+        _driver_with(Bug.NAME_ORDER, "routers-in-name-order"),
+        killed_by="test_replay.py::test_experts_receive_the_targets_in_a_deep_model[reference]",
+    ),
+    Mutant(
+        "disarm-keeps-targets",
+        "silent no-op",
+        "disarm() clears the recompute queue and recordings but leaves the routers replaying the last "
+        "targets: the next reference, evaluation or colocated-prefill forward dispatches stale experts",
+        _driver_with(Bug.DISARM_KEEPS_TARGETS, "disarm-keeps-targets"),
+        killed_by="test_replay.py::test_a_disarmed_model_routes_natively[reference]",
     ),
 )

@@ -38,6 +38,24 @@ def splice_restarting_each_turn(prompt_len: int, attempts: Sequence[Attempt]) ->
     return splice(prompt_len, [merged, *attempts[turn_start + 1 :]])
 
 
+def splice_dropping_repeated_seam_rows(prompt_len: int, attempts: Sequence[Attempt]) -> torch.Tensor:
+    """The correct splice, except at each resume or turn boundary: a new attempt's first row equal (as a
+    set) to the last row already kept is taken for the overlap row the engine sent again, and dropped.
+
+    Random routes over many experts never meet an equal row there; top-1 or two-expert routes do.
+    """
+    trace = splice(prompt_len, attempts)
+    seams, context_len, first = set(), prompt_len, True
+    for attempt in attempts:
+        if attempt.new_tokens and not first:
+            seams.add(context_len - 1)  # the new attempt's first own row
+        first = first and not attempt.new_tokens
+        context_len += attempt.new_tokens
+    sets = torch.sort(trace, dim=-1).values
+    keep = [p for p in range(trace.shape[0]) if not (p in seams and torch.equal(sets[p], sets[p - 1]))]
+    return trace[keep]
+
+
 def truncate_tokens_only(
     tokens: torch.Tensor, routes: torch.Tensor, prompt_len: int, max_response_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +100,15 @@ MUTANTS = (
         "verl #6054: each turn overwrites earlier turns' rows (hides unless weights change between turns)",
         mutate("multi-turn-staleness", splice=splice_restarting_each_turn),
         killed_by="test_splice.py::test_multi_turn_keeps_every_turns_rows",
+    ),
+    Mutant(
+        "repeated-row-at-seam",
+        "repeated row at a seam",
+        "issue 25's blind spot (no framework release known): at a resume or turn boundary a row equal to "
+        "the one before it is dropped as a duplicate (hides unless two equal rows meet at a seam: top-1, "
+        "few experts)",
+        mutate("repeated-row-at-seam", splice=splice_dropping_repeated_seam_rows),
+        killed_by="test_splice.py::test_rows_that_repeat_across_a_seam_keep_their_positions",
     ),
     Mutant(
         "truncation",

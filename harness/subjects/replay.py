@@ -2,16 +2,19 @@
 
 Isolation of global patches (DESIGN §4 "subject seam"):
 
-- ``patch()`` runs once per process per driver (``ensure_patched``), before the first model is
-  handed to ``install``;
+- ``patch()`` runs once per process per driver (``ensure_patched``, or ``prepare``, which the suites
+  call *before they build* the models a driver will control: a driver may patch a router class's
+  constructor, as verl's ``apply_router_replay_patch`` patches ``TopKRouter.__init__``, and a model
+  built — or deep-copied from one built — before the patch has routers that never saw it);
 - every controller is disarmed — and its hooks removed when it is ``Removable`` — when its
   ``controlled`` block ends, so the next test gets a model that routes natively;
 - ``unpatch_all()`` undoes every driver's patches at the end of a pytest session (the plugin calls
   it), so ``rrh mutants``, which runs each mutant's suites in the same process one after another,
   starts each subject unpatched;
-- a driver without ``unpatch()`` cannot be undone: once it has patched, patching *another* driver in
-  the same process is a ``PatchIsolationError`` — run such subjects one per process (``rrh check
-  --subject`` and the Megatron suites, which spawn fresh rank processes, already do).
+- a driver without ``unpatch()`` cannot be undone: once it has patched, patching *another* driver
+  that patches in the same process is a ``PatchIsolationError`` — run such subjects one per process
+  (``rrh check --subject`` and the Megatron suites, which spawn fresh rank processes, already do). A
+  bare ``model -> controller`` callable (``CallableDriver``) patches nothing and is never refused.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 from harness.errors import HarnessError
 from harness.subjects.capabilities import (
+    CallableDriver,
     MissingMember,
     Removable,
     ReplayController,
@@ -39,9 +43,14 @@ class PatchIsolationError(HarnessError, RuntimeError):
 _patched: list[Any] = []  # drivers whose patch() ran in this process, in order
 
 
+def patches(driver: Any) -> bool:
+    """Whether ``driver`` may patch the process: every driver object may; a bare callable never does."""
+    return not isinstance(driver, CallableDriver)
+
+
 def ensure_patched(driver: Any) -> None:
-    """Run ``driver.patch()`` unless it already ran in this process."""
-    if any(d is driver or d == driver for d in _patched):
+    """Run ``driver.patch()`` unless it already ran in this process (nothing for a bare callable)."""
+    if not patches(driver) or any(d is driver or d == driver for d in _patched):
         return
     stuck = [d for d in _patched if not isinstance(d, Unpatchable)]
     if stuck:
@@ -63,15 +72,21 @@ def unpatch_all() -> None:
         driver.unpatch()
 
 
+def prepare(capability: object, name: str = "install_replay") -> ReplayDriver:
+    """``capability`` as a driver whose ``patch()`` has run: call it before building the models it
+    will control (the protocol promises ``install`` models built after ``patch()``)."""
+    driver: ReplayDriver = as_driver(capability, name)
+    ensure_patched(driver)
+    return driver
+
+
 def install(capability: object, model: Any, name: str = "install_replay") -> ReplayController:
     """Patch (once) and install ``capability`` (a driver or a bare callable) on ``model``.
 
     The controller must have every ``ReplayController`` member; a missing one is ``MissingMember``
     naming it (the suites turn it into a skip).
     """
-    driver: ReplayDriver = as_driver(capability, name)
-    ensure_patched(driver)
-    controller = driver.install(model)
+    controller = prepare(capability, name).install(model)
     missing = missing_members(controller, ReplayController)
     if missing:
         raise MissingMember(

@@ -3,8 +3,9 @@
 A subject may hand back ids in any integer dtype that holds them, as a torch tensor, a numpy array
 or nested lists, with each route's ids in any order. The suites turn what they get into int64 torch
 tensors (``as_ids``) and compare routes as sets (``route_sets``) before judging. Bad input is
-judged the same way (``raises_naming``): any ValueError subclass will do, as long as its message
-names what was wrong.
+judged the same way (``refuses``): a subject must raise, in its own words; the reference's wording
+(``raises_naming``: a ValueError naming the field) is checked by the reference's own tests, which run
+the same bad-input cases with that stricter judge.
 """
 
 from __future__ import annotations
@@ -31,6 +32,23 @@ def as_ids(x: Any, what: str = "routes") -> torch.Tensor:
 def route_sets(x: Any, what: str = "routes") -> torch.Tensor:
     """Routes as per-(row, layer) expert sets: int64, ids sorted along the last (top_k) axis."""
     return torch.sort(as_ids(x, what), dim=-1).values
+
+
+Refusal = Callable[..., None]
+"""How a bad-input case is judged: ``refusal(call, *words)`` (``refuses`` or ``raises_naming``)."""
+
+
+def refuses(call: Callable[[], Any], *words: str) -> None:
+    """``call()`` raises — any exception, in the subject's own words — instead of returning a result.
+    ``words`` are the reference's wording of the refusal, not judged here (see ``raises_naming``)."""
+    try:
+        got = call()
+    except Exception:
+        return
+    raise AssertionError(
+        f"bad input accepted (returned a {type(got).__name__}); expected it refused with an exception "
+        f"(the reference raises a ValueError naming {words})"
+    )
 
 
 def raises_naming(call: Callable[[], Any], *words: str) -> None:

@@ -112,6 +112,22 @@ class RankRun:
         return sum(self.cpu_seconds)
 
 
+def forget_inherited_forkserver() -> None:
+    """In a process forked from one that already started the rank fork server: drop the inherited
+    server, so that this process starts one of its own on its next run.
+
+    The inherited server is not this process's child, so ``multiprocessing`` cannot ``waitpid`` it
+    (``ChildProcessError``); closing this copy of its "alive" fd leaves it running for the parent.
+    """
+    from multiprocessing import forkserver
+
+    server: Any = forkserver._forkserver  # type: ignore[attr-defined]
+    with server._lock:
+        if server._forkserver_alive_fd is not None:
+            os.close(server._forkserver_alive_fd)
+        server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+
+
 def default_backend(world_size: int) -> str:
     """``"nccl"`` when CUDA has at least one device per rank, else ``"gloo"``."""
     import torch

@@ -21,6 +21,29 @@ from torch import nn
 from harness.probes import RouteProbe
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEEP_LAYERS = 12
+"""Decoder layers of a deep model: more than ten, so name order (``layers.10`` < ``layers.2``) is not
+layer order; every other size stays tiny."""
+
+
+@functools.cache
+def _cached(
+    construct: Callable[[str, str, bool], nn.Module], family: str, dtype: str, deep: bool
+) -> nn.Module:
+    return construct(family, dtype, deep)
+
+
+def _builder(construct: Callable[[str, str, bool], nn.Module]) -> Callable[..., nn.Module]:
+    """``build`` over ``construct(family, dtype, deep)``: cached and deep-copied unless ``fresh``."""
+
+    def build(family: str, dtype: str, *, fresh: bool = False, deep: bool = False) -> nn.Module:
+        return (
+            construct(family, dtype, deep)
+            if fresh
+            else copy.deepcopy(_cached(construct, family, dtype, deep))
+        )
+
+    return build
 
 
 @dataclass(frozen=True)
@@ -41,7 +64,11 @@ class ModelKind:
         capability: the subject capability whose driver controls this kind.
         families: the router families (reference) or model types (transformers) it is built for.
         vocab: token ids are drawn from ``[3, vocab)``.
-        build: ``(family, dtype) -> model``, a private fresh copy each call.
+        build: ``(family, dtype, *, fresh=False, deep=False) -> model``, a private model each call: a
+            deep copy of a cached one, or with ``fresh`` one constructed now (what a driver that
+            patches router constructors needs: a copy of a model built before its patch never ran
+            the patched constructor); with ``deep``, ``DEEP_LAYERS`` decoder layers, so that
+            ``layers.10`` sorts before ``layers.2`` as a string.
         run: ``(model, tokens, attention_mask, position_ids, recompute) -> logits [B, T, V]``.
         probe: attach the harness's route probe (after the subject's driver installed).
         routing: the model's ``Routing``.
@@ -52,7 +79,7 @@ class ModelKind:
     capability: str
     families: tuple[str, ...]
     vocab: int
-    build: Callable[[str, str], nn.Module]
+    build: Callable[..., nn.Module]
     run: Callable[..., torch.Tensor]
     probe: Callable[[nn.Module], RouteProbe]
     routing: Callable[[nn.Module], Routing]
@@ -68,13 +95,13 @@ class ModelKind:
 # --- the reference MoELM ------------------------------------------------------------------------------
 
 
-@functools.cache
-def _reference_base(family: str, dtype: str) -> nn.Module:
+def _reference_model(family: str, dtype: str, deep: bool) -> nn.Module:
     from reference_impl import MoEConfig, MoELM
 
     grouped = family == "sigmoid_grouped"
     return MoELM(
         MoEConfig.tiny(
+            **({"num_layers": DEEP_LAYERS, "hidden_size": 16} if deep else {}),
             router_family=family,
             n_group=2 if grouped else 1,
             topk_group=1,
@@ -119,7 +146,7 @@ def reference_kind() -> ModelKind:
         "install_replay",
         tuple(ROUTER_FAMILIES),
         64,
-        lambda family, dtype: copy.deepcopy(_reference_base(family, dtype)),
+        _builder(_reference_model),
         _reference_run,
         _reference_probe,
         _reference_routing,
@@ -130,11 +157,10 @@ def reference_kind() -> ModelKind:
 # --- transformers ----------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _hf_base(model_type: str, dtype: str) -> nn.Module:
+def _hf_model(model_type: str, dtype: str, deep: bool) -> nn.Module:
     from harness.trainers.hf import tiny_model
 
-    return tiny_model(model_type, DTYPES[dtype])
+    return tiny_model(model_type, DTYPES[dtype], **({"num_hidden_layers": DEEP_LAYERS} if deep else {}))
 
 
 def _hf_run(
@@ -193,7 +219,7 @@ def hf_kind() -> ModelKind:
         "install_hf_replay",
         tuple(MODEL_TYPES),
         VOCAB,
-        lambda model_type, dtype: copy.deepcopy(_hf_base(model_type, dtype)),
+        _builder(_hf_model),
         _hf_run,
         _hf_probe,
         _hf_routing,
