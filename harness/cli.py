@@ -303,8 +303,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if unknown:
         print(f"rrh generate: --faults {unknown[0]!r}: expected 'all' or some of {list(FAULTS)}", file=sys.stderr)
         return 2
+    from harness.cpus import available_cpus
+
     planted = generate_run(args.directory, RunShape(steps=args.steps), seed=args.seed, faults=faults,
-                           target_bytes=args.size)  # fmt: skip
+                           target_bytes=args.size, workers=available_cpus())  # fmt: skip
     print(f"wrote a run to {args.directory} ({args.steps if args.size is None else 'sized'} steps)")
     for fault in planted:
         where = f"step {fault.step} sample {fault.sample_key} row {fault.row} layer {fault.layer}"

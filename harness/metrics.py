@@ -28,6 +28,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple, TypeAlias
 
+import numba
 import numpy as np
 import numpy.typing as npt
 
@@ -37,6 +38,7 @@ __all__ = [
     "LOGPROB_TOLERANCE",
     "ExactSum",
     "GapAccumulator",
+    "GapTerms",
     "LogprobGap",
     "ProbDiffStats",
     "extreme_fraction",
@@ -446,6 +448,50 @@ def _exact_sum(partials: list[float], special: float) -> ExactSum:
 _GAP_SUMS = ("abs_diff", "prob_diff", "k1", "k2", "k3")
 
 
+@numba.njit(cache=True, nogil=True)
+def _exact_partials(values, out):  # type: ignore[no-untyped-def]
+    """Shewchuk's partials of the exact sum of the finite ``values`` (``ExactSum.add`` over each in
+    turn) into ``out``; returns how many. Non-overlapping partials of doubles number fewer than 40
+    (the exponent range over 53 bits), so ``out`` of 64 always holds them."""
+    n = 0
+    for v in values:
+        x = v
+        if not np.isfinite(x):
+            continue
+        i = 0
+        for j in range(n):
+            y = out[j]
+            if abs(x) < abs(y):
+                x, y = y, x
+            hi = x + y
+            lo = y - (hi - x)
+            if lo != 0.0:
+                out[i] = lo
+                i += 1
+            x = hi
+        out[i] = x
+        n = i + 1
+    return n
+
+
+class GapTerms:
+    """The per-token terms of every gap metric, computed once for tokens that several accumulators
+    fold in part (the audit splits a batch's tokens by step and by whether their routes agreed)."""
+
+    def __init__(self, train: FloatArray, infer: FloatArray) -> None:
+        self.delta = train - infer
+        tok = _Tokens(train=train, infer=infer, delta=self.delta)
+        with np.errstate(over="ignore", invalid="ignore"):
+            self.terms = {
+                "abs_diff": _abs_delta(tok),
+                "prob_diff": _prob_abs_diff(tok),
+                "k1": _k1_terms(tok),
+                "k2": _k2_terms(tok),
+                "k3": _k3_terms(tok),
+            }
+        self.p, self.q = np.exp(train), np.exp(infer)
+
+
 class GapAccumulator:
     """The §5 gap metrics as a mergeable accumulator: exact sums, counts and maxima.
 
@@ -479,35 +525,51 @@ class GapAccumulator:
         For callers that validated the tokens themselves (the audit: one segment per sample, so a
         sample's sums do not depend on which batch it was read in).
         """
-        delta = tok_train - tok_infer
-        self._fold(_Tokens(train=tok_train, infer=tok_infer, delta=delta), starts)
+        self.add_terms(GapTerms(tok_train, tok_infer), slice(None), starts)
 
     def _fold(self, tok: _Tokens, starts: npt.NDArray[np.int64]) -> None:
-        n = int(tok.delta.size)
+        self.add_terms(GapTerms(tok.train, tok.infer), slice(None), starts)
+
+    def add_terms(self, tokens: GapTerms, which: Any, starts: npt.NDArray[np.int64]) -> None:
+        """Fold in the tokens ``which`` (an index array or a slice) of ``tokens``, one segment from each
+        of ``starts`` (indices into the selection).
+
+        Each segment's sums are added exactly: the partials of their exact total, found by a compiled
+        loop (``_exact_partials``), go into the ``ExactSum``s, so no Python step runs per segment and
+        the figures do not depend on how the tokens were split into calls. Each segment's centred
+        co-moments (for Pearson's r) are kept as they are.
+        """
+        delta = tokens.delta[which]
+        n = int(delta.size)
         if n == 0:
             return
-        abs_delta = _abs_delta(tok)
-        prob_diff = _prob_abs_diff(tok)
-        with np.errstate(over="ignore", invalid="ignore"):
-            terms = {
-                "abs_diff": abs_delta,
-                "prob_diff": prob_diff,
-                "k1": _k1_terms(tok),
-                "k2": _k2_terms(tok),
-                "k3": _k3_terms(tok),
-            }
+        terms = {name: values[which] for name, values in tokens.terms.items()}
         bounds = np.append(starts, n)
         keep = bounds[:-1][np.diff(bounds) > 0]
+        scratch = np.empty(64, dtype=np.float64)
         for name, values in terms.items():
+            sums = np.add.reduceat(values, keep)
             total = self.sums[name]
-            for x in np.add.reduceat(values, keep).tolist():
+            for x in scratch[: _exact_partials(sums, scratch)].tolist():
                 total.add(x)
-        self.moments.extend(_segment_moments(np.exp(tok.train), np.exp(tok.infer), np.append(keep, n)))
+            for x in sums[~np.isfinite(sums)].tolist():
+                total.add(x)
+        counts = np.diff(np.append(keep, n))
+        p, q = tokens.p[which], tokens.q[which]
+        mean_p, mean_q = np.add.reduceat(p, keep) / counts, np.add.reduceat(q, keep) / counts
+        pc, qc = p - np.repeat(mean_p, counts), q - np.repeat(mean_q, counts)
+        self.moments.extend(
+            zip(
+                counts.tolist(), mean_p.tolist(), mean_q.tolist(), np.add.reduceat(pc * pc, keep).tolist(),
+                np.add.reduceat(qc * qc, keep).tolist(), np.add.reduceat(pc * qc, keep).tolist(), strict=True,
+            )
+        )  # fmt: skip
+        abs_delta, prob_diff = terms["abs_diff"], terms["prob_diff"]
         self.n_tokens += n
         self.max_abs_diff = max(self.max_abs_diff, float(abs_delta.max()))
         self.max_prob_diff = max(self.max_prob_diff, float(prob_diff.max()))
         self.n_extreme += int(np.count_nonzero(abs_delta > math.log(self.tau)))
-        outside = (tok.delta < math.log(ICEPOP_LOW)) | (tok.delta > math.log(ICEPOP_HIGH))
+        outside = (delta < math.log(ICEPOP_LOW)) | (delta > math.log(ICEPOP_HIGH))
         self.n_icepop += int(np.count_nonzero(outside))
 
     def merge(self, other: GapAccumulator) -> None:
@@ -559,19 +621,6 @@ class GapAccumulator:
             n = total
         denom = math.sqrt(m2_p * m2_q)
         return max(-1.0, min(1.0, c_pq / denom)) if denom > 0.0 else math.nan
-
-
-def _segment_moments(
-    p: FloatArray, q: FloatArray, bounds: npt.NDArray[np.int64]
-) -> list[tuple[int, float, float, float, float, float]]:
-    """``(n, mean p, mean q, Σ(p−p̄)², Σ(q−q̄)², Σ(p−p̄)(q−q̄))`` of each segment ``bounds[i]:bounds[i+1]``."""
-    out = []
-    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-        ps, qs = p[lo:hi], q[lo:hi]
-        mp, mq = float(ps.mean()), float(qs.mean())
-        pc, qc = ps - mp, qs - mq
-        out.append((hi - lo, mp, mq, float(np.dot(pc, pc)), float(np.dot(qc, qc)), float(np.dot(pc, qc))))
-    return out
 
 
 def logprob_gap(

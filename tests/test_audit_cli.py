@@ -17,7 +17,9 @@ from harness.audit.layout import SampleRecord
 from harness.audit.writer import RunWriter
 from harness.cli import main
 
-SMALL = RunShape(steps=2, prompts=2, group_size=3, prompt_len=12, response_len=10, layers=6, experts=32, top_k=4)
+SMALL = RunShape(
+    steps=2, prompts=2, group_size=3, prompt_len=12, response_len=10, layers=6, experts=32, top_k=4
+)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +69,13 @@ def test_every_planted_fault_is_named_at_its_place_in_the_json_report(
         for o in inv["offenders"]
     }
     for fault in planted:
-        where = (fault.invariant, fault.step, fault.sample_key, fault.row, None if fault.layer < 0 else fault.layer)
+        where = (
+            fault.invariant,
+            fault.step,
+            fault.sample_key,
+            fault.row,
+            None if fault.layer < 0 else fault.layer,
+        )
         assert where in offenders, (fault, sorted(offenders))
 
 
@@ -84,7 +92,12 @@ def test_html_has_plots_and_no_script_and_summary_tables_answer_a_query(
     rows = duckdb.sql(f"select step, samples from '{tables / 'steps.parquet'}' order by step").fetchall()
     assert rows == [(0, 6), (1, 6)]
     offenders = pq.read_table(tables / "offenders.parquet").to_pylist()
-    assert {o["invariant"] for o in offenders} >= {"coverage", "ids_valid", "replay_fidelity", "logprobs_valid"}
+    assert {o["invariant"] for o in offenders} >= {
+        "coverage",
+        "ids_valid",
+        "replay_fidelity",
+        "logprobs_valid",
+    }
 
 
 def test_fail_on_a_threshold_exits_1(clean_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -95,7 +108,9 @@ def test_fail_on_a_threshold_exits_1(clean_run: Path, capsys: pytest.CaptureFixt
     assert code == 0
 
 
-def test_sampling_picks_the_same_samples_every_time(clean_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_sampling_picks_the_same_samples_every_time(
+    clean_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     first = _audit(capsys, clean_run, "--samples", "0.5", "--steps", "1")[1]
     again = _audit(capsys, clean_run, "--samples", "0.5", "--steps", "1")[1]
     assert first.splitlines()[1:] == again.splitlines()[1:]
@@ -139,8 +154,11 @@ def _bad_cases(good: Path) -> dict[str, tuple[pa.Table, dict[bytes, bytes] | Non
             "column 'top_k' has type string; expected int32",
         ),
         "short blob": (
-            table.set_column(table.schema.get_field_index("engine_routes"), "engine_routes",
-                             pa.array([blob[:-1]], pa.large_binary())),
+            table.set_column(
+                table.schema.get_field_index("engine_routes"),
+                "engine_routes",
+                pa.array([blob[:-1]], pa.large_binary()),
+            ),
             meta,
             "row 0: column engine_routes holds 15 bytes; expected 4 rows",
         ),  # fmt: skip
@@ -149,13 +167,18 @@ def _bad_cases(good: Path) -> dict[str, tuple[pa.Table, dict[bytes, bytes] | Non
             meta,
             "row 0: column 'tokens' has 3 entries; expected 5 (prompt_len + response_len)",
         ),
-        "unknown version": (table, {b"rrh.run_layout": b"99"}, "rrh.run_layout version 99; this harness reads"),
+        "unknown version": (
+            table,
+            {b"rrh.run_layout": b"99"},
+            "rrh.run_layout version 99; this harness reads",
+        ),
         "no version": (table, {}, "no rrh.run_layout key"),
     }
 
 
 @pytest.mark.parametrize(
-    "case", ["missing column", "mistyped column", "short blob", "ragged list", "unknown version", "no version"]
+    "case",
+    ["missing column", "mistyped column", "short blob", "ragged list", "unknown version", "no version"],
 )
 def test_bad_input_is_one_line_naming_file_column_row_and_other_files_are_still_audited(
     case: str, one_good_file: Path, capsys: pytest.CaptureFixture[str]

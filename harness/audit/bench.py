@@ -327,11 +327,9 @@ def bench_audit(
         out["decoded_bytes"] = floor
         out["configs"] = figures
 
-        results = {
-            name: tries[0]["result"] for name, tries in rounds.items() if tries and "result" in tries[0]
-        }
-        serial = results.get("serial")
-        out["identical_results"] = all(r == serial for r in results.values()) if serial else None
+        results = [t["result"] for tries in rounds.values() for t in tries if "result" in t]
+        serial = rounds["serial"][0]["result"] if rounds.get("serial") else None
+        out["identical_results"] = all(r == serial for r in results) if serial else None
         planted_dicts = [f.as_dict() for f in planted]
         out["faults"] = _faults_found(serial, planted_dicts) if serial else []
         ratios = _ratios({name: f["wall_s"] for name, f in figures.items()})
@@ -430,6 +428,13 @@ def format_bench_audit(result: dict[str, Any]) -> str:
     if not result.get("ray_installed"):
         lines.append("ray                  not installed (the 'ray' extra): not measured")
     lines.append("")
+    loads = [f.get("load_average") or 0 for f in result.get("configs", {}).values()]
+    if loads and max(loads) >= result["cpus"]:
+        lines.append(
+            f"(a shared machine: load average up to {max(loads):.1f} on {result['cpus']} CPUs; a "
+            "configuration got the CPU others left it. Beside each ratio: the same with every "
+            "configuration CPU-bound on otherwise idle CPUs, from its processes' CPU time)"
+        )
     projected = result.get("projected_ratios", {})
     for name, t in result.get("targets", {}).items():
         relation = "<=" if name == "memory_growth" else ">="

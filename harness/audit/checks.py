@@ -28,7 +28,7 @@ from harness.audit.state import (
     Offender,
     SampleFigure,
 )
-from harness.metrics import LOGPROB_TOLERANCE
+from harness.metrics import LOGPROB_TOLERANCE, GapTerms
 from harness.trace import AgreementCounts, LayerAxis
 from harness.trace import kernels as trace_kernels
 
@@ -510,7 +510,7 @@ class _BatchAudit:
             self.sample_gap = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
         # The terms of every kept token once; each accumulator folds its tokens, a segment per sample.
         kept = np.flatnonzero(ok)
-        tokens = audit_kernels.GapTerms(trainer[kept].astype(np.float64), engine[kept].astype(np.float64))
+        tokens = GapTerms(trainer[kept].astype(np.float64), engine[kept].astype(np.float64))
         owners, steps = self.resp_owner[kept], b.step[self.resp_owner[kept]]
         for step in np.unique(b.step[both]).tolist():
             in_step = steps == step
@@ -526,7 +526,7 @@ class _BatchAudit:
                 if not idx.size:
                     continue
                 starts = np.flatnonzero(np.diff(owners[idx], prepend=-1)).astype(np.int64)
-                audit_kernels.fold_gap_terms(acc, tokens, idx, starts)
+                acc.add_terms(tokens, idx, starts)
 
     def counts(self) -> audit_kernels.Counts:
         """The engine routes' id counts per step and the prompt rows' digests (one pass, made once)."""

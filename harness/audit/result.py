@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from harness.audit.checks import METRICS, NEEDS, STRICT
 from harness.audit.state import WORST, AuditState, SampleFigure, nan_if_empty
@@ -145,7 +146,7 @@ class AuditResult:
                 invariants.append(
                     InvariantResult(
                         name, kind, status, checked, tally.violated if tally else 0,
-                        [o.as_dict() for o in (tally.offenders if tally else [])], missing if status != "checked" else [],
+                        [o.as_dict() for o in (tally.offenders if tally else [])], missing if status == "not checkable" else [],
                     )
                 )  # fmt: skip
             else:
@@ -277,48 +278,60 @@ def _step_row(step: int, state: AuditState) -> dict[str, Any]:
 
 
 def _layer_rows(state: AuditState) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per MoE layer over the whole run, and per (step, MoE layer): disagreement and expert-load imbalance."""
     layers = list(state.moe_layers)
-    total_differs = np.zeros(len(layers), np.int64)
+    width = len(layers)
+    total_differs = np.zeros(width, np.int64)
     positions = 0
-    load = None
+    load: npt.NDArray[np.int64] | None = None
     step_layers = []
     for step in sorted(state.steps):
         f = state.steps[step]
+        agreement = f.agreement
+        usable = (
+            agreement is not None and agreement.positions > 0 and agreement.differs_per_layer.size == width
+        )
+        per_layer = agreement.per_layer if usable and agreement is not None else None
+        step_load = f.load if f.load is not None and f.load.shape[0] == width else None
+        ratio = _imbalance(step_load) if step_load is not None else None
         for j, layer in enumerate(layers):
             row: dict[str, Any] = {"step": step, "layer": layer}
-            if (
-                f.agreement is not None
-                and f.agreement.positions
-                and f.agreement.differs_per_layer.size == len(layers)
-            ):
-                row["disagreement"] = float(f.agreement.per_layer[j])
-            if f.load is not None and f.load.shape[0] == len(layers):
-                counts = f.load[j]
-                row["load_max_over_mean"] = (
-                    _finite(float(counts.max() / counts.mean())) if counts.sum() else None
-                )
+            if per_layer is not None:
+                row["disagreement"] = float(per_layer[j])
+            if ratio is not None:
+                row["load_max_over_mean"] = _finite(float(ratio[j]))
             step_layers.append(row)
-        if f.agreement is not None and f.agreement.differs_per_layer.size == len(layers):
-            total_differs += f.agreement.differs_per_layer
-            positions += f.agreement.positions
-        if f.load is not None and f.load.shape[0] == len(layers):
-            load = f.load.copy() if load is None else load + f.load
+        if usable and agreement is not None:
+            total_differs += agreement.differs_per_layer
+            positions += agreement.positions
+        if step_load is not None:
+            load = step_load.copy() if load is None else load + step_load
+    ratios = _imbalance(load) if load is not None else None
     rows = []
     for j, layer in enumerate(layers):
         row = {"layer": layer, "disagreement": _finite(total_differs[j] / positions) if positions else None}
-        if load is not None and load[j].sum():
-            row["load_max_over_mean"] = float(load[j].max() / load[j].mean())
+        if ratios is not None and math.isfinite(ratios[j]):
+            row["load_max_over_mean"] = float(ratios[j])
         rows.append(row)
     return rows, step_layers
 
 
+def _imbalance(load: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
+    """Per layer of ``load [layers, experts]``: the busiest expert's count over the mean (nan: no id)."""
+    mean = load.mean(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(mean > 0, load.max(axis=1) / np.where(mean > 0, mean, 1), np.nan)
+
+
 def _worst(samples: list[SampleFigure]) -> dict[str, list[dict[str, Any]]]:
+    """The ``WORST`` samples by mean |Δ| and by disagreement (ties by step and sample key)."""
     out = {}
     for figure in ("mean_abs_diff", "disagreement"):
-        ranked = sorted(
-            (s for s in samples if math.isfinite(getattr(s, figure))),
-            key=lambda s, f=figure: (-getattr(s, f), s.step, s.sample_key),
-        )
+
+        def rank(s: SampleFigure, f: str = figure) -> tuple[float, int, str]:
+            return (-float(getattr(s, f)), s.step, s.sample_key)
+
+        ranked = sorted((s for s in samples if math.isfinite(getattr(s, figure))), key=rank)
         out[figure] = [s.as_dict() for s in ranked[:WORST]]
     return out
 

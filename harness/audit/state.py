@@ -153,7 +153,11 @@ class SampleFigure:
     violations: int
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        """Field → value; an undefined figure (nan: no token, no trainer route) is ``None``, as in JSON."""
+        return {
+            k: None if isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in ((k, getattr(self, k)) for k in self.__dataclass_fields__)
+        }
 
 
 @dataclass

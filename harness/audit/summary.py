@@ -53,9 +53,7 @@ def write_summary(result: AuditResult, directory: str | os.PathLike[str]) -> lis
         "invariant": s, "step": i64, "sample_key": s, "row": i64, "layer": i64, "expected": s, "actual": s, "where": s
     }  # fmt: skip
     offenders = [{"invariant": r.name, **o} for r in result.invariants for o in r.offenders]
-    samples = [
-        {k: (None if isinstance(v, float) and v != v else v) for k, v in f.as_dict().items()} for f in result.samples
-    ]
+    samples = [f.as_dict() for f in result.samples]
     paths = []
     for name, rows, columns in (
         ("steps", result.steps, step_columns),

@@ -130,7 +130,7 @@ class ConstructorPatchDriver:
             original(router, *args, **kwargs)
             _BUILT.add(router)
 
-        Router.__init__ = registering_init  # type: ignore[method-assign]
+        Router.__init__ = registering_init  # type: ignore[method-assign,assignment]
 
     def unpatch(self) -> None:
         if self._original is not None:

@@ -129,7 +129,8 @@ def audit_html(result: AuditResult, *, title: str, command: str, seconds: float)
     text = (
         f"{len(violated)} strict invariant(s) violated"
         if violated
-        else "no strict invariant violated" + (", but some files could not be read" if result.input_errors else "")
+        else "no strict invariant violated"
+        + (", but some files could not be read" if result.input_errors else "")
     )
     errors = "".join(f'<p class="error">{e(x)}</p>' for x in result.input_errors)
     drift = "".join(f'<p class="note">drift: {e(x)}</p>' for x in result.drift)
