@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from harness.audit.layout import FILE_SUFFIX, SampleRecord, arrow_schema
-from harness.audit.writer import ROW_GROUP_BYTES, RunWriter
+from harness.audit.writer import ROW_GROUP_BYTES, RunWriter, write_table
 
 FAULTS = ("layer_shift", "duplicated_resume", "all_zero_layer", "wrapped_id", "replay_noop", "nan_logprob")
 SOURCE = "rrh audit generate (synthetic: Qwen3-30B-A3B routing shape)"
@@ -251,7 +251,7 @@ def _write_block(
             samples.append(sample)
             planted.extend(fault)
     path = Path(directory) / f"part-r00000-{sequence:06d}{FILE_SUFFIX}"
-    _write_table(path, _table(samples, shape), sum(_row_bytes(s, shape) for s in samples), row_group_bytes)
+    write_table(path, _table(samples, shape), sum(_row_bytes(s, shape) for s in samples), row_group_bytes)
     return planted
 
 
@@ -327,34 +327,6 @@ def _table(samples: list[_Sample], shape: RunShape) -> Any:
         "source": const(SOURCE, "source"),
     }
     return pa.Table.from_arrays([columns[f.name] for f in schema], schema=schema)
-
-
-def _write_table(path: Path, table: Any, nbytes: int, row_group_bytes: int = ROW_GROUP_BYTES) -> None:
-    """Write ``table`` as ``RunWriter`` writes a file: zstd, row groups of about ``ROW_GROUP_BYTES``.
-
-    ``nbytes``: ``RunWriter``'s estimate of the rows' size (256 bytes a row, its blobs, four bytes
-    per list entry), from which it sizes row groups.
-    """
-    import pyarrow.parquet as pq
-
-    from harness.atomic import atomic_write
-
-    blobs = ("engine_routes", "trainer_routes", "recorded_routes")
-    group_rows = max(1, row_group_bytes // max(1, nbytes // max(1, table.num_rows)))
-    names = table.schema.names
-
-    def write(handle: Any) -> None:
-        pq.write_table(
-            table,
-            handle,
-            row_group_size=group_rows,
-            compression="zstd",
-            compression_level=1,
-            use_dictionary=[n for n in names if n not in blobs],
-            write_statistics=["step", "rank", "prompt_len", "response_len"],
-        )
-
-    atomic_write(path, write)
 
 
 def _row_bytes(sample: _Sample, shape: RunShape) -> int:

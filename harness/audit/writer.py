@@ -40,15 +40,16 @@ def _row_bytes(row: dict[str, Any]) -> int:
     return size
 
 
-def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
-    """Write ``rows`` (``SampleRecord.as_row`` dicts) to ``path`` as one layout file, atomically."""
-    import pyarrow as pa
+def write_table(path: Path, table: Any, nbytes: int, row_group_bytes: int = ROW_GROUP_BYTES) -> None:
+    """Write a layout ``table`` to ``path`` atomically: zstd, row groups of about ``row_group_bytes``.
+
+    ``nbytes`` is the rows' estimated size (``_row_bytes``), from which the rows per group follow.
+    Blobs are neither dictionary-encoded nor given statistics (both would cost for nothing).
+    """
     import pyarrow.parquet as pq
 
-    schema = arrow_schema()
-    table = pa.Table.from_pylist(rows, schema=schema)
-    per_row = max(1, sum(_row_bytes(r) for r in rows) // max(1, len(rows)))
-    group_rows = max(1, ROW_GROUP_BYTES // per_row)
+    group_rows = max(1, row_group_bytes // max(1, nbytes // max(1, table.num_rows)))
+    names = table.schema.names
 
     def write(handle: Any) -> None:
         pq.write_table(
@@ -57,11 +58,19 @@ def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
             row_group_size=group_rows,
             compression="zstd",
             compression_level=1,
-            use_dictionary=[n for n in schema.names if n not in _BLOBS],
+            use_dictionary=[n for n in names if n not in _BLOBS],
             write_statistics=["step", "rank", "prompt_len", "response_len"],
         )
 
     atomic_write(path, write)
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Write ``rows`` (``SampleRecord.as_row`` dicts) to ``path`` as one layout file, atomically."""
+    import pyarrow as pa
+
+    table = pa.Table.from_pylist(rows, schema=arrow_schema())
+    write_table(path, table, sum(_row_bytes(r) for r in rows))
 
 
 class RunWriter:
