@@ -30,6 +30,26 @@ def test_bad_subject_specs_raise_subject_error(spec: str, message: str) -> None:
         load_subject(spec)
 
 
+@pytest.mark.parametrize(
+    "raised",
+    ["RuntimeError('lazy init failed')", "ImportError('no module named torch_lazy')"],
+)
+def test_a_failing_module_getattr_is_a_subject_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, raised: str
+) -> None:
+    name = f"lazy_subject_{raised[:3].lower()}"
+    (tmp_path / f"{name}.py").write_text(f"def __getattr__(attr):\n    raise {raised}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    kind = raised.partition("(")[0]
+    with pytest.raises(SubjectError) as info:
+        load_subject(f"{name}:SUBJECT")
+    message = str(info.value)
+    assert message == (
+        f"looking up 'SUBJECT' in module {name!r} raised {kind}: {raised.split(chr(39))[1]}"
+    )
+    assert "\n" not in message
+
+
 def test_reference_provides_every_capability() -> None:
     assert REFERENCE.capabilities() == list(CAPABILITIES)
     assert Subject("empty").capabilities() == []
