@@ -20,7 +20,8 @@ Structured differences are computed with deepdiff and printed readably.
 Writes are atomic (``harness.atomic``). Reading trusts nothing: a value or tolerance that is not a
 finite number (``NaN``, ``Infinity``, ``1e999``, an integer too large for a float, a boolean)
 would make every comparison pass or crash, so ``load_baseline`` refuses it with ``BaselineError``,
-like undecodable text, nesting deeper than ``MAX_DEPTH`` and a path that is not a readable file.
+like a tolerance beyond what its metric can take (``max_tolerance``: 1 for a fraction), undecodable
+text, nesting deeper than ``MAX_DEPTH`` and a path that is not a readable file.
 """
 
 from __future__ import annotations
@@ -42,6 +43,19 @@ MAX_DEPTH = 32
 FORMAT_NAME = "rrh.gate_baseline"
 FORMAT_VERSION = 1
 BETTER = ("lower", "higher", "equal")
+
+FRACTION_METRICS = ("disagreement", "same_tokens_across_runs")
+"""Name endings of the metrics that are fractions in [0, 1]: a tolerance above 1 cannot be exceeded."""
+MAX_TOLERANCE = 100.0
+"""The largest tolerance of any other metric: absolute log-prob gaps (nats), logit moves, ratios of
+gaps. The recorded ones are at most 0.25; a finite but huge tolerance (``99999999999999999999``)
+would switch the metric's gate off as surely as ``Infinity``, so it is refused like it."""
+
+
+def max_tolerance(name: str) -> float:
+    """The largest tolerance metric ``name`` may have: 1 for a fraction, else ``MAX_TOLERANCE``."""
+    return 1.0 if name.endswith(FRACTION_METRICS) else MAX_TOLERANCE
+
 
 __all__ = [
     "FORMAT_NAME",
@@ -74,6 +88,10 @@ def metric(value: float, tolerance: float, better: str = "equal", *, undefined: 
     tol = _finite(_as_float(tolerance))
     if tol is None or tol < 0:
         raise BaselineError(f"metric.tolerance: expected a finite non-negative number, got {tolerance!r}")
+    if tol > MAX_TOLERANCE:
+        raise BaselineError(
+            f"metric.tolerance: expected at most MAX_TOLERANCE={MAX_TOLERANCE}, got {tolerance!r}"
+        )
     number = _json_float(value)
     if number is not None and _finite(number) is None:
         raise BaselineError(f"metric.value: expected a finite number or NaN (undefined), got {value!r}")
@@ -189,6 +207,9 @@ def validate_baseline(doc: object, source: str = "baseline") -> dict[str, Any]:
         tolerance = _finite(tol)
         if tolerance is None or tolerance < 0:
             raise BaselineError(f"{where}.tolerance: expected a finite non-negative number, got {tol!r:.80}")
+        if tolerance > (bound := max_tolerance(name)):
+            kind = "a fraction in [0, 1]" if bound == 1.0 else "MAX_TOLERANCE"
+            raise BaselineError(f"{where}.tolerance: expected at most {bound} ({kind}), got {tol!r:.80}")
         if better not in BETTER:
             raise BaselineError(f"{where}.better: expected one of {BETTER}, got {better!r}")
     return doc

@@ -305,6 +305,32 @@ def test_vllm_http_021_nested_lists() -> None:
     assert np.array_equal(trace.experts, routes)
 
 
+@pytest.mark.parametrize(
+    ("choices", "message"),
+    [
+        ([7], r"choices\[0\]: expected an object \(a completion choice\), got int 7$"),
+        (["!!"], r"choices\[0\]: expected an object \(a completion choice\), got str '!!'$"),
+        ([None], r"choices\[0\]: expected an object \(a completion choice\), got NoneType None$"),
+        ([[5]], r"choices\[0\]: expected an object \(a completion choice\), got list \[5\]$"),
+        ("3", r"choices: expected a list of choice objects, got str '3'$"),
+    ],
+)
+@pytest.mark.parametrize("response_len", [0, None])
+def test_vllm_http_021_refuses_a_choice_that_is_no_object(
+    choices: object, message: str, response_len: int | None
+) -> None:
+    """With no generated row expected, 0.21 needs nothing from the choice: its type is still checked."""
+    body = {
+        "choices": choices,
+        "prompt_routed_experts": _routes(3)[:, [1, 2]].tolist(),
+        "usage": {"completion_tokens": 0},
+    }
+    with pytest.raises(ConventionError, match=message):
+        http.vllm_completion_trace(
+            body, model=SPEC, prompt_len=4, response_len=response_len, version="0.21.0"
+        )
+
+
 def test_sglang_http_generate_and_openai() -> None:
     routes = _routes(6)
     generate = _sglang_output(4, [5, 6, 7], routes)

@@ -142,6 +142,14 @@ def test_a_missing_metric_and_another_engine_are_regressions() -> None:
             r"metrics\['m'\].tolerance: expected a finite non-negative",
         ),
         (
+            {"metrics__m": {"value": 1.0, "tolerance": 99999999999999999999, "better": "lower"}},
+            r"metrics\['m'\].tolerance: expected at most 100.0 \(MAX_TOLERANCE\), got 99999999999999999999$",
+        ),
+        (
+            {"metrics__lab.r3.disagreement": {"value": 0.0, "tolerance": 1.5, "better": "lower"}},
+            r"metrics\['lab.r3.disagreement'\].tolerance: expected at most 1.0 \(a fraction in \[0, 1\]\)",
+        ),
+        (
             {"metrics__m": {"value": 1.0, "tolerance": 0, "better": "up"}},
             r"metrics\['m'\].better: expected one of",
         ),
@@ -151,6 +159,27 @@ def test_a_missing_metric_and_another_engine_are_regressions() -> None:
 def test_malformed_baselines_name_the_field(change: dict[str, Any], message: str) -> None:
     with pytest.raises(bl.BaselineError, match=message):
         bl.validate_baseline(_doc(**change))
+
+
+def test_a_20_digit_tolerance_is_refused_on_load_and_by_metric(tmp_path: Path) -> None:
+    """Finite, but as good as Infinity at switching the gate off: refused in the file and in ``metric``."""
+    path = tmp_path / "baseline.json"
+    huge = {"value": 0.5, "tolerance": 99999999999999999999, "better": "lower"}
+    path.write_text(json.dumps(_doc(metrics__m=huge)))
+    assert '"tolerance": 99999999999999999999' in path.read_text()
+    with pytest.raises(bl.BaselineError, match=r"tolerance: expected at most 100.0 \(MAX_TOLERANCE\)"):
+        bl.load_baseline(path)
+    with pytest.raises(bl.BaselineError, match=r"metric.tolerance: expected at most MAX_TOLERANCE=100.0"):
+        bl.metric(0.5, 10**20, "lower")
+    assert bl.metric(0.5, 100, "lower")["tolerance"] == 100.0
+
+
+def test_committed_baselines_tolerances_fit_their_metrics() -> None:
+    paths = sorted(BASELINES.glob("*.json"))
+    assert paths
+    for path in paths:
+        for name, entry in bl.load_baseline(path)["metrics"].items():
+            assert entry["tolerance"] <= bl.max_tolerance(name), (path.name, name)
 
 
 # --------------------------------------------------------------------------------------------

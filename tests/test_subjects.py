@@ -30,6 +30,24 @@ def test_bad_subject_specs_raise_subject_error(spec: str, message: str) -> None:
         load_subject(spec)
 
 
+@pytest.mark.parametrize(
+    ("raised", "named"),
+    [
+        ("RuntimeError('lazy init failed')", "RuntimeError: lazy init failed"),
+        ("ImportError('no module named torch_lazy')", "ImportError: no module named torch_lazy"),
+    ],
+)
+def test_a_failing_module_getattr_is_a_subject_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, raised: str, named: str
+) -> None:
+    name = f"lazy_subject_{named[:3].lower()}"
+    (tmp_path / f"{name}.py").write_text(f"def __getattr__(attr):\n    raise {raised}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SubjectError) as info:
+        load_subject(f"{name}:SUBJECT")
+    assert str(info.value) == f"looking up 'SUBJECT' in module {name!r} raised {named}"
+
+
 def test_reference_provides_every_capability() -> None:
     assert REFERENCE.capabilities() == list(CAPABILITIES)
     assert Subject("empty").capabilities() == []

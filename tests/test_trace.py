@@ -18,6 +18,7 @@ from harness.trace import (
     RoutingTrace,
     compare,
     coverage_rows,
+    storage,
     storage_dtype,
 )
 
@@ -246,6 +247,28 @@ def test_truncated_or_corrupted_files_raise_trace_file_error(data) -> None:  # t
     else:  # a flip inside the JSON metadata can keep it valid only if it changed nothing we read
         back = RoutingTrace.from_bytes(broken)
         assert back == RoutingTrace.from_bytes(blob)
+
+
+@pytest.mark.parametrize("shape", [(1, 0, 2), (0, 0, 2)])
+def test_zero_layers_are_refused(shape: tuple[int, int, int], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A trace with no layer carries no routing: refused when built and when read from a file."""
+    message = "experts: layer axis width 0; expected at least one layer"
+    with pytest.raises(TraceError, match=message):
+        RoutingTrace(np.zeros(shape, np.uint8), num_experts=4)
+    metadata = {
+        "num_experts": 4,
+        "num_layers": 0,
+        "moe_layers": [],
+        "layer_axis": "decoder",
+        "start": 0,
+        "provenance": Provenance().as_dict(),
+    }
+    path = tmp_path / "no_layers.safetensors"
+    storage.save(path, np.zeros(shape, np.uint8), metadata)  # written past the constructor
+    with pytest.raises(TraceFileError, match=f"stored trace is invalid: {message}"):
+        RoutingTrace.load(path)
+    with pytest.raises(TraceFileError, match=f"stored trace is invalid: {message}"):
+        RoutingTrace.from_bytes(path.read_bytes())
 
 
 @pytest.mark.parametrize(

@@ -105,13 +105,27 @@ def vllm_completion_trace(
     single choice, ``usage.completion_tokens``. ``version`` is the server's vLLM version (None:
     0.22–0.26, base64 .npy); 0.21's nested lists are read with the response-level
     ``prompt_routed_experts``.
+
+    ``choices`` must be a JSON array and ``choices[index]`` an object: anything else (``"3"``,
+    ``7``, ``null``, ``[5]``) is a ``ConventionError``, not read as "no routed experts" — which
+    0.21 accepts when no generated rows are expected.
     """
-    choice = _get(_get(response, "choices", "choices"), index, f"choices[{index}]")
+    choices = _get(response, "choices", "choices")
+    if not isinstance(choices, list):
+        raise ConventionError(
+            f"choices: expected a list of choice objects, got {type(choices).__name__} {choices!r:.80}"
+        )
+    choice = _get(choices, index, f"choices[{index}]")
+    if not isinstance(choice, Mapping):
+        raise ConventionError(
+            f"choices[{index}]: expected an object (a completion choice), "
+            f"got {type(choice).__name__} {choice!r:.80}"
+        )
     if response_len is None:
-        token_ids = choice.get("token_ids") if isinstance(choice, Mapping) else None
+        token_ids = choice.get("token_ids")
         if token_ids is not None:
             response_len = _token_count(token_ids, f"choices[{index}].token_ids")
-        elif len(response["choices"]) == 1:
+        elif len(choices) == 1:
             response_len = _count(
                 _get(response, "usage", "usage"), "completion_tokens", "usage.completion_tokens"
             )
@@ -119,7 +133,7 @@ def vllm_completion_trace(
             raise ConventionError(
                 f"choices[{index}].token_ids: missing; expected it (request return_token_ids) or response_len"
             )
-    field = choice.get("routed_experts") if isinstance(choice, Mapping) else None
+    field = choice.get("routed_experts")
     if version is not None and resolve("vllm", version).name == "vllm-0.21":
         prompt_rows = response.get("prompt_routed_experts")
         if start:

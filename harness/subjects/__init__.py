@@ -84,7 +84,9 @@ def load_subject(spec: str) -> Subject:
 
     Whatever importing the module raises (``ImportError``, a ``SyntaxError`` in it, any exception
     of its top-level code, even ``SystemExit``) becomes a ``SubjectError`` naming the module: a
-    subject that cannot load is a usage error, never a crash and never a silent exit.
+    subject that cannot load is a usage error, never a crash and never a silent exit. The same
+    holds for the attribute look-up: a module-level ``__getattr__`` may raise anything (a lazy
+    dependency's ``ImportError``, a ``RuntimeError``), and that too is named, not a traceback.
     """
     module_name, sep, attr = spec.partition(":") if isinstance(spec, str) else ("", "", "")
     if not sep or not attr or not all(part.isidentifier() for part in module_name.split(".")):
@@ -106,6 +108,10 @@ def load_subject(spec: str) -> Subject:
         obj = getattr(module, attr)
     except AttributeError:
         raise SubjectError(f"module {module_name!r} has no attribute {attr!r}") from None
+    except (Exception, SystemExit) as err:  # a module-level __getattr__ failed otherwise
+        raise SubjectError(
+            f"looking up {attr!r} in module {module_name!r} raised {type(err).__name__}: {err}"
+        ) from None
     if not isinstance(obj, Subject):
         raise SubjectError(
             f"{spec} is a {type(obj).__name__}, expected a harness.subjects.Subject "

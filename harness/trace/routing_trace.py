@@ -274,6 +274,8 @@ class RoutingTrace:
         # Declared sizes against the data first: nothing is built from num_layers or moe_layers
         # before they are known to be integers within bounds that agree with the array's width.
         width = _check_size("experts: layer axis width", array.shape[1], MAX_LAYERS)
+        if width == 0:  # no layer, no routing: such a trace would only ever vacuously "match"
+            raise TraceError("experts: layer axis width 0; expected at least one layer")
         moe = None if moe_layers is None else _check_moe_layers(moe_layers)
         if axis is LayerAxis.MOE_ORDINAL and moe == ():
             raise TraceError(
