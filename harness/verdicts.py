@@ -129,8 +129,13 @@ def observe(release: Release) -> dict[str, dict[str, dict[str, str]]]:
 
     observed: dict[str, dict[str, dict[str, str]]] = {}
     for spec in release.subjects:
+        # The ci profile (derandomized), whatever the environment: without it the profile follows
+        # $CI, and a recording made outside CI could miss a counterexample that CI then finds.
         outcomes, log = run_suites(
-            spec, select=release.select, paths=[str(suites_dir() / s) for s in release.suites]
+            spec,
+            select=release.select,
+            paths=[str(suites_dir() / s) for s in release.suites],
+            extra=("--hypothesis-profile", "ci"),
         )
         if not outcomes:
             raise VerdictError(f"{spec}: no test ran\n" + "\n".join(log.strip().splitlines()[-8:]))
