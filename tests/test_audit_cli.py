@@ -239,3 +239,18 @@ def test_generate_prints_where_each_fault_went(tmp_path: Path, capsys) -> None:
     out = capsys.readouterr().out
     assert "planted wrapped_id" in out and "→ ids_valid at step 1" in out
     assert main(["generate", str(tmp_path / "other"), "--faults", "nonsense"]) == 2
+
+
+def test_dense_slots_are_judged_on_captured_rows_only(tmp_path: Path, capsys) -> None:
+    """A dense-layer slot must be empty where a route was captured; a filler row is never judged."""
+    routes = np.array([[[0, 0], [2, 3]]] * 4)
+    filler = routes.copy()
+    filler[3, 0] = [1, 2]  # e.g. SkyRL's arange(K) padding, in the dense slot of an uncaptured row
+    captured_bad = routes.copy()
+    captured_bad[1, 0] = [5, 0]
+    with RunWriter(tmp_path) as writer:
+        writer.write(_record(moe_layers=[1], engine_routes=filler, engine_captured=[True, True, True, False]))
+        writer.write(_record(sample_key="b", moe_layers=[1], engine_routes=captured_bad))
+    code, out, _ = _audit(capsys, tmp_path)
+    assert code == 1
+    assert "dense_empty         VIOLATED in 1 of 2 samples; first at step 0 sample b row 1 layer 0" in out

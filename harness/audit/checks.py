@@ -78,18 +78,6 @@ class AuditOptions:
     every: int = 1
     samples: float = 1.0
 
-    def selects(self, batch: Batch) -> npt.NDArray[np.bool_]:
-        keep = np.ones(batch.size, dtype=bool)
-        if self.steps is not None:
-            keep &= np.isin(batch.step, np.fromiter(self.steps, dtype=np.int64, count=len(self.steps)))
-        if self.every > 1:
-            keep &= batch.step % self.every == 0
-        if self.samples < 1.0:
-            keep &= np.array(
-                [sample_hash(int(s), k) < self.samples for s, k in zip(batch.step, batch.sample_key)]
-            )
-        return keep
-
 
 def sample_hash(step: int, key: str) -> float:
     """A number in [0, 1) fixed by (step, sample key): two audits of one run sample the same rows."""
@@ -243,8 +231,9 @@ class _BatchAudit:
             if failed or b.top_k == 1:
                 self._locate_ids(routes, valid_found, zero_found)
             dense = np.setdiff1d(np.arange(routes.shape[1]), self.moe)
+            # Rows with no captured route hold filler (the dump's, zeroed or not): never judged.
             if b.layer_axis is LayerAxis.DECODER and dense.size and routes[:, dense].any():
-                cells = np.argwhere(routes[:, dense].any(axis=2))
+                cells = np.argwhere(routes[:, dense].any(axis=2) & self.captured[:, None])
                 self._cells(dense_found, cells[:, 0], dense[cells[:, 1]], "0 (dense layer: no route)",
                             lambda r, s: f"ids {routes[r, s].tolist()}", slot_is_decoder=True)  # fmt: skip
         self.finish("ids_valid", valid_found, checked)
