@@ -10,7 +10,7 @@ from typing import TextIO
 
 from harness.check import CheckOutcome
 from harness.outcomes import count_outcomes
-from harness.report.document import MARKS, Mark
+from harness.report.model import MARKS, Mark
 from harness.report.verdict import Verdict
 from harness.table import format_table as format_table  # re-exported (callers of harness.report)
 
