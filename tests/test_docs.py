@@ -46,12 +46,12 @@ def test_cli_reference_is_generated_from_the_parsers() -> None:
 
 
 def test_verdict_table_is_generated_from_the_fixtures() -> None:
-    """The site's verdict table is ``python -m harness.verdicts table``, never edited by hand."""
-    from harness.verdicts import SITE_PAGE, table
+    """The site's verdict table and summary come from ``fixtures/verdicts/``, never edited by hand."""
+    from harness.verdicts import SITE_PAGE, summary, table
 
-    assert table() in (ROOT / SITE_PAGE).read_text(), (
-        f"{SITE_PAGE}'s verdict table is stale: paste `python -m harness.verdicts table`"
-    )
+    page = (ROOT / SITE_PAGE).read_text()
+    assert table() in page, f"{SITE_PAGE}'s verdict table is stale: paste `python -m harness.verdicts table`"
+    assert summary(page="#verdict-table") in page, f"{SITE_PAGE}'s summary is stale (links to #verdict-table)"
 
 
 def layer_table() -> str:

@@ -33,8 +33,10 @@ def test_readme_has_two_commands_check_then_tests() -> None:
 
 
 def test_ci_runs_the_readme_test_command_verbatim() -> None:
+    """``.ci/run`` runs the README's test command, and the site's testing page shows the same one."""
     ci_script = (ROOT / ".ci" / "run").read_text().splitlines()
     assert _readme_commands()[1] in ci_script
+    assert _readme_commands()[1] in _console_commands(ROOT / "docs" / "testing.md")
 
 
 def test_readme_is_a_front_door() -> None:
