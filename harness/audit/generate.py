@@ -392,5 +392,5 @@ def _sample(
 
 
 def write_example(directory: Path) -> list[PlantedFault]:
-    """The README's example: a small run (two steps) with one of each fault."""
+    """The audit page's example (docs/audit.md): a small run (two steps) with one of each fault."""
     return generate_run(directory, RunShape(), seed=0, faults=FAULTS)
