@@ -10,9 +10,9 @@ prefix caching and chunked prefill on. Episodes are tiny (a few tokens per attem
   (weights updated before each turn), a resume whose every call hits the prefix cache, and ``n > 1``
   samples each resumed under new weights: the subject's ``splice`` of the real payloads has
   ``P + Σa − 1`` rows, each equal (as an expert set) to the row of the first payload that computed
-  that position. A weight update negates the engine's router weights in place (``LLM.apply_model``)
-  and resets its prefix cache, so a re-prefilled row really differs: a splice that keeps the latest
-  payload (verl #6046, #6054) fails.
+  that position. A weight update negates the engine's router weights in place
+  (``harness.engines.weight_updates``) and resets its prefix cache, so a re-prefilled row really
+  differs: a splice that keeps the latest payload (verl #6046, #6054) fails.
 - **decode_payload**: the installed release's own payload, in process (``CompletionOutput
   .routed_experts``, with and without ``routed_experts_prompt_start``) and as the ``/v1/completions``
   body its serving code builds, decodes to the rows read straight off the array.
@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -43,6 +42,7 @@ import torch
 from harness.conventions import resolve
 from harness.engines.checkpoint import EngineRollout, TinyCheckpoint
 from harness.engines.engine_lab import ENGINE_LAB, lab_checkpoint, sample_lab_rollouts, score_engine_rollouts
+from harness.engines.weight_updates import weight_updates
 from harness.mismatch import LabResult, format_lab
 from harness.subjects import Subject
 from harness.testing.asserts import assert_same_routes
@@ -51,10 +51,6 @@ from harness.testing.suite import require
 from reference_impl.episode import AttemptPlan, Episode, Schedule, run_episode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
-
-ROUTER_SUFFIX = "mlp.gate"
-"""vLLM's Qwen3-MoE router module (``Qwen3MoeSparseMoeBlock.gate``)."""
-
 
 # --------------------------------------------------------------------------------------------------
 # one engine per session
@@ -82,38 +78,6 @@ def engine(checkpoint: TinyCheckpoint) -> Iterator[Any]:
 def _prompts(checkpoint: TinyCheckpoint, lengths: tuple[int, ...], seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, checkpoint.vocab_size, (n,), generator=gen).tolist() for n in lengths]
-
-
-def negate_routers(model: torch.nn.Module) -> int:
-    """Negate every router weight of vLLM's model in place (live routing then prefers other experts);
-    twice restores it bit for bit. Module-level: ``apply_model`` may pickle it."""
-    count = 0
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if name.endswith(ROUTER_SUFFIX):
-                module.weight.neg_()
-                count += 1
-    return count
-
-
-@contextmanager
-def weight_updates(engine: Any) -> Iterator[Callable[[int], None]]:
-    """``update_weights(version)`` for ``run_episode``: each update negates the routers and resets the
-    prefix cache (as a framework's weight sync does); the original weights are back afterwards."""
-    flips = 0
-
-    def update(version: int) -> None:
-        nonlocal flips
-        changed = sum(engine.llm.apply_model(negate_routers))
-        assert changed > 0, f"no module named *.{ROUTER_SUFFIX} in vLLM's model: cannot update weights"
-        engine.llm.reset_prefix_cache()
-        flips += 1
-
-    try:
-        yield update
-    finally:
-        if flips % 2:
-            update(0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -323,16 +287,17 @@ def test_layouts_place_real_rollouts_with_every_row_on_its_token(
     subject: Subject, engine: Any, checkpoint: TinyCheckpoint
 ) -> None:
     """Real rollouts of prompts 5, 17, 9 and responses 7, 3, 12 tokens, placed by the subject in a
-    batch two columns wider than the longest: each sample's tokens in order on its attended columns,
-    each engine row on its token's column, the replay mask exactly on the rows, the response mask on
-    the response."""
+    batch two columns wider than the longest prompt plus the longest response: each sample's tokens
+    in order on its attended columns, each engine row on its token's column, the replay mask exactly
+    on the rows, the response mask on the response."""
     layouts = require(subject, "layouts")
     shapes = ((5, 7), (17, 3), (9, 12))
     rollouts = [
         engine.generate(_prompts(checkpoint, (p,), seed=25 + i), r)[0] for i, (p, r) in enumerate(shapes)
     ]
     samples = [(torch.tensor(r.sequence), r.routes) for r in rollouts]
-    width = max(len(r.sequence) for r in rollouts) + 2
+    # room for prompts and responses padded apart (a trainer may pad them so), and two columns more
+    width = max(p for p, _ in shapes) + max(r for _, r in shapes) + 2
     prompt_lens = tuple(p for p, _ in shapes)
     placed = layouts.place_left_padded([(t.clone(), x.clone()) for t, x in samples], width, prompt_lens)
     where = f"real rollouts of (prompt, response) {list(shapes)} in width {width}"
