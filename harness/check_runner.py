@@ -41,7 +41,7 @@ def run_lab(step: LabStep, subject: Any) -> LabResult:
     """Run one mismatch lab (the reference lab replays through ``subject.install_replay``, the vLLM
     lab through ``subject.install_hf_replay``)."""
     if step.kind == "vllm":
-        from harness.engines.engine_lab import run_engine_lab
+        from harness.lab_engine import run_engine_lab
 
         return run_engine_lab(subject.install_hf_replay, step.config)
     if step.kind == "hf":
