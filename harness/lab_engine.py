@@ -22,30 +22,16 @@ from typing import Any
 
 import torch
 
-from harness.engines.checkpoint import EngineRollout, TinyCheckpoint, load_checkpoint, write_checkpoint
+from harness.engines.checkpoint import EngineRollout, TinyCheckpoint, lab_checkpoint, load_checkpoint
 from harness.mismatch import LabConfig, LabResult, lab_result
 from harness.probes.hf import attach
 from harness.subjects.replay import controlled, prepare
 
-__all__ = ["ENGINE_LAB", "lab_checkpoint", "run_engine_lab", "sample_lab_rollouts", "score_engine_rollouts"]
+__all__ = ["ENGINE_LAB", "run_engine_lab", "sample_lab_rollouts", "score_engine_rollouts"]
 
 ENGINE_LAB = LabConfig(family="qwen3_moe")
 """The real-engine lab: a bf16 Qwen3-MoE with 64 experts top-8 (near ties flip), 8 rollouts of
 16 + 48 tokens."""
-
-
-def lab_checkpoint(directory: str, cfg: LabConfig = ENGINE_LAB, **overrides: Any) -> TinyCheckpoint:
-    """The lab's checkpoint: ``write_checkpoint``'s Qwen3-MoE with ``cfg``'s experts, top-k, layers,
-    dtype and seed (``overrides``: further config fields, e.g. ``mlp_only_layers``)."""
-    return write_checkpoint(
-        directory,
-        dtype=getattr(torch, cfg.dtype),
-        seed=cfg.seed,
-        num_experts=cfg.num_experts,
-        num_experts_per_tok=cfg.top_k,
-        num_hidden_layers=cfg.num_layers,
-        **overrides,
-    )
 
 
 def sample_lab_rollouts(

@@ -40,9 +40,9 @@ import pytest
 import torch
 
 from harness.conventions import resolve
-from harness.engines.checkpoint import EngineRollout, TinyCheckpoint
+from harness.engines.checkpoint import EngineRollout, TinyCheckpoint, lab_checkpoint
 from harness.engines.weight_updates import weight_updates
-from harness.lab_engine import ENGINE_LAB, lab_checkpoint, sample_lab_rollouts, score_engine_rollouts
+from harness.lab_engine import ENGINE_LAB, sample_lab_rollouts, score_engine_rollouts
 from harness.mismatch import LabResult, format_lab
 from harness.subjects import Subject
 from harness.testing.asserts import assert_same_routes
@@ -60,7 +60,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
     """The lab's checkpoint with a dense first layer (dense slots in every payload)."""
-    return lab_checkpoint(str(tmp_path_factory.mktemp("rrh-vllm-suite")), mlp_only_layers=[0])
+    return lab_checkpoint(tmp_path_factory.mktemp("rrh-vllm-suite"), ENGINE_LAB, mlp_only_layers=[0])
 
 
 @pytest.fixture(scope="session")
@@ -316,20 +316,17 @@ def test_layouts_place_real_rollouts_with_every_row_on_its_token(
             what=f"{where}, sample {i}",
             axes=("token position", "layer slot"),
         )
-        replay = torch.as_tensor(placed.replay_mask[i]).bool()
-        expected = torch.zeros(width, dtype=torch.bool)
-        expected[columns[:-1]] = True
-        assert torch.equal(replay, expected), (
-            f"{where}: sample {i}'s replay mask is True at {replay.nonzero().squeeze(1).tolist()}, "
-            f"expected exactly its rows' columns {columns[:-1]}"
+        what = f"{where}: sample {i}'s"
+        check_mask(placed.replay_mask[i], columns[:-1], f"{what} replay mask", "its rows' columns")
+        check_mask(
+            placed.response_mask[i], columns[prompt_lens[i] :], f"{what} response mask", "its response"
         )
-        response = torch.as_tensor(placed.response_mask[i]).bool()
-        expected = torch.zeros(width, dtype=torch.bool)
-        expected[columns[prompt_lens[i] :]] = True
-        assert torch.equal(response, expected), (
-            f"{where}: sample {i}'s response mask is True at {response.nonzero().squeeze(1).tolist()}, "
-            f"expected its response columns {columns[prompt_lens[i] :]}"
-        )
+
+
+def check_mask(mask: Any, columns: list[int], what: str, meaning: str) -> None:
+    """``mask`` (one row of a placed batch) is True at exactly ``columns``."""
+    got = torch.as_tensor(mask).bool().nonzero().squeeze(1).tolist()
+    assert got == columns, f"{what} is True at {got}, expected exactly {meaning} {columns}"
 
 
 # --------------------------------------------------------------------------------------------------
