@@ -304,21 +304,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    observed = observe(release)
-    if args.record:
+    return settle(release, observe(release), VERDICTS_DIR, record=args.record)
+
+
+def settle(
+    release: Release,
+    observed: dict[str, dict[str, dict[str, str]]],
+    directory: Path,
+    *,
+    record: bool,
+    label: str = "",
+) -> int:
+    """Record ``observed`` into ``directory`` (``record``; exit status 0), or compare it with the
+    recorded verdicts there and print each change (1 when one changed, 0 when all match)."""
+    if record:
         try:
-            recorded = load(release)
+            recorded = load(release, directory)
         except VerdictError:
             recorded = None
-        path = VERDICTS_DIR / f"{release.name}.json"
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{release.name}.json"
         path.write_text(json.dumps(merged(release, observed, recorded), indent=1, ensure_ascii=False) + "\n")
         print(f"recorded {path}")
         return 0
-    changes = diff(load(release), observed)
+    changes = diff(load(release, directory), observed)
     for line in changes:
         print(line)
     print(
-        f"{release.name}: " + (f"{len(changes)} verdict(s) changed" if changes else "every verdict matches")
+        f"{release.name}{label}: "
+        + (f"{len(changes)} verdict(s) changed" if changes else "every verdict matches")
     )
     return 1 if changes else 0
 

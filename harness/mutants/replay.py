@@ -146,6 +146,22 @@ class OneForwardInFlightNativeRecompute(ReferenceReplay):
         self.model.set_routing_mode(RoutingMode.NATIVE)
 
 
+def hooks_missing_the_last_layer(model: torch.nn.Module) -> ReplayController:
+    """Transformers hooks that replay every MoE layer but the last: its router keeps routing natively
+    under replay (a driver whose router lookup misses one layer)."""
+    from harness.trainers.hf import install_replay as install
+
+    handle = install(model)
+    replay = handle.replay
+
+    def replay_all_but_the_last(targets: Tensor, mask: Tensor | None = None) -> None:
+        replay(targets, mask)
+        handle.routers[-1].replay.mode = RoutingMode.NATIVE
+
+    handle.replay = replay_all_but_the_last  # type: ignore[method-assign]
+    return handle
+
+
 def _installer(handle: type[ReferenceReplay]) -> Callable[[MoELM], ReferenceReplay]:
     def install_replay(model: MoELM) -> ReferenceReplay:
         return handle(model)
@@ -220,6 +236,14 @@ MUTANTS = (
         "transformers replay hooks registered on a copy of the model (routers the model never calls), "
         "reporting its targets as dispatched: only harness probes see it",
         mutate("hf-hooks-on-stale-copy", install_hf_replay=hooks_on_a_stale_copy),
+        killed_by="test_replay.py::test_experts_receive_the_targets_whatever_the_live_logits[hf-qwen2_moe-fp32]",
+    ),
+    Mutant(
+        "hf-one-layer-unreplayed",
+        "silent no-op",
+        "one MoE layer never replayed: a driver whose router lookup misses a layer (verl #7340's orphan "
+        "routers, on one layer) leaves it routing natively while every other layer replays",
+        mutate("hf-one-layer-unreplayed", install_hf_replay=hooks_missing_the_last_layer),
         killed_by="test_replay.py::test_experts_receive_the_targets_whatever_the_live_logits[hf-qwen2_moe-fp32]",
     ),
     Mutant(

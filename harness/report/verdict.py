@@ -63,7 +63,7 @@ def _lab_sentences(report: CheckReport) -> list[str]:
             f"{percent(without.disagreement)} of (position, layer) routes flipped between {rollouts} "
             f"and the trainer's full forward without replay and {percent(r3.disagreement)} with R3; "
             f"the mean |Δ log-prob| on the {lab.flipped_tokens} flipped tokens went from "
-            f"{scientific(before)} to {scientific(after)}{shrink}."
+            f"{scientific(before)} to {scientific(after)}{shrink}." + (f" {lab.note}" if lab.note else "")
         )
     return sentences
 
