@@ -90,7 +90,10 @@ def _shown_commands(path: Path) -> list[str]:
     blocks, ``&&`` chains split."""
     text = path.read_text()
     commands = [
-        line for block in re.findall(r"```bash\n(.+?)\n```", text, flags=re.S) for line in block.splitlines()
+        line
+        for block in re.findall(r"```bash\n(.+?)\n```", text, flags=re.S)
+        for line in block.splitlines()
+        if line.strip() and not line.lstrip().startswith("#")  # blank lines and comments are prose
     ]
     for block in re.findall(r"```console\n(.+?)\n```", text, flags=re.S):
         commands += [line[2:] for line in block.splitlines() if line.startswith("$ ")]
@@ -152,7 +155,7 @@ def _problem(command: str) -> str | None:
     words = next((words[:i] for i, w in enumerate(words) if w in (">", "|", "2>&1")), words)
     while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
         words = words[1:]  # an environment assignment
-    if words[:1] == ["python"] and words[1:2] == ["-m"]:
+    if words and Path(words[0]).name == "python" and words[1:2] == ["-m"]:  # any venv's python
         words = words[2:]
     program, args = words[0], words[1:]
     if program in ("rrh", "harness"):
