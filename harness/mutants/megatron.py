@@ -12,9 +12,11 @@ from typing import Any
 import torch
 
 from harness.mutants import Mutant, mutate
-from harness.trainers.megatron.layout import MegatronLayout
+from harness.trainers.megatron import packed as thd
+from harness.trainers.megatron.layout import MegatronLayout, rank_targets
 from harness.trainers.megatron.replay import MegatronReplay
 from harness.trainers.megatron.subject import CanonicalMegatronData, HarnessMegatronDriver
+from reference_impl import layouts
 
 
 class LayerShift(CanonicalMegatronData):
@@ -34,6 +36,56 @@ class BatchMajor(CanonicalMegatronData):
             t.view(s_local, layout.micro_batch, layout.top_k).transpose(0, 1).reshape(-1, layout.top_k)
             for t in super().targets(routes, layout, vpp_chunk)
         ]
+
+
+class OtherStage(CanonicalMegatronData):
+    """Each pipeline stage gets the targets of the next stage's layers (a stage offset off by one)."""
+
+    def targets(self, routes: torch.Tensor, layout: MegatronLayout, vpp_chunk: int) -> list[torch.Tensor]:
+        from megatron.core import parallel_state as ps
+
+        place = thd.thd_rank_targets if layout.packed else rank_targets
+        return place(
+            routes,
+            layout,
+            dp_rank=0,
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            pp_rank=(ps.get_pipeline_model_parallel_rank() + 1) % layout.pp,
+            vpp_chunk=vpp_chunk,
+        )
+
+
+class PackedSeqMajor(CanonicalMegatronData):
+    """A packed micro-batch's rows taken in the padded batch's sequence-major order (``s·B + b``, padding
+    skipped) instead of sample after sample: the bshd flattening applied to THD input."""
+
+    def targets(self, routes: torch.Tensor, layout: MegatronLayout, vpp_chunk: int) -> list[torch.Tensor]:
+        if layout.lengths is not None:
+            lengths = torch.tensor(layout.lengths)
+            attended = torch.arange(layout.seq_len).unsqueeze(0) < lengths.unsqueeze(1)
+            seq_major = routes.transpose(0, 1)[attended.t()]  # [Σ n, L, k], s-major
+            by_sample = torch.zeros_like(routes)
+            by_sample[attended] = seq_major
+            routes = by_sample
+        return super().targets(routes, layout, vpp_chunk)
+
+
+class UnpaddedBoundaries(CanonicalMegatronData):
+    """Samples packed back to back at ``cu_seqlens`` (all filler at the end) while the model's rows
+    follow ``cu_seqlens_padded``: every sample after a padded one is shifted at its boundary."""
+
+    def targets(self, routes: torch.Tensor, layout: MegatronLayout, vpp_chunk: int) -> list[torch.Tensor]:
+        if layout.lengths is None:
+            return super().targets(routes, layout, vpp_chunk)
+        from megatron.core import parallel_state as ps
+
+        rows = thd.pack_routes(routes, layout.lengths, 1)
+        rows = torch.cat([rows, thd.filler(layout.packed_rows - rows.shape[0], *rows.shape[1:])])
+        shard = layouts.sp_shard(rows, layout.tp, ps.get_tensor_model_parallel_rank())
+        stage = layouts.stage_targets(
+            shard, layout.moe_layers, layout.stage_layers(ps.get_pipeline_model_parallel_rank(), vpp_chunk)
+        )
+        return [stage[:, j].contiguous() for j in range(stage.shape[1])]
 
 
 class ForwardThroughBackward(MegatronReplay):
@@ -88,6 +140,27 @@ class StaleInstancesDriver(HarnessMegatronDriver):
 
 
 MUTANTS = (
+    Mutant(
+        "megatron-pp-other-stage",
+        "pipeline stage",
+        "each PP stage's routers get the next stage's layers' targets",
+        mutate("megatron-pp-other-stage", megatron_data=OtherStage()),
+        killed_by="test_megatron.py::test_router_replay_follows_canonical_targets[pp2thd]",
+    ),
+    Mutant(
+        "megatron-thd-seq-major",
+        "token order",
+        "a packed (THD) micro-batch's targets in the padded batch's s·B + b order, not sample after sample",
+        mutate("megatron-thd-seq-major", megatron_data=PackedSeqMajor()),
+        killed_by="test_megatron.py::test_router_replay_follows_canonical_targets[pp2thd]",
+    ),
+    Mutant(
+        "megatron-thd-unpadded-boundaries",
+        "token order",
+        "packed targets laid out at cu_seqlens while the model's rows follow cu_seqlens_padded (TP > 1)",
+        mutate("megatron-thd-unpadded-boundaries", megatron_data=UnpaddedBoundaries()),
+        killed_by="test_megatron.py::test_router_replay_follows_canonical_targets[thd-tp2ep2]",
+    ),
     Mutant(
         "megatron-layer-shift",
         "dense-layer shift",
