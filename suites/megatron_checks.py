@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.probes.megatron import DispatchProbe
+from harness.probes.megatron import DispatchProbe, expected_gate_weights
 from harness.subjects import load_subject
 from harness.subjects.replay import ensure_patched
 from harness.trace import RoutingTrace
@@ -329,6 +329,26 @@ class _Rank:
         slot = slot.clamp(min=0)
         return base + slot // layout.seq_len, slot % layout.seq_len, real
 
+    def check_gate_weights(self, what: str) -> None:
+        """Every router, in every forward (recompute included), weighted the experts it routed each
+        token to with the training model's own scores (recomputed by the harness from the router's
+        input and weight), and gave no weight elsewhere: replay moves ids, never weights."""
+        real = self._real(self.coords)
+        for j, layer in enumerate(self.layer_numbers):
+            for call, (chosen, weights, logits) in enumerate(
+                zip(self.probe.chosen[j], self.probe.weights[j], self.probe.logits[j], strict=True)
+            ):
+                want = expected_gate_weights(logits, chosen, self.config)
+                close = torch.isclose(weights, want, rtol=1e-5, atol=1e-6).all(dim=1) | ~real
+                if not bool(close.all()):
+                    first = int((~close).nonzero()[0])
+                    raise MegatronReplayError(
+                        f"{what}: rank {self.coords.rank} router {j} (decoder layer {layer}), forward "
+                        f"{call}: {int((~close).sum())} tokens got gate weights other than the model's "
+                        f"scores at their experts; first, token {first}: weights "
+                        f"{weights[first].tolist()}, expected {want[first].tolist()}"
+                    )
+
     def check_placement(self, traces: list[RoutingTrace], what: str) -> None:
         """Independent of the layout functions: every router row chose the canonical route of the sample
         and position Megatron actually put there (read from the tokens themselves; filler rows of a
@@ -432,6 +452,7 @@ class _Rank:
         self.backward(step)
         calls = 2 if self.config.recompute_granularity == "selective" else 1
         self.check_dispatch(targets, gathered, what, calls)
+        self.check_gate_weights(what)
         self.check_placement(traces, what)
         self.check_drained(what)
         self.control.disarm()

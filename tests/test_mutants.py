@@ -12,7 +12,15 @@ from harness.mutation import kill_args, run_benign, run_mutant
 from harness.subjects import load_subject
 
 NAMES = [m.name for m in MUTANTS]
-SPAWNING = {"megatron-batch-major", "megatron-forward-through-backward", "megatron-layer-shift"}
+SPAWNING = {
+    "megatron-batch-major",
+    "megatron-forward-through-backward",
+    "megatron-layer-shift",
+    "megatron-pp-other-stage",
+    "megatron-unnormalised-gate-weights",
+    "megatron-thd-seq-major",
+    "megatron-thd-unpadded-boundaries",
+}
 """Megatron mutants whose named kill spawns a Megatron rank (~10 s each): behind ``slow``. The
 probe-only one (RouterReplay actions on stale instances, whose own calls all succeed) proves the
 Megatron suite's kill in the default run."""

@@ -101,6 +101,26 @@ class ForwardThroughBackwardDriver(HarnessMegatronDriver):
         return ForwardThroughBackward(control.routers, control.top_k, control.num_experts)
 
 
+class UnnormalisedWeightsDriver(HarnessMegatronDriver):
+    """Replayed experts weighted with the softmax over *all* experts, not renormalised over the chosen
+    ones (a ``norm_topk_prob`` mix-up in an R3 patch): the ids are right, the gate weights are not."""
+
+    def install(self, model: Sequence[torch.nn.Module], config: Any) -> MegatronReplay:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        def reweigh(module: Any, args: Any, output: Any) -> Any:
+            probs, routing_map = output
+            hidden = args[0].reshape(-1, args[0].shape[-1])
+            scores = torch.softmax(torch.nn.functional.linear(hidden, module.weight).float(), dim=-1)
+            return (scores * routing_map).type_as(probs), routing_map
+
+        for chunk in model:
+            for m in chunk.modules():
+                if isinstance(m, TopKRouter):
+                    m.register_forward_hook(reweigh)
+        return super().install(model, config)
+
+
 class StaleInstances:
     """An action switch over copies of the routers' ``RouterReplay`` objects taken at install: the live
     routers never leave native routing, while every action call succeeds (verl #7340 orphans)."""
@@ -140,6 +160,13 @@ class StaleInstancesDriver(HarnessMegatronDriver):
 
 
 MUTANTS = (
+    Mutant(
+        "megatron-unnormalised-gate-weights",
+        "gate weights",
+        "replayed experts weighted with the softmax over all experts, not renormalised over the chosen",
+        mutate("megatron-unnormalised-gate-weights", install_megatron_replay=UnnormalisedWeightsDriver()),
+        killed_by="test_megatron.py::test_router_replay_follows_canonical_targets[tp1ep1]",
+    ),
     Mutant(
         "megatron-pp-other-stage",
         "pipeline stage",
