@@ -13,7 +13,7 @@ import torch
 
 from harness.mutants import Mutant, mutate
 from harness.trainers.megatron import packed as thd
-from harness.trainers.megatron.layout import MegatronLayout, rank_targets
+from harness.trainers.megatron.layout import MegatronLayout, stage_router_targets
 from harness.trainers.megatron.replay import MegatronReplay
 from harness.trainers.megatron.subject import CanonicalMegatronData, HarnessMegatronDriver
 from reference_impl import layouts
@@ -44,15 +44,8 @@ class OtherStage(CanonicalMegatronData):
     def targets(self, routes: torch.Tensor, layout: MegatronLayout, vpp_chunk: int) -> list[torch.Tensor]:
         from megatron.core import parallel_state as ps
 
-        place = thd.thd_rank_targets if layout.packed else rank_targets
-        return place(
-            routes,
-            layout,
-            dp_rank=0,
-            tp_rank=ps.get_tensor_model_parallel_rank(),
-            pp_rank=(ps.get_pipeline_model_parallel_rank() + 1) % layout.pp,
-            vpp_chunk=vpp_chunk,
-        )
+        next_stage = (ps.get_pipeline_model_parallel_rank() + 1) % layout.pp
+        return self.stage_targets(routes, layout, next_stage, vpp_chunk)
 
 
 class PackedSeqMajor(CanonicalMegatronData):
@@ -82,10 +75,7 @@ class UnpaddedBoundaries(CanonicalMegatronData):
         rows = thd.pack_routes(routes, layout.lengths, 1)
         rows = torch.cat([rows, thd.filler(layout.packed_rows - rows.shape[0], *rows.shape[1:])])
         shard = layouts.sp_shard(rows, layout.tp, ps.get_tensor_model_parallel_rank())
-        stage = layouts.stage_targets(
-            shard, layout.moe_layers, layout.stage_layers(ps.get_pipeline_model_parallel_rank(), vpp_chunk)
-        )
-        return [stage[:, j].contiguous() for j in range(stage.shape[1])]
+        return stage_router_targets(shard, layout, ps.get_pipeline_model_parallel_rank(), vpp_chunk)
 
 
 class ForwardThroughBackward(MegatronReplay):

@@ -42,8 +42,8 @@ SEED = 7
 
 @contextlib.contextmanager
 def megatron_session() -> Iterator[None]:
-    """A one-rank gloo world with Megatron's parallel state (created once per process), and the CPU
-    patches for the duration of the block (undone after it, so other suites see torch unpatched)."""
+    """A one-rank gloo world with Megatron's parallel state and the CPU patches, for the duration of
+    the block (all undone after it: other tests in the process may build their own world)."""
     with megatron_cpu.patched(), warnings.catch_warnings():
         # megatron-core warns per call about missing TE/Apex and deprecated arguments (none of it
         # about replay), as in the spawned ranks (``megatron_cpu.setup_rank``)
@@ -52,15 +52,15 @@ def megatron_session() -> Iterator[None]:
         warnings.simplefilter("ignore", FutureWarning)
         from megatron.core import parallel_state as ps
 
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        if dist.get_world_size() != 1:
-            raise MegatronReplayError(
-                f"the Megatron kind runs on one rank, the world has {dist.get_world_size()}"
-            )
-        if not ps.model_parallel_is_initialized():
+        if dist.is_initialized():
+            raise MegatronReplayError("the Megatron kind builds its own one-rank world; one is already up")
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
             ps.initialize_model_parallel()
-        yield
+            yield
+        finally:
+            ps.destroy_model_parallel()
+            dist.destroy_process_group()
 
 
 def _layout(deep: bool) -> MegatronLayout:

@@ -173,8 +173,9 @@ def batch_routes(traces: Sequence[RoutingTrace], layout: MegatronLayout) -> torc
             )
         rows_wanted = layout.lengths[i % layout.micro_batch] if layout.lengths else layout.seq_len
         if trace.rows != rows_wanted:
+            wanted = f"its packed length {rows_wanted}" if layout.lengths else f"seq_len = {rows_wanted}"
             raise MegatronReplayError(
-                f"{where}: {trace.rows} rows, expected {rows_wanted} (one per input position)"
+                f"{where}: {trace.rows} rows, expected {wanted} (one per input position)"
             )
         checks = (
             ("num_experts", trace.num_experts, layout.num_experts),
@@ -221,6 +222,13 @@ def rank_targets(
     seq_major = micro.transpose(0, 1)  # [S, B, L, k]: token s·B + b after flattening
     shard = layouts.sp_shard(seq_major, layout.tp, tp_rank)  # [S/tp, B, L, k]
     tokens = shard.reshape(-1, layout.num_layers, layout.top_k)  # [S/tp·B, L, k]
+    return stage_router_targets(tokens, layout, pp_rank, vpp_chunk)
+
+
+def stage_router_targets(
+    tokens: torch.Tensor, layout: MegatronLayout, pp_rank: int, vpp_chunk: int = 0
+) -> list[torch.Tensor]:
+    """One rank's token rows ``[N, L, k]`` → the targets of its stage's routers, in build order."""
     stage = layouts.stage_targets(tokens, layout.moe_layers, layout.stage_layers(pp_rank, vpp_chunk))
     return [stage[:, j].contiguous() for j in range(stage.shape[1])]
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from harness.trainers.megatron.layout import MegatronLayout, MegatronReplayError
+from harness.trainers.megatron.layout import MegatronLayout, MegatronReplayError, stage_router_targets
 from reference_impl import layouts
 
 
@@ -117,9 +117,7 @@ def thd_rank_targets(
         raise MegatronReplayError("thd_rank_targets: the layout has no lengths (not a packed layout)")
     b = layout.micro_batch
     packed = pack_routes(routes[dp_rank * b : (dp_rank + 1) * b], layout.lengths, layout.tp)
-    shard = layouts.sp_shard(packed, layout.tp, tp_rank)
-    stage = layouts.stage_targets(shard, layout.moe_layers, layout.stage_layers(pp_rank, vpp_chunk))
-    return [stage[:, j].contiguous() for j in range(stage.shape[1])]
+    return stage_router_targets(layouts.sp_shard(packed, layout.tp, tp_rank), layout, pp_rank, vpp_chunk)
 
 
 def rank_slots(layout: MegatronLayout, tp_rank: int) -> torch.Tensor:

@@ -124,11 +124,21 @@ class CanonicalMegatronData:
             _check_mask(attention_mask)
             return micro_batch_layout(config, *attention_mask.shape)
         lengths = packed_lengths(attention_mask, packed_seq_params)
-        return micro_batch_layout(config, *attention_mask.shape, lengths=lengths)
+        batch, seq_len = attention_mask.shape
+        return micro_batch_layout(config, batch, seq_len, lengths=lengths)
 
     def targets(self, routes: torch.Tensor, layout: MegatronLayout, vpp_chunk: int) -> list[torch.Tensor]:
         """This rank's per-router targets, in build order (:func:`layout.rank_targets`, packed:
         :func:`packed.thd_rank_targets`)."""
+        from megatron.core import parallel_state as ps
+
+        return self.stage_targets(routes, layout, ps.get_pipeline_model_parallel_rank(), vpp_chunk)
+
+    @staticmethod
+    def stage_targets(
+        routes: torch.Tensor, layout: MegatronLayout, pp_rank: int, vpp_chunk: int
+    ) -> list[torch.Tensor]:
+        """The per-router targets of this TP rank at pipeline stage ``pp_rank``."""
         from megatron.core import parallel_state as ps
 
         place = thd.thd_rank_targets if layout.packed else rank_targets
@@ -137,7 +147,7 @@ class CanonicalMegatronData:
             layout,
             dp_rank=0,
             tp_rank=ps.get_tensor_model_parallel_rank(),
-            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            pp_rank=pp_rank,
             vpp_chunk=vpp_chunk,
         )
 
