@@ -36,10 +36,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.probes.megatron import DispatchProbe
+from harness.probes.megatron import DispatchProbe, expected_gate_weights
 from harness.subjects import load_subject
 from harness.subjects.replay import ensure_patched
 from harness.trace import RoutingTrace
+from harness.trainers.megatron import packed as thd
 from harness.trainers.megatron.layout import (
     MegatronLayout,
     MegatronReplayError,
@@ -49,8 +50,9 @@ from harness.trainers.megatron.layout import (
     random_traces,
     rank_targets,
 )
-from harness.trainers.megatron.model import batch_tokens, build_gpt, tiny_config
+from harness.trainers.megatron.model import HIDDEN, batch_tokens, build_gpt, slot_count, tiny_config
 from reference_impl.config import axis_of_width
+from suites.megatron_pipeline import StageLink, StageStep, stage_input
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,10 @@ class _Rank:
                 f"routers sit on decoder layers {self.layer_numbers}, the layout says {stage}"
             )
         self.device = next(self.model.parameters()).device
-        self._mark_positions()
+        self.link = StageLink()
+        self.positions: list[torch.Tensor] = []
+        if self.link.first_stage:
+            self._mark_positions()
         b, d = layout.micro_batch, self.coords.dp
         self.micro_batches = []
         for offset in (1, 2):
@@ -140,14 +145,17 @@ class _Rank:
         embeddings set to the position, so the first decoder layer's input ``[S/tp, B, H]`` says, in
         channel 0, which sequence position each of this rank's rows holds, as Megatron itself placed
         it (transpose, sequence-parallel scatter). The batch column is never moved by Megatron.
+        A packed micro-batch's position ids name a ``(sample, position)`` slot each (``b·S + s``,
+        filler rows the last slot, marked ``-1``). Only the first pipeline stage embeds; later stages
+        receive the slots with the activations.
         """
         emb = self.model.embedding
+        slots = torch.arange(slot_count(self.layout), dtype=emb.position_embeddings.weight.dtype)
+        if self.layout.packed:
+            slots[-1] = -1
         with torch.no_grad():
             emb.word_embeddings.weight[:, 0] = 0
-            emb.position_embeddings.weight[:, 0] = torch.arange(
-                self.layout.seq_len, dtype=emb.position_embeddings.weight.dtype
-            )
-        self.positions: list[torch.Tensor] = []
+            emb.position_embeddings.weight[:, 0] = slots
 
         def hook(module: Any, args: Any, kwargs: Any) -> None:
             hidden = args[0] if args else kwargs["hidden_states"]
@@ -157,15 +165,80 @@ class _Rank:
 
     # --- steps -------------------------------------------------------------------------------
 
-    def forward(self, mb: int) -> torch.Tensor:
-        ids, labels = (t.to(self.device) for t in self.micro_batches[mb])
-        position_ids = torch.arange(self.layout.seq_len, device=self.device).unsqueeze(0).expand_as(ids)
-        mask = torch.triu(
-            torch.ones(self.layout.seq_len, self.layout.seq_len, dtype=torch.bool, device=self.device),
-            diagonal=1,
-        ).view(1, 1, self.layout.seq_len, self.layout.seq_len)
-        losses = self.model(ids, position_ids, mask, labels=labels)
-        return losses.float().sum()
+    def _inputs(self, mb: int) -> dict[str, Any]:
+        """The model's inputs for micro-batch ``mb``: padded ``[B, S]`` with a causal mask, or packed
+        ``[1, T]`` with ``PackedSeqParams`` and slot position ids (and the loss mask of real rows)."""
+        layout = self.layout
+        ids, labels = self.micro_batches[mb]
+        if not layout.packed:
+            s = layout.seq_len
+            return dict(
+                input_ids=ids,
+                position_ids=torch.arange(s).unsqueeze(0).expand_as(ids),
+                attention_mask=torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s),
+                labels=labels,
+                loss_mask=torch.ones_like(labels, dtype=torch.float32),
+            )
+        assert layout.lengths is not None
+        slots = thd.packed_slots(layout.lengths, layout.tp)
+        real = slots[:, 0] >= 0
+        pick = slots.clamp(min=0)
+        position = torch.where(real, pick[:, 0] * layout.seq_len + pick[:, 1], slot_count(layout) - 1)
+        return dict(
+            input_ids=torch.where(real, ids[pick[:, 0], pick[:, 1]], 0).unsqueeze(0),
+            position_ids=position.unsqueeze(0),
+            attention_mask=None,
+            labels=torch.where(real, labels[pick[:, 0], pick[:, 1]], 0).unsqueeze(0),
+            loss_mask=real.float().unsqueeze(0),
+            packed_seq_params=self.packed_seq_params(),
+        )
+
+    def packed_seq_params(self) -> Any:
+        """The packed micro-batch's ``PackedSeqParams`` (THD; samples padded to a multiple of ``tp``)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        assert self.layout.lengths is not None
+        lengths, padded = self.layout.lengths, thd.padded_lengths(self.layout.lengths, self.layout.tp)
+        cu, cu_padded = thd.cu_seqlens(lengths).to(self.device), thd.cu_seqlens(padded).to(self.device)
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=cu_padded,
+            cu_seqlens_kv_padded=cu_padded,
+            max_seqlen_q=max(padded),
+            max_seqlen_kv=max(padded),
+        )
+
+    def _rows_shape(self) -> tuple[int, int]:
+        """The decoder's ``[rows, batch]`` on this rank: ``[S/tp, B]``, packed ``[T/tp, 1]``."""
+        if self.layout.packed:
+            return (self.layout.local_tokens, 1)
+        return (self.layout.seq_len // self.layout.tp, self.layout.micro_batch)
+
+    def forward(self, mb: int) -> StageStep:
+        """Micro-batch ``mb`` through this pipeline stage (activations and slots from / to the
+        neighbouring stages); the step's loss is the last stage's, on every stage."""
+        inputs = {
+            k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in self._inputs(mb).items()
+        }
+        loss_mask = inputs.pop("loss_mask")
+        received = None
+        if not self.link.first_stage:
+            rows = self._rows_shape()
+            received = stage_input(self.link, self.model, (*rows, HIDDEN), self.device)
+            self.positions.append(self.link.receive(rows, torch.long, torch.device("cpu")))
+        out = self.model(**inputs)
+        if not self.link.last_stage:
+            self.link.send(out)
+            self.link.send(self.positions[-1])
+            return StageStep(self.link.share_loss(None, self.device), output=out, received=received)
+        loss = (out.float() * loss_mask).sum()
+        return StageStep(self.link.share_loss(loss, self.device), received=received)
+
+    def backward(self, step: StageStep) -> None:
+        """This stage's backward of ``step`` (gradients to / from the neighbouring stages)."""
+        self.link.backward(step)
 
     def zero_grad(self) -> None:
         for p in self.model.parameters():
@@ -179,7 +252,14 @@ class _Rank:
 
     def _place(self, routes: torch.Tensor, coords: Coordinates) -> list[torch.Tensor]:
         """The canonical per-router targets of ``coords`` (the harness's expectation, not the subject's)."""
-        return rank_targets(routes, self.layout, dp_rank=coords.dp, tp_rank=coords.tp, pp_rank=coords.pp)
+        place = thd.thd_rank_targets if self.layout.packed else rank_targets
+        return place(routes, self.layout, dp_rank=coords.dp, tp_rank=coords.tp, pp_rank=coords.pp)
+
+    def _real(self, coords: Coordinates) -> torch.Tensor:
+        """Which router rows of ``coords`` hold a token (filler rows of a packed micro-batch do not)."""
+        if not self.layout.packed:
+            return torch.ones(self.layout.local_tokens, dtype=torch.bool)
+        return thd.rank_slots(self.layout, coords.tp)[:, 0] >= 0
 
     def targets(self, traces: list[RoutingTrace]) -> list[torch.Tensor]:
         routes = batch_routes(traces, self.layout)
@@ -191,6 +271,10 @@ class _Rank:
         per_rank = [self._place(routes, self.all_coords[r]) for r in self.gather_ranks]
         return [torch.cat([rt[j] for rt in per_rank]) for j in range(len(self.routers))]
 
+    def gathered_real(self) -> torch.Tensor:
+        """Which gathered rows hold a token, in the dispatcher's group order."""
+        return torch.cat([self._real(self.all_coords[r]) for r in self.gather_ranks])
+
     # --- checks ------------------------------------------------------------------------------
 
     def check_dispatch(
@@ -198,6 +282,7 @@ class _Rank:
     ) -> None:
         """Each router chose, and each local expert received, its exact targets in all ``calls`` forwards."""
         layout = self.layout
+        real, gathered_real = self._real(self.coords), self.gathered_real()
         for j, layer in enumerate(self.layer_numbers):
             where = f"{what}: rank {self.coords.rank} router {j} (decoder layer {layer})"
             chosen, dispatched = self.probe.chosen[j], self.probe.dispatched[j]
@@ -208,39 +293,73 @@ class _Rank:
             want = ids_to_map(targets[j].cpu(), layout.num_experts)
             want_local = expected_local_map(gathered[j].cpu(), layout, self.coords.ep)
             for call in range(calls):
-                if not torch.equal(chosen[call], want):
-                    bad = int((chosen[call] != want).any(dim=1).sum())
+                if not torch.equal(chosen[call][real], want[real]):
+                    bad = int((chosen[call] != want)[real].any(dim=1).sum())
                     raise MegatronReplayError(
                         f"{where}, forward {call}: {bad} tokens routed to other experts than their targets"
                     )
-                if not torch.equal(dispatched[call], want_local):
-                    bad = int((dispatched[call] != want_local).any(dim=1).sum())
+                if not torch.equal(dispatched[call][gathered_real], want_local[gathered_real]):
+                    bad = int((dispatched[call] != want_local)[gathered_real].any(dim=1).sum())
                     raise MegatronReplayError(
                         f"{where}, forward {call}: the dispatcher handed {bad} gathered tokens to other "
                         "local experts "
                         f"(EP rank {self.coords.ep}) than their targets name"
                     )
                 counts = want_local.sum(dim=0).long()
-                if not torch.equal(self.probe.tokens_per_expert[j][call], counts):
+                if bool(gathered_real.all()) and not torch.equal(
+                    self.probe.tokens_per_expert[j][call], counts
+                ):
                     raise MegatronReplayError(
                         f"{where}, forward {call}: tokens_per_expert differs from the targets"
                     )
 
+    def observed_slots(self, what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(sample, position, real)`` of every router row of this rank, read off the tokens the first
+        stage embedded (the batch column of ``[S/tp, B]``; a packed row's slot ``b·S + s``, or ``-1``)."""
+        layout = self.layout
+        positions = self.positions[-1]
+        if tuple(positions.shape) != self._rows_shape():
+            raise MegatronReplayError(f"{what}: decoder input holds {tuple(positions.shape)} rows per rank")
+        base = self.coords.dp * layout.micro_batch
+        if not layout.packed:
+            samples = base + torch.arange(layout.micro_batch).unsqueeze(0).expand_as(positions)
+            return samples.reshape(-1), positions.reshape(-1), torch.ones(positions.numel(), dtype=torch.bool)
+        slot = positions.reshape(-1)
+        real = slot >= 0
+        slot = slot.clamp(min=0)
+        return base + slot // layout.seq_len, slot % layout.seq_len, real
+
+    def check_gate_weights(self, what: str) -> None:
+        """Every router, in every forward (recompute included), weighted the experts it routed each
+        token to with the training model's own scores (recomputed by the harness from the router's
+        input and weight), and gave no weight elsewhere: replay moves ids, never weights."""
+        real = self._real(self.coords)
+        for j, layer in enumerate(self.layer_numbers):
+            for call, (chosen, weights, logits) in enumerate(
+                zip(self.probe.chosen[j], self.probe.weights[j], self.probe.logits[j], strict=True)
+            ):
+                want = expected_gate_weights(logits, chosen, self.config)
+                close = torch.isclose(weights, want, rtol=1e-5, atol=1e-6).all(dim=1) | ~real
+                if not bool(close.all()):
+                    first = int((~close).nonzero()[0])
+                    raise MegatronReplayError(
+                        f"{what}: rank {self.coords.rank} router {j} (decoder layer {layer}), forward "
+                        f"{call}: {int((~close).sum())} tokens got gate weights other than the model's "
+                        f"scores at their experts; first, token {first}: weights "
+                        f"{weights[first].tolist()}, expected {want[first].tolist()}"
+                    )
+
     def check_placement(self, traces: list[RoutingTrace], what: str) -> None:
-        """Independent of the layout functions: row ``s·B + b`` of every router chose the canonical route
-        of the sample and position Megatron actually put there (read from the tokens themselves)."""
+        """Independent of the layout functions: every router row chose the canonical route of the sample
+        and position Megatron actually put there (read from the tokens themselves; filler rows of a
+        packed micro-batch hold no position and are not judged)."""
         layout = self.layout
         routes = batch_routes(traces, layout)  # [dp·B, S, layers, k]
-        positions = self.positions[-1]  # [S/tp, B]
-        if tuple(positions.shape) != (layout.seq_len // layout.tp, layout.micro_batch):
-            raise MegatronReplayError(f"{what}: decoder input holds {tuple(positions.shape)} rows per rank")
-        samples = self.coords.dp * layout.micro_batch + torch.arange(layout.micro_batch)
+        samples, positions, real = self.observed_slots(what)
         for j, layer in enumerate(self.layer_numbers):
-            want = routes[samples.unsqueeze(0).expand_as(positions), positions, layer].reshape(
-                -1, layout.top_k
-            )
+            want = routes[samples, positions, layer]
             for call, chosen in enumerate(self.probe.chosen[j]):
-                wrong = (chosen != ids_to_map(want, layout.num_experts)).any(dim=1)
+                wrong = (chosen != ids_to_map(want, layout.num_experts)).any(dim=1) & real
                 if bool(wrong.any()):
                     first = int(wrong.nonzero()[0])
                     raise MegatronReplayError(
@@ -263,12 +382,23 @@ class _Rank:
                 "replay every forward, or REPLAY_BACKWARD was never set)"
             )
 
+    def attention_mask(self) -> torch.Tensor:
+        """This micro-batch's ``[B, S]`` mask: every position, or each packed sample's first ``n``."""
+        layout = self.layout
+        lengths = torch.tensor(layout.lengths or [layout.seq_len] * layout.micro_batch)
+        return (torch.arange(layout.seq_len).unsqueeze(0) < lengths.unsqueeze(1)).long()
+
+    def packed_keyword(self) -> dict[str, Any]:
+        """``packed_seq_params=`` for the data movement of a packed micro-batch."""
+        return {"packed_seq_params": self.packed_seq_params()} if self.layout.packed else {}
+
     def feed(self, traces: list[RoutingTrace]) -> None:
         """The subject's data movement: this DP rank's micro-batch of canonical routes → its routers."""
         b, d = self.layout.micro_batch, self.coords.dp
         routes = batch_routes(traces, self.layout)[d * b : (d + 1) * b]
-        mask = torch.ones(b, self.layout.seq_len, dtype=torch.long)
-        self.data.set_replay_data(routes, mask, self.config, model=[self.model])
+        self.data.set_replay_data(
+            routes, self.attention_mask(), self.config, model=[self.model], **self.packed_keyword()
+        )
 
     def record(self) -> list[RoutingTrace]:
         """RECORD one forward; the subject merges the recordings; canonical traces of the global batch."""
@@ -278,8 +408,11 @@ class _Rank:
         self.control.record()
         with torch.no_grad():
             self.forward(0)
-        mask = torch.ones(layout.micro_batch, layout.seq_len, dtype=torch.long)
-        merged = torch.as_tensor(self.data.merge_recordings(mask, self.config, model=[self.model])).long()
+        merged = torch.as_tensor(
+            self.data.merge_recordings(
+                self.attention_mask(), self.config, model=[self.model], **self.packed_keyword()
+            )
+        ).long()
         self.control.disarm()
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (self.coords.dp, merged.cpu()))
@@ -292,15 +425,16 @@ class _Rank:
                 f"merge_recordings: global routes {tuple(routes.shape)}, expected [{layout.global_batch}, "
                 f"{layout.seq_len}, {layout.num_layers} or {len(layout.moe_layers)}, {layout.top_k}]"
             )
+        lengths = layout.lengths or (layout.seq_len,) * layout.micro_batch
         return [
             RoutingTrace(
-                sample.numpy(),
+                sample[: lengths[i % layout.micro_batch]].numpy(),
                 num_experts=layout.num_experts,
                 moe_layers=layout.moe_layers,
                 num_layers=layout.num_layers,
                 layer_axis=axis,
             ).to_decoder_axis()
-            for sample in routes
+            for i, sample in enumerate(routes)
         ]
 
     def replay_step(
@@ -313,15 +447,16 @@ class _Rank:
         self.positions.clear()
         self.feed(traces)
         self.control.replay_forward()
-        loss = self.forward(0)
+        step = self.forward(0)
         self.control.prepare_backward()
-        loss.backward()
+        self.backward(step)
         calls = 2 if self.config.recompute_granularity == "selective" else 1
         self.check_dispatch(targets, gathered, what, calls)
+        self.check_gate_weights(what)
         self.check_placement(traces, what)
         self.check_drained(what)
         self.control.disarm()
-        return loss.detach(), self.grads()
+        return step.loss.detach(), self.grads()
 
 
 def _compare_grads(
@@ -346,8 +481,8 @@ def run_checks(layout: MegatronLayout, *, seed: int = 0, subject: str) -> dict[s
     Returns a small report of plain values (this rank's coordinates as a dict, token and router
     counts, the loss values).
     """
-    if layout.pp != 1:
-        raise MegatronReplayError("run_checks drives one pipeline stage (pp = 1); layouts cover pp > 1")
+    if layout.vpp != 1:
+        raise MegatronReplayError("run_checks drives pipeline stages without virtual chunks (vpp = 1)")
     r = _Rank(layout, seed, subject)
     report: dict[str, Any] = {
         "coords": asdict(r.coords),  # plain values: the report leaves the rank as torch.save bytes
@@ -358,8 +493,9 @@ def run_checks(layout: MegatronLayout, *, seed: int = 0, subject: str) -> dict[s
     # 1. live routing, with recompute
     r.control.disarm()
     r.zero_grad()
-    live_loss = r.forward(0)
-    live_loss.backward()
+    live_step = r.forward(0)
+    r.backward(live_step)
+    live_loss = live_step.loss
     live_grads = r.grads()
     report["live_loss"] = float(live_loss.detach())
 
@@ -371,14 +507,18 @@ def run_checks(layout: MegatronLayout, *, seed: int = 0, subject: str) -> dict[s
         traces = r.record()
         r.check_placement(traces, "record → canonical traces")
 
-        # 3. replay the recording: bit-exact gradients
+        # 3. replay the recording: bit-exact gradients (the loss bit-exact always; the gradients within
+        # float rounding where a packed micro-batch has filler rows: a trace has no route for them, so
+        # they may go to other experts than in the recording pass, and each expert's gradient then
+        # sums its tokens' exact-zero contributions in another blocking)
         loss, grads = r.replay_step(traces, "replay of the recording")
         if not torch.equal(loss, live_loss.detach()):
             raise MegatronReplayError(
                 f"replay of the recording: loss {float(loss)} != live {float(live_loss)}"
             )
+        report["r2_bit_exact"] = not layout.packed or layout.packed_rows == sum(layout.lengths or ())
         report["max_grad_diff_record_replay"] = _compare_grads(
-            grads, live_grads, "replay of the recording vs live"
+            grads, live_grads, "replay of the recording vs live", exact=report["r2_bit_exact"]
         )
 
     # 4. foreign targets (R3): forced dispatch, router still gets gradients
@@ -398,9 +538,9 @@ def run_checks(layout: MegatronLayout, *, seed: int = 0, subject: str) -> dict[s
         r.zero_grad()
         r.feed(tr)
         r.control.replay_forward()
-        loss_mb = r.forward(mb)
+        step_mb = r.forward(mb)
         r.control.prepare_backward()
-        loss_mb.backward()
+        r.backward(step_mb)
         r.control.disarm()
         singles.append(r.grads())
     r.zero_grad()
@@ -410,8 +550,8 @@ def run_checks(layout: MegatronLayout, *, seed: int = 0, subject: str) -> dict[s
         r.control.replay_forward()
         losses.append(r.forward(mb))
     r.control.prepare_backward()
-    for loss_mb in losses:
-        loss_mb.backward()
+    for step_mb in losses:
+        r.backward(step_mb)
     summed = {name: singles[0][name] + singles[1][name] for name in singles[0]}
     report["max_grad_diff_fifo"] = _compare_grads(
         r.grads(), summed, "two micro-batches vs one at a time", exact=False

@@ -1,7 +1,9 @@
 """Replay effect (DESIGN §3.6–3.8), one suite over (model kind × router family), observed by the harness.
 
 The subject supplies the driver of each model kind (``install_replay`` for the reference ``MoELM``,
-``install_hf_replay`` for transformers MoE models); the harness runs the driver's ``patch()``, then
+``install_hf_replay`` for transformers MoE models, ``install_megatron_replay`` with ``megatron_data``
+for a Megatron-core ``GPTModel`` on one rank, ``harness.testing.megatron_kind``); the harness runs
+the driver's ``patch()``, then
 builds the model (a driver that patches a router constructor needs models built after it), installs
 the driver, and attaches its *own* route probe (``harness.probes``) at the dispatch step, after the
 subject's hooks. Every check compares what the subject was asked to do with what the probe saw the
@@ -18,10 +20,16 @@ experts receive; nothing the subject reports about itself (``dispatched()``) is 
 - a model part built before the driver's ``patch()`` is replayed or refused, never left native;
 - rows without a target (left padding, last tokens) route natively, never with the filler;
 - targets for the wrong number of MoE layers are an error, not native routing.
+
+The Megatron kind (fp32; Megatron-core's softmax and sigmoid score functions) skips, naming why, two
+cases Megatron-core's ``RouterReplay`` cannot be asked: two controlled models in one process (its
+actions are class-level, process-global) and rows without a target (it has no per-token mask; its
+data movement refuses a padded micro-batch instead, ``suites/test_megatron.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,6 +44,7 @@ from harness.subjects import Subject
 from harness.subjects.capabilities import MissingMember, OneForwardInFlight, ReplayController
 from harness.subjects.replay import controlled, patches, prepare
 from harness.testing.asserts import assert_close_logprobs, assert_same_routes
+from harness.testing.megatron_kind import MegatronKindDriver, megatron_kind, megatron_session
 from harness.testing.suite import require
 from harness.trainers.hf.models import MODEL_TYPES
 from harness.trainers.kinds import ModelKind, Routing, hf_kind, reference_kind
@@ -43,7 +52,12 @@ from reference_impl import ROUTER_FAMILIES
 from reference_impl.layouts import place_left_padded
 
 BATCH, SEQ = 2, 6
-KINDS = {"reference": reference_kind(), "hf": hf_kind()}
+KINDS = {"reference": reference_kind(), "hf": hf_kind(), "megatron": megatron_kind()}
+MEGATRON_MARKS = [
+    pytest.mark.megatron,
+    pytest.mark.capability("install_megatron_replay"),
+    pytest.mark.capability("megatron_data"),
+]
 
 
 def _cases(dtypes: tuple[str, ...], hf_types: tuple[str, ...] = tuple(MODEL_TYPES)) -> list[object]:
@@ -55,6 +69,10 @@ def _cases(dtypes: tuple[str, ...], hf_types: tuple[str, ...] = tuple(MODEL_TYPE
         for d in dtypes
     ]
     cases += [pytest.param("hf", m, d, id=f"hf-{m}-{d}", marks=on_hf) for m in hf_types for d in dtypes]
+    cases += [
+        pytest.param("megatron", f, "fp32", id=f"megatron-{f}-fp32", marks=MEGATRON_MARKS)
+        for f in KINDS["megatron"].families
+    ]
     return cases
 
 
@@ -77,8 +95,10 @@ def _armed(
     controller on it, then the harness's probe. A driver that may patch gets a model constructed after
     its patch, never a copy of one built before."""
     model_kind = KINDS[kind]
-    capability = require(subject, model_kind.capability)
+    capability = _capability(subject, kind)
+    session = megatron_session() if kind == "megatron" else contextlib.nullcontext()
     try:
+        session.__enter__()
         driver = prepare(capability, model_kind.capability)
         if model is None:
             model = model_kind.build(family, dtype, fresh=patches(driver), deep=deep)
@@ -92,6 +112,21 @@ def _armed(
                 probe.remove()
     except MissingMember as err:
         pytest.skip(str(err))
+    finally:
+        session.__exit__(None, None, None)
+
+
+def _capability(subject: Subject, kind: str) -> object:
+    """The subject's driver of ``kind``: for Megatron its action switch and data movement as one."""
+    capability = require(subject, KINDS[kind].capability)
+    if kind == "megatron":
+        return MegatronKindDriver(capability, require(subject, "megatron_data"))
+    return capability
+
+
+def _not_megatron(kind: str, why: str) -> None:
+    if kind == "megatron":
+        pytest.skip(f"Megatron-core RouterReplay: {why}")
 
 
 def _tokens(kind: ModelKind, seed: int, batch: int = BATCH, seq: int = SEQ) -> torch.Tensor:
@@ -133,14 +168,18 @@ def test_experts_receive_the_targets_whatever_the_live_logits(
     _check_experts_receive_targets(subject, kind, family, dtype, seed)
 
 
-ONE_FAMILY = {"reference": "softmax_topk", "hf": "qwen2_moe"}
+ONE_FAMILY = {"reference": "softmax_topk", "hf": "qwen2_moe", "megatron": "softmax"}
 """The family each model kind's cross-cutting cases (deep model, two models, disarm) are built with."""
 
 
 def _one_family_per_kind(*variants: str) -> list[object]:
     cases = []
     for kind, family in ONE_FAMILY.items():
-        marks = [pytest.mark.capability(KINDS[kind].capability)] + ([pytest.mark.hf] if kind == "hf" else [])
+        marks = (
+            MEGATRON_MARKS
+            if kind == "megatron"
+            else [pytest.mark.capability(KINDS[kind].capability)] + ([pytest.mark.hf] if kind == "hf" else [])
+        )
         for variant in variants or ("",):
             cases.append(
                 pytest.param(
@@ -200,6 +239,7 @@ def test_two_controlled_models_replay_independently(
     """An actor and a reference model alive in one process, both controlled (installed in either order):
     replaying on one dispatches its targets there and leaves the other routing natively (a driver whose
     state is process-global must not let the last installed model win)."""
+    _not_megatron(kind, "actions are class-level (process-global): one controlled model per process")
     first = order == "replayed-first"
     with _armed(subject, kind, family, "fp32") as (k, one, ctl_one, probe_one, routing):
         with _armed(subject, kind, family, "fp32") as (_, two, ctl_two, probe_two, _):
@@ -258,6 +298,7 @@ def test_a_part_built_before_the_patch_is_replayed_or_refused(
     """A model part built before the driver's ``patch()`` (an MTP head, a critic; here the last decoder
     layer, built before the patch and copied in) is replayed like the rest or refused loudly (an
     exception) — never left routing natively while the other layers replay (DESIGN §3.8)."""
+    _not_megatron(kind, "a decoder layer copied between GPT models keeps the other model's RouterReplay")
     k = KINDS[kind]
     early = copy.deepcopy(_decoder_layers(k.build(family, "fp32", fresh=True))[-1])  # before prepare()
     driver = prepare(require(subject, k.capability), k.capability)
@@ -428,6 +469,7 @@ def test_recompute_replays_each_forwards_targets(
 def test_rows_without_a_target_route_natively(subject: Subject, kind: str, family: str, dtype: str) -> None:
     """Each sample's solo routes, left-padded like its tokens, reach the experts at its tokens; padding
     and each sample's last token (no row) route natively, never with the zero filler (§3.5–3.6)."""
+    _not_megatron(kind, "no per-token replay mask (a padded micro-batch is refused: test_megatron.py)")
     with _armed(subject, kind, family, dtype) as (k, model, ctl, probe, routing):
         lengths = (4, 7)
         samples = []

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import Phase, settings
 
@@ -12,7 +14,15 @@ from harness.mutation import kill_args, run_benign, run_mutant
 from harness.subjects import load_subject
 
 NAMES = [m.name for m in MUTANTS]
-SPAWNING = {"megatron-batch-major", "megatron-forward-through-backward", "megatron-layer-shift"}
+SPAWNING = {
+    "megatron-batch-major",
+    "megatron-forward-through-backward",
+    "megatron-layer-shift",
+    "megatron-pp-other-stage",
+    "megatron-unnormalised-gate-weights",
+    "megatron-thd-seq-major",
+    "megatron-thd-unpadded-boundaries",
+}
 """Megatron mutants whose named kill spawns a Megatron rank (~10 s each): behind ``slow``. The
 probe-only one (RouterReplay actions on stale instances, whose own calls all succeed) proves the
 Megatron suite's kill in the default run."""
@@ -51,9 +61,13 @@ NOT_DISTRIBUTED = ["-m", "not slow and not gpu and not distributed"]
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=pytest.mark.slow) if n in SPAWNING else n for n in NAMES]
 )
-def test_mutant_is_killed_by_its_named_invariant(name: str) -> None:
-    """The invariant a mutant names (``Mutant.killed_by``) fails on it: a few seconds per mutant."""
+def test_mutant_is_killed_by_its_named_invariant(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The invariant a mutant names (``Mutant.killed_by``) fails on it: a few seconds per mutant. A
+    Megatron layout named in brackets is selected by name (``slow`` layouts run only when selected)."""
     mutant = get(name)
+    layout = re.fullmatch(r"test_megatron\.py::\w+\[(.+)\]", mutant.killed_by)
+    if layout:
+        monkeypatch.setenv("RRH_MEGATRON_LAYOUT", layout.group(1))
     outcome = run_mutant(mutant, named_killer_only=True, extra=kill_args(None))
     assert outcome.tests_run > 0, f"{name}: no test matches suites/{mutant.killed_by}"
     assert outcome.killed, f"{name} ({outcome.bug_class}) survived suites/{mutant.killed_by}"

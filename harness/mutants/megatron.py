@@ -12,9 +12,11 @@ from typing import Any
 import torch
 
 from harness.mutants import Mutant, mutate
-from harness.trainers.megatron.layout import MegatronLayout
+from harness.trainers.megatron import packed as thd
+from harness.trainers.megatron.layout import MegatronLayout, stage_router_targets
 from harness.trainers.megatron.replay import MegatronReplay
 from harness.trainers.megatron.subject import CanonicalMegatronData, HarnessMegatronDriver
+from reference_impl import layouts
 
 
 class LayerShift(CanonicalMegatronData):
@@ -36,6 +38,46 @@ class BatchMajor(CanonicalMegatronData):
         ]
 
 
+class OtherStage(CanonicalMegatronData):
+    """Each pipeline stage gets the targets of the next stage's layers (a stage offset off by one)."""
+
+    def targets(self, routes: torch.Tensor, layout: MegatronLayout, vpp_chunk: int) -> list[torch.Tensor]:
+        from megatron.core import parallel_state as ps
+
+        next_stage = (ps.get_pipeline_model_parallel_rank() + 1) % layout.pp
+        return self.stage_targets(routes, layout, next_stage, vpp_chunk)
+
+
+class PackedSeqMajor(CanonicalMegatronData):
+    """A packed micro-batch's rows taken in the padded batch's sequence-major order (``s·B + b``, padding
+    skipped) instead of sample after sample: the bshd flattening applied to THD input."""
+
+    def targets(self, routes: torch.Tensor, layout: MegatronLayout, vpp_chunk: int) -> list[torch.Tensor]:
+        if layout.lengths is not None:
+            lengths = torch.tensor(layout.lengths)
+            attended = torch.arange(layout.seq_len).unsqueeze(0) < lengths.unsqueeze(1)
+            seq_major = routes.transpose(0, 1)[attended.t()]  # [Σ n, L, k], s-major
+            by_sample = torch.zeros_like(routes)
+            by_sample[attended] = seq_major
+            routes = by_sample
+        return super().targets(routes, layout, vpp_chunk)
+
+
+class UnpaddedBoundaries(CanonicalMegatronData):
+    """Samples packed back to back at ``cu_seqlens`` (all filler at the end) while the model's rows
+    follow ``cu_seqlens_padded``: every sample after a padded one is shifted at its boundary."""
+
+    def targets(self, routes: torch.Tensor, layout: MegatronLayout, vpp_chunk: int) -> list[torch.Tensor]:
+        if layout.lengths is None:
+            return super().targets(routes, layout, vpp_chunk)
+        from megatron.core import parallel_state as ps
+
+        rows = thd.pack_routes(routes, layout.lengths, 1)
+        rows = torch.cat([rows, thd.filler(layout.packed_rows - rows.shape[0], *rows.shape[1:])])
+        shard = layouts.sp_shard(rows, layout.tp, ps.get_tensor_model_parallel_rank())
+        return stage_router_targets(shard, layout, ps.get_pipeline_model_parallel_rank(), vpp_chunk)
+
+
 class ForwardThroughBackward(MegatronReplay):
     """REPLAY_FORWARD left on through backward: recompute replays the latest targets, not its own."""
 
@@ -47,6 +89,26 @@ class ForwardThroughBackwardDriver(HarnessMegatronDriver):
     def install(self, model: Sequence[torch.nn.Module], config: Any) -> MegatronReplay:
         control = super().install(model, config)
         return ForwardThroughBackward(control.routers, control.top_k, control.num_experts)
+
+
+class UnnormalisedWeightsDriver(HarnessMegatronDriver):
+    """Replayed experts weighted with the softmax over *all* experts, not renormalised over the chosen
+    ones (a ``norm_topk_prob`` mix-up in an R3 patch): the ids are right, the gate weights are not."""
+
+    def install(self, model: Sequence[torch.nn.Module], config: Any) -> MegatronReplay:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        def reweigh(module: Any, args: Any, output: Any) -> Any:
+            probs, routing_map = output
+            hidden = args[0].reshape(-1, args[0].shape[-1])
+            scores = torch.softmax(torch.nn.functional.linear(hidden, module.weight).float(), dim=-1)
+            return (scores * routing_map).type_as(probs), routing_map
+
+        for chunk in model:
+            for m in chunk.modules():
+                if isinstance(m, TopKRouter):
+                    m.register_forward_hook(reweigh)
+        return super().install(model, config)
 
 
 class StaleInstances:
@@ -88,6 +150,34 @@ class StaleInstancesDriver(HarnessMegatronDriver):
 
 
 MUTANTS = (
+    Mutant(
+        "megatron-unnormalised-gate-weights",
+        "gate weights",
+        "replayed experts weighted with the softmax over all experts, not renormalised over the chosen",
+        mutate("megatron-unnormalised-gate-weights", install_megatron_replay=UnnormalisedWeightsDriver()),
+        killed_by="test_megatron.py::test_router_replay_follows_canonical_targets[tp1ep1]",
+    ),
+    Mutant(
+        "megatron-pp-other-stage",
+        "pipeline stage",
+        "each PP stage's routers get the next stage's layers' targets",
+        mutate("megatron-pp-other-stage", megatron_data=OtherStage()),
+        killed_by="test_megatron.py::test_router_replay_follows_canonical_targets[pp2thd]",
+    ),
+    Mutant(
+        "megatron-thd-seq-major",
+        "token order",
+        "a packed (THD) micro-batch's targets in the padded batch's s·B + b order, not sample after sample",
+        mutate("megatron-thd-seq-major", megatron_data=PackedSeqMajor()),
+        killed_by="test_megatron.py::test_router_replay_follows_canonical_targets[pp2thd]",
+    ),
+    Mutant(
+        "megatron-thd-unpadded-boundaries",
+        "token order",
+        "packed targets laid out at cu_seqlens while the model's rows follow cu_seqlens_padded (TP > 1)",
+        mutate("megatron-thd-unpadded-boundaries", megatron_data=UnpaddedBoundaries()),
+        killed_by="test_megatron.py::test_router_replay_follows_canonical_targets[thd-tp2ep2]",
+    ),
     Mutant(
         "megatron-layer-shift",
         "dense-layer shift",

@@ -1,7 +1,9 @@
 """Probe of Megatron-core ``GPTModel`` s: what every MoE layer's router chose and its experts received.
 
 For every forward (activation recompute included) and every ``MoELayer``: the expert set each token
-was routed to (the router's ``routing_map``, bool ``[local_tokens, E]``) and the token → local-expert
+was routed to (the router's ``routing_map``, bool ``[local_tokens, E]``), the gate weights it was
+given (the router's ``probs``, ``[local_tokens, E]``, zero off the map) with the router logits the
+harness computes itself from the router's input and weight, and the token → local-expert
 map the all-gather dispatcher actually handed to this rank's experts (``token_dispatcher.local_map``,
 read in a pre-hook on ``experts``, with ``tokens_per_expert``). The dispatch map is the evidence: a
 replay that never reached the routers, or reached router objects the model does not call, shows
@@ -29,6 +31,8 @@ class DispatchProbe:
 
     moe_layers: list[Any]
     chosen: list[list[torch.Tensor]] = field(default_factory=list)
+    weights: list[list[torch.Tensor]] = field(default_factory=list)
+    logits: list[list[torch.Tensor]] = field(default_factory=list)
     dispatched: list[list[torch.Tensor]] = field(default_factory=list)
     tokens_per_expert: list[list[torch.Tensor]] = field(default_factory=list)
     _handles: list[Any] = field(default_factory=list)
@@ -47,6 +51,8 @@ class DispatchProbe:
                     f"{type(layer.token_dispatcher).__name__}"
                 )
             probe.chosen.append([])
+            probe.weights.append([])
+            probe.logits.append([])
             probe.dispatched.append([])
             probe.tokens_per_expert.append([])
             probe._handles.append(layer.router.register_forward_hook(probe._on_router(j)))
@@ -55,8 +61,14 @@ class DispatchProbe:
 
     def _on_router(self, j: int) -> Any:
         def hook(module: Any, args: Any, output: Any) -> None:
-            _, routing_map = output
+            probs, routing_map = output
+            hidden = args[0]
+            logits = torch.nn.functional.linear(
+                hidden.detach().reshape(-1, hidden.shape[-1]).float(), module.weight.detach().float()
+            )
             self.chosen[j].append(routing_map.detach().bool().cpu().clone())
+            self.weights[j].append(probs.detach().float().cpu().clone())
+            self.logits[j].append(logits.cpu())
 
         return hook
 
@@ -68,7 +80,7 @@ class DispatchProbe:
         return hook
 
     def clear(self) -> None:
-        for lists in (self.chosen, self.dispatched, self.tokens_per_expert):
+        for lists in (self.chosen, self.weights, self.logits, self.dispatched, self.tokens_per_expert):
             for entries in lists:
                 entries.clear()
 
@@ -76,3 +88,35 @@ class DispatchProbe:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def expected_gate_weights(logits: torch.Tensor, routing_map: torch.Tensor, config: Any) -> torch.Tensor:
+    """The gate weights ``[N, E]`` a token must get for the experts it is routed to, from the training
+    model's own logits (R2/R3: the ids are replayed, the weights never are), zero elsewhere.
+
+    Megatron-core's ``topk_routing_with_score_function`` for its score functions: ``softmax`` over the
+    chosen experts' logits (over all experts first with ``moe_router_pre_softmax``), ``sigmoid`` of
+    each chosen logit normalised over the chosen ones when ``top_k > 1``; then
+    ``moe_router_topk_scaling_factor``. Other routers (group-limited, expert bias on the scores)
+    are refused rather than guessed.
+    """
+    if getattr(config, "moe_router_num_groups", None) or getattr(
+        config, "moe_router_enable_expert_bias", False
+    ):
+        raise MegatronReplayError("expected_gate_weights: group-limited routing / expert bias not modelled")
+    chosen = routing_map.bool()
+    masked = logits.float().masked_fill(~chosen, float("-inf"))
+    function = getattr(config, "moe_router_score_function", "softmax")
+    if function == "softmax":
+        if getattr(config, "moe_router_pre_softmax", False):
+            weights = torch.softmax(logits.float(), dim=-1) * chosen
+        else:
+            weights = torch.softmax(masked, dim=-1)
+    elif function == "sigmoid":
+        weights = torch.sigmoid(logits.float()) * chosen
+        if int(config.moe_router_topk) > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        raise MegatronReplayError(f"expected_gate_weights: score function {function!r} not modelled")
+    scale = getattr(config, "moe_router_topk_scaling_factor", None)
+    return (weights * scale if scale else weights).masked_fill(~chosen, 0.0)

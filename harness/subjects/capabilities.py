@@ -160,6 +160,12 @@ class MegatronDataMovement(Protocol):
     ``[B, S]`` says which positions hold tokens. Routers see tokens sequence-major (``s·B + b``),
     each TP rank its contiguous sequence-parallel shard, each (PP rank, VPP chunk) its own MoE
     layers, expert ids global and logical.
+
+    A packed (THD) micro-batch comes with the ``packed_seq_params`` (``PackedSeqParams``,
+    ``qkv_format='thd'``) the model's forward receives: ``attention_mask`` is then right-padded (sample
+    ``b``'s ``n_b`` tokens at positions ``0 … n_b-1``) and the routers see one sequence, sample after
+    sample, each padded to ``cu_seqlens_q_padded``, sharded contiguously over TP. The keyword is
+    optional in a subject: one whose methods do not take it is not checked on packed input.
     """
 
     def set_replay_data(
@@ -170,6 +176,7 @@ class MegatronDataMovement(Protocol):
         *,
         model: Sequence[torch.nn.Module],
         vp_rank: int | None = None,
+        packed_seq_params: Any = None,
     ) -> None:
         """Give every router of this rank's ``model`` chunks its targets for the next forward."""
 
@@ -180,6 +187,7 @@ class MegatronDataMovement(Protocol):
         *,
         model: Sequence[torch.nn.Module],
         vp_rank: int | None = None,
+        packed_seq_params: Any = None,
     ) -> torch.Tensor:
         """This DP rank's recorded routes ``[B, S, L, top_k]``, gathered over TP and PP ranks
         (``L``: decoder layers or MoE layers, either axis is accepted). Collective: every rank calls it."""

@@ -44,6 +44,10 @@ class MegatronLayout:
     ``tp · pp · dp``; the ``tp · dp`` ranks of a stage are regrouped for the experts as
     ``etp · ep · edp`` (expert-TP ``etp`` defaults to ``tp``, Megatron's default), so ``tp · dp`` must
     be a multiple of ``etp · ep``. ``etp = 1`` lets TP = 2, EP = 2 run on two ranks.
+
+    ``lengths`` (one per micro-batch sample, each in ``[1, seq_len]``) makes the micro-batch packed
+    (THD, ``harness.trainers.megatron.packed``): sample ``b`` holds ``lengths[b]`` tokens, padded to a
+    multiple of ``tp`` in one ``[1, T]`` sequence. ``None``: the padded ``[B, S]`` (bshd) input.
     """
 
     num_layers: int
@@ -58,6 +62,7 @@ class MegatronLayout:
     vpp: int = 1
     dp: int = 1
     etp: int | None = None
+    lengths: tuple[int, ...] | None = None
     moe_layer_freq: list[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -99,8 +104,27 @@ class MegatronLayout:
             )
         if self.num_layers % (self.pp * self.vpp):
             raise MegatronReplayError(f"num_layers {self.num_layers} is not divisible by pp·vpp")
+        if self.lengths is not None:
+            object.__setattr__(self, "lengths", tuple(int(n) for n in self.lengths))
+            if len(self.lengths) != self.micro_batch or not all(1 <= n <= self.seq_len for n in self.lengths):
+                raise MegatronReplayError(
+                    f"lengths {self.lengths}: expected {self.micro_batch} (micro_batch) values in "
+                    f"[1, seq_len = {self.seq_len}]"
+                )
         freq = [1 if i in self.moe_layers else 0 for i in range(self.num_layers)]
         object.__setattr__(self, "moe_layer_freq", freq)
+
+    @property
+    def packed(self) -> bool:
+        """True for a packed (THD) micro-batch."""
+        return self.lengths is not None
+
+    @property
+    def packed_rows(self) -> int:
+        """Rows of one packed micro-batch, ``T``: each sample padded to a multiple of ``tp``."""
+        if self.lengths is None:
+            raise MegatronReplayError("packed_rows: the layout is not packed (no lengths)")
+        return sum(-(-n // self.tp) * self.tp for n in self.lengths)
 
     @property
     def world_size(self) -> int:
@@ -112,7 +136,9 @@ class MegatronLayout:
 
     @property
     def local_tokens(self) -> int:
-        """Tokens each router of one rank routes per micro-batch: ``S/tp · B``."""
+        """Tokens each router of one rank routes per micro-batch: ``S/tp · B`` (packed: ``T/tp``)."""
+        if self.lengths is not None:
+            return self.packed_rows // self.tp
         return self.seq_len // self.tp * self.micro_batch
 
     def stage_layers(self, pp_rank: int, vpp_chunk: int = 0) -> range:
@@ -128,7 +154,8 @@ class MegatronLayout:
 def batch_routes(traces: Sequence[RoutingTrace], layout: MegatronLayout) -> torch.Tensor:
     """Stack the global batch's canonical traces into decoder-axis routes ``[dp·B, S, layers, k]`` (int64).
 
-    Each trace must start at position 0, cover exactly ``S`` rows, and agree with the layout on
+    Each trace must start at position 0, cover exactly ``S`` rows (packed: its sample's length,
+    ``lengths[i % B]``; the positions after it are 0), and agree with the layout on
     ``num_experts``, ``top_k``, the decoder layer count and which layers are MoE. MoE-ordinal
     traces are converted to the decoder axis first (dense slots are never read).
     """
@@ -144,9 +171,11 @@ def batch_routes(traces: Sequence[RoutingTrace], layout: MegatronLayout) -> torc
             raise MegatronReplayError(
                 f"{where}: start = {trace.start}, expected 0 (every input position replayed)"
             )
-        if trace.rows != layout.seq_len:
+        rows_wanted = layout.lengths[i % layout.micro_batch] if layout.lengths else layout.seq_len
+        if trace.rows != rows_wanted:
+            wanted = f"its packed length {rows_wanted}" if layout.lengths else f"seq_len = {rows_wanted}"
             raise MegatronReplayError(
-                f"{where}: {trace.rows} rows, expected seq_len = {layout.seq_len} (one per input position)"
+                f"{where}: {trace.rows} rows, expected {wanted} (one per input position)"
             )
         checks = (
             ("num_experts", trace.num_experts, layout.num_experts),
@@ -157,7 +186,8 @@ def batch_routes(traces: Sequence[RoutingTrace], layout: MegatronLayout) -> torc
         for name, got, want in checks:
             if got != want:
                 raise MegatronReplayError(f"{where}: {name} = {got}, the model has {want}")
-        rows.append(torch.from_numpy(trace.to_decoder_axis().experts.astype("int64")))
+        experts = torch.from_numpy(trace.to_decoder_axis().experts.astype("int64"))
+        rows.append(torch.nn.functional.pad(experts, (0, 0, 0, 0, 0, layout.seq_len - trace.rows)))
     return torch.stack(rows)
 
 
@@ -192,6 +222,13 @@ def rank_targets(
     seq_major = micro.transpose(0, 1)  # [S, B, L, k]: token s·B + b after flattening
     shard = layouts.sp_shard(seq_major, layout.tp, tp_rank)  # [S/tp, B, L, k]
     tokens = shard.reshape(-1, layout.num_layers, layout.top_k)  # [S/tp·B, L, k]
+    return stage_router_targets(tokens, layout, pp_rank, vpp_chunk)
+
+
+def stage_router_targets(
+    tokens: torch.Tensor, layout: MegatronLayout, pp_rank: int, vpp_chunk: int = 0
+) -> list[torch.Tensor]:
+    """One rank's token rows ``[N, L, k]`` → the targets of its stage's routers, in build order."""
     stage = layouts.stage_targets(tokens, layout.moe_layers, layout.stage_layers(pp_rank, vpp_chunk))
     return [stage[:, j].contiguous() for j in range(stage.shape[1])]
 
@@ -270,12 +307,14 @@ def _check_coordinate(name: str, value: int, size: int) -> None:
 
 
 def random_traces(layout: MegatronLayout, seed: int) -> list[RoutingTrace]:
-    """Canonical decoder-axis traces of random distinct routes (dense slots 0), one per sample."""
+    """Canonical decoder-axis traces of random distinct routes (dense slots 0), one per sample
+    (``S`` rows, or the sample's length in a packed layout)."""
     gen = torch.Generator().manual_seed(seed)
     traces = []
-    for _ in range(layout.global_batch):
-        ids = torch.zeros(layout.seq_len, layout.num_layers, layout.top_k, dtype=torch.long)
-        scores = torch.rand(layout.seq_len, len(layout.moe_layers), layout.num_experts, generator=gen)
+    for i in range(layout.global_batch):
+        rows = layout.lengths[i % layout.micro_batch] if layout.lengths else layout.seq_len
+        ids = torch.zeros(rows, layout.num_layers, layout.top_k, dtype=torch.long)
+        scores = torch.rand(rows, len(layout.moe_layers), layout.num_experts, generator=gen)
         ids[:, list(layout.moe_layers)] = scores.topk(layout.top_k, dim=-1).indices
         traces.append(RoutingTrace(ids.numpy(), num_experts=layout.num_experts, moe_layers=layout.moe_layers))
     return traces

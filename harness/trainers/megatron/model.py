@@ -52,6 +52,7 @@ def tiny_config(
         moe_grouped_gemm=False,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        pipeline_dtype=torch.float32,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
         sequence_parallel=layout.tp > 1,
@@ -88,15 +89,58 @@ class SequenceParallelLayerNorm(torch.nn.LayerNorm):
             param.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
 
 
+def packed_attention_class() -> type:
+    """Megatron's local ``DotProductAttention`` that also takes a packed (THD) micro-batch.
+
+    Megatron-core's local attention refuses ``packed_seq_params`` (only Transformer Engine's takes
+    THD, and TE needs CUDA). This subclass handles ``qkv_format='thd'`` itself: query/key/value
+    ``[T, heads, dim]``, causal attention inside each sample's segment of ``cu_seqlens_q_padded``
+    (filler rows at a segment's end are never attended by its real rows), output ``[T, heads·dim]``
+    as ``Attention.forward`` expects; the unpacked input goes to the local kernel unchanged.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class PackedDotProductAttention(DotProductAttention):  # type: ignore[misc, valid-type]
+        def forward(
+            self, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any
+        ) -> Any:
+            packed = kwargs.get("packed_seq_params")
+            if packed is None or packed.qkv_format != "thd":
+                return super().forward(query, key, value, attention_mask, *args, **kwargs)
+            cu = packed.cu_seqlens_q_padded if packed.cu_seqlens_q_padded is not None else packed.cu_seqlens_q
+            rows = query.shape[0]
+            segment = torch.bucketize(
+                torch.arange(rows, device=query.device), cu[1:].to(query.device), right=True
+            )
+            index = torch.arange(rows, device=query.device)
+            allowed = (segment.unsqueeze(1) == segment.unsqueeze(0)) & (
+                index.unsqueeze(1) >= index.unsqueeze(0)
+            )
+            groups = query.shape[1] // key.shape[1]
+            q, k, v = (
+                x.transpose(0, 1)
+                for x in (query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1))
+            )
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, scale=self.softmax_scale
+            )
+            return out.transpose(0, 1).reshape(rows, -1)
+
+    return PackedDotProductAttention
+
+
 def _local_block_spec(config: Any) -> Any:
-    """Megatron's local GPT block spec with :class:`SequenceParallelLayerNorm` for every torch norm."""
+    """Megatron's local GPT block spec with :class:`SequenceParallelLayerNorm` for every torch norm
+    and :func:`packed_attention_class` as every layer's core attention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     if spec.layer_norm is WrappedTorchNorm:
         spec.layer_norm = SequenceParallelLayerNorm
+    packed_attention = packed_attention_class()
     for layer in spec.layer_specs:
+        layer.submodules.self_attention.submodules.core_attention = packed_attention
         for name in ("input_layernorm", "pre_mlp_layernorm", "pre_cross_attn_layernorm"):
             if getattr(layer.submodules, name, None) is WrappedTorchNorm:
                 setattr(layer.submodules, name, SequenceParallelLayerNorm)
@@ -104,7 +148,11 @@ def _local_block_spec(config: Any) -> Any:
 
 
 def build_gpt(config: Any, layout: MegatronLayout) -> Any:
-    """A ``GPTModel`` of ``config`` (this rank's pipeline stage), local specs, on the current device."""
+    """A ``GPTModel`` of ``config`` (this rank's pipeline stage), local specs, on the current device.
+
+    ``max_sequence_length`` covers :func:`slot_count` learned positions: a packed layout's positions
+    name a ``(sample, position)`` slot each (the placement oracle of ``suites/megatron_checks.py``).
+    """
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -113,7 +161,7 @@ def build_gpt(config: Any, layout: MegatronLayout) -> Any:
         config=config,
         transformer_layer_spec=spec,
         vocab_size=VOCAB,
-        max_sequence_length=layout.seq_len,
+        max_sequence_length=slot_count(layout),
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         position_embedding_type="learned_absolute",
@@ -124,6 +172,12 @@ def build_gpt(config: Any, layout: MegatronLayout) -> Any:
         else torch.device("cpu")
     )
     return model.to(device)
+
+
+def slot_count(layout: MegatronLayout) -> int:
+    """Learned absolute positions the model needs: ``S``, or ``B·S + 1`` for a packed layout (one per
+    ``(sample, position)`` of a micro-batch and one for filler rows)."""
+    return layout.micro_batch * layout.seq_len + 1 if layout.packed else layout.seq_len
 
 
 def batch_tokens(layout: MegatronLayout, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,11 +15,13 @@ megatron-core is imported lazily.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from harness.trainers.megatron import packed as thd
 from harness.trainers.megatron.layout import (
     MegatronLayout,
     MegatronReplayError,
@@ -29,8 +31,11 @@ from harness.trainers.megatron.layout import (
 from harness.trainers.megatron.replay import MegatronReplay, model_routers
 
 
-def micro_batch_layout(config: Any, batch: int, seq_len: int) -> MegatronLayout:
-    """The layout of one DP rank's micro-batch ``[batch, seq_len]`` under ``config`` (dp = 1 view)."""
+def micro_batch_layout(
+    config: Any, batch: int, seq_len: int, lengths: Sequence[int] | None = None
+) -> MegatronLayout:
+    """The layout of one DP rank's micro-batch ``[batch, seq_len]`` under ``config`` (dp = 1 view);
+    packed (THD) when ``lengths`` are given."""
     from megatron.core import parallel_state as ps
 
     freq = config.moe_layer_freq
@@ -49,7 +54,27 @@ def micro_batch_layout(config: Any, batch: int, seq_len: int) -> MegatronLayout:
         dp=1,
         ep=1,  # routing precedes dispatch: targets are global ids whatever EP is
         etp=1,
+        lengths=None if lengths is None else tuple(lengths),
     )
+
+
+def packed_lengths(attention_mask: torch.Tensor, packed_seq_params: Any) -> list[int]:
+    """The samples' lengths of a packed micro-batch, checked against its ``PackedSeqParams``."""
+    from megatron.core import parallel_state as ps
+
+    if packed_seq_params.qkv_format != "thd":
+        raise MegatronReplayError(
+            f"packed_seq_params.qkv_format = {packed_seq_params.qkv_format!r}, expected 'thd'"
+        )
+    lengths = thd.lengths_of(attention_mask)
+    cu_padded = packed_seq_params.cu_seqlens_q_padded
+    thd.check_cu_seqlens(
+        lengths,
+        packed_seq_params.cu_seqlens_q,
+        packed_seq_params.cu_seqlens_q if cu_padded is None else cu_padded,
+        ps.get_tensor_model_parallel_world_size(),
+    )
+    return lengths
 
 
 def _check_mask(attention_mask: torch.Tensor) -> None:
@@ -84,24 +109,45 @@ class CanonicalMegatronData:
         *,
         model: Sequence[torch.nn.Module],
         vp_rank: int | None = None,
+        packed_seq_params: Any = None,
     ) -> None:
-        _check_mask(attention_mask)
-        layout = micro_batch_layout(config, *attention_mask.shape)
+        layout = self._layout(attention_mask, config, packed_seq_params)
         targets = self.targets(torch.as_tensor(routes).long().cpu(), layout, vp_rank or 0)
         device = next(model[0].parameters()).device
         feeder = MegatronReplay(model_routers(*model), layout.top_k, layout.num_experts)
         feeder.feed([t.to(device) for t in targets], layout.local_tokens)
 
+    @staticmethod
+    def _layout(attention_mask: torch.Tensor, config: Any, packed_seq_params: Any) -> MegatronLayout:
+        """The micro-batch's layout: padded ``[B, S]`` (every position a token) or packed (THD)."""
+        if packed_seq_params is None:
+            _check_mask(attention_mask)
+            return micro_batch_layout(config, *attention_mask.shape)
+        lengths = packed_lengths(attention_mask, packed_seq_params)
+        batch, seq_len = attention_mask.shape
+        return micro_batch_layout(config, batch, seq_len, lengths=lengths)
+
     def targets(self, routes: torch.Tensor, layout: MegatronLayout, vpp_chunk: int) -> list[torch.Tensor]:
-        """This rank's per-router targets, in build order (:func:`layout.rank_targets`)."""
+        """This rank's per-router targets, in build order (:func:`layout.rank_targets`, packed:
+        :func:`packed.thd_rank_targets`)."""
         from megatron.core import parallel_state as ps
 
-        return rank_targets(
+        return self.stage_targets(routes, layout, ps.get_pipeline_model_parallel_rank(), vpp_chunk)
+
+    @staticmethod
+    def stage_targets(
+        routes: torch.Tensor, layout: MegatronLayout, pp_rank: int, vpp_chunk: int
+    ) -> list[torch.Tensor]:
+        """The per-router targets of this TP rank at pipeline stage ``pp_rank``."""
+        from megatron.core import parallel_state as ps
+
+        place = thd.thd_rank_targets if layout.packed else rank_targets
+        return place(
             routes,
             layout,
             dp_rank=0,
             tp_rank=ps.get_tensor_model_parallel_rank(),
-            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            pp_rank=pp_rank,
             vpp_chunk=vpp_chunk,
         )
 
@@ -112,11 +158,11 @@ class CanonicalMegatronData:
         *,
         model: Sequence[torch.nn.Module],
         vp_rank: int | None = None,
+        packed_seq_params: Any = None,
     ) -> torch.Tensor:
         from megatron.core import parallel_state as ps
 
-        batch, seq_len = attention_mask.shape
-        layout = micro_batch_layout(config, batch, seq_len)
+        layout = self._layout(attention_mask, config, packed_seq_params)
         recorded = [r.router_replay.get_recorded_indices() for r in model_routers(*model)]
         if any(r is None for r in recorded):
             raise MegatronReplayError(
@@ -130,7 +176,13 @@ class CanonicalMegatronData:
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (mine, [r.detach().cpu().long() for r in recorded]))
         own_dp = {(0, tp, pp): recs for (dp, tp, pp), recs in everyone if dp == mine[0]}
-        return merge_recordings(own_dp, layout)
+        if not layout.packed:
+            return merge_recordings(own_dp, layout)
+        # Packed: the same merge over the [T/tp] shards as one "sample" of T rows, then unpacked.
+        assert layout.lengths is not None
+        rows = replace(layout, seq_len=layout.packed_rows, micro_batch=1, lengths=None)
+        merged = merge_recordings(own_dp, rows)[0]  # [T, n_moe, k]
+        return thd.unpack_routes(merged, layout.lengths, layout.tp, layout.seq_len)
 
 
 MEGATRON_DRIVER = HarnessMegatronDriver()

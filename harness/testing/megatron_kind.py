@@ -1,0 +1,272 @@
+"""The Megatron-core model kind of the replay suite (``suites/test_replay.py``), in the test process.
+
+A tiny ``GPTModel`` (local specs, TP = PP = EP = 1) on a one-rank gloo world, with the CPU patches of
+``harness.testing.megatron_cpu`` held for as long as the kind is in use (:func:`megatron_session`):
+the suite's cases then run against Megatron-core's ``RouterReplay`` exactly as against the reference
+``MoELM`` and transformers models. The subject's Megatron capability is two objects
+(``install_megatron_replay``: the action switch; ``megatron_data``: the data movement), so
+:class:`MegatronKindDriver` presents them as one ``ReplayDriver``: ``replay(targets)`` keeps the
+targets, and every later forward of the model first hands them to the subject's ``set_replay_data``
+for that forward's ``[B, S]`` (one FIFO entry per forward, as a trainer feeds each micro-batch), then
+``REPLAY_FORWARD``; ``recording()`` is the subject's ``merge_recordings``.
+
+What the kind cannot take is refused, never approximated: a per-token replay mask (Megatron-core's
+``RouterReplay`` has none) and a padding attention mask raise ``MegatronReplayError``.
+
+The harness's probe reads the dispatch step: the all-gather dispatcher's ``local_map`` and
+``local_probs`` in a pre-hook on the experts (ids and gate weights), rows reordered from Megatron's
+``s·B + b`` to the suite's ``b·S + s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from harness.probes import RouteProbe
+from harness.testing import megatron_cpu
+from harness.trainers.kinds import DEEP_LAYERS, ModelKind, Routing
+from harness.trainers.megatron.layout import MegatronLayout, MegatronReplayError
+from harness.trainers.megatron.model import VOCAB, build_gpt, tiny_config
+
+FAMILIES = {"softmax": "softmax", "sigmoid": "sigmoid"}
+"""Router families of the kind: Megatron-core's score functions (top-k 2 of 4 experts)."""
+SEED = 7
+
+
+@contextlib.contextmanager
+def megatron_session() -> Iterator[None]:
+    """A one-rank gloo world with Megatron's parallel state and the CPU patches, for the duration of
+    the block (all undone after it: other tests in the process may build their own world)."""
+    with megatron_cpu.patched(), warnings.catch_warnings():
+        # megatron-core warns per call about missing TE/Apex and deprecated arguments (none of it
+        # about replay), as in the spawned ranks (``megatron_cpu.setup_rank``)
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        from megatron.core import parallel_state as ps
+
+        if dist.is_initialized():
+            raise MegatronReplayError("the Megatron kind builds its own one-rank world; one is already up")
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            ps.initialize_model_parallel()
+            yield
+        finally:
+            ps.destroy_model_parallel()
+            dist.destroy_process_group()
+
+
+def _layout(deep: bool) -> MegatronLayout:
+    layers = DEEP_LAYERS if deep else 3
+    return MegatronLayout(
+        num_layers=layers,
+        moe_layers=tuple(range(1, layers)),
+        num_experts=4,
+        top_k=2,
+        seq_len=64,
+        micro_batch=1,
+    )
+
+
+def build(family: str, dtype: str, *, fresh: bool = False, deep: bool = False) -> nn.Module:
+    """A fresh tiny ``GPTModel`` (always constructed now: a copy's ``RouterReplay`` objects would not be
+    the ones Megatron-core's class list holds). Call inside :func:`megatron_session`."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    if dtype != "fp32":
+        raise MegatronReplayError(f"the Megatron kind is built in fp32, got dtype {dtype!r}")
+    layout = _layout(deep)
+    RouterReplay.clear_global_router_replay_instances()
+    torch.manual_seed(SEED)
+    model_parallel_cuda_manual_seed(SEED)
+    model = build_gpt(tiny_config(layout, score_function=FAMILIES[family]), layout)
+    model.harness_layout = layout  # type: ignore[assignment]
+    return model
+
+
+def run(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    recompute: bool = False,
+) -> torch.Tensor:
+    """Logits ``[B, S, V]`` of a causal forward (MoE activation recompute is built into the model)."""
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise MegatronReplayError("the Megatron kind takes no padding: attention_mask must be all ones")
+    s = tokens.shape[1]
+    if position_ids is None:
+        position_ids = torch.arange(s).unsqueeze(0).expand_as(tokens)
+    causal = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)
+    return model(tokens, position_ids, causal)
+
+
+def _moe_layers(model: nn.Module) -> list[Any]:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def routing(model: nn.Module) -> Routing:
+    layout: MegatronLayout = model.harness_layout  # type: ignore[assignment]
+    return Routing(layout.moe_layers, layout.num_experts, layout.top_k)
+
+
+def router_weights(model: nn.Module) -> list[torch.Tensor]:
+    return [layer.router.weight for layer in _moe_layers(model)]
+
+
+def probe(model: nn.Module) -> RouteProbe:
+    """The harness's probe at the dispatch step: ids and gate weights the experts receive, ``b·S + s``."""
+    layers = _moe_layers(model)
+    top_k = routing(model).top_k
+    out = RouteProbe(tuple(range(len(layers))))
+    shape: list[tuple[int, int]] = []
+
+    def on_model(module: Any, args: Any, kwargs: Any) -> None:
+        tokens = args[0] if args else kwargs["input_ids"]
+        shape[:] = [tuple(tokens.shape)]
+
+    def on_experts(j: int, layer: Any) -> Any:
+        def hook(module: Any, args: Any) -> None:
+            dispatcher = layer.token_dispatcher
+            local_map = dispatcher.local_map.detach().bool()
+            weights = torch.zeros(local_map.shape[1], local_map.shape[0], dtype=dispatcher.local_probs.dtype)
+            weights[local_map.T] = dispatcher.local_probs.detach().cpu()
+            batch, seq = shape[0]
+            order = torch.arange(batch * seq).view(seq, batch).T.reshape(-1)  # row b·S + s ← s·B + b
+            ids = local_map.float().topk(top_k, dim=1).indices[order]
+            out.observe(j, ids, weights.T[order].gather(1, ids))
+
+        return hook
+
+    out.handles.append(model.register_forward_pre_hook(on_model, with_kwargs=True))
+    for j, layer in enumerate(layers):
+        out.handles.append(layer.experts.register_forward_pre_hook(on_experts(j, layer)))
+    return out
+
+
+class MegatronKindController:
+    """``ReplayController`` over the subject's Megatron action switch and data movement."""
+
+    def __init__(self, model: nn.Module, control: Any, data: Any) -> None:
+        self.model, self.control, self.data = model, control, data
+        self.routing = routing(model)
+        self.targets: torch.Tensor | None = None
+        self.shape: tuple[int, int] | None = None
+        self.handle = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+
+    def _routes(self, targets: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+        """Suite targets ``[B·S, n_moe, k]`` (row ``b·S + s``) → decoder-axis routes ``[B, S, L, k]``."""
+        layout: MegatronLayout = self.model.harness_layout  # type: ignore[assignment]
+        if targets.shape[0] != batch * seq:
+            raise MegatronReplayError(
+                f"targets: {targets.shape[0]} rows for a forward of {batch}×{seq} tokens"
+            )
+        routes = torch.zeros(batch, seq, layout.num_layers, layout.top_k, dtype=torch.long)
+        routes[:, :, list(layout.moe_layers)] = targets.long().view(batch, seq, *targets.shape[1:])
+        return routes
+
+    def _before_forward(self, module: Any, args: Any, kwargs: Any) -> None:
+        tokens = args[0] if args else kwargs["input_ids"]
+        self.shape = tuple(tokens.shape)
+        if self.targets is None:
+            return
+        batch, seq = self.shape
+        routes = self._routes(self.targets, batch, seq)
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        self.data.set_replay_data(routes, mask, self.model.config, model=[self.model])
+        self.control.replay_forward()
+
+    def record(self) -> None:
+        self.targets = None
+        self.control.record()
+
+    def recording(self) -> torch.Tensor:
+        if self.shape is None:
+            raise MegatronReplayError("recording(): no forward since record()")
+        batch, seq = self.shape
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        merged = torch.as_tensor(self.data.merge_recordings(mask, self.model.config, model=[self.model]))
+        self.control.disarm()
+        layout: MegatronLayout = self.model.harness_layout  # type: ignore[assignment]
+        if merged.shape[2] == layout.num_layers:
+            merged = merged[:, :, list(layout.moe_layers)]
+        return merged.reshape(batch * seq, *merged.shape[2:])
+
+    def replay(self, targets: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
+            raise MegatronReplayError(
+                "replay mask: Megatron-core's RouterReplay has no per-token mask (every row is replayed)"
+            )
+        n_moe = len(self.routing.moe_layers)
+        if targets.dim() != 3 or targets.shape[1] != n_moe:
+            raise MegatronReplayError(
+                f"targets: shape {tuple(targets.shape)}, expected [tokens, {n_moe} MoE layers, top_k]"
+            )
+        self.targets = torch.as_tensor(targets)
+
+    def prepare_backward(self) -> None:
+        self.control.prepare_backward()
+
+    def disarm(self) -> None:
+        self.targets = None
+        self.control.disarm()
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+class MegatronKindDriver:
+    """The subject's ``install_megatron_replay`` + ``megatron_data`` as one ``ReplayDriver`` (equal to
+    another over the same two objects, so its patch runs once per process). ``unpatch`` undoes the
+    subject driver's patch where it has an ``unpatch`` (the reference's patches nothing)."""
+
+    def __init__(self, driver: Any, data: Any) -> None:
+        self.driver, self.data = driver, data
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MegatronKindDriver) and (other.driver, other.data) == (
+            self.driver,
+            self.data,
+        )
+
+    def __hash__(self) -> int:
+        return hash((id(self.driver), id(self.data)))
+
+    def patch(self) -> None:
+        self.driver.patch()
+
+    def unpatch(self) -> None:
+        undo = getattr(self.driver, "unpatch", None)
+        if undo is not None:
+            undo()
+
+    def config_overrides(self) -> Any:
+        return self.driver.config_overrides()
+
+    def install(self, model: nn.Module) -> MegatronKindController:
+        return MegatronKindController(model, self.driver.install([model], model.config), self.data)
+
+
+def megatron_kind() -> ModelKind:
+    """The kind (capability ``install_megatron_replay``; the suite also requires ``megatron_data``)."""
+    return ModelKind(
+        "megatron",
+        "install_megatron_replay",
+        tuple(FAMILIES),
+        VOCAB,
+        build,
+        run,
+        probe,
+        routing,
+        router_weights,
+    )
