@@ -92,7 +92,7 @@ def _shown_commands(path: Path) -> list[str]:
     commands = [
         line
         for block in re.findall(r"```bash\n(.+?)\n```", text, flags=re.S)
-        for line in block.splitlines()
+        for line in block.replace("\\\n", " ").splitlines()  # a continued line is one command
         if line.strip() and not line.lstrip().startswith("#")  # blank lines and comments are prose
     ]
     for block in re.findall(r"```console\n(.+?)\n```", text, flags=re.S):

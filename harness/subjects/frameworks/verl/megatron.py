@@ -91,6 +91,11 @@ class MegatronData:
     a missing last row) and ``build_r3_replay_mask`` (which leaves that row native) have nothing to
     do. ``set_router_replay_data`` takes the forwarded ``model`` (and addresses its own routers) from
     0.9.0, ``merge_router_topk_indices`` from 0.9.1; before, both slice verl's registry by position.
+
+    A packed (THD) micro-batch — verl's default (``use_remove_padding=True``, ``data_format='thd'``)
+    — adds the ``packed_seq_params`` the model's forward receives; verl's functions do not take it
+    (``preprocess_thd_engine`` / ``postprocess_thd_engine`` in ``verl/models/mcore/util.py`` derive the
+    packing from the jagged lengths), so it is accepted and not passed on.
     """
 
     def __init__(self, version: str) -> None:
@@ -109,6 +114,7 @@ class MegatronData:
         *,
         model: Sequence[torch.nn.Module],
         vp_rank: int | None = None,
+        packed_seq_params: Any = None,
     ) -> None:
         utils = _replay_utils(self.version, model)
         utils.set_router_replay_data(
@@ -122,6 +128,7 @@ class MegatronData:
         *,
         model: Sequence[torch.nn.Module],
         vp_rank: int | None = None,
+        packed_seq_params: Any = None,
     ) -> torch.Tensor:
         """``merge_router_topk_indices`` then ``pp_gather``, as verl's R2 RECORD does; the jagged
         routes go back to the attended positions of a ``[B, S, L, top_k]`` batch."""
