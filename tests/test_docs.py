@@ -92,3 +92,51 @@ def test_module_table_names_existing_paths_and_every_harness_module() -> None:
         and not any(n == str(p.relative_to(ROOT)) or n.startswith(f"{p.relative_to(ROOT)}/") for n in named)
     )
     assert not unnamed, f"harness modules without a row in docs/architecture.md's module table: {unnamed}"
+
+
+def test_verdict_summary_counts_verdicts_and_findings(tmp_path: Path) -> None:
+    """Two failures with one triage are one finding; a release without a recorded file is left out."""
+    import json
+
+    from harness.verdicts import RELEASES, summary
+
+    release = RELEASES["skyrl-0.3.0"]
+    entries = {
+        "a": {"invariant": "a", "verdict": "pass"},
+        "b": {"invariant": "b", "verdict": "pass"},
+        "c": {"invariant": "c", "verdict": "fail", "detail": "x", "triage": "T"},
+        "d": {"invariant": "d", "verdict": "fail", "detail": "y", "triage": "T"},
+        "e": {"invariant": "e", "verdict": "skip", "detail": "no layouts"},
+    }
+    document = {"release": f"{release.distribution}=={release.version}", "subjects": {"m:S": entries}}
+    (tmp_path / f"{release.name}.json").write_text(json.dumps(document))
+    assert summary(tmp_path, page="p.md") == (
+        "- **skyrl 0.3.0** (`S`): 2 pass, 2 fail (1 finding), 1 skip — [verdicts and triage](p.md)\n"
+    )
+
+
+def test_cli_reference_renders_each_kind_of_argument() -> None:
+    """Usage and rows of a parser with a positional, a required choice, a repeatable option, a
+    list and a switch, and its subcommands under their own headings."""
+    import argparse
+
+    from harness.cli_reference import _section
+
+    parser = argparse.ArgumentParser(prog="tool", description="Does things.")
+    commands = parser.add_subparsers()
+    sub = commands.add_parser("run", help="run it")
+    sub.add_argument("path", metavar="PATH", help="where")
+    sub.add_argument("--mode", choices=("a", "b"), required=True)
+    sub.add_argument("--tag", action="append", default=[], metavar="T", help="a tag | repeatable")
+    sub.add_argument("--only", nargs="*", metavar="NAME")
+    sub.add_argument("--level", type=int, default=3)
+    sub.add_argument("--fast", action="store_true", help="go")
+    page = "\n".join(_section(parser, 2, None))
+    assert "## `tool`\n\nDoes things." in page
+    assert "### `tool run`\n\nrun it" in page
+    usage = "tool run PATH --mode {a,b} [--tag T] ... [--only [NAME ...]] [--level LEVEL] [--fast]"
+    assert f"```text\n{usage}\n```" in page
+    assert "| `--mode {a,b}` (required) |  |  |" in page
+    assert "| `--tag T` |  | a tag \\| repeatable |" in page
+    assert "| `--level LEVEL` | `3` |  |" in page
+    assert "| `--fast` |  | go |" in page
