@@ -319,7 +319,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from harness.rl_run import RunConfig, run_loop
 
     cfg = RunConfig(steps=args.steps, prompts=args.prompts, group=args.group, response_len=args.response_len,
-                    replay=args.replay, splice=args.splice, subject=args.subject, seed=args.seed)  # fmt: skip
+                    replay=args.replay, splice=args.splice, subject=args.subject, seed=args.seed,
+                    engine_from=args.engine_from)  # fmt: skip
     summary = run_loop(args.directory, cfg)
     print(f"rrh run {args.directory}: {cfg.steps} steps in {summary['seconds']:.1f}s; audit it with "
           f"`rrh audit {args.directory}`")  # fmt: skip
@@ -526,6 +527,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--subject", default=None, metavar="MODULE:ATTR",
                      help="the subject whose install_hf_replay and splice drive the trainer (default: the reference)")  # fmt: skip
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--engine-from", default=None, metavar="RUN",
+                     help="train on the engine payloads a tapped run recorded instead of starting vLLM "
+                     "(a framework env without vLLM)")  # fmt: skip
     run.set_defaults(func=_cmd_run)
 
     from harness.gate import add_parser as add_gate_parser

@@ -55,6 +55,8 @@ class RunConfig:
     subject: str | None = None
     lr: float = 1e-2
     seed: int = 0
+    engine_from: str | None = None
+    """A tapped run's directory: its recorded engine attempts stand in for the engine (an env without vLLM)."""
 
     def __post_init__(self) -> None:
         if self.replay not in REPLAY_MODES:
@@ -166,7 +168,7 @@ class _Trainer:
                 handle.record()
             else:
                 handle.disarm()
-            with self.tap.forward("old_logprob", rows):
+            with self.tap.forward("old_logprob", rows, ids):
                 old = self._logprobs(ids, mask)
             recorded = handle.recording() if cfg.replay == "R2" else None
             handle.disarm()
@@ -176,7 +178,7 @@ class _Trainer:
             handle.replay(targets, replayed)
         elif recorded is not None:
             handle.replay(recorded, mask.reshape(-1))
-        with self.tap.forward("update", rows):
+        with self.tap.forward("update", rows, ids):
             new = self._logprobs(ids, mask)
         handle.disarm()
         rewards = torch.tensor([_reward(s.tokens[s.prompt_len :]) for s in samples])
@@ -195,7 +197,7 @@ class _Trainer:
         loss.backward()
         self.optimizer.step()
         self.tap.write(step, samples, replay=cfg.replay)
-        return {"loss": float(loss), "reward": float(rewards.mean())}
+        return {"loss": float(loss.detach()), "reward": float(rewards.mean())}
 
 
 def run_loop(directory: str | Path, cfg: RunConfig = RunConfig(), log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -208,10 +210,12 @@ def run_loop(directory: str | Path, cfg: RunConfig = RunConfig(), log: Callable[
     splice = _splice(cfg, subject)
     out = Path(directory)
     figures: list[dict[str, float]] = []
+    recorded = None if cfg.engine_from is None else recorded_samples(cfg.engine_from)
     with tempfile.TemporaryDirectory(prefix="rrh-run-") as tmp:
         ckpt = write_checkpoint(Path(tmp) / "ckpt", dtype=torch.bfloat16, seed=cfg.seed)
-        engine = VLLMEngine(ckpt, seed=cfg.seed)
-        source = f"vllm {engine.version} + transformers ({subject.name}, splice {cfg.splice}), rrh run"
+        engine = VLLMEngine(ckpt, seed=cfg.seed) if recorded is None else None
+        engine_name = f"vllm {engine.version}" if engine is not None else f"recorded engine payloads of {cfg.engine_from}"
+        source = f"{engine_name} + transformers ({subject.name}, splice {cfg.splice}), rrh run"
         engine_tap = EngineTap()
         gen = torch.Generator().manual_seed(cfg.seed)
         try:
@@ -219,17 +223,25 @@ def run_loop(directory: str | Path, cfg: RunConfig = RunConfig(), log: Callable[
                 trainer = _Trainer(cfg, ckpt, subject, writer, source)
                 carried: str | None = None
                 for step in range(cfg.steps):
-                    keys = _rollouts(engine, engine_tap, cfg, step, gen, carried)
-                    carried = _start_partial(engine, engine_tap, cfg, step, gen) if step + 1 < cfg.steps else None
-                    samples = [engine_tap.pop(k) for k in keys]
+                    if recorded is not None:
+                        samples = recorded.get(step, [])
+                    else:
+                        keys = _rollouts(engine, engine_tap, cfg, step, gen, carried)
+                        carried = _start_partial(engine, engine_tap, cfg, step, gen) if step + 1 < cfg.steps else None
+                        samples = [engine_tap.pop(k) for k in keys]
+                    if not samples:
+                        raise TapError(f"--engine-from: no sample of step {step} in {cfg.engine_from}; expected --steps "
+                                       f"at most the recorded run's")  # fmt: skip
                     for s in samples:
                         s.spliced = _spliced(s, splice)
                     figures.append({"step": step, **trainer.step(step, samples)})
-                    _push_weights(engine, trainer.model, Path(tmp) / f"push-{step}")
+                    if engine is not None:
+                        _push_weights(engine, trainer.model, Path(tmp) / f"push-{step}")
                     log(f"step {step}: {len(samples)} samples, reward {figures[-1]['reward']:.3f}, "
-                        f"loss {figures[-1]['loss']:.4f}; weights pushed (version {step + 1})")  # fmt: skip
+                        f"loss {figures[-1]['loss']:.4f}" + ("; weights pushed" if engine is not None else ""))  # fmt: skip
         finally:
-            engine.close()
+            if engine is not None:
+                engine.close()
     seconds = time.perf_counter() - start
     summary = {"config": asdict(cfg), "seconds": seconds, "steps": figures, "directory": str(out)}
     (out / "run.json").write_text(json.dumps(summary, indent=1))
@@ -278,3 +290,37 @@ def _start_partial(engine: Any, tap: EngineTap, cfg: RunConfig, step: int, gen: 
     rollout = engine.generate([prompt], cfg.response_len // 2, temperature=1.0, seed=None)[0]
     tap.attempt(key, rollout, kind="start", weight_version=step)
     return key
+
+
+def recorded_samples(run: str | Path) -> dict[int, list[EngineSample]]:
+    """The engine side of a tapped run, per step: each sample's attempts as the engine tap recorded
+    them (tokens, kinds, weight versions, own payloads, log-probs), for a trainer in an env without vLLM."""
+    import pyarrow.parquet as pq
+
+    from harness.audit.reader import run_files
+    from harness.audit.tap import TapAttempt
+    from harness.trace import storage_dtype
+
+    out: dict[int, list[EngineSample]] = {}
+    for path in run_files(run):
+        for row in pq.read_table(path).to_pylist():
+            if row["shard"] is not None:
+                continue
+            if row["attempt_routes"] is None:
+                raise TapError(f"{path}: sample {row['sample_key']!r} has no attempt_routes; expected a tapped run")
+            tokens, prompt = tuple(row["tokens"]), row["prompt_len"]
+            shape = (row["num_layers"], row["top_k"])
+            flat = np.frombuffer(row["attempt_routes"], dtype=storage_dtype(row["num_experts"]).newbyteorder("<"))
+            payloads = np.split(flat.reshape(-1, *shape), np.cumsum(row["attempt_rows"])[:-1])
+            sample = EngineSample(row["sample_key"], row["group_key"], prompt)
+            before = 0
+            for kind, version, end, routes in zip(row["attempt_kinds"], row["weight_versions"], row["attempt_ends"],
+                                                  payloads, strict=True):  # fmt: skip
+                generated = row["loss_mask"][before:end]
+                tool = generated.index(True) if True in generated else end - before
+                lo = prompt + before + tool
+                logprobs = tuple(row["engine_logprobs"][lo - prompt : end])
+                sample.attempts.append(TapAttempt(kind, version, tokens[:lo], tokens[lo : prompt + end], logprobs, routes))
+                before = end
+            out.setdefault(row["step"], []).append(sample)
+    return out

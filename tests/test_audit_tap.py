@@ -79,7 +79,7 @@ def _train(run: Path, samples: list[Any], replay: str, trainer_model: Any, *, sk
                 handle.replay(targets.reshape(-1, CFG.num_layers, CFG.top_k), replayed.reshape(-1))
                 if skip_layer is not None:  # the bug: one router never receives its targets
                     trainer_model.routers()[skip_layer].replay.mode = RoutingMode.NATIVE
-            with tap.forward("old_logprob", rows):
+            with tap.forward("old_logprob", rows, ids):
                 logits = trainer_model(ids)
         handle.disarm()
         lp = torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
@@ -99,7 +99,7 @@ def test_a_tapped_r3_run_is_clean_and_every_tap_invariant_is_checked(tmp_path: P
     samples = _engine_samples((model, model), ["a", "b"])
     _train(tmp_path, samples, "R3", _model(seed=3))  # other weights: the routes agree through replay only
     found = _statuses(tmp_path)
-    for name in ("coverage", "ids_valid", "replay_fidelity", "splice_consistency", "logprobs_valid"):
+    for name in ("coverage", "ids_valid", "replay_fidelity", "splice_consistency", "logprobs_valid", "tokens_match"):
         assert found[name].status == "checked" and found[name].checked == 2, (name, found[name])
     assert found["agreement"].status == "checked"
     assert found["shard_union"].status == "not checkable"
@@ -252,3 +252,20 @@ def test_layout_v1_files_are_still_read_and_unknown_versions_refused(tmp_path: P
 def test_a_shard_row_needs_its_positions() -> None:
     with pytest.raises(LayoutError, match="shard, shards, positions: a shard row needs all three"):
         SampleRecord(0, "a", 2, 1, [1, 2, 3], 8, 2, 2, [0, 1], "t", shard=0, shards=2).as_row()
+
+
+def test_a_tapped_runs_engine_side_reads_back_as_recorded(tmp_path: Path) -> None:
+    """``rrh run --engine-from``: the attempts a tapped run recorded are what the engine tap saw."""
+    from harness.rl_run import recorded_samples
+
+    model = _model()
+    samples = _engine_samples((model, _model(seed=1)), ["a", "b"])
+    _train(tmp_path, samples, "R3", model)
+    back = {s.key: s for s in recorded_samples(tmp_path)[0]}
+    for s in samples:
+        got = back[s.key]
+        assert (got.prompt_len, got.tokens, got.group_key) == (s.prompt_len, s.tokens, s.group_key)
+        for mine, theirs in zip(s.attempts, got.attempts, strict=True):
+            assert (mine.kind, mine.weight_version, mine.context, mine.generated) == (
+                theirs.kind, theirs.weight_version, theirs.context, theirs.generated)  # fmt: skip
+            assert np.array_equal(mine.routes, theirs.routes) and mine.logprobs == theirs.logprobs

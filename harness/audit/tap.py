@@ -265,6 +265,8 @@ class _Dispatched:
 
     positions: list[IntArray] = field(default_factory=list)
     ids: list[npt.NDArray[Any]] = field(default_factory=list)
+    tokens: list[IntArray] = field(default_factory=list)
+    """The input token of each row, where the caller passed the forward's ``input_ids``."""
 
 
 class TrainerTap:
@@ -301,8 +303,9 @@ class TrainerTap:
         self._logprobs: dict[str, npt.NDArray[np.float32]] = {}
 
     @contextmanager
-    def forward(self, kind: str, rows: PackedRows) -> Iterator[None]:
-        """Record what the forward run inside this block dispatched, row by row (``rows``)."""
+    def forward(self, kind: str, rows: PackedRows, input_ids: Any = None) -> Iterator[None]:
+        """Record what the forward run inside this block dispatched, row by row (``rows``), and the
+        tokens it consumed (``input_ids``, flattened like the rows; optional: ``trainer_tokens``)."""
         if kind not in FORWARDS:
             raise TapError(f"forward: expected one of {list(FORWARDS)}, got {kind!r}")
         if not isinstance(rows, PackedRows):
@@ -315,6 +318,9 @@ class TrainerTap:
             raise TapError(
                 f"rows: {rows.size} packed rows given; the forward dispatched {flat.shape[0]} tokens per MoE layer"
             )
+        tokens = None if input_ids is None else np.asarray(input_ids).reshape(-1).astype(np.int64)
+        if tokens is not None and tokens.size != rows.size:
+            raise TapError(f"input_ids: {tokens.size} tokens; expected one per packed row ({rows.size})")
         real = np.flatnonzero(rows.sample >= 0)
         order = real[np.argsort(rows.sample[real], kind="stable")]
         bounds = np.searchsorted(rows.sample[order], np.arange(len(rows.keys) + 1))
@@ -324,6 +330,8 @@ class TrainerTap:
                 entry = self._dispatched.setdefault((key, kind), _Dispatched())
                 entry.positions.append(rows.position[take])
                 entry.ids.append(flat[take])
+                if tokens is not None:
+                    entry.tokens.append(tokens[take])
 
     def discard(self) -> None:
         """Drop every dispatch and log-prob recorded and not yet written (a forward nobody trains on)."""
@@ -334,13 +342,22 @@ class TrainerTap:
         """The trainer's (old-log-prob pass) log-probs of sample ``key``'s response tokens."""
         self._logprobs[key] = np.asarray(values, dtype=np.float32).reshape(-1)
 
-    def _routes(self, key: str, kind: str, expected: int) -> tuple[npt.NDArray[Any], IntArray] | None:
-        """Sample ``key``'s dispatch in forward ``kind`` on the decoder axis: rows at their positions."""
+    def _routes(
+        self, key: str, kind: str, expected: int
+    ) -> tuple[npt.NDArray[Any], IntArray, IntArray | None] | None:
+        """Sample ``key``'s dispatch in forward ``kind`` on the decoder axis: rows at their positions,
+        the positions, and the tokens it consumed (``None`` unless every position's was given)."""
         entry = self._dispatched.pop((key, kind), None)
         if entry is None:
             return None
         positions = np.concatenate(entry.positions)
         ids = np.concatenate(entry.ids)
+        consumed = None
+        if entry.tokens:
+            consumed = np.full(expected + 1, -1, dtype=np.int64)
+            inside = positions <= expected
+            consumed[positions[inside]] = np.concatenate(entry.tokens)[inside]
+            consumed = None if (consumed < 0).any() else consumed
         keep = positions < expected  # the last token is forwarded but has no route row (DESIGN §3.1)
         positions, ids = positions[keep], ids[keep]
         order = np.argsort(positions, kind="stable")
@@ -355,7 +372,7 @@ class TrainerTap:
                 f"positions: sample {key!r} in forward {kind!r}: {what}; expected each of its {expected} route rows "
                 "once (whole samples; pass shard/shards for a CP/SP rank's part)"
             )
-        return full, positions
+        return full, positions, consumed
 
     def write(self, step: int, samples: Sequence[EngineSample], *, replay: str) -> None:
         """Queue the rows of ``samples`` (trained on at ``step`` under ``replay``) for the writer.
@@ -383,6 +400,7 @@ class TrainerTap:
                 num_experts=self.num_experts, top_k=self.top_k, num_layers=self.num_layers,
                 moe_layers=self.moe_layers, source=self.source, loss_mask=generated, engine_logprobs=lp,
                 trainer_logprobs=trainer_lp, replay=replay, forward=None if trainer is None else judged,
+                trainer_tokens=None if trainer is None or self.shard is not None else trainer[2],
                 trainer_routes=None if trainer is None else trainer[0],
                 recorded_routes=None if recorded is None else recorded[0],
             )  # fmt: skip

@@ -135,6 +135,23 @@ def hooks_on_a_stale_copy(model: torch.nn.Module) -> ReplayController:
     return handle
 
 
+def hooks_skipping_the_last_layer(model: torch.nn.Module) -> ReplayController:
+    """The harness's transformers hooks, except that the last MoE layer's router is never switched to
+    replay: that layer routes natively while every other layer replays (its handle reports nothing
+    wrong; ``dispatched()`` still reads the real probe)."""
+    from harness.trainers.hf import install_replay as install
+
+    handle = install(model)
+    replay = handle.replay
+
+    def replay_but_the_last_layer(targets: Tensor, mask: Tensor | None = None) -> None:
+        replay(targets, mask)
+        handle.routers[-1].replay.mode = RoutingMode.NATIVE
+
+    handle.replay = replay_but_the_last_layer  # type: ignore[method-assign]
+    return handle
+
+
 class OneForwardInFlightNativeRecompute(ReferenceReplay):
     """Declares one forward in flight (``OneForwardInFlight``), then treats the forward's targets as
     spent once it ran: ``prepare_backward`` returns the routers to native routing, so activation
@@ -220,6 +237,14 @@ MUTANTS = (
         "transformers replay hooks registered on a copy of the model (routers the model never calls), "
         "reporting its targets as dispatched: only harness probes see it",
         mutate("hf-hooks-on-stale-copy", install_hf_replay=hooks_on_a_stale_copy),
+        killed_by="test_replay.py::test_experts_receive_the_targets_whatever_the_live_logits[hf-qwen2_moe-fp32]",
+    ),
+    Mutant(
+        "hf-replay-skips-last-layer",
+        "silent no-op",
+        "transformers replay that arms every router but the last MoE layer's (a layer list built off by "
+        "one, verl #5037-like): that layer routes natively in silence while the others replay",
+        mutate("hf-replay-skips-last-layer", install_hf_replay=hooks_skipping_the_last_layer),
         killed_by="test_replay.py::test_experts_receive_the_targets_whatever_the_live_logits[hf-qwen2_moe-fp32]",
     ),
     Mutant(
