@@ -95,7 +95,8 @@ def _spliced(sample: EngineSample, splice: Callable[..., torch.Tensor]) -> np.nd
                     else "stop", a.kind, tool, a.weight_version)  # fmt: skip
         )
         before = end
-    return splice(sample.prompt_len, attempts).numpy()
+    # Any representation a subject returns (a tensor, a numpy array): the ids are what count.
+    return torch.as_tensor(np.asarray(splice(sample.prompt_len, attempts))).numpy()
 
 
 def _push_weights(engine: Any, model: torch.nn.Module, scratch: Path) -> None:
@@ -106,7 +107,9 @@ def _push_weights(engine: Any, model: torch.nn.Module, scratch: Path) -> None:
     weights: dict[str, torch.Tensor] = {}
     for file in sorted(scratch.glob("*.safetensors")):
         weights.update(load_file(file))
-    engine.llm.apply_model(lambda m: m.load_weights(iter(weights.items())))
+    # The runner's reload (checkpoint format): load_weights inside vLLM's layer-wise reload, so the
+    # kernels' processed copies (CPU MoE packing) are rebuilt; a bare load_weights leaves them stale.
+    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
     engine.llm.reset_prefix_cache()
 
 

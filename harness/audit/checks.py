@@ -371,6 +371,8 @@ class _BatchAudit:
         modes = np.array([m or "" for m in b.replay])
         if trainer.valid.any() and not np.isin(modes, ("R2", "R3", "none")).any():
             self.state.note_missing("replay_fidelity", "replay")
+        elif trainer.valid.any() and not np.isin(modes, ("R2", "R3")).any():
+            self.state.note_missing("replay_fidelity", "replayed rows")
         aligned = trainer.valid & self.engine.valid & (np.diff(trainer.row_offsets) == self.engine_rows)
         if aligned.any():
             overlap = self._overlap(self.engine, trainer, aligned)
