@@ -56,7 +56,8 @@ class RunConfig:
     lr: float = 1e-2
     seed: int = 0
     engine_from: str | None = None
-    """A tapped run's directory: its recorded engine attempts stand in for the engine (an env without vLLM)."""
+    """A tapped run's directory: its recorded engine attempts stand in for the engine (an env
+    without vLLM)."""
 
     def __post_init__(self) -> None:
         if self.replay not in REPLAY_MODES:
@@ -67,7 +68,9 @@ class RunConfig:
             if getattr(self, name) < 1:
                 raise TapError(f"--{name}: expected a positive integer, got {getattr(self, name)}")
         if self.response_len < len(TOOL_TOKENS) + 4:
-            raise TapError(f"--response-len: expected at least {len(TOOL_TOKENS) + 4}, got {self.response_len}")
+            raise TapError(
+                f"--response-len: expected at least {len(TOOL_TOKENS) + 4}, got {self.response_len}"
+            )
 
 
 def _subject(spec: str | None) -> Any:
@@ -91,15 +94,21 @@ def _spliced(sample: EngineSample, splice: Callable[..., torch.Tensor]) -> np.nd
     for a, end in zip(sample.attempts, sample.attempt_ends(), strict=True):
         tool = len(a.context) - sample.prompt_len - before if a.kind == "turn" else 0
         attempts.append(
-            Attempt(end - before, torch.from_numpy(a.routes.astype(np.int64)), "abort" if a is not sample.attempts[-1]
-                    else "stop", a.kind, tool, a.weight_version)  # fmt: skip
+            Attempt(
+                end - before,
+                torch.from_numpy(a.routes.astype(np.int64)),
+                "abort" if a is not sample.attempts[-1] else "stop",
+                a.kind,
+                tool,
+                a.weight_version,
+            )
         )
         before = end
     # Any representation a subject returns (a tensor, a numpy array): the ids are what count.
     return torch.as_tensor(np.asarray(splice(sample.prompt_len, attempts))).numpy()
 
 
-def _push_weights(engine: Any, model: torch.nn.Module, scratch: Path) -> None:
+def _push_weights(engine: Any, model: Any, scratch: Path) -> None:
     """Load the trainer's weights into the running engine (the checkpoint layout every engine reads)."""
     from safetensors.torch import load_file
 
@@ -121,7 +130,9 @@ def _reward(tokens: tuple[int, ...]) -> float:
 class _Trainer:
     """The transformers trainer of the loop: batches, replay through the subject's driver, the tap."""
 
-    def __init__(self, cfg: RunConfig, ckpt: Any, subject: Any, writer: BackgroundWriter, source: str) -> None:
+    def __init__(
+        self, cfg: RunConfig, ckpt: Any, subject: Any, writer: BackgroundWriter, source: str
+    ) -> None:
         from harness.engines.checkpoint import load_checkpoint
         from harness.subjects.replay import install, prepare
 
@@ -131,6 +142,7 @@ class _Trainer:
         self.handle = install(subject.install_hf_replay, self.model, "install_hf_replay")
         spec = ckpt.spec
         self.moe_layers = tuple(spec.moe_layers or range(spec.num_layers))
+        self.top_k = spec.top_k
         self.tap = TrainerTap(
             self.model, writer, num_layers=spec.num_layers, moe_layers=self.moe_layers,
             num_experts=spec.num_experts, top_k=spec.top_k, source=source,
@@ -138,12 +150,14 @@ class _Trainer:
         self.cfg = cfg
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
 
-    def _batch(self, samples: list[EngineSample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _batch(
+        self, samples: list[EngineSample]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Right-padded ids, attention mask, R3 targets ``[B·S, n_moe, k]`` and their mask."""
         width = max(len(s.tokens) for s in samples)
         ids = torch.zeros(len(samples), width, dtype=torch.int64)
         mask = torch.zeros(len(samples), width, dtype=torch.bool)
-        targets = torch.zeros(len(samples), width, len(self.moe_layers), self.handle.top_k, dtype=torch.int64)
+        targets = torch.zeros(len(samples), width, len(self.moe_layers), self.top_k, dtype=torch.int64)
         replayed = torch.zeros(len(samples), width, dtype=torch.bool)
         for i, s in enumerate(samples):
             n = len(s.tokens)
@@ -203,7 +217,9 @@ class _Trainer:
         return {"loss": float(loss.detach()), "reward": float(rewards.mean())}
 
 
-def run_loop(directory: str | Path, cfg: RunConfig = RunConfig(), log: Callable[[str], None] = print) -> dict[str, Any]:
+def run_loop(
+    directory: str | Path, cfg: RunConfig = RunConfig(), log: Callable[[str], None] = print
+) -> dict[str, Any]:
     """Run the loop (see the module docstring), writing the tapped run into ``directory``."""
     from harness.engines.checkpoint import write_checkpoint
     from harness.engines.vllm import VLLMEngine
@@ -217,7 +233,11 @@ def run_loop(directory: str | Path, cfg: RunConfig = RunConfig(), log: Callable[
     with tempfile.TemporaryDirectory(prefix="rrh-run-") as tmp:
         ckpt = write_checkpoint(Path(tmp) / "ckpt", dtype=torch.bfloat16, seed=cfg.seed)
         engine = VLLMEngine(ckpt, seed=cfg.seed) if recorded is None else None
-        engine_name = f"vllm {engine.version}" if engine is not None else f"recorded engine payloads of {cfg.engine_from}"
+        engine_name = (
+            f"vllm {engine.version}"
+            if engine is not None
+            else f"recorded engine payloads of {cfg.engine_from}"
+        )
         source = f"{engine_name} + transformers ({subject.name}, splice {cfg.splice}), rrh run"
         engine_tap = EngineTap()
         gen = torch.Generator().manual_seed(cfg.seed)
@@ -230,10 +250,15 @@ def run_loop(directory: str | Path, cfg: RunConfig = RunConfig(), log: Callable[
                         samples = recorded.get(step, [])
                     else:
                         keys = _rollouts(engine, engine_tap, cfg, step, gen, carried)
-                        carried = _start_partial(engine, engine_tap, cfg, step, gen) if step + 1 < cfg.steps else None
+                        carried = (
+                            _start_partial(engine, engine_tap, cfg, step, gen)
+                            if step + 1 < cfg.steps
+                            else None
+                        )
                         samples = [engine_tap.pop(k) for k in keys]
                     if not samples:
-                        raise TapError(f"--engine-from: no sample of step {step} in {cfg.engine_from}; expected --steps "
+                        raise TapError(f"--engine-from: no sample of step {step} in {cfg.engine_from}; "
+                                       "expected --steps "
                                        f"at most the recorded run's")  # fmt: skip
                     for s in samples:
                         s.spliced = _spliced(s, splice)
@@ -241,7 +266,8 @@ def run_loop(directory: str | Path, cfg: RunConfig = RunConfig(), log: Callable[
                     if engine is not None:
                         _push_weights(engine, trainer.model, Path(tmp) / f"push-{step}")
                     log(f"step {step}: {len(samples)} samples, reward {figures[-1]['reward']:.3f}, "
-                        f"loss {figures[-1]['loss']:.4f}" + ("; weights pushed" if engine is not None else ""))  # fmt: skip
+                        f"loss {figures[-1]['loss']:.4f}"
+                        + ("; weights pushed" if engine is not None else ""))  # fmt: skip
         finally:
             if engine is not None:
                 engine.close()
@@ -274,7 +300,9 @@ def _rollouts(
     rollout = engine.generate([prompts[-1]], first, temperature=1.0, seed=None)[0]
     tap.attempt(key, rollout, kind="start", weight_version=version)
     context = list(rollout.sequence) + list(TOOL_TOKENS)
-    rollout = engine.generate([context], cfg.response_len - first - len(TOOL_TOKENS), temperature=1.0, seed=None)[0]
+    rollout = engine.generate(
+        [context], cfg.response_len - first - len(TOOL_TOKENS), temperature=1.0, seed=None
+    )[0]
     tap.attempt(key, rollout, kind="turn", weight_version=version)
     keys.append(key)
     if carried is not None:  # the partial rollout of the previous step, resumed under the new weights
@@ -310,20 +338,27 @@ def recorded_samples(run: str | Path) -> dict[int, list[EngineSample]]:
             if row["shard"] is not None:
                 continue
             if row["attempt_routes"] is None:
-                raise TapError(f"{path}: sample {row['sample_key']!r} has no attempt_routes; expected a tapped run")
+                raise TapError(
+                    f"{path}: sample {row['sample_key']!r} has no attempt_routes; expected a tapped run"
+                )
             tokens, prompt = tuple(row["tokens"]), row["prompt_len"]
             shape = (row["num_layers"], row["top_k"])
-            flat = np.frombuffer(row["attempt_routes"], dtype=storage_dtype(row["num_experts"]).newbyteorder("<"))
+            flat = np.frombuffer(
+                row["attempt_routes"], dtype=storage_dtype(row["num_experts"]).newbyteorder("<")
+            )
             payloads = np.split(flat.reshape(-1, *shape), np.cumsum(row["attempt_rows"])[:-1])
             sample = EngineSample(row["sample_key"], row["group_key"], prompt)
             before = 0
-            for kind, version, end, routes in zip(row["attempt_kinds"], row["weight_versions"], row["attempt_ends"],
+            for kind, version, end, routes in zip(row["attempt_kinds"], row["weight_versions"],
+                                                  row["attempt_ends"],
                                                   payloads, strict=True):  # fmt: skip
                 generated = row["loss_mask"][before:end]
                 tool = generated.index(True) if True in generated else end - before
                 lo = prompt + before + tool
                 logprobs = tuple(row["engine_logprobs"][lo - prompt : end])
-                sample.attempts.append(TapAttempt(kind, version, tokens[:lo], tokens[lo : prompt + end], logprobs, routes))
+                sample.attempts.append(
+                    TapAttempt(kind, version, tokens[:lo], tokens[lo : prompt + end], logprobs, routes)
+                )
                 before = end
             out.setdefault(row["step"], []).append(sample)
     return out

@@ -38,7 +38,9 @@ def _rollout(model: Any, context: list[int], new: list[int]) -> EngineRollout:
     model(torch.tensor([context + new]))
     ids = probe.last().ids[: len(context) + len(new) - 1].numpy()
     probe.remove()
-    trace = RoutingTrace(ids, num_experts=CFG.num_experts, num_layers=CFG.num_layers, layer_axis=LayerAxis.MOE_ORDINAL)
+    trace = RoutingTrace(
+        ids, num_experts=CFG.num_experts, num_layers=CFG.num_layers, layer_axis=LayerAxis.MOE_ORDINAL
+    )
     return EngineRollout(tuple(context), tuple(new), tuple([-0.5] * len(new)), trace)
 
 
@@ -50,17 +52,21 @@ def _engine_samples(engine_models: tuple[Any, Any], keys: list[str], splicer: An
         prompt = torch.randint(8, 200, (PROMPT,), generator=gen).tolist()
         first = torch.randint(8, 200, (3,), generator=gen).tolist()
         rest = torch.randint(8, 200, (4,), generator=gen).tolist()
-        tap.attempt(key, _rollout(engine_models[0], prompt, first), kind="start", weight_version=0, group_key="g")
+        tap.attempt(
+            key, _rollout(engine_models[0], prompt, first), kind="start", weight_version=0, group_key="g"
+        )
         tap.attempt(key, _rollout(engine_models[1], prompt + first, rest), kind="resume", weight_version=1)
     samples = [tap.pop(k) for k in keys]
     for s in samples:
-        attempts = [Attempt(3, torch.from_numpy(s.attempts[0].routes.astype(np.int64)), "abort", "start"),
-                    Attempt(4, torch.from_numpy(s.attempts[1].routes.astype(np.int64)), "stop", "resume", 0, 1)]  # fmt: skip
+        first, rest = (torch.from_numpy(a.routes.astype(np.int64)) for a in s.attempts)
+        attempts = [Attempt(3, first, "abort", "start"), Attempt(4, rest, "stop", "resume", 0, 1)]
         s.spliced = splicer(s.prompt_len, attempts).numpy()
     return samples
 
 
-def _train(run: Path, samples: list[Any], replay: str, trainer_model: Any, *, skip_layer: int | None = None) -> None:
+def _train(
+    run: Path, samples: list[Any], replay: str, trainer_model: Any, *, skip_layer: int | None = None
+) -> None:
     """One step of a trainer on ``trainer_model``: R3 replays the spliced routes (except ``skip_layer``)."""
     from harness.subjects.reference import install_replay
 
@@ -70,7 +76,9 @@ def _train(run: Path, samples: list[Any], replay: str, trainer_model: Any, *, sk
         handle = install_replay(trainer_model)
         ids = torch.tensor([list(s.tokens) for s in samples])
         mask = torch.ones_like(ids, dtype=torch.bool)
-        targets = torch.stack([torch.from_numpy(np.concatenate([s.spliced, s.spliced[-1:]]).astype(np.int64)) for s in samples])
+        targets = torch.stack(
+            [torch.from_numpy(np.concatenate([s.spliced, s.spliced[-1:]]).astype(np.int64)) for s in samples]
+        )
         replayed = torch.ones(ids.shape, dtype=torch.bool)
         replayed[:, -1] = False
         rows = PackedRows.padded([s.key for s in samples], mask.numpy())
@@ -99,7 +107,14 @@ def test_a_tapped_r3_run_is_clean_and_every_tap_invariant_is_checked(tmp_path: P
     samples = _engine_samples((model, model), ["a", "b"])
     _train(tmp_path, samples, "R3", _model(seed=3))  # other weights: the routes agree through replay only
     found = _statuses(tmp_path)
-    for name in ("coverage", "ids_valid", "replay_fidelity", "splice_consistency", "logprobs_valid", "tokens_match"):
+    for name in (
+        "coverage",
+        "ids_valid",
+        "replay_fidelity",
+        "splice_consistency",
+        "logprobs_valid",
+        "tokens_match",
+    ):
         assert found[name].status == "checked" and found[name].checked == 2, (name, found[name])
     assert found["agreement"].status == "checked"
     assert found["shard_union"].status == "not checkable"
@@ -155,7 +170,9 @@ def test_shard_union_is_checked_on_real_per_rank_files(tmp_path: Path) -> None:
     assert _statuses(tmp_path / "ok")["shard_union"].status == "checked"
     _shard_run(tmp_path / "overlap", [[0, 1, 2, 3, 4], [4, 5, 6, 7, 8, 9, 10, 11]])
     union = _statuses(tmp_path / "overlap")["shard_union"]
-    assert union.status == "violated" and "row 4 claimed 2 times (ranks 0 and 1)" in union.offenders[0]["actual"]
+    assert (
+        union.status == "violated" and "row 4 claimed 2 times (ranks 0 and 1)" in union.offenders[0]["actual"]
+    )
     _shard_run(tmp_path / "gap", [[0, 1, 2], [5, 6, 7, 8, 9, 10, 11]])
     union = _statuses(tmp_path / "gap")["shard_union"]
     assert union.status == "violated" and "first row 3" in union.offenders[0]["actual"]
@@ -191,7 +208,10 @@ def test_a_sample_with_a_missing_position_is_refused_when_written(tmp_path: Path
     with BackgroundWriter(tmp_path) as writer:
         tap = TrainerTap(model, writer, num_layers=2, moe_layers=range(2), num_experts=8, top_k=2, source="t")
         n = len(samples[0].tokens)
-        with torch.no_grad(), tap.forward("old_logprob", PackedRows.rows(["a"] * (n - 1), [*range(4), *range(5, n)])):
+        with (
+            torch.no_grad(),
+            tap.forward("old_logprob", PackedRows.rows(["a"] * (n - 1), [*range(4), *range(5, n)])),
+        ):
             model(torch.tensor([list(samples[0].tokens[:4] + samples[0].tokens[5:])]))
         with pytest.raises(TapError, match="sample 'a' in forward 'old_logprob': position 4 has no row"):
             tap.write(0, samples, replay="R3")
@@ -239,7 +259,9 @@ def test_a_missing_rank_file_and_a_run_cut_short_are_reported(tmp_path: Path) ->
 
 
 def test_layout_v1_files_are_still_read_and_unknown_versions_refused(tmp_path: Path) -> None:
-    row = SampleRecord(0, "a", 2, 1, [1, 2, 3], 8, 2, 2, [0, 1], "t", engine_routes=np.array([[[0, 1], [2, 3]]] * 2)).as_row()
+    row = SampleRecord(
+        0, "a", 2, 1, [1, 2, 3], 8, 2, 2, [0, 1], "t", engine_routes=np.array([[[0, 1], [2, 3]]] * 2)
+    ).as_row()
     v1 = arrow_schema(1)
     table = pa.Table.from_pylist([{k: row[k] for k in v1.names}], schema=v1)
     pq.write_table(table, tmp_path / "part.parquet")

@@ -499,10 +499,12 @@ class _BatchAudit:
                 hi = min(prompt + end - 1 - start, spliced.shape[0])
                 first, before = False, end
                 if count < hi:
-                    found.one(s, f"attempt {j}'s payload covering rows [{lo}, {hi})", f"{count} rows", row=count)
+                    expected = f"attempt {j}'s payload covering rows [{lo}, {hi})"
+                    found.one(s, expected, f"{count} rows", row=count)
                     break
                 overlap = audit_kernels.overlap(
-                    np.ascontiguousarray(spliced[lo:hi][:, moe]), np.ascontiguousarray(payload[lo:hi][:, moe]),
+                    np.ascontiguousarray(spliced[lo:hi][:, moe]),
+                    np.ascontiguousarray(payload[lo:hi][:, moe]),
                     b.num_experts,
                 )  # fmt: skip
                 bad = np.argwhere((overlap < b.top_k) & captured[lo:hi, None])
@@ -512,9 +514,9 @@ class _BatchAudit:
                     found.cells(
                         np.full(bad.shape[0], s, np.int64), cells_row.astype(np.int64),
                         np.asarray(b.moe_layers, np.int64)[bad[:, 1]],
-                        lambda i, j=j, p=payload, r=cells_row, c=cells_slot: (
+                        lambda i, j=j, p=payload, q=spliced, r=cells_row, c=cells_slot: (
                             f"attempt {j}'s experts {sorted(p[r[i], c[i]].tolist())}",
-                            f"spliced {sorted(spliced[r[i], c[i]].tolist())}",
+                            f"spliced {sorted(q[r[i], c[i]].tolist())}",
                         ),
                     )  # fmt: skip
         self.finish("splice_consistency", found, int(which.sum()))
@@ -679,7 +681,8 @@ def fold_shards(batch: Batch, state: AuditState) -> None:
             rows = rows[~outside]
         cover = state.shards.get(key)
         if cover is None:
-            cover = state.shards[key] = ShardCover(int(expected[s]), int(batch.shards[s]), where=batch.where(s))
+            cover = ShardCover(int(expected[s]), int(batch.shards[s]), where=batch.where(s))
+            state.shards[key] = cover
         cover.shards = max(cover.shards, int(batch.shards[s]))
         cover.claim(int(batch.shard[s]), int(batch.rank[s]), rows.astype(np.int64))
     state.tally("shard_union").add(0, found.items, len(found.samples))

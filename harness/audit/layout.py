@@ -42,7 +42,8 @@ ROUTE_COLUMNS = ("engine", "trainer", "recorded")
 
 REPLAY_MODES = ("none", "R2", "R3")
 FORWARDS = ("old_logprob", "reference", "update", "recompute")
-"""The trainer forwards a tap records: old log-probs, reference log-probs, the update, activation recompute."""
+"""The trainer forwards a tap records: old log-probs, reference log-probs, the update, activation
+recompute."""
 ATTEMPT_KINDS = ("start", "resume", "turn")
 
 
@@ -225,10 +226,13 @@ class SampleRecord:
             for j, array in enumerate(payloads):
                 if array.ndim != 3 or array.shape[1:] != (self.num_layers, self.top_k):
                     raise LayoutError(
-                        f"attempt_routes[{j}]: shape {array.shape}; expected [rows, num_layers={self.num_layers}, "
+                        f"attempt_routes[{j}]: shape {array.shape}; expected [rows, "
+                        f"num_layers={self.num_layers}, "
                         f"top_k={self.top_k}]"
                     )
-            joined = np.concatenate(payloads) if payloads else np.zeros((0, self.num_layers, self.top_k), np.int64)
+            joined = (
+                np.concatenate(payloads) if payloads else np.zeros((0, self.num_layers, self.top_k), np.int64)
+            )
             row["attempt_routes"] = encode_routes(joined, int(self.num_experts), "attempt_routes")
             row["attempt_rows"] = [int(a.shape[0]) for a in payloads]
         sharded = (self.shard is not None, self.shards is not None, self.positions is not None)
@@ -240,12 +244,15 @@ class SampleRecord:
             )
         row["shard"] = None if self.shard is None else int(self.shard)
         row["shards"] = None if self.shards is None else int(self.shards)
-        row["positions"] = None if self.positions is None else np.asarray(self.positions).astype(np.int64).tolist()
+        row["positions"] = (
+            None if self.positions is None else np.asarray(self.positions).astype(np.int64).tolist()
+        )
         if all(sharded):
             if not 0 <= int(self.shard) < int(self.shards):  # type: ignore[arg-type]
                 raise LayoutError(f"shard: expected an index in [0, shards={self.shards}), got {self.shard}")
             rows = row["trainer_rows"]
             if rows is not None and rows != len(row["positions"]):
                 raise LayoutError(
-                    f"positions: {len(row['positions'])} entries; expected one per trainer_routes row ({rows})"
+                    f"positions: {len(row['positions'])} entries; expected one per trainer_routes row "
+                    f"({rows})"
                 )

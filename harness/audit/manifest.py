@@ -32,7 +32,13 @@ def manifest_path(run: str | os.PathLike[str], rank: int) -> Path:
 
 
 def write_manifest(
-    run: str | os.PathLike[str], *, rank: int, world_size: int, files: list[str], last_step: int | None, closed: bool
+    run: str | os.PathLike[str],
+    *,
+    rank: int,
+    world_size: int,
+    files: list[str],
+    last_step: int | None,
+    closed: bool,
 ) -> None:
     """Write rank ``rank``'s manifest (atomically: a reader sees the previous one or this one)."""
     doc = {
@@ -89,20 +95,22 @@ def check_manifests(run: str | os.PathLike[str]) -> ManifestCheck:
         docs[doc["rank"]] = doc
     world = max((d["world_size"] for d in docs.values()), default=0)
     for rank in range(world):
-        doc = docs.get(rank)
-        if doc is None:
+        found = docs.get(rank)
+        if found is None:
             out.errors.append(
                 f"{folder}: rank {rank} of world_size {world} wrote no manifest (rank-{rank:05d}.json); "
                 "expected every rank's files"
             )
             continue
-        for name in doc["files"]:
+        for name in found["files"]:
             if not (root / name).is_file():
-                out.errors.append(f"{root / name}: missing; rank {rank}'s manifest lists it (a file of the run)")
-        if not doc["closed"]:
-            last = doc.get("last_step")
+                out.errors.append(
+                    f"{root / name}: missing; rank {rank}'s manifest lists it (a file of the run)"
+                )
+        if not found["closed"]:
+            last = found.get("last_step")
             out.notes.append(
                 f"run cut short: rank {rank} never closed its tap (last step written: {last}); "
-                f"its {len(doc['files'])} finished files are audited, the file it was writing is lost"
+                f"its {len(found['files'])} finished files are audited, the file it was writing is lost"
             )
     return out

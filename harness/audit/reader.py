@@ -532,7 +532,9 @@ def _v2_fields(
             )
     attempt_rows = _list_column(table, "attempt_rows", np.int64)
     has_payloads = _valid(_array(table, "attempt_routes"))
-    bad = has_payloads & (~attempt_rows.valid | ~attempt_ends.valid | (attempt_rows.lengths() != attempt_ends.lengths()))
+    bad = has_payloads & (
+        ~attempt_rows.valid | ~attempt_ends.valid | (attempt_rows.lengths() != attempt_ends.lengths())
+    )
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise LayoutError(
@@ -541,14 +543,25 @@ def _v2_fields(
             f"attempt of attempt_ends ({int(attempt_ends.lengths()[i]) if attempt_ends.valid[i] else None})"
         )
     if (attempt_rows.values < 0).any():
-        i = int(np.searchsorted(attempt_rows.offsets, int(np.flatnonzero(attempt_rows.values < 0)[0]), "right")) - 1
+        i = (
+            int(
+                np.searchsorted(
+                    attempt_rows.offsets, int(np.flatnonzero(attempt_rows.values < 0)[0]), "right"
+                )
+            )
+            - 1
+        )
         raise LayoutError(f"{path} row {int(file_rows[i])}: column 'attempt_rows' holds a negative count")
-    sums = np.add.reduceat(attempt_rows.values, attempt_rows.offsets[:-1]) if attempt_rows.values.size else None
+    sums = (
+        np.add.reduceat(attempt_rows.values, attempt_rows.offsets[:-1]) if attempt_rows.values.size else None
+    )
     totals = np.zeros(len(forward), dtype=np.int64)
     if sums is not None:
         nonempty = attempt_rows.lengths() > 0
         totals[nonempty] = sums[nonempty]
-    attempts = _route_column(table, "attempt", dtype, row_shape, path, file_rows, (totals, attempt_rows.valid))
+    attempts = _route_column(
+        table, "attempt", dtype, row_shape, path, file_rows, (totals, attempt_rows.valid)
+    )
     shard_array, shards_array = _array(table, "shard"), _array(table, "shards")
     shard = np.where(_valid(shard_array), _numpy(shard_array), -1).astype(np.int64)
     shards = np.where(_valid(shards_array), _numpy(shards_array), 0).astype(np.int64)

@@ -29,7 +29,8 @@ HINTS: dict[str, str] = {
     "group_key": "the prompt's GRPO group of each sample",
     "attempt payloads": "each attempt's own engine payload: harness.audit.tap writes them",
     "shard positions": "per-rank shards with their positions: harness.audit.tap writes them",
-    "replayed rows": "rows trained with replay R2 or R3 (every row here has replay = none: no target to be faithful to)",
+    "replayed rows": "rows trained with replay R2 or R3 (every row here has replay = none: no target to be "
+    "faithful to)",
 }
 """What writes each column an invariant may be missing."""
 

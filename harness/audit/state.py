@@ -172,8 +172,8 @@ class ShardCover:
         self._fold(rows, ranks, ranks if np.unique(rows).size < rows.size else None)
 
     def _fold(self, rows: Any, lowest: Any, second: Any) -> None:
-        both = np.stack([self.owners[rows], self.second[rows], lowest,
-                         np.full(rows.size, self.NO_RANK, np.int64) if second is None else second])  # fmt: skip
+        nobody = np.full(rows.size, self.NO_RANK, np.int64)
+        both = np.stack([self.owners[rows], self.second[rows], lowest, nobody if second is None else second])
         both.sort(axis=0)
         self.owners[rows], self.second[rows] = both[0], both[1]
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from harness.audit.layout import ATTEMPT_KINDS, FORWARDS, REPLAY_MODES, LayoutError, SampleRecord
 from harness.audit.manifest import write_manifest
@@ -83,7 +84,8 @@ class EngineSample:
         return len(self.tokens) - self.prompt_len
 
     def attempt_ends(self) -> list[int]:
-        """Cumulative response tokens after each attempt (tool tokens count for the attempt that prefilled them)."""
+        """Cumulative response tokens after each attempt (tool tokens count for the attempt that
+        prefilled them)."""
         return [len(a.context) + len(a.generated) - self.prompt_len for a in self.attempts]
 
     def engine_logprobs(self) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.bool_]]:
@@ -163,7 +165,9 @@ class EngineTap:
         try:
             return self.samples.pop(key)
         except KeyError:
-            raise TapError(f"sample_key: {key!r} has no engine attempt; expected one of {sorted(self.samples)[:5]}") from None
+            raise TapError(
+                f"sample_key: {key!r} has no engine attempt; expected one of {sorted(self.samples)[:5]}"
+            ) from None
 
 
 # --- trainer side ---------------------------------------------------------------------------------
@@ -185,7 +189,8 @@ class PackedRows:
             raise TapError(f"keys: expected non-empty sample keys, got {bad_keys[0]!r}")
         if self.sample.shape != self.position.shape or self.sample.ndim != 1:
             raise TapError(
-                f"position: {self.position.shape} entries; expected one per row like sample {self.sample.shape}"
+                f"position: {self.position.shape} entries; expected one per row, like sample "
+                f"{self.sample.shape}"
             )
         no_position = np.flatnonzero((self.sample >= 0) & (self.position < 0))
         if no_position.size:
@@ -195,7 +200,8 @@ class PackedRows:
         no_key = np.flatnonzero((self.sample < 0) & (self.position >= 0))
         if no_key.size:
             i = int(no_key[0])
-            raise TapError(f"sample_key: row {i} (position {int(self.position[i])}) has no sample key; expected "
+            raise TapError(f"sample_key: row {i} (position {int(self.position[i])}) has no sample key; "
+                           "expected "
                            "the sample each non-padding row belongs to")  # fmt: skip
         if (self.sample >= len(self.keys)).any():
             raise TapError(f"sample: an index ≥ {len(self.keys)} keys; expected indices into keys or −1")
@@ -215,7 +221,8 @@ class PackedRows:
 
     @classmethod
     def padded(cls, keys: Sequence[str], attention_mask: Any) -> PackedRows:
-        """A ``[batch, seq]`` batch, one sample per row, padding where ``attention_mask`` is 0 (left or right)."""
+        """A ``[batch, seq]`` batch, one sample per row, padding where ``attention_mask`` is 0 (left or
+        right)."""
         mask = np.asarray(attention_mask, dtype=bool)
         if mask.ndim != 2 or mask.shape[0] != len(keys):
             raise TapError(f"attention_mask: shape {mask.shape}; expected [batch={len(keys)}, seq]")
@@ -229,7 +236,9 @@ class PackedRows:
         ``position_ids`` (a CP/SP shard's own) or counted from 0 in each sample."""
         cu = np.asarray(cu_seqlens, dtype=np.int64)
         if cu.ndim != 1 or cu.size != len(keys) + 1 or cu[0] != 0 or (np.diff(cu) < 0).any():
-            raise TapError(f"cu_seqlens: {cu.tolist()[:8]}; expected {len(keys) + 1} increasing offsets from 0")
+            raise TapError(
+                f"cu_seqlens: {cu.tolist()[:8]}; expected {len(keys) + 1} increasing offsets from 0"
+            )
         lengths = np.diff(cu)
         sample = np.repeat(np.arange(len(keys)), lengths)
         if position_ids is None:
@@ -237,7 +246,9 @@ class PackedRows:
         else:
             position = np.asarray(position_ids, dtype=np.int64).reshape(-1)
             if position.size != cu[-1]:
-                raise TapError(f"position_ids: {position.size} entries; expected cu_seqlens[-1] = {int(cu[-1])}")
+                raise TapError(
+                    f"position_ids: {position.size} entries; expected cu_seqlens[-1] = {int(cu[-1])}"
+                )
         return cls(tuple(keys), sample.astype(np.int64), position.astype(np.int64))
 
 
@@ -251,12 +262,43 @@ def attach_probe(model: Any) -> Any:
 
         return reference(model)
     if type(model).__module__.startswith("megatron."):
-        from harness.probes.megatron import attach as megatron
-
-        return megatron(model)
+        return _MegatronProbe(model)
     from harness.probes.hf import attach as hf
 
     return hf(model)
+
+
+class _MegatronProbe:
+    """The Megatron-core probe (``harness.probes.megatron``) as the tap reads it: each MoE layer's
+    dispatch map (tokens → experts, all-gather dispatcher, no expert parallelism) as expert ids."""
+
+    def __init__(self, model: Any) -> None:
+        from harness.probes.megatron import DispatchProbe
+
+        self.inner = DispatchProbe.attach(model)
+        self.keep: int | None = None
+
+    def clear(self) -> None:
+        self.inner.clear()
+
+    def remove(self) -> None:
+        self.inner.remove()
+
+    def last(self) -> Any:
+        from harness.probes import Dispatch
+
+        ids = []
+        for layer, calls in enumerate(self.inner.dispatched):
+            routed = calls[-1]
+            counts = routed.sum(dim=1)
+            if (counts != counts[0]).any():
+                seen = sorted(set(counts.tolist()))
+                raise TapError(f"megatron dispatch map of MoE layer {layer}: rows with {seen} experts; "
+                               "expected top_k on every row")  # fmt: skip
+            order = routed.to(torch.int8).argsort(dim=1, descending=True, stable=True)
+            ids.append(order[:, : int(counts[0])])
+        stacked = torch.stack(ids, dim=1)
+        return Dispatch(stacked, torch.ones_like(stacked, dtype=torch.float32))
 
 
 @dataclass
@@ -292,7 +334,9 @@ class TrainerTap:
         shards: int | None = None,
     ) -> None:
         if (shard is None) != (shards is None) or (shard is not None and not 0 <= shard < shards):  # type: ignore[operator]
-            raise TapError(f"shard: expected an index in [0, shards) with shards given, got {shard!r} of {shards!r}")
+            raise TapError(
+                f"shard: expected an index in [0, shards) with shards given, got {shard!r} of {shards!r}"
+            )
         self.writer = writer
         self.num_layers, self.moe_layers = int(num_layers), tuple(int(x) for x in moe_layers)
         self.num_experts, self.top_k, self.source = int(num_experts), int(top_k), source
@@ -309,14 +353,17 @@ class TrainerTap:
         if kind not in FORWARDS:
             raise TapError(f"forward: expected one of {list(FORWARDS)}, got {kind!r}")
         if not isinstance(rows, PackedRows):
-            raise TapError(f"rows: expected PackedRows (sample key and position per row), got {type(rows).__name__}")
+            raise TapError(
+                f"rows: expected PackedRows (sample key and position per row), got {type(rows).__name__}"
+            )
         self.probe.clear()
         yield
         dispatch = self.probe.last().ids
         flat = dispatch.reshape(-1, *dispatch.shape[-2:]).numpy()
         if flat.shape[0] != rows.size:
             raise TapError(
-                f"rows: {rows.size} packed rows given; the forward dispatched {flat.shape[0]} tokens per MoE layer"
+                f"rows: {rows.size} packed rows given; the forward dispatched {flat.shape[0]} tokens per "
+                "MoE layer"
             )
         tokens = None if input_ids is None else np.asarray(input_ids).reshape(-1).astype(np.int64)
         if tokens is not None and tokens.size != rows.size:
@@ -369,7 +416,8 @@ class TrainerTap:
             gap = next((p for p in range(expected) if p not in have), None)
             what = f"position {gap} has no row" if gap is not None else "a position has two rows"
             raise TapError(
-                f"positions: sample {key!r} in forward {kind!r}: {what}; expected each of its {expected} route rows "
+                f"positions: sample {key!r} in forward {kind!r}: {what}; expected each of its {expected} "
+                "route rows "
                 "once (whole samples; pass shard/shards for a CP/SP rank's part)"
             )
         return full, positions, consumed
@@ -392,7 +440,8 @@ class TrainerTap:
             lp, generated = sample.engine_logprobs()
             trainer_lp = self._logprobs.pop(sample.key, None)
             if trainer_lp is not None and trainer_lp.size != sample.response_len:
-                raise TapError(f"logprobs: sample {sample.key!r} has {trainer_lp.size}; expected response_len "
+                raise TapError(f"logprobs: sample {sample.key!r} has {trainer_lp.size}; expected "
+                               "response_len "
                                f"{sample.response_len}")  # fmt: skip
             record = SampleRecord(
                 step=step, sample_key=sample.key, group_key=sample.group_key, rank=self.writer.rank,
@@ -435,7 +484,12 @@ class BackgroundWriter:
     """
 
     def __init__(
-        self, directory: str | os.PathLike[str], *, rank: int = 0, world_size: int = 1, queue_records: int = 256
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        queue_records: int = 256,
     ) -> None:
         if not isinstance(world_size, int) or not 0 <= rank < world_size:
             raise TapError(f"rank: expected 0 <= rank < world_size={world_size!r}, got {rank!r}")
@@ -451,7 +505,8 @@ class BackgroundWriter:
 
     def _manifest(self, closed: bool) -> None:
         write_manifest(self.directory, rank=self.rank, world_size=self.world_size,
-                       files=[p.name for p in self._writer.files], last_step=self._last_step, closed=closed)  # fmt: skip
+                       files=[p.name for p in self._writer.files], last_step=self._last_step,
+                       closed=closed)  # fmt: skip
 
     def _run(self) -> None:
         while True:

@@ -47,7 +47,14 @@ def bench_tap(
 ) -> dict[str, Any]:
     """Forward time with the tap vs without, per dtype: medians and the median per-pair ratio."""
     result: dict[str, Any] = {
-        "shape": {"batch": batch, "seq": seq, "layers": layers, "experts": experts, "top_k": top_k, "hidden": hidden},
+        "shape": {
+            "batch": batch,
+            "seq": seq,
+            "layers": layers,
+            "experts": experts,
+            "top_k": top_k,
+            "hidden": hidden,
+        },
         "repeats": repeats,
         "threads": torch.get_num_threads(),
         "target_ratio": TARGET_RATIO,
@@ -63,7 +70,9 @@ def bench_tap(
             tap = TrainerTap(tapped, writer, num_layers=layers, moe_layers=range(layers), num_experts=experts,
                              top_k=top_k, source="rrh bench tap")  # fmt: skip
             _seconds(bare, tokens), _tapped_seconds(tapped, tap, tokens, rows)  # warm-up
-            pairs = [(_seconds(bare, tokens), _tapped_seconds(tapped, tap, tokens, rows)) for _ in range(repeats)]
+            pairs = [
+                (_seconds(bare, tokens), _tapped_seconds(tapped, tap, tokens, rows)) for _ in range(repeats)
+            ]
             tap.probe.remove()
             writer.close()
         without, with_tap = zip(*pairs, strict=True)
@@ -81,8 +90,9 @@ def format_bench_tap(result: dict[str, Any]) -> str:
     """The bench as lines of text, one per dtype."""
     s = result["shape"]
     lines = [
-        f"tap: Qwen3-MoE {s['layers']} layers × {s['experts']} experts top-{s['top_k']}, hidden {s['hidden']}, "
-        f"forward of {s['batch']}×{s['seq']} tokens, {result['repeats']} interleaved pairs, {result['threads']} threads"
+        f"tap: Qwen3-MoE {s['layers']} layers × {s['experts']} experts top-{s['top_k']}, "
+        f"hidden {s['hidden']}, forward of {s['batch']}×{s['seq']} tokens, {result['repeats']} "
+        f"interleaved pairs, {result['threads']} threads"
     ]
     for name, d in result["dtypes"].items():
         verdict = "ok" if d["within_target"] else f"ABOVE the {result['target_ratio']:.2f}× target"
