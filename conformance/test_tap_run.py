@@ -23,8 +23,9 @@ LAST_MOE_LAYER = 3
 
 def _audit(tmp_path: Path, name: str, **settings: Any) -> Any:
     run = tmp_path / name
-    run_loop(run, RunConfig(**{**SMALL, **settings}), log=lambda line: None)
+    summary = run_loop(run, RunConfig(**{**SMALL, **settings}), log=lambda line: None)
     result = audit_run(run, executor="serial")
+    print(f"rrh run {name}: {summary['seconds']:.1f}s", *result.lines(), sep="\n")
     assert not result.input_errors and not result.notes, (result.input_errors, result.notes)
     return result
 
@@ -40,13 +41,16 @@ def test_r3_replays_the_engines_routes_exactly_and_no_strict_invariant_fails(tmp
     for name in ("coverage", "ids_valid", "tokens_match", "replay_fidelity", "splice_consistency"):
         assert found[name].status == "checked", found[name].line()
     assert [layer["disagreement"] for layer in result.layers] == [0.0] * 3
-    assert all(step["flipped_tokens"] == 0 for step in result.steps), result.steps
+    assert all(step["tokens_flipped"] == 0 for step in result.steps), result.steps
 
 
 def test_without_replay_the_live_routes_differ_and_flipped_tokens_carry_more_gap(tmp_path: Path) -> None:
     result = _audit(tmp_path, "none", replay="none")
     assert not result.violated, [r.line() for r in result.violated]
     assert all(layer["disagreement"] > 0 for layer in result.layers), result.layers
+    flipped = [s["mean_abs_diff_flipped"] for s in result.steps if s["tokens_flipped"]]
+    agreed = [s["mean_abs_diff_agreed"] for s in result.steps if s["tokens_flipped"]]
+    assert flipped and max(flipped) > max(agreed), result.steps
 
 
 def test_replay_doing_nothing_on_one_layer_is_named_at_that_layer(tmp_path: Path) -> None:

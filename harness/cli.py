@@ -328,7 +328,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_tap(args: argparse.Namespace) -> int:
-    from harness.audit.tap_bench import bench_tap, format_bench_tap
+    from harness.bench_tap import bench_tap, format_bench_tap
 
     result = bench_tap(repeats=args.repeats)
     print(json.dumps(result, indent=2) if args.json else format_bench_tap(result))
