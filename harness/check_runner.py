@@ -38,11 +38,12 @@ class CheckRun:
 
 
 def run_lab(step: LabStep, subject: Any) -> LabResult:
-    """Run one mismatch lab (the reference lab replays through ``subject.install_replay``)."""
+    """Run one mismatch lab (the reference lab replays through ``subject.install_replay``, the vLLM
+    lab through ``subject.install_hf_replay``)."""
     if step.kind == "vllm":
-        from harness.engines.vllm import run_vllm_mismatch_lab
+        from harness.lab_engine import run_engine_lab
 
-        return run_vllm_mismatch_lab(step.config)
+        return run_engine_lab(subject.install_hf_replay, step.config)
     if step.kind == "hf":
         from harness.engines.hf import run_hf_mismatch_lab
 
@@ -101,5 +102,5 @@ def run_plan(plan: CheckPlan, subject: Any, stream: TextIO) -> CheckRun:
             continue
         finally:
             progress.done()
-        run.labs.append(LabRun(step.kind, result, time.perf_counter() - t0, note=step.note))
+        run.labs.append(LabRun(step.kind, result, time.perf_counter() - t0, note=step.note(subject.name)))
     return run

@@ -25,7 +25,7 @@ from harness.subjects import DEFAULT_SUBJECT, load_subject
 
 if TYPE_CHECKING:
     from harness.check_runner import CheckRun
-    from harness.report import CheckReport
+    from harness.report import CheckReport, Verdict
 
 
 def _check_plan(args: argparse.Namespace) -> CheckPlan:
@@ -43,24 +43,28 @@ def _check_plan(args: argparse.Namespace) -> CheckPlan:
     )
 
 
-def _print_check(report: CheckReport, run: CheckRun, subject_spec: str) -> None:
-    """The terminal report of a check: legend, outcomes, failures, labs, lab errors, verdict."""
+def _print_check(report: CheckReport, run: CheckRun, subject_spec: str) -> Verdict:
+    """The terminal report of a check: legend, outcomes, failures, labs, lab errors, verdict (returned)."""
     from harness.mismatch import format_lab
     from harness.report import LEGEND, format_failures, format_legend, format_outcomes, format_verdict
+    from harness.report import verdict as verdict_of
 
-    print("legend:\n" + format_legend(LEGEND))
-    print()
-    print(format_outcomes(run.outcomes))
-    failures = format_failures(run.outcomes, subject_spec)
-    if failures:
-        print("\n" + failures)
+    if report.runs:  # a suite ran: its invariants (with --no-suites there is no table to draw)
+        print("legend:\n" + format_legend(LEGEND))
+        print()
+        print(format_outcomes(run.outcomes))
+        failures = format_failures(run.outcomes, subject_spec)
+        if failures:
+            print("\n" + failures)
     for lab in run.labs:
         print()
         print(format_lab(lab.result))
     for error in run.errors:
         print(f"\nerror: {error}")
+    found = verdict_of(report)
     print()
-    print(format_verdict(report.verdict))
+    print(format_verdict(found))
+    return found
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -103,14 +107,14 @@ def _cmd_check(args: argparse.Namespace) -> int:
         errors=run.errors,
         env=env,
     )
-    _print_check(doc, run, plan.subject)
+    found = _print_check(doc, run, plan.subject)
     if args.html or args.json:
         write_report(doc, html_path=args.html, json_path=args.json)
         for kind, path in (("HTML", args.html), ("JSON", args.json)):
             if path:
                 print(f"{kind} report: {path}")
     print(f"({doc.wall_seconds:.1f}s)")
-    if doc.verdict.status == "fail":
+    if found.status == "fail":
         return 1
     return 0 if doc.counts.passed or run.labs else 2
 

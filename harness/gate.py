@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ from harness.engines.adapters import ENGINES, EngineAdapter, ObservationError, S
 from harness.errors import HarnessError
 from harness.outcomes import count_outcomes
 
-__all__ = ["ENGINES", "add_parser", "default_baseline", "main", "observe", "run_gate"]
+__all__ = ["ENGINES", "add_parser", "default_baseline", "observe", "run_gate"]
 
 
 class GateUnavailable(HarnessError, RuntimeError):
@@ -271,14 +270,3 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     gate.set_defaults(func=_cmd_gate)
     return gate
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``rrh`` itself (``argv`` starts with ``gate``): one parser, one way to report usage errors."""
-    from harness.cli import main as cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

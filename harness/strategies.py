@@ -335,15 +335,15 @@ def engine_payloads(draw: st.DrawFn, max_experts: int = 600) -> EnginePayload:
     routes = draw(valid_routes(spec))
     model = conv.ModelSpec(layers, experts, spec.top_k, moe)
     emitted = convention.emitted_dtype(model)
-    if convention.form == "split":
+    if convention.form.name == "split":
         ordinal = routes[:, list(moe), :].astype(emitted)
         http = draw(st.booleans())
         halves = [ordinal[:prompt], ordinal[prompt:]]
         payload: Any = tuple(h.tolist() if http else h for h in halves)
         form = "nested lists (HTTP)" if http else "int16 ndarrays"
-    elif convention.form == "npy" and draw(st.booleans()):
+    elif convention.form.name == "npy" and draw(st.booleans()):
         payload, form = conv.encode_vllm_npy_b64(routes.astype(emitted)), "base64 .npy (HTTP)"
-    elif convention.form == "sglang":
+    elif convention.form.name == "sglang":
         payload, form = conv.encode_sglang_b64(routes), "base64 int32"
     else:
         payload, form = routes.astype(emitted), f"{emitted} ndarray"

@@ -219,9 +219,10 @@ def merged(
 
 
 def table(directory: Path = VERDICTS_DIR) -> str:
-    """The README's verdict table: one row per invariant, one column per subject of every recorded
-    release (``pass``, ``FAIL n`` with failure ``n`` listed under the table, ``skip``, ``–`` not
-    checked for that subject), then each failure's counterexample in one line."""
+    """The site's verdict table (``docs/frameworks.md``): one row per invariant, one column per
+    subject of every recorded release (``pass``, ``FAIL n`` with failure ``n`` listed under the
+    table, ``skip``, ``–`` not checked for that subject), then each failure's counterexample in one
+    line."""
     columns: list[tuple[str, dict[str, dict[str, str]]]] = []
     for name in sorted(RELEASES):
         if (directory / f"{name}.json").exists():
@@ -246,17 +247,54 @@ def table(directory: Path = VERDICTS_DIR) -> str:
     return "\n".join(lines) + "\n\n" + "\n".join(failures) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from harness.subjects.frameworks import installed_version
+SITE_PAGE = "docs/frameworks.md"
+"""The site page with the verdict table and its triage: the README's summary links to it."""
 
+
+def summary(directory: Path = VERDICTS_DIR, page: str = SITE_PAGE) -> str:
+    """The README's verdict summary: one line per recorded release with its subjects, how many
+    verdicts pass, fail and skip, and how many findings (distinct triages) the failures come to."""
+    lines = []
+    for name in sorted(RELEASES):
+        release = RELEASES[name]
+        if not (directory / f"{name}.json").exists():
+            continue
+        subjects = load(release, directory)["subjects"]
+        entries = [entry for per_subject in subjects.values() for entry in per_subject.values()]
+        counts = {kind: sum(e["verdict"] == kind for e in entries) for kind in ("pass", "fail", "skip")}
+        findings = len({e.get("triage", UNTRIAGED) for e in entries if e["verdict"] == "fail"})
+        names = ", ".join(f"`{spec.rpartition(':')[2]}`" for spec in subjects)
+        failures = f"{counts['fail']} fail" + (
+            f" ({findings} finding{'s' * (findings != 1)})" if counts["fail"] else ""
+        )
+        lines.append(
+            f"- **{release.distribution} {release.version}** ({names}): {counts['pass']} pass, "
+            f"{failures}, {counts['skip']} skip — [verdicts and triage]({page})"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``python -m harness.verdicts``'s arguments (the CLI reference is generated from them)."""
     parser = argparse.ArgumentParser(prog="python -m harness.verdicts", description=__doc__.split("\n\n")[0])
-    parser.add_argument("release", choices=[*sorted(RELEASES), "table"], help="a release, or 'table'")
+    parser.add_argument(
+        "release",
+        choices=[*sorted(RELEASES), "table", "summary"],
+        help="a release to observe and compare; 'table': print the verdict table; 'summary': print the "
+        "README's one line per release",
+    )
     parser.add_argument(
         "--record", action="store_true", help="write the observation as the recorded verdicts"
     )
-    args = parser.parse_args(argv)
-    if args.release == "table":
-        print(table(), end="")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from harness.subjects.frameworks import installed_version
+
+    args = build_parser().parse_args(argv)
+    if args.release in ("table", "summary"):
+        print(table() if args.release == "table" else summary(), end="")
         return 0
     release = RELEASES[args.release]
     found = installed_version(release.distribution)
@@ -266,21 +304,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    observed = observe(release)
-    if args.record:
+    return settle(release, observe(release), VERDICTS_DIR, record=args.record)
+
+
+def settle(
+    release: Release,
+    observed: dict[str, dict[str, dict[str, str]]],
+    directory: Path,
+    *,
+    record: bool,
+    label: str = "",
+) -> int:
+    """Record ``observed`` into ``directory`` (``record``; exit status 0), or compare it with the
+    recorded verdicts there and print each change (1 when one changed, 0 when all match)."""
+    if record:
         try:
-            recorded = load(release)
+            recorded = load(release, directory)
         except VerdictError:
             recorded = None
-        path = VERDICTS_DIR / f"{release.name}.json"
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{release.name}.json"
         path.write_text(json.dumps(merged(release, observed, recorded), indent=1, ensure_ascii=False) + "\n")
         print(f"recorded {path}")
         return 0
-    changes = diff(load(release), observed)
+    changes = diff(load(release, directory), observed)
     for line in changes:
         print(line)
     print(
-        f"{release.name}: " + (f"{len(changes)} verdict(s) changed" if changes else "every verdict matches")
+        f"{release.name}{label}: "
+        + (f"{len(changes)} verdict(s) changed" if changes else "every verdict matches")
     )
     return 1 if changes else 0
 

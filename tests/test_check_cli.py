@@ -191,3 +191,24 @@ def test_a_lab_that_raises_is_a_finding_not_a_traceback(
     )
     assert "verdict: FAIL" in out and "the model has 4" in " ".join(out[out.index("verdict:") :].split())
     assert "the model has 4" in (tmp_path / "r.html").read_text()
+
+
+def test_a_lab_only_run_draws_no_invariant_table_and_counts_no_zeroes(
+    quick_lab: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--no-suites`` ran no suite: no legend, no empty table, no "0 passed …" line, no zero badges;
+    the verdict says what ran and what the same command runs without the flag."""
+    html, js = tmp_path / "report.html", tmp_path / "report.json"
+    assert (
+        cli.main(["check", "--engine", "reference", "--no-suites", "--html", str(html), "--json", str(js)])
+        == 0
+    )
+    out, _ = capsys.readouterr()
+    assert "mismatch lab:" in out and "verdict: INCOMPLETE" in out
+    assert "legend:" not in out and "result  suite" not in out  # the invariant table's header
+    assert not re.search(r"\b0 passed\b|\b0 failed\b|\b0 skipped\b", out)
+    assert "without --no-suites also runs the suites" in out
+    page = html.read_text()
+    assert "No suite ran (--no-suites)" in page
+    assert "<th>invariant</th>" not in page and 'class="counts"' not in page
+    assert schema_violations(json.loads(js.read_text())) == []

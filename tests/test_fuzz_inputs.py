@@ -305,10 +305,11 @@ def test_baselines_raise_only_baseline_errors_and_never_pass_non_finite(
         doc = _only_our_errors(lambda: bl.load_baseline(file))
         if doc is None:
             return
-        for entry in doc["metrics"].values():  # what loads is finite: the gate cannot be silenced
+        for name, entry in doc["metrics"].items():  # what loads is finite and bounded: the gate stays on
             for key in ("value", "tolerance"):
                 number = entry[key]
                 assert number is None or (not isinstance(number, bool) and math.isfinite(number)), entry
+            assert entry["tolerance"] is None or entry["tolerance"] <= bl.max_tolerance(name), entry
         for old, new in ((BASELINE, doc), (doc, BASELINE), (doc, doc)):
             _only_our_errors(lambda old=old, new=new: bl.compare(old, new).format())  # type: ignore[misc]
 
@@ -385,6 +386,9 @@ MODULE_BODIES = {
     "raises": "raise RuntimeError('boom')\n",
     "imports_missing": "import no_such_module_rrh\n",
     "not_a_subject": "SUBJECT = 3\n",
+    # a module-level __getattr__ (a lazy import) that fails with something other than AttributeError
+    "lazy_runtime": "def __getattr__(name):\n    raise RuntimeError('lazy init failed')\n",
+    "lazy_import": "def __getattr__(name):\n    raise ImportError('no module named torch_lazy')\n",
     "good": "from harness.subjects import Subject\nSUBJECT = Subject(name='good')\n",
 }
 

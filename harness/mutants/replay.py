@@ -135,23 +135,6 @@ def hooks_on_a_stale_copy(model: torch.nn.Module) -> ReplayController:
     return handle
 
 
-def hooks_skipping_the_last_layer(model: torch.nn.Module) -> ReplayController:
-    """The harness's transformers hooks, except that the last MoE layer's router is never switched to
-    replay: that layer routes natively while every other layer replays (its handle reports nothing
-    wrong; ``dispatched()`` still reads the real probe)."""
-    from harness.trainers.hf import install_replay as install
-
-    handle = install(model)
-    replay = handle.replay
-
-    def replay_but_the_last_layer(targets: Tensor, mask: Tensor | None = None) -> None:
-        replay(targets, mask)
-        handle.routers[-1].replay.mode = RoutingMode.NATIVE
-
-    handle.replay = replay_but_the_last_layer  # type: ignore[method-assign]
-    return handle
-
-
 class OneForwardInFlightNativeRecompute(ReferenceReplay):
     """Declares one forward in flight (``OneForwardInFlight``), then treats the forward's targets as
     spent once it ran: ``prepare_backward`` returns the routers to native routing, so activation
@@ -161,6 +144,22 @@ class OneForwardInFlightNativeRecompute(ReferenceReplay):
 
     def prepare_backward(self) -> None:
         self.model.set_routing_mode(RoutingMode.NATIVE)
+
+
+def hooks_missing_the_last_layer(model: torch.nn.Module) -> ReplayController:
+    """Transformers hooks that replay every MoE layer but the last: its router keeps routing natively
+    under replay (a driver whose router lookup misses one layer)."""
+    from harness.trainers.hf import install_replay as install
+
+    handle = install(model)
+    replay = handle.replay
+
+    def replay_all_but_the_last(targets: Tensor, mask: Tensor | None = None) -> None:
+        replay(targets, mask)
+        handle.routers[-1].replay.mode = RoutingMode.NATIVE
+
+    handle.replay = replay_all_but_the_last  # type: ignore[method-assign]
+    return handle
 
 
 def _installer(handle: type[ReferenceReplay]) -> Callable[[MoELM], ReferenceReplay]:
@@ -240,11 +239,11 @@ MUTANTS = (
         killed_by="test_replay.py::test_experts_receive_the_targets_whatever_the_live_logits[hf-qwen2_moe-fp32]",
     ),
     Mutant(
-        "hf-replay-skips-last-layer",
+        "hf-one-layer-unreplayed",
         "silent no-op",
-        "transformers replay that arms every router but the last MoE layer's (a layer list built off by "
-        "one, verl #5037-like): that layer routes natively in silence while the others replay",
-        mutate("hf-replay-skips-last-layer", install_hf_replay=hooks_skipping_the_last_layer),
+        "one MoE layer never replayed: a driver whose router lookup misses a layer (verl #7340's orphan "
+        "routers, on one layer) leaves it routing natively while every other layer replays",
+        mutate("hf-one-layer-unreplayed", install_hf_replay=hooks_missing_the_last_layer),
         killed_by="test_replay.py::test_experts_receive_the_targets_whatever_the_live_logits[hf-qwen2_moe-fp32]",
     ),
     Mutant(

@@ -17,7 +17,7 @@ from torch import nn
 
 from harness.probes import RouteProbe
 from harness.trainers.hf.families import FAMILIES
-from harness.trainers.hf.replay import find_routers
+from harness.trainers.hf.routers import find_routers
 
 _IDS = ("top_k_index", "router_indices", "selected_experts")
 _WEIGHTS = ("top_k_weights", "routing_weights", "router_weights")

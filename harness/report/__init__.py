@@ -3,8 +3,9 @@
 One concept per module, bottom to top:
 
 - :mod:`~harness.report.environment` — where it ran (versions, CPU, GPU), read without importing engines;
+- :mod:`~harness.report.model` — the typed :class:`CheckReport`: what one run found;
 - :mod:`~harness.report.verdict` — the header line and the verdict in words;
-- :mod:`~harness.report.document` — the typed :class:`CheckReport` and its JSON document (schema:
+- :mod:`~harness.report.document` — the report's JSON document (schema:
   ``harness/schemas/check_report.schema.json``);
 - :mod:`~harness.report.build` — a :class:`CheckReport` from suite outcomes and mismatch-lab results;
 - :mod:`~harness.report.svg` — the grouped-bar SVG chart (why no plotting library: its docstring);
@@ -15,11 +16,12 @@ One concept per module, bottom to top:
 """
 
 from harness.report.build import HIST_EDGES, LabRun, SuiteRun, build_report, histogram
-from harness.report.document import (
-    FORMAT,
+from harness.report.document import FORMAT, SCHEMA_ID, schema, to_dict, to_json
+from harness.report.environment import Environment, environment
+from harness.report.html_page import to_html
+from harness.report.model import (
     LEGEND,
     MARKS,
-    SCHEMA_ID,
     ArmSummary,
     CheckReport,
     Counts,
@@ -28,11 +30,7 @@ from harness.report.document import (
     LabSummary,
     RunSummary,
     SubjectInfo,
-    schema,
-    to_json,
 )
-from harness.report.environment import Environment, environment
-from harness.report.html_page import to_html
 from harness.report.svg import svg_grouped_bars
 from harness.report.terminal import (
     RULES,
@@ -43,7 +41,7 @@ from harness.report.terminal import (
     format_table,
     format_verdict,
 )
-from harness.report.verdict import Verdict, header_line
+from harness.report.verdict import Verdict, header, header_line, verdict
 from harness.report.write import write_report
 
 __all__ = [
@@ -73,11 +71,14 @@ __all__ = [
     "format_outcomes",
     "format_table",
     "format_verdict",
+    "header",
     "header_line",
     "histogram",
     "schema",
     "svg_grouped_bars",
+    "to_dict",
     "to_html",
     "to_json",
+    "verdict",
     "write_report",
 ]

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from harness.check import CheckOutcome
-from harness.report.document import (
+from harness.report.environment import Environment, environment
+from harness.report.model import (
     MARKS,
     ArmSummary,
     CheckReport,
@@ -27,7 +28,6 @@ from harness.report.document import (
     RunSummary,
     SubjectInfo,
 )
-from harness.report.environment import Environment, environment
 
 if TYPE_CHECKING:  # the lab runs models (torch); the report only reads its result
     from harness.metrics import LogprobGap

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from harness.report.document import LabSummary
+from harness.report.model import LabSummary
 from harness.report.svg import svg_grouped_bars
 
 ARM_COLORS = {"no replay": "#d9822b", "R3": "#2b6cb0"}

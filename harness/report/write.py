@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.report.document import CheckReport, to_json
+from harness.report.document import to_json
 from harness.report.html_page import to_html
+from harness.report.model import CheckReport
 
 
 def write_report(report: CheckReport, *, html_path: str | None = None, json_path: str | None = None) -> None:

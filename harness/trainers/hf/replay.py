@@ -23,32 +23,22 @@ logits to be bit-identical; a family whose rule or dtype is wrong fails there, b
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from harness.errors import HarnessError
 from harness.probes import ProbeError, RouteProbe
+from harness.probes.hf import attach
 from harness.trainers.hf.families import (
     FAMILIES,
-    ROUTER_PATHS,
-    RouterFamily,
     WeightRule,
-    family_of,
-    routing_param,
-    supported,
 )
-from reference_impl.routers import ReplayError, RouterReplay, RoutingMode, pop_recording, set_replay_targets
-
-
-class HFReplayError(HarnessError, ValueError):
-    """Replay on a transformers model is misconfigured or did not take effect."""
+from harness.trainers.hf.routers import HFReplayError, HookedRouter, find_routers, parent_module
+from reference_impl.routers import ReplayError, RoutingMode, pop_recording, set_replay_targets
 
 
 @contextmanager
@@ -61,27 +51,7 @@ def _as_hf_error() -> Iterator[None]:
         raise HFReplayError(str(err)) from None
 
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
 _INSTALLED = "_rr_hf_replay"
-
-
-@dataclass
-class HookedRouter:
-    """One MoE layer's router (decoder index ``layer`` read from its module name), its experts
-    module and its record/replay state (``replay``, named after the layer and the module)."""
-
-    name: str
-    layer: int
-    family: RouterFamily
-    module: nn.Module
-    experts: nn.Module
-    num_experts: int
-    top_k: int
-    block_routing: Callable[..., Any] | None = None  # ≤ 5.12 DeepSeek/GLM: the block's own routing
-    replay: RouterReplay = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.replay = RouterReplay(f"decoder layer {self.layer} ({self.name})", self.num_experts, self.top_k)
 
 
 class HFReplay:
@@ -179,7 +149,7 @@ class HFReplay:
         self._probe.remove()
         for r in self.routers:
             if r.block_routing is not None:
-                del _parent(self.model, r.name).route_tokens_to_experts
+                del parent_module(self.model, r.name).route_tokens_to_experts
         delattr(self.model, _INSTALLED)
 
     # --- hooks ----------------------------------------------------------------------------------
@@ -231,10 +201,11 @@ class HFReplay:
     def _attach(self) -> None:
         for r in self.routers:
             if r.block_routing is not None:
-                _parent(self.model, r.name).route_tokens_to_experts = self._block_routing(r, r.block_routing)
+                parent_module(self.model, r.name).route_tokens_to_experts = self._block_routing(
+                    r, r.block_routing
+                )
             self._hooks.append(r.module.register_forward_hook(self._router_hook(r)))
-        from harness.probes.hf import attach  # after the router hooks: Llama 4's probe reads their output
-
+        # the probe after the router hooks: Llama 4's probe reads their output
         self._probe = attach(self.model, keep=1)
         setattr(self.model, _INSTALLED, self)
 
@@ -279,63 +250,6 @@ def _eval(model: nn.Module) -> Iterator[None]:
 
 def _logits(output: Any) -> torch.Tensor:
     return output.logits if hasattr(output, "logits") else output[0]
-
-
-def _parent(model: nn.Module, name: str) -> Any:
-    """The module that holds ``name`` (typed ``Any``: transformers blocks carry untyped attributes)."""
-    return model.get_submodule(name.rpartition(".")[0])
-
-
-def find_routers(model: nn.Module, families: dict[str, RouterFamily] | None = None) -> list[HookedRouter]:
-    """Every MoE router of ``model`` in decoder order, with its family and experts module.
-
-    A module at a router path (``layers.{i}.mlp.gate``, ``…mlp.router``, ``…feed_forward.router``)
-    whose class no family lists is an error naming the supported families; dense layers have none.
-    """
-    families = families or FAMILIES
-    routers: list[HookedRouter] = []
-    for name, module in model.named_modules():
-        match = _LAYER.search(name)
-        if match is None or match.group(2) not in ROUTER_PATHS:
-            continue
-        family = family_of(module, families)
-        if family is None:
-            raise HFReplayError(
-                f"{name}: router class {type(module).__name__} belongs to no supported family; "
-                f"supported: {supported()}"
-            )
-        layer = int(match.group(1))
-        prefix = name[: match.start(2)]
-        try:
-            experts = model.get_submodule(prefix + family.experts_path)
-        except AttributeError:
-            raise HFReplayError(
-                f"{name} ({family.name}): no experts module at {prefix + family.experts_path}"
-            ) from None
-        block = _parent(model, name)
-        block_routing = getattr(block, "route_tokens_to_experts", None)
-        if block_routing is not None:  # ≤ 5.12: routing parameters live on the block
-            module._rr_block_params = {p: getattr(block, p) for p in family.params if hasattr(block, p)}
-        weight = getattr(module, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
-            raise HFReplayError(f"{name} ({family.name}): expected a router weight [num_experts, hidden]")
-        try:
-            top_k = routing_param(module, "top_k")
-        except AttributeError as err:
-            raise HFReplayError(f"{name} ({family.name}): {err}") from None
-        routers.append(
-            HookedRouter(
-                name, layer, family, module, experts, int(weight.shape[0]), int(top_k), block_routing
-            )
-        )
-    if not routers:
-        raise HFReplayError(
-            f"{type(model).__name__}: no MoE router found "
-            f"(looked for layers.{{i}}.{{{','.join(ROUTER_PATHS)}}}); "
-            f"supported families: {supported()}"
-        )
-    routers.sort(key=lambda r: r.layer)
-    return routers
 
 
 def install_replay(

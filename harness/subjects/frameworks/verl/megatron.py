@@ -1,0 +1,139 @@
+"""``install_megatron_replay`` / ``megatron_data``: Megatron R2/R3 through
+``verl/utils/megatron/router_replay_patch.py`` (``apply_router_replay_patch``: on Megatron-core
+0.16.1 verl's own ``RouterReplay`` and ``routing`` on every ``TopKRouter``; the engine's
+RECORD / REPLAY_FORWARD / REPLAY_BACKWARD actions) and ``router_replay_utils.py``
+(``set_router_replay_data``, ``merge_router_topk_indices`` then ``pp_gather``; from 0.9.0 on the
+forwarded model's own routers), fed the jagged batch verl's engine holds. The harness's Megatron
+model takes a padded ``[B, S]`` micro-batch, which is verl's ``bshd`` data format
+(``engine.use_remove_padding=False``); verl's default ``thd`` format packs the model input into
+one sequence, which the harness's Megatron model does not take, so that path is not checked.
+``align_r3_router_replay_data`` and ``build_r3_replay_mask`` are not called there: the suite's
+traces have a row for every position (R2's replay, which verl also uses), and the R3 mask is
+checked through ``layouts``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from harness.subjects.frameworks import require_release
+from harness.subjects.frameworks.verl.payload import jagged
+
+
+def _replay_utils(version: str, model: Sequence[torch.nn.Module]) -> Any:
+    """The release's ``verl/utils/megatron/router_replay_utils.py``, moving data on ``model`` 's
+    device: the module picks its device once at import (``get_device_name()``, ``"cuda"`` from
+    0.9.0 even without a GPU), which verl's own CPU tests override the same way."""
+    require_release("verl", version, f"verl-{version}")
+    from verl.utils.megatron import router_replay_utils
+
+    router_replay_utils.device_name = next(model[0].parameters()).device.type
+    return router_replay_utils
+
+
+class _MegatronController:
+    """The action switch verl's Megatron engine drives: ``RouterReplay`` 's class methods of the
+    release's ``router_replay_patch`` (RECORD / REPLAY_FORWARD before the forward, REPLAY_BACKWARD
+    before the recompute, indices and actions cleared after the step)."""
+
+    def __init__(self, version: str) -> None:
+        require_release("verl", version, f"verl-{version}")
+        from verl.utils.megatron.router_replay_patch import RouterReplay, RouterReplayAction
+
+        self.replay, self.action = RouterReplay, RouterReplayAction
+
+    def record(self) -> None:
+        self.replay.set_global_router_replay_action(self.action.RECORD)
+
+    def replay_forward(self) -> None:
+        self.replay.set_global_router_replay_action(self.action.REPLAY_FORWARD)
+
+    def prepare_backward(self) -> None:
+        self.replay.set_global_router_replay_action(self.action.REPLAY_BACKWARD)
+
+    def disarm(self) -> None:
+        self.replay.clear_global_indices()
+        self.replay.clear_global_router_replay_action()
+
+
+class MegatronDriver:
+    """verl's Megatron replay: ``apply_router_replay_patch()`` (on Megatron-core 0.16.1 the full patch
+    of ``TopKRouter``: verl's ``RouterReplay`` per router, verl's ``routing``) and the flag the
+    release's engine sets: 0.8.0 its own ``enable_routing_replay`` (the only one its patched router
+    reads), from 0.9.0 Megatron-core's ``moe_enable_routing_replay`` where the config has it."""
+
+    def __init__(self, version: str) -> None:
+        self.version = version
+
+    def patch(self) -> None:
+        require_release("verl", self.version, f"verl-{self.version}")
+        from verl.utils.megatron.router_replay_patch import apply_router_replay_patch
+
+        apply_router_replay_patch()
+
+    def config_overrides(self) -> dict[str, Any]:
+        flag = "enable_routing_replay" if self.version == "0.8.0" else "moe_enable_routing_replay"
+        return {flag: True}
+
+    def install(self, model: Sequence[torch.nn.Module], config: Any) -> _MegatronController:
+        return _MegatronController(self.version)
+
+
+class MegatronData:
+    """verl's per-micro-batch data movement: ``set_router_replay_data`` and
+    ``merge_router_topk_indices`` on the jagged (no-padding) batch the engine holds.
+
+    Targets go in as verl's R2 replay hands them over (every row, no replay mask): the harness's
+    traces have a row for every position, so R3's ``align_r3_router_replay_data`` (a placeholder for
+    a missing last row) and ``build_r3_replay_mask`` (which leaves that row native) have nothing to
+    do. ``set_router_replay_data`` takes the forwarded ``model`` (and addresses its own routers) from
+    0.9.0, ``merge_router_topk_indices`` from 0.9.1; before, both slice verl's registry by position.
+    """
+
+    def __init__(self, version: str) -> None:
+        self.version = version
+
+    def _scoped(self, model: Sequence[torch.nn.Module], since: str) -> dict[str, Any]:
+        """``model=`` for a function that takes it from release ``since`` on."""
+        newer = [int(part) for part in self.version.split(".")] >= [int(part) for part in since.split(".")]
+        return {"model": list(model)} if newer else {}
+
+    def set_replay_data(
+        self,
+        routes: torch.Tensor,
+        attention_mask: torch.Tensor,
+        config: Any,
+        *,
+        model: Sequence[torch.nn.Module],
+        vp_rank: int | None = None,
+    ) -> None:
+        utils = _replay_utils(self.version, model)
+        utils.set_router_replay_data(
+            jagged(routes, attention_mask), None, config, vp_rank, **self._scoped(model, "0.9.0")
+        )
+
+    def merge_recordings(
+        self,
+        attention_mask: torch.Tensor,
+        config: Any,
+        *,
+        model: Sequence[torch.nn.Module],
+        vp_rank: int | None = None,
+    ) -> torch.Tensor:
+        """``merge_router_topk_indices`` then ``pp_gather``, as verl's R2 RECORD does; the jagged
+        routes go back to the attended positions of a ``[B, S, L, top_k]`` batch."""
+        utils = _replay_utils(self.version, model)
+        attended = torch.as_tensor(attention_mask).bool()
+        recorded: list[torch.Tensor] = []
+        tokens = jagged(torch.zeros(attended.shape, dtype=torch.long), attended)
+        utils.merge_router_topk_indices(
+            None, tokens, recorded, config, vp_rank, **self._scoped(model, "0.9.1")
+        )
+        gathered = utils.pp_gather(recorded[0], config)
+        values = gathered.values()
+        merged = torch.zeros((*attended.shape, *values.shape[1:]), dtype=values.dtype)
+        merged[attended] = values
+        return merged
