@@ -318,6 +318,27 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    """``rrh run``: the small real RL loop (vLLM on CPU + transformers) written through the tap."""
+    from harness.rl_run import RunConfig, run_loop
+
+    cfg = RunConfig(steps=args.steps, prompts=args.prompts, group=args.group, response_len=args.response_len,
+                    replay=args.replay, splice=args.splice, subject=args.subject, seed=args.seed,
+                    engine_from=args.engine_from)  # fmt: skip
+    summary = run_loop(args.directory, cfg)
+    print(f"rrh run {args.directory}: {cfg.steps} steps in {summary['seconds']:.1f}s; audit it with "
+          f"`rrh audit {args.directory}`")  # fmt: skip
+    return 0
+
+
+def _cmd_bench_tap(args: argparse.Namespace) -> int:
+    from harness.bench_tap import bench_tap, format_bench_tap
+
+    result = bench_tap(repeats=args.repeats)
+    print(json.dumps(result, indent=2) if args.json else format_bench_tap(result))
+    return 0
+
+
 def _cmd_bench_audit(args: argparse.Namespace) -> int:
     from harness.audit.bench import bench_audit, format_bench_audit
 
@@ -436,6 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
     audit_bench.add_argument("--size", type=_parse_size, default=4 << 30, help="bytes of routes (default 4GiB)")
     audit_bench.add_argument("--dir", type=Path, default=None, help="where the generated run goes")
     audit_bench.set_defaults(func=_cmd_bench_audit)
+    tap_bench = benches.add_parser(
+        "tap", help="a tapped trainer forward against an untapped one (the bench replay model), ratio in one run"
+    )
+    tap_bench.add_argument("--repeats", type=int, default=20, help="timed forwards per arm (default 20)")
+    tap_bench.add_argument("--json", action="store_true", help="print the figures as JSON")
+    tap_bench.set_defaults(func=_cmd_bench_tap)
 
     audit = commands.add_parser(
         "audit",
@@ -489,6 +516,25 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--faults", nargs="*", default=[], metavar="FAULT", help="'all' or some of the fault kinds")
     generate.set_defaults(func=_cmd_generate)
+
+    run = commands.add_parser(
+        "run", help="a small real RL loop (vLLM on CPU, transformers trainer) written through the tap, for rrh audit"
+    )
+    run.add_argument("directory", metavar="DIR", help="where the tapped run is written")
+    run.add_argument("--steps", type=int, default=3)
+    run.add_argument("--prompts", type=int, default=2, help="prompts per step")
+    run.add_argument("--group", type=int, default=4, help="responses per prompt")
+    run.add_argument("--response-len", type=int, default=16)
+    run.add_argument("--replay", choices=["none", "R2", "R3"], default="R3")
+    run.add_argument("--splice", choices=["correct", "latest"], default="correct",
+                     help="how attempts are spliced: the subject's splice, or 'replace with the latest payload'")  # fmt: skip
+    run.add_argument("--subject", default=None, metavar="MODULE:ATTR",
+                     help="the subject whose install_hf_replay and splice drive the trainer (default: the reference)")  # fmt: skip
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--engine-from", default=None, metavar="RUN",
+                     help="train on the engine payloads a tapped run recorded instead of starting vLLM "
+                     "(a framework env without vLLM)")  # fmt: skip
+    run.set_defaults(func=_cmd_run)
 
     from harness.gate import add_parser as add_gate_parser
 

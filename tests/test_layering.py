@@ -43,6 +43,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "harness.subjects",
             "harness.mutants",
             "harness.lab",
+            "harness.rl_run",  # rrh run: a real RL loop (an engine, a subject's driver, the tap)
             # the gate's view of each engine: the reference adapter runs the reference lab (harness.lab,
             # with the reference subject's driver), so the adapters sit here, above the engines they wrap
             "harness.engines.adapters",
@@ -67,6 +68,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "harness.gate",
             "harness.bench",
             "harness.bench_replay",
+            "harness.bench_tap",
             "conformance",  # the harness's own backends and tools checked: the gate included
         ),
     ),

@@ -27,6 +27,7 @@ from harness.audit.state import (
     GroupDigests,
     Offender,
     SampleFigure,
+    ShardCover,
 )
 from harness.metrics import LOGPROB_TOLERANCE, GapTerms
 from harness.trace import AgreementCounts, LayerAxis
@@ -370,6 +371,8 @@ class _BatchAudit:
         modes = np.array([m or "" for m in b.replay])
         if trainer.valid.any() and not np.isin(modes, ("R2", "R3", "none")).any():
             self.state.note_missing("replay_fidelity", "replay")
+        elif trainer.valid.any() and not np.isin(modes, ("R2", "R3")).any():
+            self.state.note_missing("replay_fidelity", "replayed rows")
         aligned = trainer.valid & self.engine.valid & (np.diff(trainer.row_offsets) == self.engine_rows)
         if aligned.any():
             overlap = self._overlap(self.engine, trainer, aligned)
@@ -466,6 +469,57 @@ class _BatchAudit:
             if step.agreement is None:
                 step.agreement = AgreementCounts(b.top_k)
             step.agreement.merge(counts)
+
+    def splice(self) -> None:
+        """``splice_consistency`` (DESIGN §3.4): each attempt's own rows of the spliced engine routes
+        are that attempt's payload, as sets — prompt rows from the first attempt that added tokens,
+        then each attempt's new positions ``[P + e_{j−1} − 1, P + e_j − 1)``."""
+        b = self.b
+        payloads = b.attempts
+        found = _Offenders(b, self.order)
+        which = payloads.valid & self.engine.valid & b.attempt_ends.valid
+        if not payloads.valid.any():
+            self.state.note_missing("splice_consistency", "attempt payloads")
+        moe = self.moe
+        for s in np.flatnonzero(which).tolist():
+            ends = b.attempt_ends.values[b.attempt_ends.offsets[s] : b.attempt_ends.offsets[s + 1]]
+            rows = b.attempt_rows.values[b.attempt_rows.offsets[s] : b.attempt_rows.offsets[s + 1]]
+            first_row = int(payloads.row_offsets[s])
+            spliced = self.engine.routes[self.engine.row_offsets[s] : self.engine.row_offsets[s + 1]]
+            captured = self.captured[self.engine.row_offsets[s] : self.engine.row_offsets[s + 1]]
+            prompt, start = int(b.prompt_len[s]), int(b.routes_start[s])
+            before, first = 0, True
+            for j, (end, count) in enumerate(zip(ends.tolist(), rows.tolist(), strict=True)):
+                payload = payloads.routes[first_row : first_row + count]
+                first_row += count
+                if end <= before:
+                    before = max(before, end)
+                    continue  # an attempt with no new token contributes nothing
+                lo = max(0, (0 if first else prompt + before - 1) - start)
+                hi = min(prompt + end - 1 - start, spliced.shape[0])
+                first, before = False, end
+                if count < hi:
+                    expected = f"attempt {j}'s payload covering rows [{lo}, {hi})"
+                    found.one(s, expected, f"{count} rows", row=count)
+                    break
+                overlap = audit_kernels.overlap(
+                    np.ascontiguousarray(spliced[lo:hi][:, moe]),
+                    np.ascontiguousarray(payload[lo:hi][:, moe]),
+                    b.num_experts,
+                )  # fmt: skip
+                bad = np.argwhere((overlap < b.top_k) & captured[lo:hi, None])
+                if bad.size:
+                    cells_row = bad[:, 0] + lo
+                    cells_slot = moe[bad[:, 1]]
+                    found.cells(
+                        np.full(bad.shape[0], s, np.int64), cells_row.astype(np.int64),
+                        np.asarray(b.moe_layers, np.int64)[bad[:, 1]],
+                        lambda i, j=j, p=payload, q=spliced, r=cells_row, c=cells_slot: (
+                            f"attempt {j}'s experts {sorted(p[r[i], c[i]].tolist())}",
+                            f"spliced {sorted(q[r[i], c[i]].tolist())}",
+                        ),
+                    )  # fmt: skip
+        self.finish("splice_consistency", found, int(which.sum()))
 
     # --- metrics ---------------------------------------------------------------------------------
 
@@ -601,7 +655,34 @@ def fold_batch(batch: Batch, state: AuditState) -> None:
     work.tokens()
     work.logprobs()
     work.replay()
+    work.splice()
     work.gap()
     work.fallback_and_load()
     work.prefix()
     work.samples()
+
+
+def fold_shards(batch: Batch, state: AuditState) -> None:
+    """Fold a batch of shard rows (layout v2: a CP/SP rank's part of a sample) into ``state``'s
+    shard covers; ``shard_union`` is judged on the merged covers (``AuditState.shard_offenders``).
+
+    A position outside the sample's route rows is an offender at once."""
+    state.rows_read += batch.size
+    state.sources.update(batch.source)
+    found = _Offenders(batch, np.argsort(np.lexsort((np.array(batch.sample_key, dtype=str), batch.step))))
+    expected = batch.prompt_len + batch.response_len - 1 - batch.routes_start
+    for s in range(batch.size):
+        key = (int(batch.step[s]), batch.sample_key[s])
+        rows = batch.positions.values[batch.positions.offsets[s] : batch.positions.offsets[s + 1]]
+        outside = (rows < 0) | (rows >= expected[s])
+        if outside.any():
+            found.one(s, f"route rows in [0, {int(expected[s])})", f"row {int(rows[outside][0])}",
+                      row=int(rows[outside][0]))  # fmt: skip
+            rows = rows[~outside]
+        cover = state.shards.get(key)
+        if cover is None:
+            cover = ShardCover(int(expected[s]), int(batch.shards[s]), where=batch.where(s))
+            state.shards[key] = cover
+        cover.shards = max(cover.shards, int(batch.shards[s]))
+        cover.claim(int(batch.shard[s]), int(batch.rank[s]), rows.astype(np.int64))
+    state.tally("shard_union").add(0, found.items, len(found.samples))

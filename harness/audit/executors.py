@@ -20,8 +20,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import dataclass
 from typing import Any
 
-from harness.audit.checks import AuditOptions, fold_batch
+from harness.audit.checks import AuditOptions, fold_batch, fold_shards
 from harness.audit.layout import LayoutError
+from harness.audit.manifest import check_manifests
 from harness.audit.pool import pool_context
 from harness.audit.reader import Unit, decode, plan_units, read_unit, run_files
 from harness.audit.result import AuditResult
@@ -55,9 +56,21 @@ def _selected(table: Any, options: AuditOptions) -> tuple[Any, Any]:
 
 def _fold_table(table: Any, path: str, first_row: int, options: AuditOptions, state: AuditState) -> None:
     selected, kept = _selected(table, options)
-    if selected.num_rows:
-        rows = None if kept is None else first_row + kept  # the file's rows, named in offenders
+    if not selected.num_rows:
+        return
+    rows = None if kept is None else first_row + kept  # the file's rows, named in offenders
+    if "shard" not in selected.schema.names or selected.column("shard").null_count == selected.num_rows:
         fold_batch(decode(selected, path, first_row, rows), state)
+        return
+    # Shard rows (layout v2, a CP/SP rank's part of a sample) are folded apart from whole samples.
+    import numpy as np
+    import pyarrow as pa
+
+    index = np.arange(selected.num_rows) if kept is None else kept
+    shard = selected.column("shard").is_valid().to_numpy(zero_copy_only=False)
+    for mask, fold in ((~shard, fold_batch), (shard, fold_shards)):
+        if mask.any():
+            fold(decode(selected.filter(pa.array(mask)), path, first_row, first_row + index[mask]), state)
 
 
 def _release_arrow_memory() -> None:
@@ -198,6 +211,8 @@ def audit_run(
     plan = plan_run(run, unit_bytes)
     state = AuditState()
     state.input_errors.extend(plan.errors)
+    manifests = check_manifests(run)
+    state.input_errors.extend(manifests.errors)
     stream: Iterable[tuple[Unit, AuditState]] = run_units(plan.units, options, executor, workers, ray_address)
     if progress is not None:
         stream = progress(stream, plan.nbytes)
@@ -208,4 +223,6 @@ def audit_run(
             if close is not None:
                 close()
             break
-    return AuditResult.of(state)
+    result = AuditResult.of(state)
+    result.notes = manifests.notes
+    return result

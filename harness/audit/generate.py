@@ -325,7 +325,8 @@ def _table(samples: list[_Sample], shape: RunShape) -> Any:
         "weight_versions": lists([np.full(len(s.attempt_ends), s.step) for s in samples], "weight_versions"),
         "source": const(SOURCE, "source"),
     }
-    return pa.Table.from_arrays([columns[f.name] for f in schema], schema=schema)
+    # The tap's columns (layout v2: forward, attempt payloads, shards) are not generated: null.
+    return pa.Table.from_arrays([columns.get(f.name, pa.nulls(n, f.type)) for f in schema], schema=schema)
 
 
 def _row_bytes(sample: _Sample, shape: RunShape) -> int:

@@ -27,9 +27,13 @@ from harness.errors import HarnessError
 from harness.trace import LayerAxis, storage_dtype
 
 FORMAT = "rrh-run-layout"
-VERSION = 1
-"""The newest layout version this harness writes; it reads every version listed in ``KNOWN``."""
-KNOWN = (1,)
+VERSION = 2
+"""The newest layout version this harness writes; it reads every version listed in ``KNOWN``.
+
+Version 2 (the tap, ``harness.audit.tap``) adds the trainer ``forward``, each attempt's own
+engine payload (``attempt_routes``/``attempt_rows``) and shard rows (``shard``, ``shards``,
+``positions``); a version-1 file reads as a version-2 one with those columns null."""
+KNOWN = (1, 2)
 METADATA_KEY = b"rrh.run_layout"
 FILE_SUFFIX = ".parquet"
 
@@ -37,6 +41,9 @@ ROUTE_COLUMNS = ("engine", "trainer", "recorded")
 """The three route blobs a row may carry: ``<name>_routes`` with ``<name>_rows`` beside it."""
 
 REPLAY_MODES = ("none", "R2", "R3")
+FORWARDS = ("old_logprob", "reference", "update", "recompute")
+"""The trainer forwards a tap records: old log-probs, reference log-probs, the update, activation
+recompute."""
 ATTEMPT_KINDS = ("start", "resume", "turn")
 
 
@@ -139,6 +146,13 @@ class SampleRecord:
     attempt_ends: Any = None
     attempt_kinds: Any = None
     weight_versions: Any = None
+    forward: str | None = None
+    attempt_routes: Any = None
+    """Each attempt's own engine payload, a list of ``[rows_j, num_layers, top_k]`` arrays (layout v2)."""
+    shard: int | None = None
+    shards: int | None = None
+    positions: Any = None
+    """A shard row's route row of each row of ``trainer_routes`` (layout v2)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_row(self) -> dict[str, Any]:
@@ -197,4 +211,48 @@ class SampleRecord:
                 )
             row[f"{name}_routes"] = encode_routes(array, int(self.num_experts), f"{name}_routes")
             row[f"{name}_rows"] = int(array.shape[0])
+        self._v2_columns(row)
         return row
+
+    def _v2_columns(self, row: dict[str, Any]) -> None:
+        """The layout-v2 columns of ``row``: forward, attempt payloads, shard."""
+        if self.forward is not None and self.forward not in FORWARDS:
+            raise LayoutError(f"forward: expected one of {list(FORWARDS)} or None, got {self.forward!r}")
+        row["forward"] = self.forward
+        if self.attempt_routes is None:
+            row["attempt_routes"] = row["attempt_rows"] = None
+        else:
+            payloads = [np.asarray(a) for a in self.attempt_routes]
+            for j, array in enumerate(payloads):
+                if array.ndim != 3 or array.shape[1:] != (self.num_layers, self.top_k):
+                    raise LayoutError(
+                        f"attempt_routes[{j}]: shape {array.shape}; expected [rows, "
+                        f"num_layers={self.num_layers}, "
+                        f"top_k={self.top_k}]"
+                    )
+            joined = (
+                np.concatenate(payloads) if payloads else np.zeros((0, self.num_layers, self.top_k), np.int64)
+            )
+            row["attempt_routes"] = encode_routes(joined, int(self.num_experts), "attempt_routes")
+            row["attempt_rows"] = [int(a.shape[0]) for a in payloads]
+        sharded = (self.shard is not None, self.shards is not None, self.positions is not None)
+        if any(sharded) and not all(sharded):
+            raise LayoutError(
+                "shard, shards, positions: a shard row needs all three (shard index, shard count, the "
+                f"positions of its trainer rows); got shard={self.shard!r} shards={self.shards!r} "
+                f"positions={'None' if self.positions is None else 'given'}"
+            )
+        row["shard"] = None if self.shard is None else int(self.shard)
+        row["shards"] = None if self.shards is None else int(self.shards)
+        row["positions"] = (
+            None if self.positions is None else np.asarray(self.positions).astype(np.int64).tolist()
+        )
+        if all(sharded):
+            if not 0 <= int(self.shard) < int(self.shards):  # type: ignore[arg-type]
+                raise LayoutError(f"shard: expected an index in [0, shards={self.shards}), got {self.shard}")
+            rows = row["trainer_rows"]
+            if rows is not None and rows != len(row["positions"]):
+                raise LayoutError(
+                    f"positions: {len(row['positions'])} entries; expected one per trainer_routes row "
+                    f"({rows})"
+                )

@@ -25,6 +25,7 @@ import numpy.typing as npt
 from harness.atomic import TMP_MARK
 from harness.audit.layout import (
     FILE_SUFFIX,
+    FORWARDS,
     KNOWN,
     METADATA_KEY,
     ROUTE_COLUMNS,
@@ -181,6 +182,15 @@ class Batch:
     engine_captured: ListColumn
     attempt_ends: ListColumn
     routes: dict[str, RouteColumn]
+    forward: list[str | None]
+    """Layout v2: the trainer forward of ``trainer_routes`` (null in version-1 files)."""
+    attempts: RouteColumn
+    """Layout v2: each sample's attempt payloads, concatenated (``attempt_rows`` splits them)."""
+    attempt_rows: ListColumn
+    shard: IntArray
+    """Layout v2: a shard row's shard index, −1 for a whole sample."""
+    shards: IntArray
+    positions: ListColumn
     file_rows: IntArray
     """The file's index of each row of the batch (``first_row + i`` unless rows were filtered out)."""
 
@@ -286,14 +296,26 @@ def _check_lengths(
 
 
 def _route_column(
-    table: Any, name: str, dtype: np.dtype[Any], row_shape: tuple[int, int], path: str, file_rows: IntArray
+    table: Any,
+    name: str,
+    dtype: np.dtype[Any],
+    row_shape: tuple[int, int],
+    path: str,
+    file_rows: IntArray,
+    counts: tuple[npt.NDArray[Any], npt.NDArray[np.bool_]] | None = None,
 ) -> RouteColumn:
-    """The blobs of ``<name>_routes`` as one view; every blob's length checked against ``<name>_rows``."""
+    """The blobs of ``<name>_routes`` as one view; every blob's length checked against its row count.
+
+    The row count of each blob is ``<name>_rows``, or ``counts`` (values, valid) where the caller
+    computed them (``attempt_routes``: the sum of ``attempt_rows``).
+    """
     blobs = _array(table, f"{name}_routes")
-    counts = _array(table, f"{name}_rows")
+    if counts is None:
+        count_array = _array(table, f"{name}_rows")
+        counts = (_numpy(count_array), _valid(count_array))
     valid = _valid(blobs)
-    counted = _valid(counts)
-    rows = np.where(valid & counted, _numpy(counts), np.where(valid, -1, 0)).astype(np.int64)
+    counted = counts[1]
+    rows = np.where(valid & counted, counts[0], np.where(valid, -1, 0)).astype(np.int64)
     missing = valid & (rows < 0)
     if missing.any():
         i = int(np.flatnonzero(missing)[0])
@@ -354,6 +376,7 @@ def decode(table: Any, path: str, first_row: int, rows: IntArray | None = None) 
     """
     from harness.trace import storage_dtype
 
+    table = _with_v2_columns(table)
     n = table.num_rows
     file_rows = (
         np.arange(first_row, first_row + n, dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
@@ -437,6 +460,7 @@ def decode(table: Any, path: str, first_row: int, rows: IntArray | None = None) 
     }
     engine_rows = np.diff(routes["engine"].row_offsets)
     _check_lengths(lists["engine_captured"], engine_rows, "engine_captured", "engine_rows", path, file_rows)
+    v2 = _v2_fields(table, dtype, (width, top_k), lists["attempt_ends"], routes["trainer"], path, file_rows)
     replay = table.column("replay").to_pylist()
     for i, mode in enumerate(replay):
         if mode not in (None, "none", "R2", "R3"):
@@ -470,14 +494,104 @@ def decode(table: Any, path: str, first_row: int, rows: IntArray | None = None) 
         engine_captured=lists["engine_captured"],
         attempt_ends=lists["attempt_ends"],
         routes=routes,
+        **v2,
     )
+
+
+V2_COLUMNS = ("forward", "attempt_routes", "attempt_rows", "shard", "shards", "positions")
+"""The columns layout version 2 added (the tap's)."""
+
+
+def _with_v2_columns(table: Any) -> Any:
+    """``table`` with the version-2 columns it lacks (a version-1 file's) added as nulls."""
+    import pyarrow as pa
+
+    schema = arrow_schema(2)
+    for name in V2_COLUMNS:
+        if name not in table.schema.names:
+            table = table.append_column(schema.field(name), pa.nulls(table.num_rows, schema.field(name).type))
+    return table
+
+
+def _v2_fields(
+    table: Any,
+    dtype: np.dtype[Any],
+    row_shape: tuple[int, int],
+    attempt_ends: ListColumn,
+    trainer: RouteColumn,
+    path: str,
+    file_rows: IntArray,
+) -> dict[str, Any]:
+    """The decoded version-2 columns of ``decode``, their lengths checked against each other."""
+    forward = table.column("forward").to_pylist()
+    for i, kind in enumerate(forward):
+        if kind is not None and kind not in FORWARDS:
+            raise LayoutError(
+                f"{path} row {int(file_rows[i])}: column 'forward' is {kind!r}; expected one of "
+                f"{list(FORWARDS)} or null"
+            )
+    attempt_rows = _list_column(table, "attempt_rows", np.int64)
+    has_payloads = _valid(_array(table, "attempt_routes"))
+    bad = has_payloads & (
+        ~attempt_rows.valid | ~attempt_ends.valid | (attempt_rows.lengths() != attempt_ends.lengths())
+    )
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise LayoutError(
+            f"{path} row {int(file_rows[i])}: column 'attempt_rows' has "
+            f"{int(attempt_rows.lengths()[i]) if attempt_rows.valid[i] else None} entries; expected one per "
+            f"attempt of attempt_ends ({int(attempt_ends.lengths()[i]) if attempt_ends.valid[i] else None})"
+        )
+    if (attempt_rows.values < 0).any():
+        i = (
+            int(
+                np.searchsorted(
+                    attempt_rows.offsets, int(np.flatnonzero(attempt_rows.values < 0)[0]), "right"
+                )
+            )
+            - 1
+        )
+        raise LayoutError(f"{path} row {int(file_rows[i])}: column 'attempt_rows' holds a negative count")
+    sums = (
+        np.add.reduceat(attempt_rows.values, attempt_rows.offsets[:-1]) if attempt_rows.values.size else None
+    )
+    totals = np.zeros(len(forward), dtype=np.int64)
+    if sums is not None:
+        nonempty = attempt_rows.lengths() > 0
+        totals[nonempty] = sums[nonempty]
+    attempts = _route_column(
+        table, "attempt", dtype, row_shape, path, file_rows, (totals, attempt_rows.valid)
+    )
+    shard_array, shards_array = _array(table, "shard"), _array(table, "shards")
+    shard = np.where(_valid(shard_array), _numpy(shard_array), -1).astype(np.int64)
+    shards = np.where(_valid(shards_array), _numpy(shards_array), 0).astype(np.int64)
+    positions = _list_column(table, "positions", np.int64)
+    is_shard = shard >= 0
+    complete = ~is_shard | (positions.valid & (shard < shards) & trainer.valid)
+    if (_valid(shard_array) != is_shard).any() or not complete.all():
+        i = int(np.flatnonzero(~complete)[0]) if not complete.all() else 0
+        raise LayoutError(
+            f"{path} row {int(file_rows[i])}: a shard row needs shard in [0, shards), positions and "
+            f"trainer_routes; got shard={int(shard[i])}, shards={int(shards[i])}, "
+            f"positions {'present' if positions.valid[i] else 'null'}, "
+            f"trainer_routes {'present' if trainer.valid[i] else 'null'}"
+        )
+    _check_lengths(positions, np.diff(trainer.row_offsets), "positions", "trainer_rows", path, file_rows)
+    return {
+        "forward": forward,
+        "attempts": attempts,
+        "attempt_rows": attempt_rows,
+        "shard": shard,
+        "shards": shards,
+        "positions": positions,
+    }
 
 
 AUDIT_COLUMNS = (
     "step", "sample_key", "group_key", "rank", "prompt_len", "response_len", "tokens", "trainer_tokens",
     "loss_mask", "engine_logprobs", "trainer_logprobs", "num_experts", "top_k", "layer_axis", "num_layers",
     "moe_layers", "routes_start", "engine_routes", "engine_rows", "engine_captured", "trainer_routes",
-    "trainer_rows", "recorded_routes", "recorded_rows", "replay", "attempt_ends", "source",
+    "trainer_rows", "recorded_routes", "recorded_rows", "replay", "attempt_ends", "source", *V2_COLUMNS,
 )  # fmt: skip
 """The columns ``decode`` reads: what the audit reads of a run (the benchmark's read floor reads the same)."""
 
@@ -493,7 +607,8 @@ def read_unit(
     """
     handle = _open(unit.path)
     meta = handle.metadata
-    names = None if columns is None else list(columns)
+    present = set(handle.schema_arrow.names)  # a version-1 file has no version-2 column
+    names = None if columns is None else [c for c in columns if c in present]
     first = unit.first_row
     for index in unit.row_groups:
         try:

@@ -29,6 +29,8 @@ HINTS: dict[str, str] = {
     "group_key": "the prompt's GRPO group of each sample",
     "attempt payloads": "each attempt's own engine payload: harness.audit.tap writes them",
     "shard positions": "per-rank shards with their positions: harness.audit.tap writes them",
+    "replayed rows": "rows trained with replay R2 or R3 (every row here has replay = none: no target to be "
+    "faithful to)",
 }
 """What writes each column an invariant may be missing."""
 
@@ -104,6 +106,8 @@ class AuditResult:
     sources: list[str]
     moe_layers: list[int]
     step_layers: list[dict[str, Any]]
+    notes: list[str] = field(default_factory=list)
+    """What the tap's manifests say of the run (a run cut short), ``harness.audit.manifest``."""
 
     @property
     def violated(self) -> list[InvariantResult]:
@@ -123,6 +127,7 @@ class AuditResult:
         out = [r.line() for r in self.invariants]
         out += [f"drift: {d}" for d in self.drift]
         out += [f"input error: {x}" for x in self.input_errors]
+        out += [f"note: {x}" for x in self.notes]
         return out
 
     @classmethod
@@ -132,6 +137,11 @@ class AuditResult:
         unique = state.tally("unique_sample")
         unique.checked = len(state.seen)
         unique.add(0, duplicates, len(duplicates))
+        if state.shards:
+            union = state.tally("shard_union")
+            union.checked = len(state.shards)
+            shard_offenders = state.shard_offenders()
+            union.add(0, shard_offenders, len({(o.step, o.sample_key) for o in shard_offenders}))
         for name in (*STRICT, *METRICS):
             kind = "strict" if name in STRICT else "metric"
             tally = state.tallies.get(name)
@@ -195,6 +205,7 @@ class AuditResult:
             "steps": self.steps,
             "layers": self.layers,
             "drift": self.drift,
+            "notes": self.notes,
             "worst": self.worst,
         }
 

@@ -138,6 +138,71 @@ class GroupDigests:
         self.members += other.members
 
 
+@dataclass
+class ShardCover:
+    """The shard rows of one (step, sample) seen so far: how often each route row was claimed, by whom.
+
+    Merging adds the counts, so any split of the run gives the same cover; a row claimed twice
+    keeps the two lowest ranks that claimed it (order-free).
+    """
+
+    expected: int
+    shards: int
+    seen: set[int] = field(default_factory=set)
+    counts: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    owners: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    """Lowest rank claiming each row (``NO_RANK`` where none)."""
+    second: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    """Second-lowest rank claiming each row (``NO_RANK`` where fewer than two did)."""
+    where: str = ""
+
+    NO_RANK = np.iinfo(np.int64).max
+
+    def __post_init__(self) -> None:
+        if not self.counts.size:
+            self.counts = np.zeros(self.expected, np.int64)
+            self.owners = np.full(self.expected, self.NO_RANK, np.int64)
+            self.second = np.full(self.expected, self.NO_RANK, np.int64)
+
+    def claim(self, shard: int, rank: int, rows: npt.NDArray[np.int64]) -> None:
+        """Shard ``shard`` on ``rank`` holds route ``rows`` (each within ``[0, expected)``)."""
+        self.seen.add(shard)
+        np.add.at(self.counts, rows, 1)
+        ranks = np.full(rows.size, rank, np.int64)
+        self._fold(rows, ranks, ranks if np.unique(rows).size < rows.size else None)
+
+    def _fold(self, rows: Any, lowest: Any, second: Any) -> None:
+        nobody = np.full(rows.size, self.NO_RANK, np.int64)
+        both = np.stack([self.owners[rows], self.second[rows], lowest, nobody if second is None else second])
+        both.sort(axis=0)
+        self.owners[rows], self.second[rows] = both[0], both[1]
+
+    def merge(self, other: ShardCover) -> None:
+        self.seen |= other.seen
+        self.counts += other.counts
+        rows = np.arange(self.expected)
+        self._fold(rows, other.owners, other.second)
+        self.where = min(self.where, other.where) if self.where and other.where else self.where or other.where
+
+    def problems(self) -> list[tuple[int, str, str]]:
+        """``(row, expected, actual)`` of the first gap, the first overlap and each missing shard."""
+        out: list[tuple[int, str, str]] = []
+        gap = np.flatnonzero(self.counts == 0)
+        if gap.size:
+            out.append((int(gap[0]), "every route row held by one shard",
+                        f"{gap.size} rows held by no shard, first row {int(gap[0])}"))  # fmt: skip
+        overlap = np.flatnonzero(self.counts > 1)
+        if overlap.size:
+            r = int(overlap[0])
+            out.append((r, "each route row held by exactly one shard",
+                        f"row {r} claimed {int(self.counts[r])} times (ranks {int(self.owners[r])} and "
+                        f"{int(self.second[r])}); {overlap.size} rows overlap"))  # fmt: skip
+        missing = sorted(set(range(self.shards)) - self.seen)
+        if missing:
+            out.append((-1, f"shards 0..{self.shards - 1}", f"no row of shard {missing[0]}"))
+        return out
+
+
 @dataclass(frozen=True, order=True)
 class SampleFigure:
     """One sample's summary row (also what the worst-samples lists hold)."""
@@ -176,6 +241,7 @@ class AuditState:
     bytes_read: int = 0
     rows_read: int = 0
     moe_layers: tuple[int, ...] = ()
+    shards: dict[tuple[int, str], ShardCover] = field(default_factory=dict)
 
     def tally(self, name: str) -> Tally:
         return self.tallies.setdefault(name, Tally())
@@ -215,6 +281,19 @@ class AuditState:
         self.bytes_read += other.bytes_read
         self.rows_read += other.rows_read
         self.moe_layers = self.moe_layers or other.moe_layers
+        for key, cover in other.shards.items():
+            if key in self.shards:
+                self.shards[key].merge(cover)
+            else:
+                self.shards[key] = cover
+
+    def shard_offenders(self) -> list[Offender]:
+        """Offenders of ``shard_union``: the shards of a sample leave a row uncovered, or overlap."""
+        return sorted(
+            Offender(step, key, row, -1, expected, actual, cover.where)
+            for (step, key), cover in self.shards.items()
+            for row, expected, actual in cover.problems()
+        )
 
     def duplicates(self) -> list[Offender]:
         """Offenders of ``unique_sample``: every (step, sample) written more than once."""

@@ -26,7 +26,7 @@ ROW_GROUP_BYTES = 32 << 20
 FILE_BYTES = 256 << 20
 """Bytes of buffered rows that make one file."""
 
-_BLOBS = ("engine_routes", "trainer_routes", "recorded_routes")
+_BLOBS = ("engine_routes", "trainer_routes", "recorded_routes", "attempt_routes")
 
 
 def _row_bytes(row: dict[str, Any]) -> int:

@@ -134,6 +134,7 @@ def audit_html(result: AuditResult, *, title: str, command: str, seconds: float)
     )
     errors = "".join(f'<p class="error">{e(x)}</p>' for x in result.input_errors)
     drift = "".join(f'<p class="note">drift: {e(x)}</p>' for x in result.drift)
+    drift += "".join(f'<p class="note">{e(x)}</p>' for x in result.notes)
     charts = "".join(_trend_charts(result)) or "<p class=sub>No metric to plot.</p>"
     worst = "".join(_worst_table(rows, figure) for figure, rows in result.worst.items())
     return f"""<!DOCTYPE html>

@@ -1,0 +1,72 @@
+"""``rrh run`` + ``rrh audit`` on real vLLM (CPU build, in-process engine core): the tap's invariants
+on a real RL loop — groups per prompt, a partial rollout resumed after a weight push, a multi-turn
+episode, bf16 — with the correct subject and with broken ones, each named at step, sample, row and
+layer. Runs in ``tox -e vllm-cpu`` (markers ``gpu`` and ``vllm``: skipped, naming why, where vLLM
+cannot start; a failure under ``RRH_REQUIRE_ENGINES=vllm``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.audit import audit_run
+from harness.rl_run import RunConfig, run_loop
+
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
+
+SMALL = {"steps": 2, "prompts": 1, "group": 2, "response_len": 10}
+LAST_MOE_LAYER = 3
+"""The engine checkpoint has four decoder layers, the first dense: MoE layers 1, 2, 3."""
+
+
+def _audit(tmp_path: Path, name: str, **settings: Any) -> Any:
+    run = tmp_path / name
+    summary = run_loop(run, RunConfig(**{**SMALL, **settings}), log=lambda line: None)
+    result = audit_run(run, executor="serial")
+    print(f"rrh run {name}: {summary['seconds']:.1f}s", *result.lines(), sep="\n")
+    assert not result.input_errors and not result.notes, (result.input_errors, result.notes)
+    return result
+
+
+def _by_name(result: Any) -> dict[str, Any]:
+    return {r.name: r for r in result.invariants}
+
+
+def test_r3_replays_the_engines_routes_exactly_and_no_strict_invariant_fails(tmp_path: Path) -> None:
+    result = _audit(tmp_path, "r3", replay="R3")
+    found = _by_name(result)
+    assert not result.violated, [r.line() for r in result.violated]
+    for name in ("coverage", "ids_valid", "tokens_match", "replay_fidelity", "splice_consistency"):
+        assert found[name].status == "checked", found[name].line()
+    assert [layer["disagreement"] for layer in result.layers] == [0.0] * 3
+    assert all(step["tokens_flipped"] == 0 for step in result.steps), result.steps
+
+
+def test_without_replay_the_live_routes_differ_and_flipped_tokens_carry_more_gap(tmp_path: Path) -> None:
+    result = _audit(tmp_path, "none", replay="none")
+    assert not result.violated, [r.line() for r in result.violated]
+    assert all(layer["disagreement"] > 0 for layer in result.layers), result.layers
+    flipped = [s["mean_abs_diff_flipped"] for s in result.steps if s["tokens_flipped"]]
+    agreed = [s["mean_abs_diff_agreed"] for s in result.steps if s["tokens_flipped"]]
+    assert flipped and max(flipped) > max(agreed), result.steps
+
+
+def test_replay_doing_nothing_on_one_layer_is_named_at_that_layer(tmp_path: Path) -> None:
+    result = _audit(
+        tmp_path, "skip", replay="R3", subject="harness.mutants.registry:hf-one-layer-unreplayed"
+    )
+    fidelity = _by_name(result)["replay_fidelity"]
+    assert fidelity.status == "violated", fidelity.line()
+    assert {o["layer"] for o in fidelity.offenders} == {LAST_MOE_LAYER}
+    first = fidelity.offenders[0]
+    assert first["row"] is not None and first["sample_key"].startswith(("s0-", "s1-"))
+
+
+def test_a_splice_keeping_the_latest_payload_is_named_on_the_resumed_sample(tmp_path: Path) -> None:
+    result = _audit(tmp_path, "latest", replay="R3", splice="latest")
+    splice = _by_name(result)["splice_consistency"]
+    assert splice.status == "violated", splice.line()
+    assert {o["sample_key"] for o in splice.offenders} & {"s0-partial", "s0-turns", "s1-turns"}
+    assert all("attempt 0" in o["expected"] for o in splice.offenders)
