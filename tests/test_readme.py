@@ -158,6 +158,8 @@ def _problem(command: str) -> str | None:
     if words and Path(words[0]).name == "python" and words[1:2] == ["-m"]:  # any venv's python
         words = words[2:]
     program, args = words[0], words[1:]
+    if Path(program).name == "rrh":  # the entry point, from any venv
+        program = "rrh"
     if program in ("rrh", "harness"):
         return _parses(build_parser, args)
     if program == "harness.verdicts":
