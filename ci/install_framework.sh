@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Install framework releases under test (verl-X, skyrl-X, mcore-X; several in order, e.g.
-# `verl-0.9.1 mcore-0.19.2` for verl on a newer Megatron-core) into the active Python, on CPU, next
-# to the torch already there (FACTS §6). verl's and SkyRL's metadata pull CUDA builds and pin older
+# Install framework releases under test (verl-X, skyrl-X, mcore-X; several in order: `verl-0.9.1
+# mcore-0.19.2` is verl on a newer Megatron-core, `skyrl-0.4.0 mcore-0.19.2` because SkyRL 0.4.0
+# imports megatron.core.models.hybrid, which megatron-core 0.16 lacks) into the active Python, on
+# CPU, next to the torch already there (FACTS §6). verl's and SkyRL's metadata pull CUDA builds and pin older
 # transformers, so a release goes in with --no-deps, then the few packages its routing replay,
 # rollout and agent-loop modules import. megatron-core ≥ 0.17 and SkyRL 0.4.0 declare Python ≥ 3.12
 # yet run on 3.11: they go in with --ignore-requires-python. Used by the tox envs and by .ci/run.
@@ -21,7 +22,8 @@ for release in "$@"; do
       ;;
     skyrl)
       pip_install --no-deps --ignore-requires-python "skyrl==$version"
-      pip_install loguru jaxtyping datasets
+      # 0.4.0 declares cloudpathlib and zstandard (its dataset modules import them).
+      pip_install loguru jaxtyping datasets cloudpathlib zstandard
       ;;
     mcore)
       pip_install --no-deps --ignore-requires-python "megatron-core==$version"

@@ -219,9 +219,7 @@ def recorded_versions(fixtures: Path | None = None) -> dict[str, Version]:
     for path in sorted((fixtures / "baselines").glob("*.json")):
         data = json.loads(path.read_text())
         seen.extend((dist, str(data["version"])) for dist in BASELINE_ENGINES.get(data.get("engine"), ()))
-    seen.extend(
-        (e["distribution"], str(e["version"])) for e in reviewed(fixtures)
-    )
+    seen.extend((e["distribution"], str(e["version"])) for e in reviewed(fixtures))
     newest: dict[str, Version] = {}
     for dist, version in seen:
         if dist in TRACKED and (dist not in newest or Version(version) > newest[dist]):

@@ -135,6 +135,7 @@ RELEASES: dict[str, Release] = {
             ("harness.subjects.frameworks.skyrl:SKYRL_0_4_0",),
             ("test_layouts.py", "test_megatron.py"),
             select=MEGATRON,
+            beside=(("megatron-core", "0.19.2"),),  # 0.4.0 imports megatron.core.models.hybrid (0.17+)
         ),
         Release(
             "mcore-0.19.2",

