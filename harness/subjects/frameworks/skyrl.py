@@ -36,11 +36,10 @@ from harness.subjects.frameworks import check_placement_arguments, require_relea
 from reference_impl.layouts import Placed
 
 
-def replay_utils(version: str) -> Any:
-    """The release's ``skyrl/backends/skyrl_train/utils/replay_utils.py`` (Megatron R3 over
-    Megatron-core's ``RouterReplay``), imported past the ``skyrl.backends`` package ``__init__``."""
+def _bare_backends(version: str) -> None:
+    """Register ``skyrl.backends`` as a bare package (its real ``__path__``) so that importing a
+    module under it skips the package ``__init__``, which fails on Python 3.11 (FACTS §6)."""
     require_release("skyrl", version, f"skyrl-{version}")
-    import importlib
     import importlib.util
     import sys
 
@@ -54,11 +53,20 @@ def replay_utils(version: str) -> Any:
         bare.__path__ = list(spec.submodule_search_locations)
         sys.modules["skyrl.backends"] = bare
         skyrl.backends = bare  # type: ignore[attr-defined]
+
+
+def replay_utils(version: str) -> Any:
+    """The release's ``skyrl/backends/skyrl_train/utils/replay_utils.py`` (Megatron R3 over
+    Megatron-core's ``RouterReplay``), imported past the ``skyrl.backends`` package ``__init__``."""
+    import importlib
+
+    _bare_backends(version)
     return importlib.import_module("skyrl.backends.skyrl_train.utils.replay_utils")
 
 
 def _preprocess(version: str) -> Any:
-    require_release("skyrl", version, f"skyrl-{version}")
+    """``skyrl.train.dataset.preprocess`` (0.4.0 imports ``skyrl.backends`` modules from it)."""
+    _bare_backends(version)
     from skyrl.train.dataset import preprocess
 
     return preprocess
@@ -143,9 +151,9 @@ def place_packed(
     The packed rows are laid back onto the left-padded ``[B, width]`` grid at the attention mask's
     positions (left padding keeps each sample's real tokens contiguous, which the release relies
     on); the replay mask is the negated router padding mask."""
+    preprocess = _preprocess(version)  # first: it makes skyrl.backends importable on 3.11
     from skyrl.backends.skyrl_train.utils.routed_experts import compact_routed_expert_indices
 
-    preprocess = _preprocess(version)
     prompts, responses, routes = _batch(samples, width, prompt_lens)
     arrays = [compact_routed_expert_indices(torch.as_tensor(r).long().numpy()) for r in routes]
     sequences, attention_mask, action_mask, _, _, _, packed, _ = (
@@ -259,6 +267,7 @@ class _MegatronData:
         (``build_token_metadata_layout(…, packed=False)``) and ``remove_microbatch_padding=False``.
         The returned ``padding_mask`` only excludes dummy rows from load-balancing statistics, which
         the suites do not train; routing is what the probes observe."""
+        _bare_backends(self.version)
         from skyrl.backends.skyrl_train.distributed.megatron.token_metadata import build_token_metadata_layout
         from skyrl.backends.skyrl_train.utils.packed_tensor import PackedTensor, cu_seqlens_from_lengths
         from skyrl.backends.skyrl_train.utils.routed_experts import compact_routed_expert_indices
