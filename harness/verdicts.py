@@ -50,6 +50,27 @@ class Release:
     subjects: tuple[str, ...]  # module:attr specs
     suites: tuple[str, ...]  # suite files the subjects' capabilities are checked by
     select: str = SELECT
+    beside: tuple[tuple[str, str], ...] = ()  # other releases it runs on: (("megatron-core", "0.19.2"),)
+
+    @property
+    def pins(self) -> tuple[tuple[str, str], ...]:
+        """Every ``(distribution, version)`` the verdicts describe: the release, then ``beside``."""
+        return ((self.distribution, self.version), *self.beside)
+
+    @property
+    def pin(self) -> str:
+        """The recorded files' ``release``: ``verl==0.9.1`` or ``verl==0.9.1, megatron-core==0.19.2``."""
+        return ", ".join(f"{dist}=={version}" for dist, version in self.pins)
+
+    def mismatch(self) -> str | None:
+        """Why the installed distributions are not this release's pins (None when they are)."""
+        from harness.subjects.frameworks import installed_version
+
+        for dist, version in self.pins:
+            found = installed_version(dist)
+            if found != version:
+                return f"{dist} is {found or 'not installed'}, expected {version} (tox -e {self.name})"
+        return None
 
 
 RELEASES: dict[str, Release] = {
@@ -83,6 +104,15 @@ RELEASES: dict[str, Release] = {
             select=MEGATRON,
         ),
         Release(
+            "verl-0.9.1-mcore-0.19.2",
+            "verl",
+            "0.9.1",
+            ("harness.subjects.frameworks.verl:VERL_0_9_1",),
+            VERL_SUITES,
+            select=MEGATRON,
+            beside=(("megatron-core", "0.19.2"),),
+        ),
+        Release(
             "skyrl-0.2.0",
             "skyrl",
             "0.2.0",
@@ -96,6 +126,26 @@ RELEASES: dict[str, Release] = {
             "0.3.0",
             ("harness.subjects.frameworks.skyrl:SKYRL_0_3_0",),
             ("test_layouts.py", "test_megatron.py"),
+            select=MEGATRON,
+        ),
+        Release(
+            "skyrl-0.4.0",
+            "skyrl",
+            "0.4.0",
+            ("harness.subjects.frameworks.skyrl:SKYRL_0_4_0",),
+            ("test_layouts.py", "test_megatron.py"),
+            select=MEGATRON,
+            beside=(("megatron-core", "0.19.2"),),  # 0.4.0 imports megatron.core.models.hybrid (0.17+)
+        ),
+        Release(
+            "mcore-0.19.2",
+            "megatron-core",
+            "0.19.2",
+            (
+                "harness.subjects.frameworks.mcore:MCORE_0_19_2",
+                "harness.subjects.frameworks.mcore:MCORE_0_19_2_STATIC",
+            ),
+            ("test_megatron.py",),
             select=MEGATRON,
         ),
         Release(
@@ -159,10 +209,8 @@ def load(release: Release, directory: Path = VERDICTS_DIR) -> dict[str, Any]:
         ) from None
     except json.JSONDecodeError as err:
         raise VerdictError(f"{path}: not JSON ({err})") from None
-    if data.get("release") != f"{release.distribution}=={release.version}" or "subjects" not in data:
-        raise VerdictError(
-            f"{path}: expected release {release.distribution}=={release.version} and 'subjects'"
-        )
+    if data.get("release") != release.pin or "subjects" not in data:
+        raise VerdictError(f"{path}: expected release {release.pin!r} and 'subjects'")
     return data
 
 
@@ -215,7 +263,7 @@ def merged(
                     before.get("triage", UNTRIAGED) if before.get("verdict") == "fail" else UNTRIAGED
                 )
             subjects[spec][test] = entry
-    return {"release": f"{release.distribution}=={release.version}", "subjects": subjects}
+    return {"release": release.pin, "subjects": subjects}
 
 
 def table(directory: Path = VERDICTS_DIR) -> str:
@@ -279,30 +327,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m harness.verdicts", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "release",
-        choices=[*sorted(RELEASES), "table", "summary"],
+        choices=[*sorted(RELEASES), "table", "summary", "releases"],
         help="a release to observe and compare; 'table': print the verdict table; 'summary': print the "
-        "README's one line per release",
+        "README's one line per release; 'releases': the release watch",
     )
     parser.add_argument(
         "--record", action="store_true", help="write the observation as the recorded verdicts"
     )
+    parser.add_argument(
+        "--index-answer", type=Path, help="releases: replay this recorded answer of pip (no network)"
+    )
+    parser.add_argument("--save-answer", type=Path, help="releases: record pip's answer to this file")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from harness.subjects.frameworks import installed_version
-
     args = build_parser().parse_args(argv)
     if args.release in ("table", "summary"):
         print(table() if args.release == "table" else summary(), end="")
         return 0
+    if args.release == "releases":
+        from harness import releases
+
+        try:
+            return releases.main(args.index_answer, args.save_answer)
+        except HarnessError as err:
+            print(f"releases: {err}", file=sys.stderr)
+            return 2
     release = RELEASES[args.release]
-    found = installed_version(release.distribution)
-    if found != release.version:
-        print(
-            f"{release.name}: {release.distribution} is {found or 'not installed'} (tox -e {release.name})",
-            file=sys.stderr,
-        )
+    why = release.mismatch()
+    if why is not None:
+        print(f"{release.name}: {why}", file=sys.stderr)
         return 2
     return settle(release, observe(release), VERDICTS_DIR, record=args.record)
 

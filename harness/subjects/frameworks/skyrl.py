@@ -1,4 +1,4 @@
-"""SkyRL releases under test (PyPI ``skyrl`` 0.2.0, 0.3.0): thin adapters over their own functions.
+"""SkyRL releases under test (PyPI ``skyrl`` 0.2.0, 0.3.0, 0.4.0): thin adapters over their own functions.
 
 - ``install_megatron_replay`` / ``megatron_data``: R3 on Megatron-core through
   ``skyrl/backends/skyrl_train/utils/replay_utils.py``: ``patch_topk_router_layer_number`` is the
@@ -36,11 +36,10 @@ from harness.subjects.frameworks import check_placement_arguments, require_relea
 from reference_impl.layouts import Placed
 
 
-def replay_utils(version: str) -> Any:
-    """The release's ``skyrl/backends/skyrl_train/utils/replay_utils.py`` (Megatron R3 over
-    Megatron-core's ``RouterReplay``), imported past the ``skyrl.backends`` package ``__init__``."""
+def _bare_backends(version: str) -> None:
+    """Register ``skyrl.backends`` as a bare package (its real ``__path__``) so that importing a
+    module under it skips the package ``__init__``, which fails on Python 3.11 (FACTS §6)."""
     require_release("skyrl", version, f"skyrl-{version}")
-    import importlib
     import importlib.util
     import sys
 
@@ -54,14 +53,61 @@ def replay_utils(version: str) -> Any:
         bare.__path__ = list(spec.submodule_search_locations)
         sys.modules["skyrl.backends"] = bare
         skyrl.backends = bare  # type: ignore[attr-defined]
+
+
+def replay_utils(version: str) -> Any:
+    """The release's ``skyrl/backends/skyrl_train/utils/replay_utils.py`` (Megatron R3 over
+    Megatron-core's ``RouterReplay``), imported past the ``skyrl.backends`` package ``__init__``."""
+    import importlib
+
+    _bare_backends(version)
     return importlib.import_module("skyrl.backends.skyrl_train.utils.replay_utils")
 
 
 def _preprocess(version: str) -> Any:
-    require_release("skyrl", version, f"skyrl-{version}")
+    """``skyrl.train.dataset.preprocess`` (0.4.0 imports ``skyrl.backends`` modules from it)."""
+    _bare_backends(version)
     from skyrl.train.dataset import preprocess
 
     return preprocess
+
+
+def _batch(
+    samples: Sequence[tuple[torch.Tensor, torch.Tensor]], width: int, prompt_lens: Sequence[int] | None
+) -> tuple[list[list[int]], list[list[int]], list[Any]]:
+    """The samples as the release's arguments: prompts, responses, per-sample routes; one more
+    sample of exactly ``width`` tokens is appended when ``width`` exceeds the longest (the release
+    pads to the longest sample; a wider batch is asked of it the way it happens in a run)."""
+    check_placement_arguments(samples, width, prompt_lens)
+    lens = [int(t.shape[0]) for t, _ in samples]
+    splits = list(prompt_lens) if prompt_lens is not None else [min(1, n) for n in lens]
+    prompts = [t[:p].tolist() for (t, _), p in zip(samples, splits, strict=True)]
+    responses = [t[p:].tolist() for (t, _), p in zip(samples, splits, strict=True)]
+    routes: list[Any] = [r for _, r in samples]
+    if width > max(lens):  # a sample of exactly `width` tokens with rows shaped like the others
+        prompts.append([1] * width)
+        responses.append([])
+        routes.append(torch.ones((width - 1, *samples[0][1].shape[1:]), dtype=torch.long))
+    return prompts, responses, routes
+
+
+def _placed(
+    count: int,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    action_mask: torch.Tensor,
+    routes: torch.Tensor,
+    replay_mask: torch.Tensor,
+    prompt_lens: Sequence[int] | None,
+) -> Placed:
+    """The release's batch tensors, the appended widening sample dropped, as a ``Placed``."""
+    attention_mask, action_mask = attention_mask[:count].bool(), action_mask[:count].bool()
+    width = attention_mask.shape[1]
+    response_mask = None
+    if prompt_lens is not None:
+        response_mask = torch.zeros_like(attention_mask)
+        response_mask[:, width - action_mask.shape[1] :] = action_mask  # right-aligned response columns
+    return Placed(sequences[:count], attention_mask, routes[:count], replay_mask[:count], response_mask)
 
 
 def place_left_padded(
@@ -70,48 +116,61 @@ def place_left_padded(
     width: int,
     prompt_lens: Sequence[int] | None = None,
 ) -> Placed:
-    """``convert_prompts_responses_to_batch_tensors`` on the samples, as a ``Placed`` batch of ``width``.
-
-    The release pads to the longest sample; a wider batch is asked of it the way it happens in a
-    run, by one more sample of ``width`` tokens (dropped from the result).
-    """
+    """0.2.0 / 0.3.0: ``convert_prompts_responses_to_batch_tensors`` on the samples (routes as
+    nested lists, ``[B, S, L, K]`` back), as a ``Placed`` batch of ``width``; no replay mask of
+    its own (Megatron-core replays every token it is given: the attention mask)."""
     convert = _preprocess(version).convert_prompts_responses_to_batch_tensors
-    check_placement_arguments(samples, width, prompt_lens)
-    lens = [int(t.shape[0]) for t, _ in samples]
-    splits = list(prompt_lens) if prompt_lens is not None else [min(1, n) for n in lens]
-    prompts = [t[:p].tolist() for (t, _), p in zip(samples, splits, strict=True)]
-    responses = [t[p:].tolist() for (t, _), p in zip(samples, splits, strict=True)]
-    routes = [r.tolist() for _, r in samples]
-    wider = width > max(lens)
-    if wider:  # a sample of exactly `width` tokens with rows shaped like the others
-        shape = samples[0][1].shape[1:]
-        prompts.append([1] * width)
-        responses.append([])
-        routes.append(torch.ones((width - 1, *shape), dtype=torch.long).tolist())
-    count = len(prompts)
+    prompts, responses, routes = _batch(samples, width, prompt_lens)
     sequences, attention_mask, action_mask, _, _, _, placed_routes = convert(
         types.SimpleNamespace(pad_token_id=0),  # the tokenizer: only its pad id is read
         prompts,
         responses,
         [[0.0] * len(r) for r in responses],
         [[1] * len(r) for r in responses],
-        rollout_expert_indices=routes,
-    )
-    keep = slice(0, count - 1 if wider else count)
-    sequences, attention_mask, action_mask = (
-        sequences[keep],
-        attention_mask[keep].bool(),
-        action_mask[keep].bool(),
+        rollout_expert_indices=[r.tolist() for r in routes],
     )
     if placed_routes is None:  # no sample has a row: the release returns no routes
-        placed_routes = torch.zeros((len(samples), width, *samples[0][1].shape[1:]), dtype=torch.long)
-    else:
-        placed_routes = placed_routes[keep]
-    response_mask = None
-    if prompt_lens is not None:
-        response_mask = torch.zeros_like(attention_mask)
-        response_mask[:, width - action_mask.shape[1] :] = action_mask  # right-aligned response columns
-    return Placed(sequences, attention_mask, placed_routes, attention_mask.clone(), response_mask)
+        placed_routes = torch.zeros((len(prompts), width, *samples[0][1].shape[1:]), dtype=torch.long)
+    count = len(samples)
+    return _placed(
+        count, sequences, attention_mask, action_mask, placed_routes, attention_mask.bool(), prompt_lens
+    )
+
+
+def place_packed(
+    version: str,
+    samples: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    width: int,
+    prompt_lens: Sequence[int] | None = None,
+) -> Placed:
+    """0.4.0: ``convert_prompts_responses_to_batch_tensors(pad_token_id, …)`` takes each sample's
+    routes as a NumPy array in a canonical dtype (``compact_routed_expert_indices``, what the
+    inference client hands it) and returns them packed over real tokens (``PackedTensor``: a
+    sample's uncaptured trailing tokens get the dummy route ``arange(top_k)``); the trainer's
+    ``make_router_padding_mask(attention_mask, captured lengths)`` marks what is not replayed.
+    The packed rows are laid back onto the left-padded ``[B, width]`` grid at the attention mask's
+    positions (left padding keeps each sample's real tokens contiguous, which the release relies
+    on); the replay mask is the negated router padding mask."""
+    preprocess = _preprocess(version)  # first: it makes skyrl.backends importable on 3.11
+    from skyrl.backends.skyrl_train.utils.routed_experts import compact_routed_expert_indices
+
+    prompts, responses, routes = _batch(samples, width, prompt_lens)
+    arrays = [compact_routed_expert_indices(torch.as_tensor(r).long().numpy()) for r in routes]
+    sequences, attention_mask, action_mask, _, _, _, packed, _ = (
+        preprocess.convert_prompts_responses_to_batch_tensors(
+            0,
+            prompts,
+            responses,
+            [[0.0] * len(r) for r in responses],
+            [[1] * len(r) for r in responses],
+            rollout_expert_indices=arrays,
+        )
+    )
+    padding = preprocess.make_router_padding_mask(attention_mask, [len(a) for a in arrays])
+    grid = torch.zeros((*attention_mask.shape, *packed.row_shape), dtype=torch.long)
+    grid[attention_mask.bool()] = packed.values.long()
+    count = len(samples)
+    return _placed(count, sequences, attention_mask, action_mask, grid, ~padding, prompt_lens)
 
 
 class _Layouts:
@@ -121,7 +180,8 @@ class _Layouts:
         self.version = version
 
     def place_left_padded(self, samples: Any, width: int, prompt_lens: Any = None) -> Placed:
-        return place_left_padded(self.version, samples, width, prompt_lens)
+        place = place_packed if self.version in _PACKED_ROUTES else place_left_padded
+        return place(self.version, samples, width, prompt_lens)
 
 
 class _MegatronController:
@@ -167,6 +227,8 @@ class _MegatronDriver:
 
 _PACKING_KEYWORD = {"0.2.0": "use_sample_packing", "0.3.0": "remove_microbatch_padding"}
 """The switch between padded and packed micro-batches, renamed in 0.3.0 (FACTS §6)."""
+_PACKED_ROUTES = {"0.4.0"}
+"""Releases whose routes travel packed over real tokens (``PackedTensor``) with a router padding mask."""
 
 
 class _MegatronData:
@@ -184,9 +246,46 @@ class _MegatronData:
         model: Sequence[torch.nn.Module],
         vp_rank: int | None = None,
     ) -> None:
+        if self.version in _PACKED_ROUTES:
+            self._set_packed(routes, attention_mask, config, model)
+            return
         unpacked = {_PACKING_KEYWORD[self.version]: False}
         replay_utils(self.version).setup_per_microbatch_replay_forward(
             torch.as_tensor(routes), attention_mask, config, **unpacked
+        )
+
+    def _set_packed(
+        self,
+        routes: torch.Tensor,
+        attention_mask: torch.Tensor,
+        config: Any,
+        model: Sequence[torch.nn.Module],
+    ) -> None:
+        """0.4.0's call, as its ``MegatronModelWrapper`` makes it for a padded micro-batch: routes
+        packed over real tokens in their canonical dtype, the trainer's router padding mask (every
+        real token has its row: nothing is padding but padding), the release's token layout
+        (``build_token_metadata_layout(…, packed=False)``) and ``remove_microbatch_padding=False``.
+        The returned ``padding_mask`` only excludes dummy rows from load-balancing statistics, which
+        the suites do not train; routing is what the probes observe."""
+        _bare_backends(self.version)
+        from skyrl.backends.skyrl_train.distributed.megatron.token_metadata import build_token_metadata_layout
+        from skyrl.backends.skyrl_train.utils.packed_tensor import PackedTensor, cu_seqlens_from_lengths
+        from skyrl.backends.skyrl_train.utils.routed_experts import compact_routed_expert_indices
+
+        mask = attention_mask.bool()
+        values = torch.from_numpy(compact_routed_expert_indices(torch.as_tensor(routes)[mask].long().numpy()))
+        lengths = mask.sum(dim=1).tolist()
+        packed = PackedTensor(values.to(mask.device), cu_seqlens_from_lengths(lengths, device=mask.device))
+        padding = _preprocess(self.version).make_router_padding_mask(mask, lengths)
+        layout = build_token_metadata_layout(mask, mask.device, packed=False, fp8_enabled=False)
+        replay_utils(self.version).setup_per_microbatch_replay_forward(
+            packed,
+            padding,
+            mask,
+            model=model[0],
+            model_config=config,
+            metadata_layout=layout,
+            remove_microbatch_padding=False,
         )
 
 
@@ -201,3 +300,4 @@ def _subject(version: str) -> Subject:
 
 SKYRL_0_2_0 = _subject("0.2.0")
 SKYRL_0_3_0 = _subject("0.3.0")
+SKYRL_0_4_0 = _subject("0.4.0")
