@@ -19,7 +19,7 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -207,15 +207,19 @@ def reviewed(fixtures: Path | None = None) -> list[dict[str, str]]:
     return entries
 
 
-def recorded_versions(fixtures: Path | None = None) -> dict[str, Version]:
+VerdictPins = Mapping[str, Sequence[tuple[str, str]]]
+"""Each release's verdict file stem and the ``(distribution, version)`` pins its verdicts describe
+(``{r.name: r.pins for r in harness.verdicts.RELEASES.values()}``: handed in, the registry imports
+this module)."""
+
+
+def recorded_versions(verdict_pins: VerdictPins, fixtures: Path | None = None) -> dict[str, Version]:
     """The newest recorded version of each tracked distribution: verdicts, baselines, reviewed."""
     fixtures = fixtures or FIXTURES
-    from harness.verdicts import RELEASES
-
     seen: list[tuple[str, str]] = []
-    for release in RELEASES.values():
-        if (fixtures / "verdicts" / f"{release.name}.json").exists():
-            seen.extend(release.pins)
+    for name, pins in verdict_pins.items():
+        if (fixtures / "verdicts" / f"{name}.json").exists():
+            seen.extend(pins)
     for path in sorted((fixtures / "baselines").glob("*.json")):
         data = json.loads(path.read_text())
         seen.extend((dist, str(data["version"])) for dist in BASELINE_ENGINES.get(data.get("engine"), ()))
@@ -228,10 +232,13 @@ def recorded_versions(fixtures: Path | None = None) -> dict[str, Version]:
 
 
 def watch(
-    index: Index, fixtures: Path | None = None, distributions: Iterable[str] = TRACKED
+    index: Index,
+    verdict_pins: VerdictPins,
+    fixtures: Path | None = None,
+    distributions: Iterable[str] = TRACKED,
 ) -> list[Candidate]:
     """Every final release newer than the newest recorded one, with its dry-run verdict."""
-    newest = recorded_versions(fixtures)
+    newest = recorded_versions(verdict_pins, fixtures)
     found = []
     for dist in distributions:
         floor = newest.get(dist)
@@ -251,10 +258,10 @@ def watch(
     return found
 
 
-def main(index_answer: Path | None, save_answer: Path | None) -> int:
+def main(verdict_pins: VerdictPins, index_answer: Path | None, save_answer: Path | None) -> int:
     """The ``releases`` command: 0 when nothing is unrecorded, 1 when releases are listed."""
     index: Index = RecordedIndex(index_answer) if index_answer else PipIndex()
-    candidates = watch(index)
+    candidates = watch(index, verdict_pins)
     if save_answer is not None and isinstance(index, PipIndex):
         save_answer.write_text(json.dumps(index.answer, indent=1) + "\n")
     for candidate in candidates:

