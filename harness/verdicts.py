@@ -34,6 +34,11 @@ MEGATRON = "not slow and not gpu"
 
 VERL_SUITES = ("test_splice.py", "test_layouts.py", "test_replay.py", "test_hf.py", "test_megatron.py")
 """Every verl release's suites: splice, placement, VeOmni replay on transformers, Megatron R2/R3."""
+VERL_KEYWORD = "not (test_replay and megatron)"
+"""verl's verdicts leave out the replay suite's Megatron kind (``test_replay.py[megatron…]``): verl's
+patched ``RouterReplay`` keeps every router it saw in a class-level list, so each in-process one-rank
+world's gloo groups stay alive (hundreds of spinning threads over a recording, measured here). verl's
+Megatron R2/R3 is judged by ``test_megatron.py``, whose ranks are fresh processes."""
 
 
 class VerdictError(HarnessError, ValueError):
@@ -50,6 +55,7 @@ class Release:
     subjects: tuple[str, ...]  # module:attr specs
     suites: tuple[str, ...]  # suite files the subjects' capabilities are checked by
     select: str = SELECT
+    keyword: str = ""  # a ``-k`` expression that leaves tests out (why: beside the release's entry)
     beside: tuple[tuple[str, str], ...] = ()  # other releases it runs on: (("megatron-core", "0.19.2"),)
 
     @property
@@ -86,6 +92,7 @@ RELEASES: dict[str, Release] = {
             ),
             VERL_SUITES,
             select=MEGATRON,
+            keyword=VERL_KEYWORD,
         ),
         Release(
             "verl-0.9.0",
@@ -94,6 +101,7 @@ RELEASES: dict[str, Release] = {
             ("harness.subjects.frameworks.verl:VERL_0_9_0",),
             VERL_SUITES,
             select=MEGATRON,
+            keyword=VERL_KEYWORD,
         ),
         Release(
             "verl-0.9.1",
@@ -102,6 +110,7 @@ RELEASES: dict[str, Release] = {
             ("harness.subjects.frameworks.verl:VERL_0_9_1",),
             VERL_SUITES,
             select=MEGATRON,
+            keyword=VERL_KEYWORD,
         ),
         Release(
             "verl-0.9.1-mcore-0.19.2",
@@ -110,6 +119,7 @@ RELEASES: dict[str, Release] = {
             ("harness.subjects.frameworks.verl:VERL_0_9_1",),
             VERL_SUITES,
             select=MEGATRON,
+            keyword=VERL_KEYWORD,
             beside=(("megatron-core", "0.19.2"),),
         ),
         Release(
@@ -185,7 +195,7 @@ def observe(release: Release) -> dict[str, dict[str, dict[str, str]]]:
             spec,
             select=release.select,
             paths=[str(suites_dir() / s) for s in release.suites],
-            extra=("--hypothesis-profile", "ci"),
+            extra=("--hypothesis-profile", "ci", *(("-k", release.keyword) if release.keyword else ())),
         )
         if not outcomes:
             raise VerdictError(f"{spec}: no test ran\n" + "\n".join(log.strip().splitlines()[-8:]))
