@@ -299,6 +299,8 @@ def test_every_module_imports_first_in_a_process() -> None:
         "        if 'circular import' in str(err) or 'partially initialized' in str(err):\n"
         "            print(f'{name}: {err}')\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert not done.stdout.strip(), f"modules that circle back when imported first:\n{done.stdout}"
