@@ -64,6 +64,12 @@ class Release:
         return ((self.distribution, self.version), *self.beside)
 
     @property
+    def title(self) -> str:
+        """How the site names it: ``verl 0.9.1``, or ``verl 0.9.1 on megatron-core 0.19.2`` when it
+        runs beside another release (the same subjects then get a column of their own)."""
+        return " on ".join(f"{dist} {version}" for dist, version in self.pins)
+
+    @property
     def pin(self) -> str:
         """The recorded files' ``release``: ``verl==0.9.1`` or ``verl==0.9.1, megatron-core==0.19.2``."""
         return ", ".join(f"{dist}=={version}" for dist, version in self.pins)
@@ -278,16 +284,18 @@ def merged(
 
 def table(directory: Path = VERDICTS_DIR) -> str:
     """The site's verdict table (``docs/frameworks.md``): one row per invariant, one column per
-    subject of every recorded release (``pass``, ``FAIL n`` with failure ``n`` listed under the
-    table, ``skip``, ``–`` not checked for that subject), then each failure's counterexample in one
-    line."""
+    subject of every recorded release, named with the releases it runs beside (``pass``, ``FAIL n``
+    with failure ``n`` listed under the table, ``skip``, ``–`` not checked for that subject), then
+    each failure's counterexample in one line."""
     columns: list[tuple[str, dict[str, dict[str, str]]]] = []
     for name in sorted(RELEASES):
+        release = RELEASES[name]
         if (directory / f"{name}.json").exists():
-            for spec, entries in load(RELEASES[name], directory)["subjects"].items():
-                columns.append((spec.rpartition(":")[2], entries))
+            beside = "".join(f" on {dist} {version}" for dist, version in release.beside)
+            for spec, entries in load(release, directory)["subjects"].items():
+                columns.append((f"`{spec.rpartition(':')[2]}`{beside}", entries))
     tests = sorted({test for _, entries in columns for test in entries})
-    lines = ["| invariant | " + " | ".join(f"`{c}`" for c, _ in columns) + " |"]
+    lines = ["| invariant | " + " | ".join(c for c, _ in columns) + " |"]
     lines.append("|---" * (len(columns) + 1) + "|")
     failures: list[str] = []
     for test in tests:
@@ -297,7 +305,7 @@ def table(directory: Path = VERDICTS_DIR) -> str:
             if entry is None:
                 cells.append("–")
             elif entry["verdict"] == "fail":
-                failures.append(f"{len(failures) + 1}. `{column}`, `{test}`: {entry['detail']}")
+                failures.append(f"{len(failures) + 1}. {column}, `{test}`: {entry['detail']}")
                 cells.append(f"FAIL {len(failures)}")
             else:
                 cells.append(entry["verdict"])
@@ -326,7 +334,7 @@ def summary(directory: Path = VERDICTS_DIR, page: str = SITE_PAGE) -> str:
             f" ({findings} finding{'s' * (findings != 1)})" if counts["fail"] else ""
         )
         lines.append(
-            f"- **{release.distribution} {release.version}** ({names}): {counts['pass']} pass, "
+            f"- **{release.title}** ({names}): {counts['pass']} pass, "
             f"{failures}, {counts['skip']} skip — [verdicts and triage]({page})"
         )
     return "\n".join(lines) + "\n"

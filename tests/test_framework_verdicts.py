@@ -10,10 +10,11 @@ comparison itself and the recorded files, without any framework installed.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from harness.verdicts import RELEASES, UNTRIAGED, VERDICTS_DIR, diff, load, merged
+from harness.verdicts import RELEASES, UNTRIAGED, VERDICTS_DIR, diff, load, merged, summary, table
 
 SPEC = "pkg.mod:SUBJECT"
 
@@ -62,6 +63,21 @@ def test_recording_keeps_the_triage_of_failures_that_stay_failures() -> None:
     out = merged(release, observed, _recorded({"t::b": FAIL}))
     assert out["subjects"][SPEC]["t::b"]["triage"] == "verl #5430"
     assert out["subjects"][SPEC]["t::c"]["triage"] == UNTRIAGED  # a new failure is never pre-explained
+
+
+def test_a_release_beside_another_gets_its_own_column_and_line(tmp_path: Path) -> None:
+    """verl 0.9.1 alone and on megatron-core 0.19.2 wrap the same subject: the table and the summary
+    tell the two recordings apart by the release each runs beside."""
+    for name in ("verl-0.9.1", "verl-0.9.1-mcore-0.19.2"):
+        release = RELEASES[name]
+        document = {"release": release.pin, "subjects": {"m:VERL_0_9_1": {"t::a": PASS}}}
+        (tmp_path / f"{name}.json").write_text(json.dumps(document))
+    header = table(tmp_path).splitlines()[0]
+    assert header == "| invariant | `VERL_0_9_1` | `VERL_0_9_1` on megatron-core 0.19.2 |"
+    assert [line.split(" (")[0] for line in summary(tmp_path, page="p.md").splitlines()] == [
+        "- **verl 0.9.1**",
+        "- **verl 0.9.1 on megatron-core 0.19.2**",
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(RELEASES))
