@@ -70,3 +70,23 @@ def test_a_splice_keeping_the_latest_payload_is_named_on_the_resumed_sample(tmp_
     assert splice.status == "violated", splice.line()
     assert {o["sample_key"] for o in splice.offenders} & {"s0-partial", "s0-turns", "s1-turns"}
     assert all("attempt 0" in o["expected"] for o in splice.offenders)
+
+
+def test_r2_update_pass_dispatches_what_the_old_logprob_pass_recorded(tmp_path: Path) -> None:
+    result = _audit(tmp_path, "r2", replay="R2")
+    fidelity = _by_name(result)["replay_fidelity"]
+    assert not result.violated, [r.line() for r in result.violated]
+    assert fidelity.status == "checked", fidelity.line()
+
+
+def test_r2_update_pass_rerouting_one_layer_is_named_at_that_layer(tmp_path: Path) -> None:
+    """The second mini-batch's update pass runs after an Adam step: a layer the driver leaves
+    routing natively no longer gives the recorded experts there."""
+    result = _audit(
+        tmp_path, "r2-skip", replay="R2", subject="harness.mutants.registry:hf-one-layer-unreplayed"
+    )
+    fidelity = _by_name(result)["replay_fidelity"]
+    assert fidelity.status == "violated", fidelity.line()
+    assert {o["layer"] for o in fidelity.offenders} == {LAST_MOE_LAYER}
+    first = fidelity.offenders[0]
+    assert first["row"] is not None and "recorded" in first["expected"], first

@@ -10,9 +10,10 @@
 - **Splice**: the subject's ``splice`` builds each sample's engine routes from its attempts
   (``--splice latest``: the "replace with the latest payload" policy, ``reference_impl.splice``).
 - **Trainer**: transformers, the same checkpoint, recomputes old log-probs with replay none, R2 or
-  R3 through the subject's ``install_hf_replay`` driver (the harness's hooks by default), takes an
-  Adam step on a verifiable reward (the fraction of even token ids in the response, advantage
-  against the group mean) and pushes the new weights into the running engine between steps
+  R3 through the subject's ``install_hf_replay`` driver (the harness's hooks by default; R2 records
+  the routes of this pass and replays them in the update passes), then per mini-batch runs an
+  update pass and takes an Adam step on a verifiable reward (the fraction of even token ids in
+  the response, advantage against the group mean), and pushes the new weights into the running engine between steps
   (``harness.engines.weight_updates.push_weights``), so attempts of one sample run under
   different weights.
 - **Tap**: the engine side records every attempt's own payload, the trainer side what the
@@ -55,6 +56,8 @@ class RunConfig:
     splice: str = "correct"
     subject: str | None = None
     lr: float = 1e-2
+    minibatches: int = 2
+    """Update passes (and Adam steps) per step, each on its share of the samples (PPO mini-batches)."""
     seed: int = 0
     engine_from: str | None = None
     """A tapped run's directory: its recorded engine attempts stand in for the engine (an env
@@ -65,7 +68,7 @@ class RunConfig:
             raise TapError(f"--replay: expected one of {list(REPLAY_MODES)}, got {self.replay!r}")
         if self.splice not in SPLICES:
             raise TapError(f"--splice: expected one of {list(SPLICES)}, got {self.splice!r}")
-        for name in ("steps", "prompts", "group"):
+        for name in ("steps", "prompts", "group", "minibatches"):
             if getattr(self, name) < 1:
                 raise TapError(f"--{name}: expected a positive integer, got {getattr(self, name)}")
         if self.response_len < len(TOOL_TOKENS) + 4:
@@ -175,6 +178,9 @@ class _Trainer:
         return torch.cat([picked.new_zeros(ids.shape[0], 1), picked], dim=1)
 
     def step(self, step: int, samples: list[EngineSample]) -> dict[str, float]:
+        """Old log-probs of ``samples`` (recorded under R2, replayed under R3), then one update pass
+        and Adam step per mini-batch: from the second mini-batch on the weights differ from the
+        old-log-prob pass's, so native routing would no longer give the recorded routes."""
         cfg, handle = self.cfg, self.handle
         ids, mask, targets, replayed = self._batch(samples)
         rows = PackedRows.padded([s.key for s in samples], mask.numpy())
@@ -191,13 +197,6 @@ class _Trainer:
             handle.disarm()
         for i, s in enumerate(samples):
             self.tap.logprobs(s.key, old[i, s.prompt_len : s.prompt_len + s.response_len].numpy())
-        if cfg.replay == "R3":
-            handle.replay(targets, replayed)
-        elif recorded is not None:
-            handle.replay(recorded, mask.reshape(-1))
-        with self.tap.forward("update", rows, ids):
-            new = self._logprobs(ids, mask)
-        handle.disarm()
         rewards = torch.tensor([_reward(s.tokens[s.prompt_len :]) for s in samples])
         groups: dict[str | None, list[int]] = {}
         for i, s in enumerate(samples):
@@ -208,13 +207,27 @@ class _Trainer:
         response = torch.zeros_like(mask)
         for i, s in enumerate(samples):
             response[i, s.prompt_len : s.prompt_len + s.response_len] = True
-        ratio = torch.exp(new - old.detach())
-        loss = -((advantage[:, None] * ratio) * response).sum() / response.sum()
-        self.optimizer.zero_grad()
-        loss.backward()
-        self.optimizer.step()
+        width = ids.shape[1]
+        losses = []
+        for chunk in torch.arange(len(samples)).chunk(cfg.minibatches):
+            flat = (chunk[:, None] * width + torch.arange(width)).reshape(-1)  # the chunk's rows
+            if cfg.replay == "R3":
+                handle.replay(targets[flat], replayed[flat])
+            elif recorded is not None:
+                handle.replay(recorded[flat], mask.reshape(-1)[flat])
+            sub = PackedRows.padded([samples[i].key for i in chunk.tolist()], mask[chunk].numpy())
+            with self.tap.forward("update", sub, ids[chunk]):
+                new = self._logprobs(ids[chunk], mask[chunk])
+            handle.disarm()
+            ratio = torch.exp(new - old[chunk].detach())
+            weight = advantage[chunk][:, None] * response[chunk]
+            loss = -(weight * ratio).sum() / response[chunk].sum()
+            self.optimizer.zero_grad()
+            loss.backward()
+            self.optimizer.step()
+            losses.append(float(loss.detach()))
         self.tap.write(step, samples, replay=cfg.replay)
-        return {"loss": float(loss.detach()), "reward": float(rewards.mean())}
+        return {"loss": float(np.mean(losses)), "reward": float(rewards.mean())}
 
 
 def run_loop(
