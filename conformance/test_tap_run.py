@@ -6,6 +6,8 @@ cannot start; a failure under ``RRH_REQUIRE_ENGINES=vllm``)."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +92,32 @@ def test_r2_update_pass_rerouting_one_layer_is_named_at_that_layer(tmp_path: Pat
     assert {o["layer"] for o in fidelity.offenders} == {LAST_MOE_LAYER}
     first = fidelity.offenders[0]
     assert first["row"] is not None and "recorded" in first["expected"], first
+
+
+VERL = "harness.subjects.frameworks.verl:VERL_0_9_1"
+"""verl 0.9.1 from PyPI, beside vLLM at the end of ``tox -e vllm-cpu`` (``ci/install_framework.sh``)."""
+
+
+def _require_verl() -> None:
+    """Skip naming why where verl is not installed; a failure under ``RRH_REQUIRE_ENGINES=…,verl``
+    (the tox env's run after it installs verl)."""
+    if importlib.util.find_spec("verl") is not None:
+        return
+    why = ("verl is not installed beside vLLM (tox -e vllm-cpu installs verl 0.9.1 at its end: "
+           "ci/install_framework.sh verl-0.9.1)")  # fmt: skip
+    if "verl" in os.environ.get("RRH_REQUIRE_ENGINES", "").split(","):
+        pytest.fail(f"{why} (RRH_REQUIRE_ENGINES={os.environ['RRH_REQUIRE_ENGINES']})")
+    pytest.skip(why)
+
+
+def test_verl_veomni_driver_on_a_dense_first_model_replays_each_layer_a_layer_late(tmp_path: Path) -> None:
+    """verl 0.9.1's VeOmni driver numbers MoE layers densely from the first decoder layer: on this
+    dense-first checkpoint MoE layer l gets the targets of layer l − 1 (FACTS: verl's VeOmni)."""
+    _require_verl()
+    result = _audit(tmp_path, "verl", replay="R3", subject=VERL)
+    fidelity = _by_name(result)["replay_fidelity"]
+    assert fidelity.status == "violated", fidelity.line()
+    first = fidelity.offenders[0]
+    assert first["row"] is not None and first["layer"] in (1, 2, LAST_MOE_LAYER), first
+    shifted = [layer["disagreement"] for layer in result.layers][1:]
+    assert min(shifted) > 0.9, result.layers  # layers 2 and 3 take the previous layer's targets
