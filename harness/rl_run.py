@@ -27,7 +27,8 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ import torch
 
 from harness.audit.layout import REPLAY_MODES
 from harness.audit.tap import BackgroundWriter, EngineSample, EngineTap, PackedRows, TapError, TrainerTap
+from harness.rl_ranks import SPLITS, RankGroup, ranks_started, samples_from_json, samples_to_json, shard_mask
 
 SPLICES = ("correct", "latest")
 TOOL_TOKENS = (5, 6, 7)
@@ -58,6 +60,9 @@ class RunConfig:
     lr: float = 1e-2
     minibatches: int = 2
     """Update passes (and Adam steps) per step, each on its share of the samples (PPO mini-batches)."""
+    ranks: int = 1
+    """Trainer ranks on gloo, each holding a ``split`` shard of every sample (``harness.rl_ranks``)."""
+    split: str = "cp"
     seed: int = 0
     engine_from: str | None = None
     """A tapped run's directory: its recorded engine attempts stand in for the engine (an env
@@ -68,7 +73,9 @@ class RunConfig:
             raise TapError(f"--replay: expected one of {list(REPLAY_MODES)}, got {self.replay!r}")
         if self.splice not in SPLICES:
             raise TapError(f"--splice: expected one of {list(SPLICES)}, got {self.splice!r}")
-        for name in ("steps", "prompts", "group", "minibatches"):
+        if self.split not in SPLITS:
+            raise TapError(f"--split: expected one of {list(SPLITS)}, got {self.split!r}")
+        for name in ("steps", "prompts", "group", "minibatches", "ranks"):
             if getattr(self, name) < 1:
                 raise TapError(f"--{name}: expected a positive integer, got {getattr(self, name)}")
         if self.response_len < len(TOOL_TOKENS) + 4:
@@ -134,7 +141,13 @@ class _Trainer:
     """The transformers trainer of the loop: batches, replay through the subject's driver, the tap."""
 
     def __init__(
-        self, cfg: RunConfig, ckpt: Any, subject: Any, writer: BackgroundWriter, source: str
+        self,
+        cfg: RunConfig,
+        ckpt: Any,
+        subject: Any,
+        writer: BackgroundWriter,
+        source: str,
+        group: RankGroup | None = None,
     ) -> None:
         from harness.engines.checkpoint import load_checkpoint
         from harness.subjects.replay import install, prepare
@@ -146,10 +159,17 @@ class _Trainer:
         spec = ckpt.spec
         self.moe_layers = tuple(spec.moe_layers or range(spec.num_layers))
         self.top_k = spec.top_k
-        self.tap = TrainerTap(
-            self.model, writer, num_layers=spec.num_layers, moe_layers=self.moe_layers,
-            num_experts=spec.num_experts, top_k=spec.top_k, source=source,
-        )  # fmt: skip
+        shape = dict(num_layers=spec.num_layers, moe_layers=self.moe_layers, num_experts=spec.num_experts,
+                     top_k=spec.top_k, source=source)  # fmt: skip
+        # Rank 0 taps whole samples; with ranks, every rank also taps its shard's rows.
+        rank = 0 if group is None else group.rank
+        self.tap = TrainerTap(self.model, writer, **shape) if rank == 0 else None  # type: ignore[arg-type]
+        self.shard_tap = (
+            None
+            if group is None
+            else TrainerTap(self.model, writer, shard=rank, shards=group.world, **shape)  # type: ignore[arg-type]
+        )
+        self.group = group
         self.cfg = cfg
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
 
@@ -172,6 +192,21 @@ class _Trainer:
             replayed[i, : routes.shape[0]] = True  # the last token has no row: it routes natively
         return ids, mask, targets.reshape(-1, *targets.shape[2:]), replayed.reshape(-1)
 
+    @contextmanager
+    def _tapped(
+        self, kind: str, keys: list[str], ids: torch.Tensor, mask: torch.Tensor, held: torch.Tensor
+    ) -> Iterator[None]:
+        """The forward inside, tapped: whole samples (rank 0) and this rank's shard rows (``held``)."""
+        with ExitStack() as stack:
+            if self.tap is not None:
+                stack.enter_context(self.tap.forward(kind, PackedRows.padded(keys, mask.numpy()), ids))
+            if self.shard_tap is not None:
+                rows = PackedRows.padded(keys, held.numpy())
+                position = np.where(held.numpy(), np.arange(ids.shape[1]), -1).reshape(-1)
+                rows = PackedRows(rows.keys, rows.sample, position)
+                stack.enter_context(self.shard_tap.forward(kind, rows, ids))
+            yield
+
     def _logprobs(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         logits = self.model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits
         picked = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
@@ -183,7 +218,12 @@ class _Trainer:
         old-log-prob pass's, so native routing would no longer give the recorded routes."""
         cfg, handle = self.cfg, self.handle
         ids, mask, targets, replayed = self._batch(samples)
-        rows = PackedRows.padded([s.key for s in samples], mask.numpy())
+        keys = [s.key for s in samples]
+        lengths = [len(s.tokens) for s in samples]
+        group = self.group
+        held = mask if group is None else shard_mask(cfg.split, lengths, ids.shape[1], group.rank, group.world)
+        owns = torch.zeros_like(mask)  # the tokens this rank's rows predict: its share of the loss
+        owns[:, 1:] = held[:, :-1]
         with torch.no_grad():
             if cfg.replay == "R3":
                 handle.replay(targets, replayed)
@@ -191,12 +231,13 @@ class _Trainer:
                 handle.record()
             else:
                 handle.disarm()
-            with self.tap.forward("old_logprob", rows, ids):
+            with self._tapped("old_logprob", keys, ids, mask, held):
                 old = self._logprobs(ids, mask)
             recorded = handle.recording() if cfg.replay == "R2" else None
             handle.disarm()
         for i, s in enumerate(samples):
-            self.tap.logprobs(s.key, old[i, s.prompt_len : s.prompt_len + s.response_len].numpy())
+            if self.tap is not None:
+                self.tap.logprobs(s.key, old[i, s.prompt_len : s.prompt_len + s.response_len].numpy())
         rewards = torch.tensor([_reward(s.tokens[s.prompt_len :]) for s in samples])
         groups: dict[str | None, list[int]] = {}
         for i, s in enumerate(samples):
@@ -215,18 +256,22 @@ class _Trainer:
                 handle.replay(targets[flat], replayed[flat])
             elif recorded is not None:
                 handle.replay(recorded[flat], mask.reshape(-1)[flat])
-            sub = PackedRows.padded([samples[i].key for i in chunk.tolist()], mask[chunk].numpy())
-            with self.tap.forward("update", sub, ids[chunk]):
+            sub = [keys[i] for i in chunk.tolist()]
+            with self._tapped("update", sub, ids[chunk], mask[chunk], held[chunk]):
                 new = self._logprobs(ids[chunk], mask[chunk])
             handle.disarm()
             ratio = torch.exp(new - old[chunk].detach())
-            weight = advantage[chunk][:, None] * response[chunk]
+            weight = advantage[chunk][:, None] * (response[chunk] & owns[chunk])
             loss = -(weight * ratio).sum() / response[chunk].sum()
             self.optimizer.zero_grad()
             loss.backward()
+            if group is not None:
+                group.sum_gradients(self.model)
             self.optimizer.step()
             losses.append(float(loss.detach()))
-        self.tap.write(step, samples, replay=cfg.replay)
+        for tap in (self.tap, self.shard_tap):
+            if tap is not None:
+                tap.write(step, samples, replay=cfg.replay)
         return {"loss": float(np.mean(losses)), "reward": float(rewards.mean())}
 
 
@@ -254,9 +299,10 @@ def run_loop(
         source = f"{engine_name} + transformers ({subject.name}, splice {cfg.splice}), rrh run"
         engine_tap = EngineTap()
         gen = torch.Generator().manual_seed(cfg.seed)
+        ranks = ranks_started(json.dumps(asdict(cfg)), cfg.ranks, out, ckpt.path, source, Path(tmp))
         try:
-            with BackgroundWriter(out) as writer:
-                trainer = _Trainer(cfg, ckpt, subject, writer, source)
+            with ranks as group, BackgroundWriter(out, world_size=cfg.ranks) as writer:
+                trainer = _Trainer(cfg, ckpt, subject, writer, source, group)
                 carried: str | None = None
                 for step in range(cfg.steps):
                     if recorded is not None:
@@ -275,6 +321,8 @@ def run_loop(
                                        f"at most the recorded run's")  # fmt: skip
                     for s in samples:
                         s.spliced = _spliced(s, splice)
+                    if group is not None:
+                        group.broadcast_bytes(samples_to_json(samples))
                     figures.append({"step": step, **trainer.step(step, samples)})
                     if engine is not None:
                         _push_weights(engine, trainer.model, Path(tmp) / f"push-{step}")
@@ -288,6 +336,20 @@ def run_loop(
     summary = {"config": asdict(cfg), "seconds": seconds, "steps": figures, "directory": str(out)}
     (out / "run.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def train_rank(cfg: RunConfig, out: Path, checkpoint_path: Path, source: str, group: RankGroup) -> None:
+    """Trainer rank ``group.rank`` ≥ 1 of a ``--ranks`` run (``harness.rl_ranks.rank_main``, in the gloo
+    group): each step, the samples rank 0 sends, trained on this rank's shard of each."""
+    from harness.engines.checkpoint import TinyCheckpoint, model_spec
+
+    config = json.loads((checkpoint_path / "config.json").read_text())
+    ckpt = TinyCheckpoint(checkpoint_path, config["model_type"], config["torch_dtype"], model_spec(config),
+                          config, cfg.seed)  # fmt: skip
+    with BackgroundWriter(out, rank=group.rank, world_size=group.world) as writer:
+        trainer = _Trainer(cfg, ckpt, _subject(cfg.subject), writer, source, group)
+        for step in range(cfg.steps):
+            trainer.step(step, samples_from_json(group.broadcast_bytes(None)))
 
 
 def _prompts(cfg: RunConfig, count: int, gen: torch.Generator, vocab: int) -> list[list[int]]:
