@@ -121,3 +121,19 @@ def test_verl_veomni_driver_on_a_dense_first_model_replays_each_layer_a_layer_la
     assert first["row"] is not None and first["layer"] in (1, 2, LAST_MOE_LAYER), first
     shifted = [layer["disagreement"] for layer in result.layers][1:]
     assert min(shifted) > 0.9, result.layers  # layers 2 and 3 take the previous layer's targets
+
+
+def test_two_ranks_with_context_parallel_shards_reassemble_every_sample(tmp_path: Path) -> None:
+    result = _audit(tmp_path, "cp", replay="R3", steps=1, ranks=2, split="cp")
+    union = _by_name(result)["shard_union"]
+    assert not result.violated, [r.line() for r in result.violated]
+    assert union.status == "checked" and "no violation" in union.line(), union.line()
+
+
+def test_a_sequence_parallel_split_holding_boundary_rows_twice_is_named(tmp_path: Path) -> None:
+    result = _audit(tmp_path, "halo", replay="R3", steps=1, ranks=2, split="sp-halo")
+    union = _by_name(result)["shard_union"]
+    assert union.status == "violated", union.line()
+    first = union.offenders[0]
+    assert first["step"] == 0 and first["row"] is not None
+    assert "claimed 2 times (ranks 0 and 1)" in first["actual"], first

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -122,19 +122,12 @@ class RankGroup:
                 self.group.allreduce(param.grad).wait()
 
 
-def rank_main(rank: int, directory: str, cfg_json: str, checkpoint_path: str, source: str, rendezvous: str) -> None:
-    """A trainer rank ≥ 1 (a spawned process): trains on the samples rank 0 sends each step."""
-    from harness.rl_run import RunConfig, train_rank
-
-    cfg = RunConfig(**json.loads(cfg_json))
-    train_rank(cfg, Path(directory), Path(checkpoint_path), source, RankGroup(Path(rendezvous), rank, cfg.ranks))
-
-
 @contextmanager
 def ranks_started(
-    cfg_json: str, world: int, directory: Path, checkpoint_path: Path, source: str, scratch: Path
+    world: int, scratch: Path, target: Callable[..., None], *args: Any
 ) -> Iterator[RankGroup | None]:
-    """With ``world`` > 1: ranks 1.. started (spawned processes running ``rank_main``) and this
+    """With ``world`` > 1: ranks 1.. started as spawned processes running ``target(rank, rendezvous,
+    *args)`` (a module-level function: it joins ``RankGroup(rendezvous, rank, world)``) and this
     process joined to their gloo group as rank 0 (yielded; None with one rank); on leaving, they are
     waited for (terminated if the block raised), and a rank that failed is a ``TapError`` naming it."""
     if world == 1:
@@ -145,8 +138,7 @@ def ranks_started(
     rendezvous = scratch / "gloo-rendezvous"
     context = multiprocessing.get_context("spawn")
     procs = [
-        context.Process(target=rank_main, name=f"rrh-run-rank{r}",
-                        args=(r, str(directory), cfg_json, str(checkpoint_path), source, str(rendezvous)))
+        context.Process(target=target, name=f"rrh-run-rank{r}", args=(r, str(rendezvous), *args))
         for r in range(1, world)
     ]  # fmt: skip
     for proc in procs:

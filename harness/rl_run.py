@@ -299,7 +299,7 @@ def run_loop(
         source = f"{engine_name} + transformers ({subject.name}, splice {cfg.splice}), rrh run"
         engine_tap = EngineTap()
         gen = torch.Generator().manual_seed(cfg.seed)
-        ranks = ranks_started(json.dumps(asdict(cfg)), cfg.ranks, out, ckpt.path, source, Path(tmp))
+        ranks = ranks_started(cfg.ranks, Path(tmp), _rank_main, str(out), json.dumps(asdict(cfg)), str(ckpt.path), source)
         try:
             with ranks as group, BackgroundWriter(out, world_size=cfg.ranks) as writer:
                 trainer = _Trainer(cfg, ckpt, subject, writer, source, group)
@@ -338,11 +338,14 @@ def run_loop(
     return summary
 
 
-def train_rank(cfg: RunConfig, out: Path, checkpoint_path: Path, source: str, group: RankGroup) -> None:
-    """Trainer rank ``group.rank`` ≥ 1 of a ``--ranks`` run (``harness.rl_ranks.rank_main``, in the gloo
-    group): each step, the samples rank 0 sends, trained on this rank's shard of each."""
+def _rank_main(rank: int, rendezvous: str, out: str, cfg_json: str, checkpoint: str, source: str) -> None:
+    """Trainer rank ``rank`` ≥ 1 of a ``--ranks`` run (a spawned process, ``ranks_started``): each
+    step, the samples rank 0 sends over the gloo group, trained on this rank's shard of each."""
     from harness.engines.checkpoint import TinyCheckpoint, model_spec
 
+    cfg = RunConfig(**json.loads(cfg_json))
+    group = RankGroup(Path(rendezvous), rank, cfg.ranks)
+    checkpoint_path = Path(checkpoint)
     config = json.loads((checkpoint_path / "config.json").read_text())
     ckpt = TinyCheckpoint(checkpoint_path, config["model_type"], config["torch_dtype"], model_spec(config),
                           config, cfg.seed)  # fmt: skip
