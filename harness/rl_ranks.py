@@ -33,7 +33,7 @@ import torch
 from harness.audit.tap import EngineSample, TapAttempt, TapError
 
 SPLITS = ("cp", "sp", "sp-halo")
-GLOO_TIMEOUT = datetime.timedelta(minutes=10)
+GLOO_TIMEOUT = datetime.timedelta(minutes=5)
 """A rank waiting longer than this for the others fails instead of hanging."""
 
 
@@ -154,4 +154,5 @@ def ranks_started(
             proc.join(GLOO_TIMEOUT.total_seconds())
     failed = [(r, proc.exitcode) for r, proc in enumerate(procs, start=1) if proc.exitcode != 0]
     if failed:
-        raise TapError(f"rank {failed[0][0]}: exited with code {failed[0][1]}; expected 0 (its error is above)")
+        rank, code = failed[0]
+        raise TapError(f"rank {rank}: exited with code {code}; expected 0 (its error is above)")

@@ -13,9 +13,9 @@
   R3 through the subject's ``install_hf_replay`` driver (the harness's hooks by default; R2 records
   the routes of this pass and replays them in the update passes), then per mini-batch runs an
   update pass and takes an Adam step on a verifiable reward (the fraction of even token ids in
-  the response, advantage against the group mean), and pushes the new weights into the running engine between steps
-  (``harness.engines.weight_updates.push_weights``), so attempts of one sample run under
-  different weights.
+  the response, advantage against the group mean), and pushes the new weights into the running
+  engine between steps (``harness.engines.weight_updates.push_weights``), so attempts of one
+  sample run under different weights.
 - **Tap**: the engine side records every attempt's own payload, the trainer side what the
   harness's probe saw each router dispatch, per packed row; one file per step.
 
@@ -221,7 +221,8 @@ class _Trainer:
         keys = [s.key for s in samples]
         lengths = [len(s.tokens) for s in samples]
         group = self.group
-        held = mask if group is None else shard_mask(cfg.split, lengths, ids.shape[1], group.rank, group.world)
+        width = ids.shape[1]
+        held = mask if group is None else shard_mask(cfg.split, lengths, width, group.rank, group.world)
         owns = torch.zeros_like(mask)  # the tokens this rank's rows predict: its share of the loss
         owns[:, 1:] = held[:, :-1]
         with torch.no_grad():
@@ -248,7 +249,6 @@ class _Trainer:
         response = torch.zeros_like(mask)
         for i, s in enumerate(samples):
             response[i, s.prompt_len : s.prompt_len + s.response_len] = True
-        width = ids.shape[1]
         losses = []
         for chunk in torch.arange(len(samples)).chunk(cfg.minibatches):
             flat = (chunk[:, None] * width + torch.arange(width)).reshape(-1)  # the chunk's rows
@@ -299,7 +299,9 @@ def run_loop(
         source = f"{engine_name} + transformers ({subject.name}, splice {cfg.splice}), rrh run"
         engine_tap = EngineTap()
         gen = torch.Generator().manual_seed(cfg.seed)
-        ranks = ranks_started(cfg.ranks, Path(tmp), _rank_main, str(out), json.dumps(asdict(cfg)), str(ckpt.path), source)
+        ranks = ranks_started(
+            cfg.ranks, Path(tmp), _rank_main, str(out), json.dumps(asdict(cfg)), str(ckpt.path), source
+        )
         try:
             with ranks as group, BackgroundWriter(out, world_size=cfg.ranks) as writer:
                 trainer = _Trainer(cfg, ckpt, subject, writer, source, group)

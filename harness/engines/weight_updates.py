@@ -94,7 +94,9 @@ def push_weights(engine: Any, weights_path: str | os.PathLike[str]) -> int:
     weights); the number of CPU MoE layers re-prepacked (0 on a CUDA build)."""
     llm = engine.llm
     if not hasattr(llm, "collective_rpc"):
-        raise HarnessError(f"weight push: vLLM {engine.version} has no LLM.collective_rpc; expected a release with it")
+        raise HarnessError(
+            f"weight push: vLLM {engine.version} has no LLM.collective_rpc; expected a release with it"
+        )
     reset = sum(llm.apply_model(reset_cpu_moe_kernels))
     llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_path)})
     llm.reset_prefix_cache()
