@@ -104,13 +104,13 @@ class RankGroup:
     def broadcast_bytes(self, data: bytes | None) -> bytes:
         """Rank 0's ``data`` on every rank (its length, then the bytes as a uint8 tensor)."""
         size = torch.tensor([0 if data is None else len(data)], dtype=torch.int64)
-        self.group.broadcast(size, 0).wait()
+        self.group.broadcast(size, 0).wait()  # type: ignore[attr-defined]  # Backend's, unstubbed
         buffer = (
             torch.frombuffer(bytearray(data), dtype=torch.uint8)
             if data is not None
             else torch.empty(int(size.item()), dtype=torch.uint8)
         )
-        self.group.broadcast(buffer, 0).wait()
+        self.group.broadcast(buffer, 0).wait()  # type: ignore[attr-defined]
         return bytes(buffer.numpy().tobytes())
 
     def sum_gradients(self, model: torch.nn.Module) -> None:
@@ -119,7 +119,7 @@ class RankGroup:
             if param.requires_grad:
                 if param.grad is None:  # no token of this rank's shard reached it: every rank takes part
                     param.grad = torch.zeros_like(param)
-                self.group.allreduce(param.grad).wait()
+                self.group.allreduce(param.grad).wait()  # type: ignore[attr-defined]
 
 
 @contextmanager
