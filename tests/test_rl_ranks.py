@@ -86,3 +86,12 @@ def test_two_gloo_ranks_get_rank_0s_bytes_and_the_summed_gradients(tmp_path: Pat
         return got, model.weight.grad.reshape(-1).tolist() + model.bias.grad.tolist()
 
     assert _on_two_ranks(tmp_path, body) == [(b"step 0 samples", [3.0, 3.0, 0.0])] * 2
+
+
+def test_a_run_with_no_rank_or_an_unknown_split_is_refused_naming_the_option() -> None:
+    from harness.rl_run import RunConfig
+
+    with pytest.raises(TapError, match="--ranks: expected a positive integer, got 0"):
+        RunConfig(ranks=0)
+    with pytest.raises(TapError, match=r"--split: expected one of \['cp', 'sp', 'sp-halo'\], got 'ring'"):
+        RunConfig(split="ring")
