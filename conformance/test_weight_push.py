@@ -39,7 +39,7 @@ def test_pushed_weights_are_served_and_the_plain_reload_is_not_enough(tmp_path: 
     from harness.engines.vllm import VLLMEngine
 
     checkpoint = write_checkpoint(tmp_path / "ckpt", dtype=torch.bfloat16, seed=0)
-    model = load_checkpoint(checkpoint)
+    model: Any = load_checkpoint(checkpoint)
     engine = VLLMEngine(checkpoint, seed=0)
     try:
         assert _gap(engine, model) < BF16_TOLERANCE  # the same weights: the same log-probs

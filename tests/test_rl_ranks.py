@@ -51,7 +51,8 @@ def test_samples_cross_ranks_as_json_unchanged() -> None:
     assert (back.key, back.group_key, back.prompt_len) == ("s0-p0-g0", "s0-p0", 2)
     assert back.tokens == (9, 10, 11, 12)
     assert back.attempts[0].logprobs == (-1.5, -2.25) and back.attempts[0].kind == "start"
-    assert np.array_equal(back.attempts[0].routes, routes) and np.array_equal(back.spliced, routes)
+    assert back.spliced is not None and np.array_equal(back.spliced, routes)
+    assert np.array_equal(back.attempts[0].routes, routes)
 
 
 def _on_two_ranks(tmp_path: Path, body: Callable[[RankGroup], Any]) -> list[Any]:
