@@ -17,7 +17,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness.audit.tap import EngineSample, TapAttempt, TapError
-from harness.rl_ranks import RankGroup, samples_from_json, samples_to_json, shard_mask, shard_positions
+from harness.rl_ranks import (
+    RankGroup,
+    ranks_started,
+    samples_from_json,
+    samples_to_json,
+    shard_mask,
+    shard_positions,
+)
 
 
 @given(length=st.integers(1, 200), world=st.integers(1, 4), split=st.sampled_from(["cp", "sp"]))
@@ -96,3 +103,16 @@ def test_a_run_with_no_rank_or_an_unknown_split_is_refused_naming_the_option() -
         RunConfig(ranks=0)
     with pytest.raises(TapError, match=r"--split: expected one of \['cp', 'sp', 'sp-halo'\], got 'ring'"):
         RunConfig(split="ring")
+
+
+def _rank_that_fails(rank: int, rendezvous: str) -> None:
+    """A rank ≥ 1 that joins the group, then fails (a spawned process: module-level)."""
+    RankGroup(Path(rendezvous), rank, 2)
+    raise SystemExit(3)
+
+
+@pytest.mark.distributed
+def test_a_rank_that_fails_is_named_with_its_exit_code(tmp_path: Path) -> None:
+    with pytest.raises(TapError, match=r"rank 1: exited with code 3; expected 0"):
+        with ranks_started(2, tmp_path, _rank_that_fails) as group:
+            assert group is not None and (group.rank, group.world) == (0, 2)
