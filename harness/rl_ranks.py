@@ -5,8 +5,9 @@ forward); every rank forwards each sample and taps, as *shard rows*, only the po
 holds (``TrainerTap(shard=rank, shards=N)``, its own per-rank files), computes the loss of the
 tokens its rows predict, and the ranks sum their gradients (``all_reduce``) before identical Adam
 steps. Every rank computing each sample's full context stands in for the KV exchange of ring
-attention (CP) or the all-to-all of Ulysses (SP): the dispatched routes of a held position are the
-same either way. ``rrh audit`` then checks ``shard_union`` on the ranks' real files.
+attention (CP) or the all-to-all of Ulysses (SP); what ``shard_union`` judges — which rank claims
+which (sample, position) — does not depend on how the context reached the rank. ``rrh audit`` then
+checks it on the ranks' real files.
 
 Splits (``SPLITS``): ``cp`` — Megatron's load-balanced zig-zag, 2·N chunks, rank r holding chunks r
 and 2N−1−r; ``sp`` — N contiguous slices; ``sp-halo`` — a broken SP split whose slices also claim
