@@ -56,6 +56,11 @@ LAYOUTS: dict[str, MegatronLayout] = {
     # one router per stage, so a stage fed the other stage's layer gets well-formed wrong targets.
     "pp2thd": MegatronLayout(**{**_COMMON, "num_layers": 4, "moe_layers": (1, 3)}, pp=2, lengths=(5, 8)),
     "pp2": MegatronLayout(**{**_COMMON, "num_layers": 4, "moe_layers": (1, 3)}, pp=2),
+    # Virtual stages: rank 0 builds chunks {layer 0 (dense)} and {layer 2}, rank 1 {1} and {3}, so a
+    # rank's routers are not contiguous layers, and one chunk has no router at all.
+    "pp2vpp2thd": MegatronLayout(
+        **{**_COMMON, "num_layers": 4, "moe_layers": (1, 2, 3)}, pp=2, vpp=2, lengths=(5, 8)
+    ),
     "thd-tp2ep2": MegatronLayout(**_COMMON, tp=2, ep=2, etp=1, lengths=(5, 8)),
 }
 DEFAULT = ("tp1ep1", "tp2ep2etp1", "pp2thd")
@@ -137,10 +142,10 @@ def test_router_replay_follows_canonical_targets(
     )
     for report in reports:
         rank = f"{name} rank {report['coords']}"
-        stage = layout.stage_moe_layers(report["coords"]["pp"])  # type: ignore[index]
+        stage = layout.rank_moe_layers(report["coords"]["pp"])  # type: ignore[index]
         assert report["routers"] == len(stage), (
             f"{rank}: {report['routers']} routers replayed, expected {len(stage)} "
-            "(one per MoE layer of its pipeline stage)"
+            "(one per MoE layer of its pipeline stage's chunks)"
         )
         assert report["local_tokens"] == layout.local_tokens, (
             f"{rank}: {report['local_tokens']} local tokens, expected {layout.local_tokens}"
