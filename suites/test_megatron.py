@@ -63,7 +63,7 @@ LAYOUTS: dict[str, MegatronLayout] = {
     ),
     "thd-tp2ep2": MegatronLayout(**_COMMON, tp=2, ep=2, etp=1, lengths=(5, 8)),
 }
-DEFAULT = ("tp1ep1", "tp2ep2etp1", "pp2thd")
+DEFAULT = ("tp1ep1", "tp2ep2etp1", "pp2thd", "pp2vpp2thd")
 ENV = "RRH_MEGATRON_LAYOUT"
 
 
