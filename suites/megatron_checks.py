@@ -1,7 +1,8 @@
 """The Megatron-core replay checks, run on every rank of an initialised ``torch.distributed`` world.
 
 :func:`run_checks` loads the subject (a spec: ranks are fresh processes), builds a tiny GPT MoE for a
-:class:`MegatronLayout` with the subject driver's ``config_overrides()``, installs the driver
+:class:`MegatronLayout` with the subject driver's ``config_overrides()`` (one model chunk per virtual
+pipeline stage, each handed to the subject together), installs the driver
 (``install_megatron_replay``) and feeds targets through the subject's data movement
 (``megatron_data``); the harness observes every router and expert with its own probe
 (``harness.probes.megatron``) and checks DESIGN §3.5–3.8:

@@ -21,6 +21,8 @@ Layouts (``RRH_MEGATRON_LAYOUT=name[,name…]`` selects; ``tox -e megatron-tp2ep
 - ``pp2thd``: two pipeline stages (PP = 2, one MoE layer each, activations and gradients exchanged
   over gloo), the micro-batch packed THD (two samples of 5 and 8 tokens, ``PackedSeqParams``: verl's
   default ``use_remove_padding=True`` input, SkyRL's packed path) (default run);
+- ``pp2vpp2thd``: two pipeline stages of two virtual chunks each (rank 0 builds layers 0 (dense) and
+  2, rank 1 layers 1 and 3: a rank's routers span chunks), the packed micro-batch (default run);
 - ``pp2``: two pipeline stages, the padded ``[B, S]`` micro-batch: ``slow``;
 - ``thd-tp2ep2``: the packed micro-batch under TP = 2 (each sample padded to a multiple of 2: filler
   rows, a shard boundary inside a sample), EP = 2: ``slow``.
