@@ -136,7 +136,9 @@ def truncate(
     return tokens[:keep], routes[: keep - 1]
 
 
-def check_truncation(tokens: torch.Tensor, routes: torch.Tensor, prompt_len: int, max_response_len: int) -> None:
+def check_truncation(
+    tokens: torch.Tensor, routes: torch.Tensor, prompt_len: int, max_response_len: int
+) -> None:
     """Raise :class:`SpliceError` naming the argument unless :func:`truncate` 's arguments fit together."""
     if tokens.dim() != 1 or tokens.shape[0] < 1:
         raise SpliceError(f"tokens must be a non-empty 1-D tensor, got shape {tuple(tokens.shape)}")

@@ -21,7 +21,9 @@ needs_verl = pytest.mark.skipif(
 
 
 def _outcomes(spec: str) -> dict[str, str]:
-    outcomes, log = run_suites(spec, paths=[str(suites_dir() / INVARIANT)], extra=["--hypothesis-profile", "ci"])
+    outcomes, log = run_suites(
+        spec, paths=[str(suites_dir() / INVARIANT)], extra=["--hypothesis-profile", "ci"]
+    )
     assert outcomes, f"no test ran for {spec}:\n{log[-2000:]}"
     return {o.nodeid: o.outcome for o in outcomes}
 

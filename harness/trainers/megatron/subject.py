@@ -5,7 +5,8 @@
   for orphans, and returns a ``MegatronReplay`` (the action switch).
 - ``CanonicalMegatronData`` (``MegatronDataMovement``): one DP rank's micro-batch of canonical routes →
   every local router's targets with :func:`layout.rank_targets` (seq-major, SP shard, PP stage
-  routers, each VPP chunk's in turn, global ids), fed through ``RouterReplay.set_replay_data`` with shape/id checks; and the
+  routers, each VPP chunk's in turn, global ids), fed through ``RouterReplay.set_replay_data``
+  with shape/id checks; and the
   rank's recordings back with :func:`layout.merge_recordings` (gathered over the model-parallel ranks
   of this DP rank).
 

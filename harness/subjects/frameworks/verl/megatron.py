@@ -157,9 +157,12 @@ class MegatronData:
         recorded: list[torch.Tensor] = []
         tokens = jagged(torch.zeros(attended.shape, dtype=torch.long), attended)
         for stage, chunk in _chunks(model, vp_rank):
-            utils.merge_router_topk_indices(
-                None, tokens, recorded, config, stage, **self._scoped(chunk, "0.9.1")
-            )
+            # Before 0.9.1 the engine records a chunk only under ``is_r2_record_action``, false for a
+            # chunk without a router; 0.9.1 records every scheduled chunk (an empty map for none).
+            if _has_router(chunk) or self._scoped(chunk, "0.9.1"):
+                utils.merge_router_topk_indices(
+                    None, tokens, recorded, config, stage, **self._scoped(chunk, "0.9.1")
+                )
         local = recorded[0]
         if len(model) > 1:  # the engine's VPP merge: per-chunk recordings in schedule order
             local = utils.reorder_and_merge_vpp_layers(

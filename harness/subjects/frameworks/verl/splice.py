@@ -150,7 +150,9 @@ def splice(version: str, payload: Payload, prompt_len: int, attempts: Sequence[A
     sampling = {"max_tokens": prompt_len + sum(a.new_tokens for a in attempts) + 1}
     with mock.patch.object(module, "asyncio", _NoWait()):
         if multi_turn:
-            loop = tool_agent_loop(version, client, list(range(prompt_len)), tool_tokens, sampling["max_tokens"])
+            loop = tool_agent_loop(
+                version, client, list(range(prompt_len)), tool_tokens, sampling["max_tokens"]
+            )
             final = asyncio.run(loop.run(sampling, raw_prompt=[{"role": "user", "content": "canned"}]))
         else:
             final = asyncio.run(
