@@ -24,6 +24,7 @@ Layouts (``RRH_MEGATRON_LAYOUT=name[,name…]`` selects; ``tox -e megatron-tp2ep
 - ``pp2vpp2thd``: two pipeline stages of two virtual chunks each (rank 0 builds layers 0 (dense) and
   2, rank 1 layers 1 and 3: a rank's routers span chunks), the packed micro-batch (default run);
 - ``pp2``: two pipeline stages, the padded ``[B, S]`` micro-batch: ``slow``;
+- ``pp2vpp2``: ``pp2vpp2thd``'s chunks with the padded ``[B, S]`` micro-batch: ``slow``;
 - ``thd-tp2ep2``: the packed micro-batch under TP = 2 (each sample padded to a multiple of 2: filler
   rows, a shard boundary inside a sample), EP = 2: ``slow``.
 
@@ -58,6 +59,7 @@ LAYOUTS: dict[str, MegatronLayout] = {
     # one router per stage, so a stage fed the other stage's layer gets well-formed wrong targets.
     "pp2thd": MegatronLayout(**{**_COMMON, "num_layers": 4, "moe_layers": (1, 3)}, pp=2, lengths=(5, 8)),
     "pp2": MegatronLayout(**{**_COMMON, "num_layers": 4, "moe_layers": (1, 3)}, pp=2),
+    "pp2vpp2": MegatronLayout(**{**_COMMON, "num_layers": 4, "moe_layers": (1, 2, 3)}, pp=2, vpp=2),
     # Virtual stages: rank 0 builds chunks {layer 0 (dense)} and {layer 2}, rank 1 {1} and {3}, so a
     # rank's routers are not contiguous layers, and one chunk has no router at all.
     "pp2vpp2thd": MegatronLayout(
