@@ -6,6 +6,8 @@ cannot start; a failure under ``RRH_REQUIRE_ENGINES=vllm``)."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
 from typing import Any
 
@@ -70,3 +72,68 @@ def test_a_splice_keeping_the_latest_payload_is_named_on_the_resumed_sample(tmp_
     assert splice.status == "violated", splice.line()
     assert {o["sample_key"] for o in splice.offenders} & {"s0-partial", "s0-turns", "s1-turns"}
     assert all("attempt 0" in o["expected"] for o in splice.offenders)
+
+
+def test_r2_update_pass_dispatches_what_the_old_logprob_pass_recorded(tmp_path: Path) -> None:
+    result = _audit(tmp_path, "r2", replay="R2")
+    fidelity = _by_name(result)["replay_fidelity"]
+    assert not result.violated, [r.line() for r in result.violated]
+    assert fidelity.status == "checked", fidelity.line()
+
+
+def test_r2_update_pass_rerouting_one_layer_is_named_at_that_layer(tmp_path: Path) -> None:
+    """The second mini-batch's update pass runs after an Adam step: a layer the driver leaves
+    routing natively no longer gives the recorded experts there."""
+    result = _audit(
+        tmp_path, "r2-skip", replay="R2", subject="harness.mutants.registry:hf-one-layer-unreplayed"
+    )
+    fidelity = _by_name(result)["replay_fidelity"]
+    assert fidelity.status == "violated", fidelity.line()
+    assert {o["layer"] for o in fidelity.offenders} == {LAST_MOE_LAYER}
+    first = fidelity.offenders[0]
+    assert first["row"] is not None and "recorded" in first["expected"], first
+
+
+VERL = "harness.subjects.frameworks.verl:VERL_0_9_1"
+"""verl 0.9.1 from PyPI, beside vLLM at the end of ``tox -e vllm-cpu`` (``ci/install_framework.sh``)."""
+
+
+def _require_verl() -> None:
+    """Skip naming why where verl is not installed; a failure under ``RRH_REQUIRE_ENGINES=…,verl``
+    (the tox env's run after it installs verl)."""
+    if importlib.util.find_spec("verl") is not None:
+        return
+    why = ("verl is not installed beside vLLM (tox -e vllm-cpu installs verl 0.9.1 at its end: "
+           "ci/install_framework.sh verl-0.9.1)")  # fmt: skip
+    if "verl" in os.environ.get("RRH_REQUIRE_ENGINES", "").split(","):
+        pytest.fail(f"{why} (RRH_REQUIRE_ENGINES={os.environ['RRH_REQUIRE_ENGINES']})")
+    pytest.skip(why)
+
+
+def test_verl_veomni_driver_on_a_dense_first_model_replays_each_layer_a_layer_late(tmp_path: Path) -> None:
+    """verl 0.9.1's VeOmni driver numbers MoE layers densely from the first decoder layer: on this
+    dense-first checkpoint MoE layer l gets the targets of layer l − 1 (FACTS: verl's VeOmni)."""
+    _require_verl()
+    result = _audit(tmp_path, "verl", replay="R3", subject=VERL)
+    fidelity = _by_name(result)["replay_fidelity"]
+    assert fidelity.status == "violated", fidelity.line()
+    first = fidelity.offenders[0]
+    assert first["row"] is not None and first["layer"] in (1, 2, LAST_MOE_LAYER), first
+    shifted = [layer["disagreement"] for layer in result.layers][1:]
+    assert min(shifted) > 0.9, result.layers  # layers 2 and 3 take the previous layer's targets
+
+
+def test_two_ranks_with_context_parallel_shards_reassemble_every_sample(tmp_path: Path) -> None:
+    result = _audit(tmp_path, "cp", replay="R3", steps=1, ranks=2, split="cp")
+    union = _by_name(result)["shard_union"]
+    assert not result.violated, [r.line() for r in result.violated]
+    assert union.status == "checked" and "no violation" in union.line(), union.line()
+
+
+def test_a_sequence_parallel_split_holding_boundary_rows_twice_is_named(tmp_path: Path) -> None:
+    result = _audit(tmp_path, "halo", replay="R3", steps=1, ranks=2, split="sp-halo")
+    union = _by_name(result)["shard_union"]
+    assert union.status == "violated", union.line()
+    first = union.offenders[0]
+    assert first["step"] == 0 and first["row"] is not None
+    assert "claimed 2 times (ranks 0 and 1)" in first["actual"], first

@@ -324,6 +324,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     cfg = RunConfig(steps=args.steps, prompts=args.prompts, group=args.group, response_len=args.response_len,
                     replay=args.replay, splice=args.splice, subject=args.subject, seed=args.seed,
+                    minibatches=args.minibatches, ranks=args.ranks, split=args.split,
                     engine_from=args.engine_from)  # fmt: skip
     summary = run_loop(args.directory, cfg)
     print(f"rrh run {args.directory}: {cfg.steps} steps in {summary['seconds']:.1f}s; audit it with "
@@ -530,6 +531,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="how attempts are spliced: the subject's splice, or 'replace with the latest payload'")  # fmt: skip
     run.add_argument("--subject", default=None, metavar="MODULE:ATTR",
                      help="the subject whose install_hf_replay and splice drive the trainer (default: the reference)")  # fmt: skip
+    run.add_argument("--minibatches", type=int, default=2,
+                     help="update passes and Adam steps per step, each on its share of the samples")  # fmt: skip
+    run.add_argument("--ranks", type=int, default=1,
+                     help="trainer ranks on gloo, each tapping its --split shard of every sample into its own files")  # fmt: skip
+    run.add_argument("--split", choices=["cp", "sp", "sp-halo"], default="cp",
+                     help="the shard each rank holds: cp (zig-zag), sp (contiguous), sp-halo (broken: boundary rows twice)")  # fmt: skip
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--engine-from", default=None, metavar="RUN",
                      help="train on the engine payloads a tapped run recorded instead of starting vLLM "

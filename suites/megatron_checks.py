@@ -1,7 +1,8 @@
 """The Megatron-core replay checks, run on every rank of an initialised ``torch.distributed`` world.
 
 :func:`run_checks` loads the subject (a spec: ranks are fresh processes), builds a tiny GPT MoE for a
-:class:`MegatronLayout` with the subject driver's ``config_overrides()``, installs the driver
+:class:`MegatronLayout` with the subject driver's ``config_overrides()`` (one model chunk per virtual
+pipeline stage, each handed to the subject together), installs the driver
 (``install_megatron_replay``) and feeds targets through the subject's data movement
 (``megatron_data``); the harness observes every router and expert with its own probe
 (``harness.probes.megatron``) and checks DESIGN §3.5–3.8:
@@ -52,7 +53,7 @@ from harness.trainers.megatron.layout import (
 )
 from harness.trainers.megatron.model import HIDDEN, batch_tokens, build_gpt, slot_count, tiny_config
 from reference_impl.config import axis_of_width
-from suites.megatron_pipeline import StageLink, StageStep, stage_input
+from suites.megatron_pipeline import MicroBatchStep, StageLink, StageStep, stage_input
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ def init_parallel(layout: MegatronLayout, seed: int) -> Coordinates:
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
     )
@@ -91,7 +93,8 @@ def init_parallel(layout: MegatronLayout, seed: int) -> Coordinates:
 
 
 class _Rank:
-    """One rank's model, the subject's controller and data movement, the harness's probe, and data."""
+    """One rank's model chunks (one per virtual pipeline stage), the subject's controller and data
+    movement, the harness's probe, and data."""
 
     def __init__(self, layout: MegatronLayout, seed: int, subject_spec: str) -> None:
         from megatron.core.transformer.moe.router import TopKRouter
@@ -109,20 +112,21 @@ class _Rank:
         ensure_patched(driver)
         RouterReplay.clear_global_router_replay_instances()
         self.config = tiny_config(layout, **dict(driver.config_overrides()))
-        self.model = build_gpt(self.config, layout)
-        self.control = driver.install([self.model], self.config)
-        self.routers = [m for m in self.model.modules() if isinstance(m, TopKRouter)]
+        virtual = layout.vpp > 1
+        self.chunks = [build_gpt(self.config, layout, c if virtual else None) for c in range(layout.vpp)]
+        self.control = driver.install(self.chunks, self.config)
+        self.routers = [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
         self.layer_numbers = [int(r.layer_number) - 1 for r in self.routers]
-        self.probe = DispatchProbe.attach(self.model)
-        stage = layout.stage_moe_layers(self.coords.pp)
+        self.probe = DispatchProbe.attach(*self.chunks)
+        stage = layout.rank_moe_layers(self.coords.pp)
         if self.layer_numbers != stage:
             raise MegatronReplayError(
                 f"routers sit on decoder layers {self.layer_numbers}, the layout says {stage}"
             )
-        self.device = next(self.model.parameters()).device
-        self.link = StageLink()
+        self.device = next(self.chunks[0].parameters()).device
+        self.links = [StageLink(c, layout.vpp) for c in range(layout.vpp)]
         self.positions: list[torch.Tensor] = []
-        if self.link.first_stage:
+        if self.links[0].first_stage:
             self._mark_positions()
         b, d = layout.micro_batch, self.coords.dp
         self.micro_batches = []
@@ -149,7 +153,7 @@ class _Rank:
         filler rows the last slot, marked ``-1``). Only the first pipeline stage embeds; later stages
         receive the slots with the activations.
         """
-        emb = self.model.embedding
+        emb = self.chunks[0].embedding
         slots = torch.arange(slot_count(self.layout), dtype=emb.position_embeddings.weight.dtype)
         if self.layout.packed:
             slots[-1] = -1
@@ -161,7 +165,7 @@ class _Rank:
             hidden = args[0] if args else kwargs["hidden_states"]
             self.positions.append(hidden[..., 0].detach().round().long().cpu().clone())
 
-        self.model.decoder.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+        self.chunks[0].decoder.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
 
     # --- steps -------------------------------------------------------------------------------
 
@@ -216,44 +220,59 @@ class _Rank:
             return (self.layout.local_tokens, 1)
         return (self.layout.seq_len // self.layout.tp, self.layout.micro_batch)
 
-    def forward(self, mb: int) -> StageStep:
-        """Micro-batch ``mb`` through this pipeline stage (activations and slots from / to the
-        neighbouring stages); the step's loss is the last stage's, on every stage."""
+    def forward(self, mb: int) -> MicroBatchStep:
+        """Micro-batch ``mb`` through this rank's chunks in turn (activations and slots from / to the
+        neighbouring virtual stages); the step's loss is the last stage's, on every rank."""
         inputs = {
             k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in self._inputs(mb).items()
         }
         loss_mask = inputs.pop("loss_mask")
-        received = None
-        if not self.link.first_stage:
-            rows = self._rows_shape()
-            received = stage_input(self.link, self.model, (*rows, HIDDEN), self.device)
-            self.positions.append(self.link.receive(rows, torch.long, torch.device("cpu")))
-        out = self.model(**inputs)
-        if not self.link.last_stage:
-            self.link.send(out)
-            self.link.send(self.positions[-1])
-            return StageStep(self.link.share_loss(None, self.device), output=out, received=received)
-        loss = (out.float() * loss_mask).sum()
-        return StageStep(self.link.share_loss(loss, self.device), received=received)
+        rows = self._rows_shape()
+        stages, loss = [], None
+        for chunk, link in zip(self.chunks, self.links, strict=True):
+            received = None
+            if not link.first_stage:
+                received = stage_input(link, chunk, (*rows, HIDDEN), self.device)
+                self.positions.append(link.receive(rows, torch.long, torch.device("cpu")))
+            out = chunk(**inputs)
+            if link.last_stage:
+                loss = (out.float() * loss_mask).sum()
+                stages.append(StageStep(loss, received=received))
+            else:
+                link.send(out)
+                link.send(self.positions[-1])
+                stages.append(StageStep(output=out, received=received))
+        return MicroBatchStep(self.links[-1].share_loss(loss, self.device), stages)
 
-    def backward(self, step: StageStep) -> None:
-        """This stage's backward of ``step`` (gradients to / from the neighbouring stages)."""
-        self.link.backward(step)
+    def backward(self, step: MicroBatchStep) -> None:
+        """This rank's backward of ``step``, chunks in reverse order (gradients to / from the
+        neighbouring virtual stages)."""
+        for link, stage in zip(reversed(self.links), reversed(step.stages), strict=True):
+            link.backward(stage)
 
     def zero_grad(self) -> None:
-        for p in self.model.parameters():
-            p.grad = None
+        for chunk in self.chunks:
+            for p in chunk.parameters():
+                p.grad = None
 
     def grads(self) -> dict[str, torch.Tensor]:
         return {
-            name: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-            for name, p in self.model.named_parameters()
+            f"{c}.{name}": (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+            for c, chunk in enumerate(self.chunks)
+            for name, p in chunk.named_parameters()
         }
 
     def _place(self, routes: torch.Tensor, coords: Coordinates) -> list[torch.Tensor]:
-        """The canonical per-router targets of ``coords`` (the harness's expectation, not the subject's)."""
+        """The canonical per-router targets of ``coords`` (the harness's expectation, not the subject's),
+        chunk after chunk."""
         place = thd.thd_rank_targets if self.layout.packed else rank_targets
-        return place(routes, self.layout, dp_rank=coords.dp, tp_rank=coords.tp, pp_rank=coords.pp)
+        return [
+            target
+            for chunk in range(self.layout.vpp)
+            for target in place(
+                routes, self.layout, dp_rank=coords.dp, tp_rank=coords.tp, pp_rank=coords.pp, vpp_chunk=chunk
+            )
+        ]
 
     def _real(self, coords: Coordinates) -> torch.Tensor:
         """Which router rows of ``coords`` hold a token (filler rows of a packed micro-batch do not)."""
@@ -397,7 +416,7 @@ class _Rank:
         b, d = self.layout.micro_batch, self.coords.dp
         routes = batch_routes(traces, self.layout)[d * b : (d + 1) * b]
         self.data.set_replay_data(
-            routes, self.attention_mask(), self.config, model=[self.model], **self.packed_keyword()
+            routes, self.attention_mask(), self.config, model=self.chunks, **self.packed_keyword()
         )
 
     def record(self) -> list[RoutingTrace]:
@@ -410,7 +429,7 @@ class _Rank:
             self.forward(0)
         merged = torch.as_tensor(
             self.data.merge_recordings(
-                self.attention_mask(), self.config, model=[self.model], **self.packed_keyword()
+                self.attention_mask(), self.config, model=self.chunks, **self.packed_keyword()
             )
         ).long()
         self.control.disarm()
@@ -481,8 +500,6 @@ def run_checks(layout: MegatronLayout, *, seed: int = 0, subject: str) -> dict[s
     Returns a small report of plain values (this rank's coordinates as a dict, token and router
     counts, the loss values).
     """
-    if layout.vpp != 1:
-        raise MegatronReplayError("run_checks drives pipeline stages without virtual chunks (vpp = 1)")
     r = _Rank(layout, seed, subject)
     report: dict[str, Any] = {
         "coords": asdict(r.coords),  # plain values: the report leaves the rank as torch.save bytes

@@ -7,6 +7,11 @@ placement oracle's slots, which PP never moves) go to the next stage, the gradie
 back in backward, and the last stage's loss is broadcast so every stage reports the same value.
 One micro-batch's steps are :class:`StageStep`; several may be in flight (forward mb1, forward mb2,
 then backward mb1, mb2), which is what makes each stage's ``REPLAY_BACKWARD`` FIFO matter.
+
+With virtual pipeline stages (VPP) each PP rank holds ``vpp`` model chunks, and chunk ``c`` of rank
+``r`` is virtual stage ``c·pp + r`` (Megatron's interleaved order): activations flow rank 0 chunk 0 →
+rank 1 chunk 0 → … → rank 0 chunk 1 → …, so one :class:`StageLink` per chunk names its neighbours
+among the virtual stages.
 """
 
 from __future__ import annotations
@@ -20,26 +25,36 @@ import torch.distributed as dist
 
 @dataclass
 class StageStep:
-    """One micro-batch on this stage: its loss (the last stage's, broadcast), the stage output that
-    backward starts from (non-last stages) and the received input whose gradient goes back."""
+    """One micro-batch on one (virtual) stage: the loss (last stage only, with its graph), the stage
+    output that backward starts from (other stages) and the received input whose gradient goes back."""
 
-    loss: torch.Tensor
+    loss: torch.Tensor | None = None
     output: torch.Tensor | None = None
     received: torch.Tensor | None = None
 
 
-class StageLink:
-    """This rank's neighbours in the pipeline group (global ranks), and the exchanges between them."""
+@dataclass
+class MicroBatchStep:
+    """One micro-batch on this rank: the step's loss (the last stage's, on every rank) and the steps of
+    this rank's chunks, in forward order."""
 
-    def __init__(self) -> None:
+    loss: torch.Tensor
+    stages: list[StageStep]
+
+
+class StageLink:
+    """The neighbours (global ranks) of this rank's model chunk ``vp_stage`` among the ``pp·vpp``
+    virtual pipeline stages, and the exchanges between them."""
+
+    def __init__(self, vp_stage: int = 0, vpp: int = 1) -> None:
         from megatron.core import parallel_state as ps
 
         self.size = ps.get_pipeline_model_parallel_world_size()
-        self.rank = ps.get_pipeline_model_parallel_rank()
         self.group = ps.get_pipeline_model_parallel_group()
         ranks = dist.get_process_group_ranks(self.group) if self.size > 1 else [dist.get_rank()]
-        self.prev = ranks[self.rank - 1] if self.rank > 0 else None
-        self.next = ranks[self.rank + 1] if self.rank < self.size - 1 else None
+        stage, stages = vp_stage * self.size + ps.get_pipeline_model_parallel_rank(), self.size * vpp
+        self.prev = ranks[(stage - 1) % self.size] if stage > 0 else None
+        self.next = ranks[(stage + 1) % self.size] if stage < stages - 1 else None
         self.last = ranks[-1]
 
     @property
@@ -87,6 +102,7 @@ class StageLink:
         """This stage's backward of ``step``: from the loss (last stage) or the gradient the next stage
         sends; then the input's gradient to the previous stage."""
         if self.last_stage:
+            assert step.loss is not None
             step.loss.backward()
         else:
             assert step.output is not None

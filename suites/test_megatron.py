@@ -21,7 +21,10 @@ Layouts (``RRH_MEGATRON_LAYOUT=name[,name…]`` selects; ``tox -e megatron-tp2ep
 - ``pp2thd``: two pipeline stages (PP = 2, one MoE layer each, activations and gradients exchanged
   over gloo), the micro-batch packed THD (two samples of 5 and 8 tokens, ``PackedSeqParams``: verl's
   default ``use_remove_padding=True`` input, SkyRL's packed path) (default run);
+- ``pp2vpp2thd``: two pipeline stages of two virtual chunks each (rank 0 builds layers 0 (dense) and
+  2, rank 1 layers 1 and 3: a rank's routers span chunks), the packed micro-batch (default run);
 - ``pp2``: two pipeline stages, the padded ``[B, S]`` micro-batch: ``slow``;
+- ``pp2vpp2``: ``pp2vpp2thd``'s chunks with the padded ``[B, S]`` micro-batch: ``slow``;
 - ``thd-tp2ep2``: the packed micro-batch under TP = 2 (each sample padded to a multiple of 2: filler
   rows, a shard boundary inside a sample), EP = 2: ``slow``.
 
@@ -56,9 +59,15 @@ LAYOUTS: dict[str, MegatronLayout] = {
     # one router per stage, so a stage fed the other stage's layer gets well-formed wrong targets.
     "pp2thd": MegatronLayout(**{**_COMMON, "num_layers": 4, "moe_layers": (1, 3)}, pp=2, lengths=(5, 8)),
     "pp2": MegatronLayout(**{**_COMMON, "num_layers": 4, "moe_layers": (1, 3)}, pp=2),
+    "pp2vpp2": MegatronLayout(**{**_COMMON, "num_layers": 4, "moe_layers": (1, 2, 3)}, pp=2, vpp=2),
+    # Virtual stages: rank 0 builds chunks {layer 0 (dense)} and {layer 2}, rank 1 {1} and {3}, so a
+    # rank's routers are not contiguous layers, and one chunk has no router at all.
+    "pp2vpp2thd": MegatronLayout(
+        **{**_COMMON, "num_layers": 4, "moe_layers": (1, 2, 3)}, pp=2, vpp=2, lengths=(5, 8)
+    ),
     "thd-tp2ep2": MegatronLayout(**_COMMON, tp=2, ep=2, etp=1, lengths=(5, 8)),
 }
-DEFAULT = ("tp1ep1", "tp2ep2etp1", "pp2thd")
+DEFAULT = ("tp1ep1", "tp2ep2etp1", "pp2thd", "pp2vpp2thd")
 ENV = "RRH_MEGATRON_LAYOUT"
 
 
@@ -137,10 +146,10 @@ def test_router_replay_follows_canonical_targets(
     )
     for report in reports:
         rank = f"{name} rank {report['coords']}"
-        stage = layout.stage_moe_layers(report["coords"]["pp"])  # type: ignore[index]
+        stage = layout.rank_moe_layers(report["coords"]["pp"])  # type: ignore[index]
         assert report["routers"] == len(stage), (
             f"{rank}: {report['routers']} routers replayed, expected {len(stage)} "
-            "(one per MoE layer of its pipeline stage)"
+            "(one per MoE layer of its pipeline stage's chunks)"
         )
         assert report["local_tokens"] == layout.local_tokens, (
             f"{rank}: {report['local_tokens']} local tokens, expected {layout.local_tokens}"

@@ -44,6 +44,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "harness.mutants",
             "harness.lab",
             "harness.rl_run",  # rrh run: a real RL loop (an engine, a subject's driver, the tap)
+            "harness.rl_ranks",  # rrh run --ranks: trainer ranks on gloo, CP/SP shards, the tap per rank
             # the gate's view of each engine: the reference adapter runs the reference lab (harness.lab,
             # with the reference subject's driver), so the adapters sit here, above the engines they wrap
             "harness.engines.adapters",

@@ -59,6 +59,38 @@ def test_pipeline_stage_gets_only_its_moe_layers() -> None:
     assert torch.equal(second, routes[0, :, 3])
 
 
+VPP = MegatronLayout(
+    num_layers=4, moe_layers=(1, 2, 3), num_experts=8, top_k=2, seq_len=4, micro_batch=2, tp=2, pp=2, vpp=2
+)
+
+
+def test_a_ranks_vpp_chunks_are_interleaved_model_chunks() -> None:
+    """PP = 2, VPP = 2: rank 0 builds layers 0 and 2 (chunk 0 dense), rank 1 layers 1 and 3."""
+    assert [VPP.stage_moe_layers(0, c) for c in range(2)] == [[], [2]]
+    assert VPP.rank_moe_layers(0) == [2] and VPP.rank_moe_layers(1) == [1, 3]
+    routes = batch_routes(random_traces(VPP, 3), VPP)
+    (chunk1,) = rank_targets(routes, VPP, dp_rank=0, tp_rank=0, pp_rank=0, vpp_chunk=1)
+    assert torch.equal(chunk1, routes[:, :2, 2].transpose(0, 1).reshape(-1, 2))
+
+
+def test_merge_recordings_inverts_rank_targets_across_vpp_chunks() -> None:
+    """Each rank records its chunks' routers in turn; the merge puts every chunk at its model layers."""
+    routes = batch_routes(random_traces(VPP, 4), VPP)
+    per_rank = {
+        (0, t, p): [
+            target
+            for c in range(VPP.vpp)
+            for target in rank_targets(routes, VPP, dp_rank=0, tp_rank=t, pp_rank=p, vpp_chunk=c)
+        ]
+        for t in range(VPP.tp)
+        for p in range(VPP.pp)
+    }
+    assert torch.equal(merge_recordings(per_rank, VPP), routes[:, :, [1, 2, 3]])
+    per_rank[(0, 0, 1)] = per_rank[(0, 0, 1)][:1]
+    with pytest.raises(MegatronReplayError, match=r"recordings\[\(0, 0, 1\)\]: 1 routers, expected 2"):
+        merge_recordings(per_rank, VPP)
+
+
 def test_expected_local_map_splits_global_ids_by_ep_rank() -> None:
     ids = torch.tensor([[0, 5], [3, 4], [6, 7]])
     assert expected_local_map(ids, LAYOUT, 0).tolist() == [

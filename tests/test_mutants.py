@@ -22,6 +22,7 @@ SPAWNING = {
     "megatron-unnormalised-gate-weights",
     "megatron-thd-seq-major",
     "megatron-thd-unpadded-boundaries",
+    "megatron-vpp-contiguous-chunks",
 }
 """Megatron mutants whose named kill spawns a Megatron rank (~10 s each): behind ``slow``. The
 probe-only one (RouterReplay actions on stale instances, whose own calls all succeed) proves the

@@ -243,12 +243,16 @@ def _metric_summaries(state: AuditState, layers: list[dict[str, Any]]) -> dict[s
         ),
         "logprob_gap": (
             f"mean |Δ| {g.mean_abs_diff:.3e}, k3 {g.k3:.3e} over {g.n_tokens} tokens; "
-            f"routes agreed: {a.mean_abs_diff:.3e} ({a.n_tokens} tokens), flipped: {fl.mean_abs_diff:.3e} "
-            f"({fl.n_tokens} tokens)"
+            f"routes agreed: {_part_gap(a)}, flipped: {_part_gap(fl)}"
         ),
         "prefix_agreement": f"{prefix_agree:.4f} of prompt rows agree within their group ({len(groups)} groups)",
         "expert_load": f"busiest expert / mean, worst layer: {max(loads):.2f}" if loads else "",
     }
+
+
+def _part_gap(part: Any) -> str:
+    """One part of the gap split by routing; a part with no token says so instead of printing nan."""
+    return f"{part.mean_abs_diff:.3e} ({part.n_tokens} tokens)" if part.n_tokens else "no token"
 
 
 def _metric_checkable(name: str, state: AuditState) -> bool:

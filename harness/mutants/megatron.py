@@ -7,6 +7,7 @@ expert with the harness's probe, so none of these can hide behind its own report
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -46,6 +47,20 @@ class OtherStage(CanonicalMegatronData):
 
         next_stage = (ps.get_pipeline_model_parallel_rank() + 1) % layout.pp
         return self.stage_targets(routes, layout, next_stage, vpp_chunk)
+
+
+class ContiguousChunks(CanonicalMegatronData):
+    """A rank's VPP chunks taken as consecutive slices of one contiguous block of layers (rank ``r``'s
+    chunk ``c`` = layers ``(r·vpp + c)·L/(pp·vpp) …``) instead of Megatron's interleaved model chunk
+    ``c·pp + r``: the layer-offset bug of a replay helper that ignores ``vp_stage``."""
+
+    def targets(self, routes: torch.Tensor, layout: MegatronLayout, vpp_chunk: int) -> list[torch.Tensor]:
+        from megatron.core import parallel_state as ps
+
+        every = self.stage_targets(routes, replace(layout, pp=1, vpp=1), 0, 0)  # one per MoE layer
+        size = layout.num_layers // (layout.pp * layout.vpp)
+        start = (ps.get_pipeline_model_parallel_rank() * layout.vpp + vpp_chunk) * size
+        return [t for layer, t in zip(layout.moe_layers, every, strict=True) if start <= layer < start + size]
 
 
 class PackedSeqMajor(CanonicalMegatronData):
@@ -163,6 +178,13 @@ MUTANTS = (
         "each PP stage's routers get the next stage's layers' targets",
         mutate("megatron-pp-other-stage", megatron_data=OtherStage()),
         killed_by="test_megatron.py::test_router_replay_follows_canonical_targets[pp2thd]",
+    ),
+    Mutant(
+        "megatron-vpp-contiguous-chunks",
+        "PP/VPP offsets",
+        "a rank's VPP chunks fed consecutive layers (r·vpp + c), not Megatron's interleaved chunk c·pp + r",
+        mutate("megatron-vpp-contiguous-chunks", megatron_data=ContiguousChunks()),
+        killed_by="test_megatron.py::test_router_replay_follows_canonical_targets[pp2vpp2thd]",
     ),
     Mutant(
         "megatron-thd-seq-major",

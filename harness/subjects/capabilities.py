@@ -159,7 +159,8 @@ class MegatronDataMovement(Protocol):
     never read), row ``s`` of sample ``b`` the route of the token at position ``s``; ``attention_mask``
     ``[B, S]`` says which positions hold tokens. Routers see tokens sequence-major (``s·B + b``),
     each TP rank its contiguous sequence-parallel shard, each (PP rank, VPP chunk) its own MoE
-    layers, expert ids global and logical.
+    layers, expert ids global and logical. With virtual pipeline stages the suites pass all of this
+    rank's chunks as ``model`` (chunk 0 first) with ``vp_rank=None``: one call covers every chunk.
 
     A packed (THD) micro-batch comes with the ``packed_seq_params`` (``PackedSeqParams``,
     ``qkv_format='thd'``) the model's forward receives: ``attention_mask`` is then right-padded (sample

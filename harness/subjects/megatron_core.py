@@ -82,14 +82,18 @@ class CoreData:
         from harness.trainers.megatron.subject import micro_batch_layout
 
         layout = micro_batch_layout(config, *attention_mask.shape)
-        targets = rank_targets(
-            torch.as_tensor(routes).long().cpu(),
-            layout,
-            dp_rank=0,
-            tp_rank=ps.get_tensor_model_parallel_rank(),
-            pp_rank=ps.get_pipeline_model_parallel_rank(),
-            vpp_chunk=vp_rank or 0,
-        )
+        targets = [
+            target
+            for chunk in (range(layout.vpp) if vp_rank is None else [vp_rank])
+            for target in rank_targets(
+                torch.as_tensor(routes).long().cpu(),
+                layout,
+                dp_rank=0,
+                tp_rank=ps.get_tensor_model_parallel_rank(),
+                pp_rank=ps.get_pipeline_model_parallel_rank(),
+                vpp_chunk=chunk,
+            )
+        ]
         device = next(model[0].parameters()).device
         _core().RouterReplay.set_replay_data([t.to(device) for t in targets])
 

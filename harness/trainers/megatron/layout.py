@@ -150,6 +150,11 @@ class MegatronLayout:
         owned = self.stage_layers(pp_rank, vpp_chunk)
         return [layer for layer in self.moe_layers if layer in owned]
 
+    def rank_moe_layers(self, pp_rank: int) -> list[int]:
+        """Decoder indices of every router of PP rank ``pp_rank``, chunk after chunk (with VPP not
+        contiguous: PP = 2, VPP = 2 puts layers 0 and 2 of four on rank 0)."""
+        return [layer for chunk in range(self.vpp) for layer in self.stage_moe_layers(pp_rank, chunk)]
+
 
 def batch_routes(traces: Sequence[RoutingTrace], layout: MegatronLayout) -> torch.Tensor:
     """Stack the global batch's canonical traces into decoder-axis routes ``[dp·B, S, layers, k]`` (int64).
@@ -236,51 +241,57 @@ def stage_router_targets(
 def merge_recordings(
     recordings: Mapping[tuple[int, int, int], Sequence[torch.Tensor]], layout: MegatronLayout
 ) -> torch.Tensor:
-    """Inverse of :func:`rank_targets` over all ranks (VPP = 1): MoE-ordinal routes ``[dp·B, S, n_moe, k]``.
+    """Inverse of :func:`rank_targets` over all ranks and chunks: MoE-ordinal routes ``[dp·B, S, n_moe, k]``.
 
     ``recordings[(dp_rank, tp_rank, pp_rank)]`` is the list of one rank's per-router recordings in
-    build order (``RouterReplay.get_recorded_data()``), each ``[S/tp · B, k]``.
+    build order (``RouterReplay.get_recorded_data()``: chunk after chunk with VPP), each
+    ``[S/tp · B, k]``.
     """
-    if layout.vpp != 1:
-        raise MegatronReplayError("merge_recordings: VPP > 1 is not supported")
     expected = {(d, t, p) for d in range(layout.dp) for t in range(layout.tp) for p in range(layout.pp)}
     if set(recordings) != expected:
         raise MegatronReplayError(
             f"recordings: missing {sorted(expected - set(recordings))}, "
             f"unexpected {sorted(set(recordings) - expected)}"
         )
-    ranges = [[layout.stage_layers(p)] for p in range(layout.pp)]
+    ranges = [[layout.stage_layers(p, c) for c in range(layout.vpp)] for p in range(layout.pp)]
     samples = []
     for d in range(layout.dp):
         per_stage = {}
         for p in range(layout.pp):
-            shards = []
-            for t in range(layout.tp):
-                per_router = list(recordings[(d, t, p)])
-                if len(per_router) != len(layout.stage_moe_layers(p)):
-                    raise MegatronReplayError(
-                        f"recordings[{(d, t, p)}]: {len(per_router)} routers, "
-                        f"expected {len(layout.stage_moe_layers(p))}"
-                    )
-                for j, rec in enumerate(per_router):
-                    if tuple(rec.shape) != (layout.local_tokens, layout.top_k):
-                        raise MegatronReplayError(
-                            f"recordings[{(d, t, p)}][{j}]: shape {tuple(rec.shape)}, "
-                            f"expected [{layout.local_tokens}, {layout.top_k}]"
-                        )
-                stacked = (
-                    torch.stack([r.long() for r in per_router], dim=1)
-                    if per_router
-                    else torch.zeros(layout.local_tokens, 0, layout.top_k, dtype=torch.long)
-                )
-                shards.append(stacked)  # [S/tp·B, n_stage, k], rows s·B + b of shard t
+            shards = [_rank_recording(recordings, (d, t, p), layout) for t in range(layout.tp)]
             # SP shards are contiguous in s and s is the major index, so concatenating the shards
-            # restores [S·B, n_stage, k] in seq-major order.
-            per_stage[(p, 0)] = layouts.sp_gather(shards, pad_len=0)
+            # restores [S·B, n_rank, k] in seq-major order; the rank's routers are its chunks' in turn.
+            rows = layouts.sp_gather(shards, pad_len=0)
+            first = 0
+            for c in range(layout.vpp):
+                count = len(layout.stage_moe_layers(p, c))
+                per_stage[(p, c)] = rows[:, first : first + count]
+                first += count
         merged = layouts.merge_stage_recordings(per_stage, ranges, layout.moe_layers)  # [S·B, n_moe, k]
         merged = merged.reshape(layout.seq_len, layout.micro_batch, -1, layout.top_k)
         samples.append(merged.transpose(0, 1))  # [B, S, n_moe, k]
     return torch.cat(samples, dim=0)
+
+
+def _rank_recording(
+    recordings: Mapping[tuple[int, int, int], Sequence[torch.Tensor]],
+    key: tuple[int, int, int],
+    layout: MegatronLayout,
+) -> torch.Tensor:
+    """One rank's recordings stacked ``[S/tp·B, n_rank, k]`` (rows ``s·B + b`` of its shard), checked."""
+    per_router = list(recordings[key])
+    routers = len(layout.rank_moe_layers(key[2]))
+    if len(per_router) != routers:
+        raise MegatronReplayError(f"recordings[{key}]: {len(per_router)} routers, expected {routers}")
+    for j, rec in enumerate(per_router):
+        if tuple(rec.shape) != (layout.local_tokens, layout.top_k):
+            raise MegatronReplayError(
+                f"recordings[{key}][{j}]: shape {tuple(rec.shape)}, "
+                f"expected [{layout.local_tokens}, {layout.top_k}]"
+            )
+    if not per_router:
+        return torch.zeros(layout.local_tokens, 0, layout.top_k, dtype=torch.long)
+    return torch.stack([r.long() for r in per_router], dim=1)
 
 
 def expected_local_map(gathered_targets: torch.Tensor, layout: MegatronLayout, ep_rank: int) -> torch.Tensor:

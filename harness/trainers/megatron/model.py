@@ -52,6 +52,7 @@ def tiny_config(
         moe_grouped_gemm=False,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         pipeline_dtype=torch.float32,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
@@ -129,13 +130,14 @@ def packed_attention_class() -> type:
     return PackedDotProductAttention
 
 
-def _local_block_spec(config: Any) -> Any:
+def _local_block_spec(config: Any, vp_stage: int | None = None) -> Any:
     """Megatron's local GPT block spec with :class:`SequenceParallelLayerNorm` for every torch norm
     and :func:`packed_attention_class` as every layer's core attention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    chunk = {} if vp_stage is None else {"vp_stage": vp_stage}
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, **chunk)
     if spec.layer_norm is WrappedTorchNorm:
         spec.layer_norm = SequenceParallelLayerNorm
     packed_attention = packed_attention_class()
@@ -147,8 +149,10 @@ def _local_block_spec(config: Any) -> Any:
     return spec
 
 
-def build_gpt(config: Any, layout: MegatronLayout) -> Any:
-    """A ``GPTModel`` of ``config`` (this rank's pipeline stage), local specs, on the current device.
+def build_gpt(config: Any, layout: MegatronLayout, vp_stage: int | None = None) -> Any:
+    """A ``GPTModel`` of ``config`` (this rank's pipeline stage; with VPP its model chunk ``vp_stage``,
+    whose layers megatron-core places by ``get_transformer_layer_offset(config, vp_stage)``), local
+    specs, on the current device.
 
     ``max_sequence_length`` covers :func:`slot_count` learned positions: a packed layout's positions
     name a ``(sample, position)`` slot each (the placement oracle of ``suites/megatron_checks.py``).
@@ -156,15 +160,17 @@ def build_gpt(config: Any, layout: MegatronLayout) -> Any:
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    spec = _local_block_spec(config)
+    chunk = {} if vp_stage is None else {"vp_stage": vp_stage}
+    spec = _local_block_spec(config, vp_stage)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=VOCAB,
         max_sequence_length=slot_count(layout),
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         position_embedding_type="learned_absolute",
+        **chunk,
     )
     device = (
         torch.device("cuda", torch.cuda.current_device())

@@ -5,7 +5,8 @@
   for orphans, and returns a ``MegatronReplay`` (the action switch).
 - ``CanonicalMegatronData`` (``MegatronDataMovement``): one DP rank's micro-batch of canonical routes →
   every local router's targets with :func:`layout.rank_targets` (seq-major, SP shard, PP stage
-  routers, global ids), fed through ``RouterReplay.set_replay_data`` with shape/id checks; and the
+  routers, each VPP chunk's in turn, global ids), fed through ``RouterReplay.set_replay_data``
+  with shape/id checks; and the
   rank's recordings back with :func:`layout.merge_recordings` (gathered over the model-parallel ranks
   of this DP rank).
 
@@ -112,7 +113,9 @@ class CanonicalMegatronData:
         packed_seq_params: Any = None,
     ) -> None:
         layout = self._layout(attention_mask, config, packed_seq_params)
-        targets = self.targets(torch.as_tensor(routes).long().cpu(), layout, vp_rank or 0)
+        routes = torch.as_tensor(routes).long().cpu()
+        chunks = range(layout.vpp) if vp_rank is None else [vp_rank]
+        targets = [t for chunk in chunks for t in self.targets(routes, layout, chunk)]
         device = next(model[0].parameters()).device
         feeder = MegatronReplay(model_routers(*model), layout.top_k, layout.num_experts)
         feeder.feed([t.to(device) for t in targets], layout.local_tokens)

@@ -4,6 +4,7 @@ Each capability is a thin adapter over the release's own code, one module each (
 the release code it wraps and what stands in for the services around it):
 
 - ``splice`` (``splice.py``): the partial-rollout resume loop and the multi-turn agent loop;
+- ``truncate`` (``truncation.py``, 0.9.1 only): the multi-turn agent loop's response budget, cut mid-turn;
 - ``layouts.place_left_padded`` (``placement.py``): the agent loop's padded batch and R3 replay mask;
 - ``layouts.pack`` / ``layouts.unplace`` (``no_padding.py``, 0.9.1 only): the trainer's no-padding layout;
 - ``install_megatron_replay`` / ``megatron_data`` (``megatron.py``): Megatron R2/R3;
@@ -23,6 +24,7 @@ from harness.subjects.frameworks.verl.no_padding import NoPaddingLayouts
 from harness.subjects.frameworks.verl.payload import Payload
 from harness.subjects.frameworks.verl.placement import Layouts, place_left_padded
 from harness.subjects.frameworks.verl.splice import splice
+from harness.subjects.frameworks.verl.truncation import truncate
 from harness.subjects.frameworks.verl.veomni import VeOmniDriver
 
 __all__ = [
@@ -40,6 +42,7 @@ def _subject(version: str, payload: Payload) -> Subject:
     return Subject(
         name=f"verl-{version} ({'vLLM numpy' if payload == 'numpy' else 'SGLang tensor'} payloads)",
         splice=partial(splice, version, payload),
+        truncate=partial(truncate, version, payload) if version == "0.9.1" else None,
         layouts=(NoPaddingLayouts if version == "0.9.1" else Layouts)(version, payload),
         install_megatron_replay=MegatronDriver(version),
         megatron_data=MegatronData(version),

@@ -3,10 +3,10 @@
 0.16.1 verl's own ``RouterReplay`` and ``routing`` on every ``TopKRouter``; the engine's
 RECORD / REPLAY_FORWARD / REPLAY_BACKWARD actions) and ``router_replay_utils.py``
 (``set_router_replay_data``, ``merge_router_topk_indices`` then ``pp_gather``; from 0.9.0 on the
-forwarded model's own routers), fed the jagged batch verl's engine holds. The harness's Megatron
-model takes a padded ``[B, S]`` micro-batch, which is verl's ``bshd`` data format
-(``engine.use_remove_padding=False``); verl's default ``thd`` format packs the model input into
-one sequence, which the harness's Megatron model does not take, so that path is not checked.
+forwarded model's own routers), fed the jagged batch verl's engine holds, on the padded (``bshd``)
+or the packed (``thd``, verl's default) model input. With virtual pipeline stages the helpers run
+once per model chunk with its ``vp_rank``, as the engine's ``forward_step`` calls them, and the
+chunks' recordings go through ``reorder_and_merge_vpp_layers`` before ``pp_gather``.
 ``align_r3_router_replay_data`` and ``build_r3_replay_mask`` are not called there: the suite's
 traces have a row for every position (R2's replay, which verl also uses), and the R3 mask is
 checked through ``layouts``.
@@ -82,6 +82,23 @@ class MegatronDriver:
         return _MegatronController(self.version)
 
 
+def _chunks(
+    model: Sequence[torch.nn.Module], vp_rank: int | None
+) -> list[tuple[int | None, list[torch.nn.Module]]]:
+    """``(vp_rank, [chunk])`` per model chunk, as verl's engine calls its replay helpers from each
+    chunk's ``forward_step`` (``vp_rank = model.vp_stage``); one chunk (no VPP) goes as it came."""
+    if len(model) == 1:
+        return [(vp_rank, list(model))]
+    return [(stage, [chunk]) for stage, chunk in enumerate(model)]
+
+
+def _has_router(chunks: Sequence[torch.nn.Module]) -> bool:
+    """Whether ``chunks`` hold a ``TopKRouter`` (a VPP chunk of dense layers holds none)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return any(isinstance(m, TopKRouter) for chunk in chunks for m in chunk.modules())
+
+
 class MegatronData:
     """verl's per-micro-batch data movement: ``set_router_replay_data`` and
     ``merge_router_topk_indices`` on the jagged (no-padding) batch the engine holds.
@@ -117,9 +134,12 @@ class MegatronData:
         packed_seq_params: Any = None,
     ) -> None:
         utils = _replay_utils(self.version, model)
-        utils.set_router_replay_data(
-            jagged(routes, attention_mask), None, config, vp_rank, **self._scoped(model, "0.9.0")
-        )
+        routes = jagged(routes, attention_mask)
+        for stage, chunk in _chunks(model, vp_rank):
+            # The engine feeds a chunk only while its routers are in REPLAY_FORWARD
+            # (``RouterReplayHelper.is_replay_forward_action``): never a chunk without a router.
+            if _has_router(chunk):
+                utils.set_router_replay_data(routes, None, config, stage, **self._scoped(chunk, "0.9.0"))
 
     def merge_recordings(
         self,
@@ -136,10 +156,19 @@ class MegatronData:
         attended = torch.as_tensor(attention_mask).bool()
         recorded: list[torch.Tensor] = []
         tokens = jagged(torch.zeros(attended.shape, dtype=torch.long), attended)
-        utils.merge_router_topk_indices(
-            None, tokens, recorded, config, vp_rank, **self._scoped(model, "0.9.1")
-        )
-        gathered = utils.pp_gather(recorded[0], config)
+        for stage, chunk in _chunks(model, vp_rank):
+            # Before 0.9.1 the engine records a chunk only under ``is_r2_record_action``, false for a
+            # chunk without a router; 0.9.1 records every scheduled chunk (an empty map for none).
+            if _has_router(chunk) or self._scoped(chunk, "0.9.1"):
+                utils.merge_router_topk_indices(
+                    None, tokens, recorded, config, stage, **self._scoped(chunk, "0.9.1")
+                )
+        local = recorded[0]
+        if len(model) > 1:  # the engine's VPP merge: per-chunk recordings in schedule order
+            local = utils.reorder_and_merge_vpp_layers(
+                recorded, 1, len(model), config.microbatch_group_size_per_vp_stage
+            )
+        gathered = utils.pp_gather(local, config)
         values = gathered.values()
         merged = torch.zeros((*attended.shape, *values.shape[1:]), dtype=values.dtype)
         merged[attended] = values

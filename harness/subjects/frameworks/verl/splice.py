@@ -150,7 +150,9 @@ def splice(version: str, payload: Payload, prompt_len: int, attempts: Sequence[A
     sampling = {"max_tokens": prompt_len + sum(a.new_tokens for a in attempts) + 1}
     with mock.patch.object(module, "asyncio", _NoWait()):
         if multi_turn:
-            loop = _tool_agent_loop(version, client, prompt_len, tool_tokens, sampling["max_tokens"])
+            loop = tool_agent_loop(
+                version, client, list(range(prompt_len)), tool_tokens, sampling["max_tokens"]
+            )
             final = asyncio.run(loop.run(sampling, raw_prompt=[{"role": "user", "content": "canned"}]))
         else:
             final = asyncio.run(
@@ -161,10 +163,11 @@ def splice(version: str, payload: Payload, prompt_len: int, attempts: Sequence[A
     return final.routed_experts
 
 
-def _tool_agent_loop(
-    version: str, server: Any, prompt_len: int, tool_tokens: list[list[int]], response_length: int
+def tool_agent_loop(
+    version: str, server: Any, prompt_ids: list[int], tool_tokens: list[list[int]], response_length: int
 ) -> Any:
-    """The release's ``ToolAgentLoop`` over ``server``, with canned stand-ins for the chat template,
+    """The release's ``ToolAgentLoop`` over ``server`` with ``rollout.response_length``
+    ``response_length``, with canned stand-ins for the chat template (the prompt is ``prompt_ids``),
     the tool parser and the tool step (module docstring); ``tool_tokens[j]`` open turn ``j + 1``."""
     from verl.experimental.agent_loop.tool_agent_loop import AgentState, ToolAgentLoop
     from verl.experimental.agent_loop.tool_parser import FunctionCall
@@ -180,7 +183,7 @@ def _tool_agent_loop(
 
     class CannedToolAgentLoop(ToolAgentLoop):  # type: ignore[misc, valid-type]
         async def _handle_pending_state(self, agent_data: Any, sampling_params: Any) -> Any:
-            agent_data.prompt_ids = list(range(prompt_len))
+            agent_data.prompt_ids = list(prompt_ids)
             return AgentState.GENERATING
 
         async def _handle_processing_tools_state(self, agent_data: Any) -> Any:
@@ -206,9 +209,9 @@ def _tool_agent_loop(
     loop.processor = None
     loop.mm_processor_kwargs = None
     loop.rollout_config = types.SimpleNamespace(
-        full_determinism=False, prompt_length=prompt_len, response_length=response_length
+        full_determinism=False, prompt_length=len(prompt_ids), response_length=response_length
     )
-    loop.prompt_length, loop.response_length = prompt_len, response_length
+    loop.prompt_length, loop.response_length = len(prompt_ids), response_length
     loop.tools, loop.tool_schemas = {}, []
     loop.tool_parser, loop.tool_parser_name = ToolParser(), "canned"
     loop.max_user_turns = loop.max_assistant_turns = None
