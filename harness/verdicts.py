@@ -189,10 +189,16 @@ def verdict_of(outcome: Any) -> dict[str, str] | None:
     return {"invariant": outcome.invariant, "verdict": "fail", "detail": detail}
 
 
-def observe(release: Release) -> dict[str, dict[str, dict[str, str]]]:
-    """Run the release's suites against each of its subjects: ``{spec: {test id: entry}}``."""
+def observe(release: Release, suites: Sequence[str] = ()) -> dict[str, dict[str, dict[str, str]]]:
+    """Run the release's suites (or only ``suites``, some of them) against each of its subjects:
+    ``{spec: {test id: entry}}``."""
     from harness.check import run_suites, suites_dir
 
+    unknown = sorted(set(suites) - set(release.suites))
+    if unknown:
+        raise VerdictError(
+            f"--suites: {unknown} are not suites of {release.name}; expected some of {release.suites}"
+        )
     observed: dict[str, dict[str, dict[str, str]]] = {}
     for spec in release.subjects:
         # The ci profile (derandomized), whatever the environment: without it the profile follows
@@ -200,7 +206,7 @@ def observe(release: Release) -> dict[str, dict[str, dict[str, str]]]:
         outcomes, log = run_suites(
             spec,
             select=release.select,
-            paths=[str(suites_dir() / s) for s in release.suites],
+            paths=[str(suites_dir() / s) for s in (suites or release.suites)],
             extra=("--hypothesis-profile", "ci", *(("-k", release.keyword) if release.keyword else ())),
         )
         if not outcomes:
@@ -212,6 +218,24 @@ def observe(release: Release) -> dict[str, dict[str, dict[str, str]]]:
                 entries[outcome.nodeid.split("/")[-1]] = entry
         observed[spec] = entries
     return observed
+
+
+def with_recorded_rest(
+    observed: dict[str, dict[str, dict[str, str]]], recorded: dict[str, Any], suites: Sequence[str]
+) -> dict[str, dict[str, dict[str, str]]]:
+    """``observed`` (the tests of ``suites`` only) completed with the recorded verdicts of every other
+    suite: what re-observing one changed suite gives, the rest of the release's verdicts unchanged."""
+    return {
+        spec: {
+            **{
+                test: entry
+                for test, entry in recorded["subjects"].get(spec, {}).items()
+                if test.split("::")[0] not in suites
+            },
+            **entries,
+        }
+        for spec, entries in observed.items()
+    }
 
 
 def load(release: Release, directory: Path = VERDICTS_DIR) -> dict[str, Any]:
@@ -356,6 +380,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--index-answer", type=Path, help="releases: replay this recorded answer of pip (no network)"
     )
     parser.add_argument("--save-answer", type=Path, help="releases: record pip's answer to this file")
+    parser.add_argument(
+        "--suites",
+        nargs="+",
+        default=(),
+        metavar="FILE",
+        help="a release: observe only these of its suites (e.g. test_megatron.py after that suite "
+        "changed); every other verdict is taken from the recorded file",
+    )
     return parser
 
 
@@ -379,7 +411,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if why is not None:
         print(f"{release.name}: {why}", file=sys.stderr)
         return 2
-    return settle(release, observe(release), VERDICTS_DIR, record=args.record)
+    try:
+        observed = observe(release, args.suites)
+        if args.suites:
+            observed = with_recorded_rest(observed, load(release), args.suites)
+    except VerdictError as err:
+        print(f"{release.name}: {err}", file=sys.stderr)
+        return 2
+    return settle(release, observed, VERDICTS_DIR, record=args.record)
 
 
 def settle(

@@ -14,7 +14,19 @@ from pathlib import Path
 
 import pytest
 
-from harness.verdicts import RELEASES, UNTRIAGED, VERDICTS_DIR, diff, load, merged, summary, table
+from harness.verdicts import (
+    RELEASES,
+    UNTRIAGED,
+    VERDICTS_DIR,
+    VerdictError,
+    diff,
+    load,
+    merged,
+    observe,
+    summary,
+    table,
+    with_recorded_rest,
+)
 
 SPEC = "pkg.mod:SUBJECT"
 
@@ -65,6 +77,23 @@ def test_recording_keeps_the_triage_of_failures_that_stay_failures() -> None:
     assert out["subjects"][SPEC]["t::c"]["triage"] == UNTRIAGED  # a new failure is never pre-explained
 
 
+def test_one_suite_reobserved_keeps_every_other_recorded_verdict() -> None:
+    """``--suites test_megatron.py``: that suite's verdicts are the new observation (a new layout
+    included), every other suite's are the recorded ones, and a test of it no longer run is gone."""
+    recorded = _recorded(
+        {"test_a.py::x": FAIL, "test_megatron.py::t[old]": PASS, "test_megatron.py::t[gone]": PASS}
+    )
+    observed = {SPEC: {"test_megatron.py::t[old]": PASS, "test_megatron.py::t[new]": PASS}}
+    assert with_recorded_rest(observed, recorded, ["test_megatron.py"]) == {
+        SPEC: {"test_a.py::x": FAIL, "test_megatron.py::t[old]": PASS, "test_megatron.py::t[new]": PASS}
+    }
+
+
+def test_a_suite_that_is_not_the_releases_is_refused() -> None:
+    with pytest.raises(VerdictError, match=r"--suites: \['test_vllm.py'\] are not suites of mcore-0.19.2"):
+        observe(RELEASES["mcore-0.19.2"], ["test_vllm.py"])
+
+
 def test_a_release_beside_another_gets_its_own_column_and_line(tmp_path: Path) -> None:
     """verl 0.9.1 alone and on megatron-core 0.19.2 wrap the same subject: the table and the summary
     tell the two recordings apart by the release each runs beside."""
@@ -110,4 +139,3 @@ def test_release_verdicts_match(name: str) -> None:
 
     changes = diff(load(release), observe(release))
     assert not changes, f"{name}: {len(changes)} verdict(s) changed:\n" + "\n".join(changes)
-
