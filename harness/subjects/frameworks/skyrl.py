@@ -307,7 +307,9 @@ class _MegatronData:
         mask = attention_mask.bool()
         values = torch.from_numpy(compact_routed_expert_indices(self.real_token_routes(routes, mask).numpy()))
         lengths = mask.sum(dim=1).tolist()
-        routes_packed = PackedTensor(values.to(mask.device), cu_seqlens_from_lengths(lengths, device=mask.device))
+        routes_packed = PackedTensor(
+            values.to(mask.device), cu_seqlens_from_lengths(lengths, device=mask.device)
+        )
         padding = _preprocess(self.version).make_router_padding_mask(mask, lengths)
         layout = build_token_metadata_layout(mask, mask.device, packed=packed, fp8_enabled=False)
         replay_utils(self.version).setup_per_microbatch_replay_forward(
@@ -320,7 +322,6 @@ class _MegatronData:
             remove_microbatch_padding=packed,
         )
 
-
     @staticmethod
     def real_token_routes(routes: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The real tokens' routes ``[sum(n_b), L, k]`` int64, sample after sample (the values of the
@@ -329,23 +330,25 @@ class _MegatronData:
 
 
 def _check_release_packing(version: str, attention_mask: torch.Tensor, packed_seq_params: Any) -> None:
-    """Raise unless the release's ``preprocess_packed_seqs`` packs these samples as the forward's
-    ``packed_seq_params`` say (same ``cu_seqlens_q`` / ``cu_seqlens_q_padded``): the harness's model
-    must hold the rows SkyRL's trainer would build, so that every real token is judged at its row and
-    no verdict rests on an alignment SkyRL would not choose."""
+    """Raise unless the release's ``preprocess_packed_seqs`` starts each sample at the row the
+    forward's ``packed_seq_params.cu_seqlens_q_padded`` says: the harness's model must hold the rows
+    SkyRL's trainer would build, so that every real token is judged at its row and no verdict rests
+    on an alignment SkyRL would not choose. SkyRL's own ``cu_seqlens_q`` is the padded one (each
+    sample's filler rows count as its last tokens); under causal attention that changes no real
+    token's output, so it is a representation and not compared."""
     _bare_backends(version)
     from skyrl.backends.skyrl_train.distributed.megatron.megatron_utils import preprocess_packed_seqs
 
     mask = attention_mask.bool()
     _, release = preprocess_packed_seqs(torch.zeros(mask.shape, dtype=torch.long, device=mask.device), mask)
-    for name in ("cu_seqlens_q", "cu_seqlens_q_padded"):
-        want = getattr(release, name).cpu().long()
-        got = getattr(packed_seq_params, name)
-        if got is None or not torch.equal(torch.as_tensor(got).cpu().long(), want):
-            raise MegatronReplayError(
-                f"packed_seq_params.{name} = {None if got is None else torch.as_tensor(got).tolist()}, "
-                f"SkyRL {version}'s preprocess_packed_seqs packs these samples at {want.tolist()}"
-            )
+    want = release.cu_seqlens_q_padded.cpu().long()
+    got = packed_seq_params.cu_seqlens_q_padded
+    got = None if got is None else torch.as_tensor(got).cpu().long()
+    if got is None or not torch.equal(got, want):
+        raise MegatronReplayError(
+            f"packed_seq_params.cu_seqlens_q_padded = {None if got is None else got.tolist()}, "
+            f"SkyRL {version}'s preprocess_packed_seqs starts the samples at {want.tolist()}"
+        )
 
 
 def _subject(version: str) -> Subject:
