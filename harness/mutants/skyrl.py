@@ -12,10 +12,10 @@ from dataclasses import replace
 
 import torch
 
-from harness.subjects.frameworks.skyrl import SKYRL_0_4_0, _MegatronData
+from harness.subjects.frameworks.skyrl import SKYRL_0_4_0, SkyrlMegatronData
 
 
-class _SeqMajorPackedRoutes(_MegatronData):
+class _SeqMajorPackedRoutes(SkyrlMegatronData):
     """The ``PackedTensor`` values gathered sequence-major over the real tokens (position by
     position across the samples, the padded batch's ``s·B + b`` order) while ``cu_seqlens`` still
     say sample after sample: well-formed rows, each real token's route at another token's row."""

@@ -252,7 +252,7 @@ _REFUSES_VPP = {"0.4.0"}
 """Releases that refuse routing replay under virtual pipeline stages at setup."""
 
 
-class _MegatronData:
+class SkyrlMegatronData:
     """SkyRL's per-micro-batch replay setup (``MegatronDataMovement``; no recordings to merge)."""
 
     def __init__(self, version: str) -> None:
@@ -356,7 +356,7 @@ def _subject(version: str) -> Subject:
         name=f"skyrl-{version}",
         layouts=_Layouts(version),
         install_megatron_replay=_MegatronDriver(version),
-        megatron_data=_MegatronData(version),
+        megatron_data=SkyrlMegatronData(version),
     )
 
 
