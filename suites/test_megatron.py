@@ -29,7 +29,8 @@ Layouts (``RRH_MEGATRON_LAYOUT=name[,name…]`` selects; ``tox -e megatron-tp2ep
   rows, a shard boundary inside a sample), EP = 2: ``slow``.
 
 A packed layout needs a data movement whose ``set_replay_data`` / ``merge_recordings`` take
-``packed_seq_params``; a subject without it skips, naming it.
+``packed_seq_params``; a subject without it skips, naming it. A layout the subject's driver declares
+its release refuses at setup (``refusal``, e.g. SkyRL 0.4.0 with VPP) skips, naming the reason.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import os
 import pytest
 
 from harness.subjects import Subject
+from harness.subjects.capabilities import CapabilityView
 from harness.testing.megatron_cpu import setup_rank
 from harness.testing.ranks import run_ranks
 from harness.testing.suite import require, subject_spec
@@ -104,6 +106,17 @@ def _require_packed(subject: Subject) -> None:
             )
 
 
+def _require_accepted(subject: Subject, layout: MegatronLayout) -> None:
+    """Skip, naming the release's reason, a layout its driver declares it refuses at setup
+    (``RefusesMegatronLayout``)."""
+    driver = subject.install_megatron_replay
+    target = driver.target if isinstance(driver, CapabilityView) else driver
+    refusal = getattr(target, "refusal", None)
+    reason = refusal(layout) if callable(refusal) else None
+    if reason:
+        pytest.skip(f"subject {subject.name!r} refuses this layout at setup: {reason}")
+
+
 def megatron_worker(
     rank: int, world_size: int, layout: MegatronLayout, subject: str, seed: int
 ) -> dict[str, object]:
@@ -133,6 +146,7 @@ def test_router_replay_follows_canonical_targets(
     require(subject, "install_megatron_replay")
     require(subject, "megatron_data")
     layout = LAYOUTS[name]
+    _require_accepted(subject, layout)
     if layout.packed:
         _require_packed(subject)
     reports = _run(layout, subject_spec(request.config), seed=0)

@@ -59,6 +59,14 @@ repeated-row seams among them) without the real-engine coverage run. ``-m slow``
 NOT_DISTRIBUTED = ["-m", "not slow and not gpu and not distributed"]
 
 
+def _select_named_layout(killed_by: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Select the Megatron layout a mutant's killer names in brackets: ``slow`` layouts (the only
+    ones with TP > 1 on packed input, say) run only when selected by name."""
+    layout = re.fullmatch(r"test_megatron\.py::\w+\[(.+)\]", killed_by)
+    if layout:
+        monkeypatch.setenv("RRH_MEGATRON_LAYOUT", layout.group(1))
+
+
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=pytest.mark.slow) if n in SPAWNING else n for n in NAMES]
 )
@@ -66,9 +74,7 @@ def test_mutant_is_killed_by_its_named_invariant(name: str, monkeypatch: pytest.
     """The invariant a mutant names (``Mutant.killed_by``) fails on it: a few seconds per mutant. A
     Megatron layout named in brackets is selected by name (``slow`` layouts run only when selected)."""
     mutant = get(name)
-    layout = re.fullmatch(r"test_megatron\.py::\w+\[(.+)\]", mutant.killed_by)
-    if layout:
-        monkeypatch.setenv("RRH_MEGATRON_LAYOUT", layout.group(1))
+    _select_named_layout(mutant.killed_by, monkeypatch)
     outcome = run_mutant(mutant, named_killer_only=True, extra=kill_args(None))
     assert outcome.tests_run > 0, f"{name}: no test matches suites/{mutant.killed_by}"
     assert outcome.killed, f"{name} ({outcome.bug_class}) survived suites/{mutant.killed_by}"
@@ -96,9 +102,11 @@ def test_benign_variant_passes_every_suite_at_the_full_example_budget(name: str)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
-def test_mutant_is_killed_under_five_seeds(name: str) -> None:
+def test_mutant_is_killed_under_five_seeds(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The kill does not depend on luck: under five different hypothesis seeds, the suites of the
-    mutant's capability (all of them, not only its named invariant) find the bug."""
+    mutant's capability (all of them, not only its named invariant, on the Megatron layout it names)
+    find the bug."""
+    _select_named_layout(get(name).killed_by, monkeypatch)
     for seed in range(1, 6):
         outcome = run_mutant(get(name), first_kill_only=True, extra=kill_args(seed))
         assert outcome.killed, f"{name} survived under --hypothesis-seed={seed}"

@@ -151,6 +151,20 @@ class MegatronReplayDriver(Protocol):
 
 
 @runtime_checkable
+class RefusesMegatronLayout(Protocol):
+    """Optional on a ``MegatronReplayDriver``: the layouts the release itself refuses at setup.
+
+    A release that raises on a parallel configuration before training (SkyRL 0.4.0: routing replay
+    with virtual pipeline stages) is not run on it: the suite skips the layout, naming the reason
+    this returns (the release's own check, cited from its source). A reason is a declared contract
+    the verdict shows, never a pass.
+    """
+
+    def refusal(self, layout: Any) -> str | None:
+        """Why the release refuses ``layout`` (a ``MegatronLayout``), or None when it runs it."""
+
+
+@runtime_checkable
 class MegatronDataMovement(Protocol):
     """Canonical routes ↔ one rank's routers, for one DP rank's micro-batch (FACTS §2).
 

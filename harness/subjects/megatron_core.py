@@ -7,9 +7,12 @@ as released and nothing else: ``moe_enable_routing_replay=True`` makes every ``T
 ``RouterReplay.get_recorded_data``. No harness check sits between them (the reference subject's
 driver adds bypass and orphan checks): whatever Megatron-core does is what the probes see.
 
-Megatron-core ships no data movement from canonical traces to its per-rank targets; that arithmetic
-(sequence-major tokens, SP shard, PP stage routers) is the canonical one of
-``harness.trainers.megatron.layout``, applied to this rank's coordinates from ``parallel_state``.
+Megatron-core ships no data movement from canonical traces to its per-rank targets, padded or packed
+(its ``PackedSeqParams`` only describes the model input); that arithmetic (sequence-major tokens, or
+a packed micro-batch's samples one after another each padded to a multiple of ``tp``; SP shard; PP
+and VPP stage routers) is the canonical one of ``harness.trainers.megatron.layout`` / ``.packed``,
+applied to this rank's coordinates from ``parallel_state``. What the packed layouts then judge is
+Megatron-core's ``RouterReplay`` (default and static-buffer mode) on ``T/tp`` packed rows.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from harness.subjects import Subject
 
@@ -65,7 +67,10 @@ class CoreDriver:
 
 
 class CoreData:
-    """``MegatronDataMovement`` into and out of ``RouterReplay`` 's class list."""
+    """``MegatronDataMovement`` into and out of ``RouterReplay`` 's class list; a packed (THD)
+    micro-batch (the forward's ``packed_seq_params``) is laid out the same canonical way
+    (``harness.trainers.megatron.packed``: each sample padded to a multiple of ``tp``, sharded
+    contiguously over TP)."""
 
     def set_replay_data(
         self,
@@ -75,24 +80,19 @@ class CoreData:
         *,
         model: Sequence[torch.nn.Module],
         vp_rank: int | None = None,
+        packed_seq_params: Any = None,
     ) -> None:
         from megatron.core import parallel_state as ps
 
-        from harness.trainers.megatron.layout import rank_targets
-        from harness.trainers.megatron.subject import micro_batch_layout
+        from harness.trainers.megatron.subject import CanonicalMegatronData, data_layout
 
-        layout = micro_batch_layout(config, *attention_mask.shape)
+        layout = data_layout(attention_mask, config, packed_seq_params)
+        routes = torch.as_tensor(routes).long().cpu()
+        pp_rank = ps.get_pipeline_model_parallel_rank()
         targets = [
             target
             for chunk in (range(layout.vpp) if vp_rank is None else [vp_rank])
-            for target in rank_targets(
-                torch.as_tensor(routes).long().cpu(),
-                layout,
-                dp_rank=0,
-                tp_rank=ps.get_tensor_model_parallel_rank(),
-                pp_rank=ps.get_pipeline_model_parallel_rank(),
-                vpp_chunk=chunk,
-            )
+            for target in CanonicalMegatronData.stage_targets(routes, layout, pp_rank, chunk)
         ]
         device = next(model[0].parameters()).device
         _core().RouterReplay.set_replay_data([t.to(device) for t in targets])
@@ -104,22 +104,12 @@ class CoreData:
         *,
         model: Sequence[torch.nn.Module],
         vp_rank: int | None = None,
+        packed_seq_params: Any = None,
     ) -> torch.Tensor:
-        from megatron.core import parallel_state as ps
+        from harness.trainers.megatron.subject import data_layout, merge_rank_recordings
 
-        from harness.trainers.megatron.layout import merge_recordings
-        from harness.trainers.megatron.subject import micro_batch_layout
-
-        layout = micro_batch_layout(config, *attention_mask.shape)
-        recorded = [r.detach().cpu().long() for r in _core().RouterReplay.get_recorded_data()]
-        mine = (
-            ps.get_data_parallel_rank(),
-            ps.get_tensor_model_parallel_rank(),
-            ps.get_pipeline_model_parallel_rank(),
-        )
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (mine, recorded))
-        return merge_recordings({(0, t, p): recs for (d, t, p), recs in everyone if d == mine[0]}, layout)
+        layout = data_layout(attention_mask, config, packed_seq_params)
+        return merge_rank_recordings(_core().RouterReplay.get_recorded_data(), layout)
 
 
 MEGATRON_CORE = Subject(

@@ -2,13 +2,18 @@
 
 - ``install_megatron_replay`` / ``megatron_data``: R3 on Megatron-core through
   ``skyrl/backends/skyrl_train/utils/replay_utils.py``: ``patch_topk_router_layer_number`` is the
-  once-per-process patch, ``setup_per_microbatch_replay_forward(routes, attention_mask, config,
-  remove_microbatch_padding=False)`` (0.2.0: ``use_sample_packing=False``) gives every router its
-  targets for a padded ``[B, S]`` micro-batch (the mode whose model input is the harness's; SkyRL's
-  default packs the micro-batch into one THD sequence); ``setup_per_microbatch_replay_backward``
-  and ``clear_router_replay`` drive recompute and teardown. SkyRL records nothing (it has R3
-  only), so the controller's ``record`` is Megatron-core's own ``RECORD`` action and
-  ``merge_recordings`` is absent (a skip).
+  once-per-process patch, ``setup_per_microbatch_replay_forward`` gives every router its targets
+  in the mode of the micro-batch the harness's model takes: a padded ``[B, S]`` micro-batch with
+  ``remove_microbatch_padding=False`` (0.2.0: ``use_sample_packing=False``), a packed (THD) one —
+  the forward's ``packed_seq_params`` — with ``True``, SkyRL's default: 0.2.0 / 0.3.0
+  ``_pack_replay_indices`` and 0.4.0 ``build_token_metadata_layout(…, packed=True)`` pack each
+  sample's real tokens padded to ``get_packed_seq_align_size(tp, cp)`` (``tp`` at CP = 1, no FP8:
+  the harness's alignment), then slice the ``[1, T]`` rows over TP. The adapter first checks that
+  the release's own ``preprocess_packed_seqs`` packs the samples at the forward's ``cu_seqlens``.
+  ``setup_per_microbatch_replay_backward`` and ``clear_router_replay`` drive recompute and
+  teardown. SkyRL records nothing (it has R3 only), so the controller's ``record`` is
+  Megatron-core's own ``RECORD`` action and ``merge_recordings`` is absent (a skip). 0.4.0 refuses
+  routing replay with virtual pipeline stages at setup (the driver's ``refusal``: a skip).
 - ``layouts.place_left_padded``: the trainer's batch placement,
   ``skyrl.train.dataset.preprocess.convert_prompts_responses_to_batch_tensors(...,
   rollout_expert_indices=…)``. The generator hands it per-sample routes as nested lists (what the
@@ -33,6 +38,7 @@ import torch
 
 from harness.subjects import Subject
 from harness.subjects.frameworks import check_placement_arguments, require_release
+from harness.trainers.megatron.layout import MegatronReplayError
 from reference_impl.layouts import Placed
 
 
@@ -224,14 +230,29 @@ class _MegatronDriver:
     def install(self, model: Sequence[torch.nn.Module], config: Any) -> _MegatronController:
         return _MegatronController(self.version)
 
+    def refusal(self, layout: Any) -> str | None:
+        """0.4.0 refuses routing replay with virtual pipeline stages before training
+        (``megatron_worker.py``: ``ValueError`` "moe_enable_routing_replay is incompatible with
+        virtual_pipeline_model_parallel_size"; ``train/utils/utils.py`` asserts the same on the
+        config): "interleaved chunks desync the replay FIFO". 0.2.0 / 0.3.0 have no such check."""
+        if self.version in _REFUSES_VPP and layout.vpp > 1:
+            return (
+                f"SkyRL {self.version} raises on moe_enable_routing_replay with "
+                f"virtual_pipeline_model_parallel_size={layout.vpp} (megatron_worker.py, "
+                "train/utils/utils.py: interleaved chunks desync the replay FIFO)"
+            )
+        return None
+
 
 _PACKING_KEYWORD = {"0.2.0": "use_sample_packing", "0.3.0": "remove_microbatch_padding"}
 """The switch between padded and packed micro-batches, renamed in 0.3.0 (FACTS §6)."""
 _PACKED_ROUTES = {"0.4.0"}
 """Releases whose routes travel packed over real tokens (``PackedTensor``) with a router padding mask."""
+_REFUSES_VPP = {"0.4.0"}
+"""Releases that refuse routing replay under virtual pipeline stages at setup."""
 
 
-class _MegatronData:
+class SkyrlMegatronData:
     """SkyRL's per-micro-batch replay setup (``MegatronDataMovement``; no recordings to merge)."""
 
     def __init__(self, version: str) -> None:
@@ -245,47 +266,88 @@ class _MegatronData:
         *,
         model: Sequence[torch.nn.Module],
         vp_rank: int | None = None,
+        packed_seq_params: Any = None,
     ) -> None:
+        """Padded ``[B, S]`` micro-batch: the release's unpacked mode. Packed (THD, the forward's
+        ``packed_seq_params``): its packed mode, after checking that the release's own packing of
+        these samples (``preprocess_packed_seqs``) is the forward's, so that the routers' rows are
+        the ones SkyRL's trainer would build."""
+        packed = packed_seq_params is not None
+        if packed:
+            _check_release_packing(self.version, attention_mask, packed_seq_params)
         if self.version in _PACKED_ROUTES:
-            self._set_packed(routes, attention_mask, config, model)
+            self._set_packed_routes(routes, attention_mask, config, model, packed)
             return
-        unpacked = {_PACKING_KEYWORD[self.version]: False}
+        mode = {_PACKING_KEYWORD[self.version]: packed}
         replay_utils(self.version).setup_per_microbatch_replay_forward(
-            torch.as_tensor(routes), attention_mask, config, **unpacked
+            torch.as_tensor(routes), attention_mask, config, **mode
         )
 
-    def _set_packed(
+    def _set_packed_routes(
         self,
         routes: torch.Tensor,
         attention_mask: torch.Tensor,
         config: Any,
         model: Sequence[torch.nn.Module],
+        packed: bool,
     ) -> None:
-        """0.4.0's call, as its ``MegatronModelWrapper`` makes it for a padded micro-batch: routes
-        packed over real tokens in their canonical dtype, the trainer's router padding mask (every
-        real token has its row: nothing is padding but padding), the release's token layout
-        (``build_token_metadata_layout(…, packed=False)``) and ``remove_microbatch_padding=False``.
-        The returned ``padding_mask`` only excludes dummy rows from load-balancing statistics, which
-        the suites do not train; routing is what the probes observe."""
+        """0.4.0's call, as its ``MegatronModelWrapper`` makes it: routes packed over real tokens in
+        their canonical dtype (``PackedTensor``), the trainer's router padding mask (every real token
+        has its row: nothing is padding but padding), the release's token layout
+        (``build_token_metadata_layout(…, packed=…)``: per-sample alignment to
+        ``get_packed_seq_align_size(tp, cp)`` and CP sharding when packed) and
+        ``remove_microbatch_padding`` in the same mode. The returned ``padding_mask`` only excludes
+        dummy rows from load-balancing statistics, which the suites do not train; routing is what
+        the probes observe."""
         _bare_backends(self.version)
         from skyrl.backends.skyrl_train.distributed.megatron.token_metadata import build_token_metadata_layout
         from skyrl.backends.skyrl_train.utils.packed_tensor import PackedTensor, cu_seqlens_from_lengths
         from skyrl.backends.skyrl_train.utils.routed_experts import compact_routed_expert_indices
 
         mask = attention_mask.bool()
-        values = torch.from_numpy(compact_routed_expert_indices(torch.as_tensor(routes)[mask].long().numpy()))
+        values = torch.from_numpy(compact_routed_expert_indices(self.real_token_routes(routes, mask).numpy()))
         lengths = mask.sum(dim=1).tolist()
-        packed = PackedTensor(values.to(mask.device), cu_seqlens_from_lengths(lengths, device=mask.device))
+        routes_packed = PackedTensor(
+            values.to(mask.device), cu_seqlens_from_lengths(lengths, device=mask.device)
+        )
         padding = _preprocess(self.version).make_router_padding_mask(mask, lengths)
-        layout = build_token_metadata_layout(mask, mask.device, packed=False, fp8_enabled=False)
+        layout = build_token_metadata_layout(mask, mask.device, packed=packed, fp8_enabled=False)
         replay_utils(self.version).setup_per_microbatch_replay_forward(
-            packed,
+            routes_packed,
             padding,
             mask,
             model=model[0],
             model_config=config,
             metadata_layout=layout,
-            remove_microbatch_padding=False,
+            remove_microbatch_padding=packed,
+        )
+
+    @staticmethod
+    def real_token_routes(routes: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The real tokens' routes ``[sum(n_b), L, k]`` int64, sample after sample (the values of the
+        ``PackedTensor`` SkyRL's collator hands its trainer)."""
+        return torch.as_tensor(routes)[mask].long()
+
+
+def _check_release_packing(version: str, attention_mask: torch.Tensor, packed_seq_params: Any) -> None:
+    """Raise unless the release's ``preprocess_packed_seqs`` starts each sample at the row the
+    forward's ``packed_seq_params.cu_seqlens_q_padded`` says: the harness's model must hold the rows
+    SkyRL's trainer would build, so that every real token is judged at its row and no verdict rests
+    on an alignment SkyRL would not choose. SkyRL's own ``cu_seqlens_q`` is the padded one (each
+    sample's filler rows count as its last tokens); under causal attention that changes no real
+    token's output, so it is a representation and not compared."""
+    _bare_backends(version)
+    from skyrl.backends.skyrl_train.distributed.megatron.megatron_utils import preprocess_packed_seqs
+
+    mask = attention_mask.bool()
+    _, release = preprocess_packed_seqs(torch.zeros(mask.shape, dtype=torch.long, device=mask.device), mask)
+    want = release.cu_seqlens_q_padded.cpu().long()
+    got = packed_seq_params.cu_seqlens_q_padded
+    got = None if got is None else torch.as_tensor(got).cpu().long()
+    if got is None or not torch.equal(got, want):
+        raise MegatronReplayError(
+            f"packed_seq_params.cu_seqlens_q_padded = {None if got is None else got.tolist()}, "
+            f"SkyRL {version}'s preprocess_packed_seqs starts the samples at {want.tolist()}"
         )
 
 
@@ -294,7 +356,7 @@ def _subject(version: str) -> Subject:
         name=f"skyrl-{version}",
         layouts=_Layouts(version),
         install_megatron_replay=_MegatronDriver(version),
-        megatron_data=_MegatronData(version),
+        megatron_data=SkyrlMegatronData(version),
     )
 
 

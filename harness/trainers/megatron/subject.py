@@ -86,6 +86,39 @@ def _check_mask(attention_mask: torch.Tensor) -> None:
         )
 
 
+def data_layout(attention_mask: torch.Tensor, config: Any, packed_seq_params: Any = None) -> MegatronLayout:
+    """One micro-batch's layout: padded ``[B, S]`` (every position a token) or, with the forward's
+    ``packed_seq_params``, packed (THD; lengths checked against ``cu_seqlens``)."""
+    if packed_seq_params is None:
+        _check_mask(attention_mask)
+        return micro_batch_layout(config, *attention_mask.shape)
+    lengths = packed_lengths(attention_mask, packed_seq_params)
+    batch, seq_len = attention_mask.shape
+    return micro_batch_layout(config, batch, seq_len, lengths=lengths)
+
+
+def merge_rank_recordings(recorded: Sequence[torch.Tensor], layout: MegatronLayout) -> torch.Tensor:
+    """This DP rank's recorded routes ``[B, S, L, k]`` from every rank's router recordings (build
+    order), gathered over the world (collective); a packed micro-batch's filler rows are dropped."""
+    from megatron.core import parallel_state as ps
+
+    mine = (
+        ps.get_data_parallel_rank(),
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_rank(),
+    )
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (mine, [r.detach().cpu().long() for r in recorded]))
+    own_dp = {(0, tp, pp): recs for (dp, tp, pp), recs in everyone if dp == mine[0]}
+    if not layout.packed:
+        return merge_recordings(own_dp, layout)
+    # Packed: the same merge over the [T/tp] shards as one "sample" of T rows, then unpacked.
+    assert layout.lengths is not None
+    rows = replace(layout, seq_len=layout.packed_rows, micro_batch=1, lengths=None)
+    merged = merge_recordings(own_dp, rows)[0]  # [T, n_moe, k]
+    return thd.unpack_routes(merged, layout.lengths, layout.tp, layout.seq_len)
+
+
 class HarnessMegatronDriver:
     """``MegatronReplayDriver`` of the reference subject (Megatron-core's ``RouterReplay``, checked)."""
 
@@ -112,23 +145,13 @@ class CanonicalMegatronData:
         vp_rank: int | None = None,
         packed_seq_params: Any = None,
     ) -> None:
-        layout = self._layout(attention_mask, config, packed_seq_params)
+        layout = data_layout(attention_mask, config, packed_seq_params)
         routes = torch.as_tensor(routes).long().cpu()
         chunks = range(layout.vpp) if vp_rank is None else [vp_rank]
         targets = [t for chunk in chunks for t in self.targets(routes, layout, chunk)]
         device = next(model[0].parameters()).device
         feeder = MegatronReplay(model_routers(*model), layout.top_k, layout.num_experts)
         feeder.feed([t.to(device) for t in targets], layout.local_tokens)
-
-    @staticmethod
-    def _layout(attention_mask: torch.Tensor, config: Any, packed_seq_params: Any) -> MegatronLayout:
-        """The micro-batch's layout: padded ``[B, S]`` (every position a token) or packed (THD)."""
-        if packed_seq_params is None:
-            _check_mask(attention_mask)
-            return micro_batch_layout(config, *attention_mask.shape)
-        lengths = packed_lengths(attention_mask, packed_seq_params)
-        batch, seq_len = attention_mask.shape
-        return micro_batch_layout(config, batch, seq_len, lengths=lengths)
 
     def targets(self, routes: torch.Tensor, layout: MegatronLayout, vpp_chunk: int) -> list[torch.Tensor]:
         """This rank's per-router targets, in build order (:func:`layout.rank_targets`, packed:
@@ -163,29 +186,13 @@ class CanonicalMegatronData:
         vp_rank: int | None = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
-        from megatron.core import parallel_state as ps
-
-        layout = self._layout(attention_mask, config, packed_seq_params)
+        layout = data_layout(attention_mask, config, packed_seq_params)
         recorded = [r.router_replay.get_recorded_indices() for r in model_routers(*model)]
         if any(r is None for r in recorded):
             raise MegatronReplayError(
                 "merge_recordings: a router recorded nothing (RECORD and a forward first)"
             )
-        mine = (
-            ps.get_data_parallel_rank(),
-            ps.get_tensor_model_parallel_rank(),
-            ps.get_pipeline_model_parallel_rank(),
-        )
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (mine, [r.detach().cpu().long() for r in recorded]))
-        own_dp = {(0, tp, pp): recs for (dp, tp, pp), recs in everyone if dp == mine[0]}
-        if not layout.packed:
-            return merge_recordings(own_dp, layout)
-        # Packed: the same merge over the [T/tp] shards as one "sample" of T rows, then unpacked.
-        assert layout.lengths is not None
-        rows = replace(layout, seq_len=layout.packed_rows, micro_batch=1, lengths=None)
-        merged = merge_recordings(own_dp, rows)[0]  # [T, n_moe, k]
-        return thd.unpack_routes(merged, layout.lengths, layout.tp, layout.seq_len)
+        return merge_rank_recordings(recorded, layout)
 
 
 MEGATRON_DRIVER = HarnessMegatronDriver()
