@@ -74,6 +74,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "harness.report",
             "harness.gate",
             "harness.bench",
+            "harness.bench_pairs",
             "harness.bench_replay",
             "harness.bench_tap",
             "conformance",  # the harness's own backends and tools checked: the gate included
