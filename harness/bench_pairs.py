@@ -19,8 +19,11 @@ from typing import Any
 
 import torch
 
-Instrument = Callable[[torch.nn.Module, torch.Tensor], AbstractContextManager[Callable[[], float]]]
-"""Instruments the copy it is given and yields the timed forward of it (seconds per call)."""
+Instrument = Callable[
+    [torch.nn.Module, torch.Tensor, "ForwardShape"], AbstractContextManager[Callable[[], float]]
+]
+"""Instruments the copy of the model it is given (of that shape) and yields the timed forward of it
+on the tokens given (seconds per call)."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ def bench_pairs(
     tokens = torch.randint(0, 1024, (shape.batch, shape.seq), generator=generator)
     for name in dtypes:
         bare = qwen3_moe(getattr(torch, name), shape)
-        with instrument(copy.deepcopy(bare), tokens) as timed:
+        with instrument(copy.deepcopy(bare), tokens, shape) as timed:
             forward_seconds(bare, tokens), timed()  # warm-up
             pairs = [(forward_seconds(bare, tokens), timed()) for _ in range(repeats)]
         without, with_it = zip(*pairs, strict=True)

@@ -22,7 +22,7 @@ TARGET_RATIO = 1.10
 
 
 @contextmanager
-def _armed(hooked: torch.nn.Module, tokens: torch.Tensor) -> Iterator[Callable[[], float]]:
+def _armed(hooked: torch.nn.Module, tokens: torch.Tensor, _: ForwardShape) -> Iterator[Callable[[], float]]:
     """Replay hooks on ``hooked``, armed with the routing its own forward of ``tokens`` records."""
     from harness.trainers.hf.replay import install_replay
 

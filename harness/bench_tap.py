@@ -26,17 +26,17 @@ TARGET_RATIO = 1.05
 
 
 @contextmanager
-def _tapped(model: torch.nn.Module, tokens: torch.Tensor) -> Iterator[Callable[[], float]]:
+def _tapped(
+    model: torch.nn.Module, tokens: torch.Tensor, shape: ForwardShape
+) -> Iterator[Callable[[], float]]:
     """A ``TrainerTap`` on ``model`` writing to a temporary directory; each timed forward is one
     ``old_logprob`` pass of padded rows, its capture discarded outside the timing."""
-    batch, seq = tokens.shape
-    layers = model.config.num_hidden_layers
-    rows = PackedRows.padded([f"sample-{i}" for i in range(batch)], torch.ones(batch, seq, dtype=torch.bool))
+    mask = torch.ones(shape.batch, shape.seq, dtype=torch.bool)
+    rows = PackedRows.padded([f"sample-{i}" for i in range(shape.batch)], mask)
     with tempfile.TemporaryDirectory(prefix="rrh-bench-tap-") as tmp:
         writer = BackgroundWriter(tmp)
-        tap = TrainerTap(model, writer, num_layers=layers, moe_layers=range(layers),
-                         num_experts=model.config.num_experts, top_k=model.config.num_experts_per_tok,
-                         source="rrh bench tap")  # fmt: skip
+        tap = TrainerTap(model, writer, num_layers=shape.layers, moe_layers=range(shape.layers),
+                         num_experts=shape.experts, top_k=shape.top_k, source="rrh bench tap")  # fmt: skip
 
         def timed() -> float:
             t0 = time.perf_counter()
