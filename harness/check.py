@@ -240,7 +240,7 @@ def _suite_modules(*roots: Path) -> list[str]:
 
 
 @contextlib.contextmanager
-def _fresh_suite_modules() -> Iterator[None]:
+def fresh_suite_modules() -> Iterator[None]:
     """Import the suite modules anew for a nested run; the enclosing session's come back after.
 
     Hypothesis fixes a test's settings when its module is imported (``@settings(max_examples=…)``
@@ -296,7 +296,7 @@ def run_suites(
     ]
     log = io.StringIO()
     try:
-        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log), _fresh_suite_modules():
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log), fresh_suite_modules():
             pytest.main(args, plugins=[collector])
     finally:
         settings.load_profile(profile)

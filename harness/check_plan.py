@@ -141,7 +141,7 @@ def lab_config(kind: LabKind, family: str | None) -> LabConfig:
 
     if kind in ("hf", "vllm"):
         return LabConfig(family=DEFAULT_HF_FAMILY)
-    return LabConfig(family=family) if family in ROUTER_FAMILIES else LabConfig()
+    return LabConfig(family=family) if family is not None and family in ROUTER_FAMILIES else LabConfig()
 
 
 def plan_check(

@@ -1,14 +1,19 @@
-"""``rrh bench trace`` measures what it says, on a small trace (its figures are never asserted: they
-are throughputs of this machine)."""
+"""``rrh bench trace``, ``replay`` and ``tap`` measure what they say, on small inputs (their figures are
+never asserted: they are throughputs of this machine)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from harness.bench import bench_trace
+from harness.bench_pairs import ForwardShape
+from harness.bench_replay import bench_replay, format_bench_replay
+from harness.bench_tap import bench_tap, format_bench_tap
 from harness.cli import main
 
 
@@ -37,3 +42,27 @@ def test_a_dir_that_is_not_a_directory_is_a_usage_error(
         capsys.readouterr().err.strip()
         == f"rrh bench trace: --dir {tmp_path / 'missing'}: expected an existing directory"
     )
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize(
+    ("bench", "show", "with_key", "labels"),
+    [
+        (bench_replay, format_bench_replay, "with_replay_ms", ("without", "armed")),
+        (bench_tap, format_bench_tap, "with_tap_ms", ("untapped", "tapped")),
+    ],
+)
+def test_replay_and_tap_benches_time_both_copies_and_say_their_verdict(
+    bench: Callable[..., dict[str, Any]], show: Callable[[dict[str, Any]], str], with_key: str,
+    labels: tuple[str, str],
+) -> None:  # fmt: skip
+    """Both benches on a one-layer model: each dtype's medians of the bare and the instrumented copy,
+    the ratio judged against the bench's target, and the text naming both."""
+    shape = ForwardShape(batch=1, seq=8, layers=1, experts=4, top_k=2, hidden=16)
+    result = bench(shape=shape, repeats=2, dtypes=("float32",))
+    d = result["dtypes"]["float32"]
+    assert d["without_ms"] > 0 and d[with_key] > 0 and d["ratio"] > 0
+    assert d["within_target"] == (d["ratio"] <= result["target_ratio"])
+    assert result["shape"]["experts"] == 4 and result["repeats"] == 2
+    text = show(result)
+    assert "1 layers × 4 experts top-2" in text and all(label in text for label in labels)

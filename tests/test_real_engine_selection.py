@@ -4,14 +4,10 @@ failure. Where vLLM can start, the suites run instead (``tox -e vllm-cpu``)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness.check import CheckOutcome, run_suites, suites_dir
+from harness.subjects import DEFAULT_SUBJECT
 
 
 def _blocker() -> str | None:
@@ -25,27 +21,29 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _run(require: str | None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "RRH_REQUIRE_ENGINES"}
+def _run(monkeypatch: pytest.MonkeyPatch, require: str | None) -> list[CheckOutcome]:
+    """``pytest suites/ -m gpu``, run in this process (``run_suites``: the suite modules imported
+    anew, the harness plugin loaded as in a fresh run); what is checked is the selection and the
+    plugin's skip or failure, not process isolation."""
+    monkeypatch.delenv("RRH_REQUIRE_ENGINES", raising=False)
     if require:
-        env["RRH_REQUIRE_ENGINES"] = require
-    command = [sys.executable, "-m", "pytest", "suites/", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider"]
-    return subprocess.run(
-        [*command, "-p", "no:xdist"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600
-    )
+        monkeypatch.setenv("RRH_REQUIRE_ENGINES", require)
+    return run_suites(DEFAULT_SUBJECT, select="gpu", paths=[str(suites_dir())])[0]
 
 
-def test_gpu_selection_collects_the_real_engine_suites_and_skips_naming_why() -> None:
-    done = _run(None)
-    summary = done.stdout.strip().splitlines()[-1]
-    assert done.returncode == 0, f"exit {done.returncode}, expected 0 (all skipped):\n{done.stdout[-3000:]}"
-    assert "passed" not in summary and "failed" not in summary and " skipped" in summary, summary
-    skipped = int(summary.split(" skipped")[0].split()[-1])
-    assert skipped >= 11, f"only {skipped} real-engine tests selected: {summary}"
-    assert f"vllm: {_blocker()}" in done.stdout, f"skip reason missing:\n{done.stdout[-2000:]}"
+def test_gpu_selection_collects_the_real_engine_suites_and_skips_naming_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    outcomes = _run(monkeypatch, None)
+    not_skipped = [f"{o.nodeid}: {o.outcome} {o.detail}" for o in outcomes if o.outcome != "skipped"]
+    assert not not_skipped, f"expected every selected test skipped: {not_skipped[:3]}"
+    assert len(outcomes) >= 11, f"only {len(outcomes)} real-engine tests selected"
+    reasons = {o.detail for o in outcomes}
+    assert f"vllm: {_blocker()}" in reasons, f"skip reason missing: {sorted(reasons)[:5]}"
 
 
-def test_required_engine_turns_the_skip_into_a_failure() -> None:
-    done = _run("vllm")
-    assert done.returncode == 1, f"exit {done.returncode}, expected 1:\n{done.stdout[-3000:]}"
-    assert "RRH_REQUIRE_ENGINES=vllm" in done.stdout, done.stdout[-2000:]
+def test_required_engine_turns_the_skip_into_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    outcomes = _run(monkeypatch, "vllm")
+    failed = [o for o in outcomes if o.outcome == "failed"]
+    assert failed, f"expected failures, got {sorted({o.outcome for o in outcomes})}"
+    assert any("RRH_REQUIRE_ENGINES=vllm" in o.detail for o in failed), [o.detail for o in failed[:3]]

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,8 +25,7 @@ from harness.subjects.capabilities import (
 from harness.subjects.reference import REFERENCE
 from harness.testing.asserts import assert_same_routes, differing_routes
 from harness.trainers.kinds import reference_kind
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.inprocess import run_pytest
 
 
 def test_reference_capabilities_satisfy_their_protocols() -> None:
@@ -133,7 +129,9 @@ def test_probe_only_mutants_report_success_while_the_probe_sees_native_routing(n
     seam.teardown(handle)
 
 
-def test_a_subject_with_a_namespace_missing_a_layout_function_skips_by_name(tmp_path: Path) -> None:
+def test_a_subject_with_a_namespace_missing_a_layout_function_skips_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "partial_subject.py").write_text(
         "from types import SimpleNamespace\n"
         "from reference_impl import layouts\n"
@@ -141,26 +139,9 @@ def test_a_subject_with_a_namespace_missing_a_layout_function_skips_by_name(tmp_
         "names = {n: getattr(layouts, n) for n in dir(layouts) if n[0] != '_' and n != 'sp_shard'}\n"
         "PARTIAL = Subject(name='partial', layouts=SimpleNamespace(**names))\n"
     )
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            "-q",
-            "-rs",
-            "suites/test_layouts.py",
-            "--rr-subject",
-            "partial_subject:PARTIAL",
-            "-k",
-            "sp",
-        ],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"},
-        capture_output=True,
-        text=True,
-        timeout=300,
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = run_pytest(
+        "-q", "-rs", "suites/test_layouts.py", "--rr-subject", "partial_subject:PARTIAL", "-k", "sp"
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "has no member 'sp_shard'" in run.stdout, run.stdout

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,8 +9,7 @@ import pytest
 from harness.errors import SubjectError
 from harness.subjects import CAPABILITIES, Subject, load_subject
 from harness.subjects.reference import REFERENCE
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.inprocess import run_pytest
 
 
 @pytest.mark.parametrize(
@@ -53,36 +49,21 @@ def test_reference_provides_every_capability() -> None:
     assert Subject("empty").capabilities() == []
 
 
-def _pytest(
-    *args: str, cwd: Path = ROOT, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
-        cwd=cwd,
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 def test_unknown_subject_is_a_usage_error_not_a_traceback() -> None:
-    run = _pytest("suites/test_training.py", "--rr-subject", "harness.nope:X")
+    run = run_pytest("suites/test_training.py", "--rr-subject", "harness.nope:X")
     assert run.returncode == 4, run.stdout + run.stderr
     assert "--rr-subject: cannot import module 'harness.nope'" in run.stderr
     assert "Traceback" not in run.stderr
 
 
-def test_a_subject_without_capabilities_is_reported_as_untested(tmp_path: Path) -> None:
+def test_a_subject_without_capabilities_is_reported_as_untested(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "empty_subject.py").write_text(
         "from harness.subjects import Subject\nEMPTY = Subject(name='empty')\n"
     )
-    run = _pytest(
-        "suites/test_training.py",
-        "--rr-subject",
-        "empty_subject:EMPTY",
-        env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
-    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = run_pytest("suites/test_training.py", "--rr-subject", "empty_subject:EMPTY")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "rrh subject: empty" in run.stdout and "capabilities: none" in run.stdout
     assert "not provided by the subject (skipped): training" in run.stdout

@@ -95,7 +95,8 @@ class RegistryController:
                 f"replay targets have shape {list(targets.shape)}, expected [tokens, {len(self._routers)}, k]"
             )
         slots = self._slots()
-        set_replay_targets(self._states(), targets[:, slots, :], mask, [self._layers[i] for i in slots])
+        layers = [layer for i in slots if (layer := self._layers[i]) is not None]  # a live slot has one
+        set_replay_targets(self._states(), targets[:, slots, :], mask, layers)
         self._set_mode(RoutingMode.REPLAY_FORWARD)
 
     def prepare_backward(self) -> None:

@@ -1,7 +1,9 @@
 """What the fork server of ``harness.testing.ranks`` imports once, before it forks any rank.
 
 Every rank imports torch, the reference model and the suites' libraries, and a megatron-core rank
-megatron-core (~5 s of CPU on the CI machine, for every rank of every run). Imported here once per
+megatron-core (~5 s of CPU on the CI machine, for every rank of every run); every rank of a suite
+also imports the harness's subjects (the reference subject, the replay seam: numba, the trace
+kernels, ~0.8 s of CPU a rank) and its asserts. Imported here once per
 caller, they are already in every rank forked from the server. megatron-core is imported when it is
 installed, with its import-time warnings about missing Transformer Engine and Apex silenced (each
 rank silences them itself, ``harness.testing.megatron_cpu.setup_rank``). Importing starts no
@@ -20,6 +22,9 @@ import pytest  # noqa: F401
 import torch
 import torch.distributed  # noqa: F401
 
+import harness.subjects.reference
+import harness.subjects.replay
+import harness.testing.asserts  # noqa: F401
 import reference_impl.model  # noqa: F401
 
 MEGATRON_MODULES = (

@@ -128,6 +128,32 @@ def forget_inherited_forkserver() -> None:
         server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
 
 
+_SERVER_PID: int | None = None
+"""The fork server this process started with ``PRELOAD``, once it has."""
+
+
+def _ensure_rank_server(context: Any) -> None:
+    """Make the process's fork server one that imported ``PRELOAD``.
+
+    The fork server is one per process, and its preload is whatever the first caller set: a server
+    another caller started (the audit's pool, ``harness.audit.pool``, with its own preload) would
+    have every rank import torch, megatron-core and the harness anew (~8 s of CPU a run). Such a
+    server is stopped and ours started; what it already forked keeps running.
+    """
+    global _SERVER_PID
+    from multiprocessing import forkserver
+
+    server: Any = forkserver._forkserver  # type: ignore[attr-defined]
+    if server._forkserver_pid is not None and server._forkserver_pid != _SERVER_PID:
+        try:
+            server._stop()
+        except ChildProcessError:  # inherited through a fork: not ours to wait for
+            forget_inherited_forkserver()
+    context.set_forkserver_preload(list(PRELOAD))
+    forkserver.ensure_running()
+    _SERVER_PID = server._forkserver_pid
+
+
 def default_backend(world_size: int) -> str:
     """``"nccl"`` when CUDA has at least one device per rank, else ``"gloo"``."""
     import torch
@@ -160,7 +186,7 @@ def run_ranks(
         _check_importable("setup", setup)
     backend = default_backend(world_size)
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(PRELOAD))  # read when the server starts (the first run)
+    _ensure_rank_server(context)
     environment = dict(os.environ)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rrh-ranks-") as scratch:
