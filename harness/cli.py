@@ -522,11 +522,11 @@ def build_parser() -> argparse.ArgumentParser:
         "run", help="a small real RL loop (vLLM on CPU, transformers trainer) written through the tap, for rrh audit"
     )
     run.add_argument("directory", metavar="DIR", help="where the tapped run is written")
-    run.add_argument("--steps", type=int, default=3)
-    run.add_argument("--prompts", type=int, default=2, help="prompts per step")
-    run.add_argument("--group", type=int, default=4, help="responses per prompt")
-    run.add_argument("--response-len", type=int, default=16)
-    run.add_argument("--replay", choices=["none", "R2", "R3"], default="R3")
+    run.add_argument("--steps", type=int, default=3, help="RL steps (default: 3)")
+    run.add_argument("--prompts", type=int, default=2, help="prompts per step (default: 2)")
+    run.add_argument("--group", type=int, default=4, help="responses per prompt (default: 4)")
+    run.add_argument("--response-len", type=int, default=16, help="tokens per response (default: 16)")
+    run.add_argument("--replay", choices=["none", "R2", "R3"], default="R3", help="routing replay (default: R3)")
     run.add_argument("--splice", choices=["correct", "latest"], default="correct",
                      help="how attempts are spliced: the subject's splice, or 'replace with the latest payload'")  # fmt: skip
     run.add_argument("--subject", default=None, metavar="MODULE:ATTR",
