@@ -86,7 +86,7 @@ def test_input_is_copied() -> None:
 # --- validation -------------------------------------------------------------------------------
 
 
-@settings(max_examples=1000)
+@settings(max_examples=400)  # 15 malformations (strategies._MALFORMATIONS): each drawn ~25 times
 @given(bad=malformed_traces())
 def test_every_malformed_trace_raises_trace_error(bad) -> None:  # type: ignore[no-untyped-def]
     """Every malformation raises TraceError naming the field — never another exception type."""
