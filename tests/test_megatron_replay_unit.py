@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -86,7 +87,9 @@ def test_router_replay_instances_are_checked_against_the_class_list(tmp_path: Pa
             )
             config = tiny_config(layout, recompute=False)
             RouterReplay.clear_global_router_replay_instances()
-            spec = get_gpt_layer_local_spec(num_experts=4).submodules.mlp.submodules
+            mlp = get_gpt_layer_local_spec(num_experts=4).submodules.mlp
+            # megatron-core 0.16 gives a ModuleSpec, 0.19 a functools.partial(MoELayer, submodules=…)
+            spec = mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules
             stale = MoELayer(config, spec)  # noqa: F841 - its RouterReplay is an orphan for `layer`
             layer = MoELayer(config, spec)
             with pytest.raises(MegatronReplayError, match="orphans"):
