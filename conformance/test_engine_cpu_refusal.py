@@ -38,9 +38,7 @@ def _refusing_release() -> tuple[str, object]:
     return found[1], conv
 
 
-def test_capture_on_cpu_is_refused_at_engine_start(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_capture_on_cpu_is_refused_at_engine_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     version, conv = _refusing_release()
     from harness.engines.checkpoint import write_checkpoint
     from harness.engines.vllm import VLLMEngine

@@ -56,9 +56,7 @@ def test_without_replay_the_live_routes_differ_and_flipped_tokens_carry_more_gap
 
 
 def test_replay_doing_nothing_on_one_layer_is_named_at_that_layer(tmp_path: Path) -> None:
-    result = _audit(
-        tmp_path, "skip", replay="R3", subject="harness.mutants.registry:hf-one-layer-unreplayed"
-    )
+    result = _audit(tmp_path, "skip", replay="R3", subject="harness.mutants.registry:hf-one-layer-unreplayed")
     fidelity = _by_name(result)["replay_fidelity"]
     assert fidelity.status == "violated", fidelity.line()
     assert {o["layer"] for o in fidelity.offenders} == {LAST_MOE_LAYER}

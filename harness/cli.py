@@ -242,16 +242,17 @@ def _parse_size(text: str) -> int:
     """``4GiB``, ``512MiB``, ``100000`` → bytes (argparse type)."""
     units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
     low = text.strip().lower()
-    for unit, factor in units.items():
+    number, factor = low, 1
+    for unit, unit_factor in units.items():
         if low.endswith(unit):
-            number = low[: -len(unit)]
+            number, factor = low[: -len(unit)], unit_factor
             break
-    else:
-        number, factor = low, 1
     try:
         value = float(number) * factor
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 1GiB, 512MiB or 1000000") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a size such as 1GiB, 512MiB or 1000000"
+        ) from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a positive size")
     return int(value)
@@ -285,7 +286,9 @@ def _parse_threshold(text: str) -> tuple[str, float]:
 
     name, sep, value = text.partition("=")
     if not sep or name not in THRESHOLD_FIGURES:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected FIGURE=VALUE with FIGURE one of {list(THRESHOLD_FIGURES)}")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected FIGURE=VALUE with FIGURE one of {list(THRESHOLD_FIGURES)}"
+        )
     try:
         return name, float(value)
     except ValueError:
@@ -305,7 +308,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     faults = FAULTS if args.faults == ["all"] else tuple(args.faults)
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:
-        print(f"rrh generate: --faults {unknown[0]!r}: expected 'all' or some of {list(FAULTS)}", file=sys.stderr)
+        print(
+            f"rrh generate: --faults {unknown[0]!r}: expected 'all' or some of {list(FAULTS)}",
+            file=sys.stderr,
+        )
         return 2
     from harness.cpus import available_cpus
 
@@ -455,11 +461,14 @@ def build_parser() -> argparse.ArgumentParser:
         "audit", help="audit throughput against the read floor: serial, process pool, Ray; peak memory"
     )
     audit_bench.add_argument("--json", action="store_true", help="print the figures as JSON")
-    audit_bench.add_argument("--size", type=_parse_size, default=4 << 30, help="bytes of routes (default 4GiB)")
+    audit_bench.add_argument(
+        "--size", type=_parse_size, default=4 << 30, help="bytes of routes (default 4GiB)"
+    )
     audit_bench.add_argument("--dir", type=Path, default=None, help="where the generated run goes")
     audit_bench.set_defaults(func=_cmd_bench_audit)
     tap_bench = benches.add_parser(
-        "tap", help="a tapped trainer forward against an untapped one (the bench replay model), ratio in one run"
+        "tap",
+        help="a tapped trainer forward against an untapped one (the bench replay model), ratio in one run",
     )
     tap_bench.add_argument("--repeats", type=int, default=20, help="timed forwards per arm (default 20)")
     tap_bench.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -472,7 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
         "against the strict invariants and metrics of DESIGN §7. Exit 0 clean, 1 a strict violation or a "
         "figure over --fail-on, 2 a usage or input error.",
     )
-    audit.add_argument("run", metavar="RUN", help="a run directory (or file) of the run layout, or a framework dump")
+    audit.add_argument(
+        "run", metavar="RUN", help="a run directory (or file) of the run layout, or a framework dump"
+    )
     audit.add_argument(
         "--from",
         dest="source",
@@ -480,67 +491,126 @@ def build_parser() -> argparse.ArgumentParser:
         help="the dump's framework (skyrl, verl, slime, nemo_rl, megatron_lm); default: detected",
     )
     audit.add_argument(
-        "--num-experts", type=int, default=None, metavar="E",
+        "--num-experts",
+        type=int,
+        default=None,
+        metavar="E",
         help="experts per MoE layer, for dumps that do not record it (SkyRL, verl, slime)",
-    )  # fmt: skip
+    )
     audit.add_argument(
-        "--moe-layers", type=lambda t: sorted(_parse_steps(t)), default=None, metavar="SPEC",
+        "--moe-layers",
+        type=lambda t: sorted(_parse_steps(t)),
+        default=None,
+        metavar="SPEC",
         help="decoder indices of the MoE layers (e.g. 1-47), for dumps that do not record them",
-    )  # fmt: skip
-    audit.add_argument("--import-to", metavar="DIR", help="keep the imported run layout here (default: a temporary directory)")
+    )
+    audit.add_argument(
+        "--import-to",
+        metavar="DIR",
+        help="keep the imported run layout here (default: a temporary directory)",
+    )
     audit.add_argument("--executor", choices=("serial", "processes", "ray"), default="processes")
-    audit.add_argument("--workers", type=int, default=None, help="processes (default: the CPUs this process may use)")
-    audit.add_argument("--ray-address", default=None, metavar="ADDR", help="a Ray cluster (default: a local one)")
-    audit.add_argument("--steps", type=_parse_steps, default=None, metavar="SPEC", help="only these steps: 3, 0-9, 1,4,7-8")
+    audit.add_argument(
+        "--workers", type=int, default=None, help="processes (default: the CPUs this process may use)"
+    )
+    audit.add_argument(
+        "--ray-address", default=None, metavar="ADDR", help="a Ray cluster (default: a local one)"
+    )
+    audit.add_argument(
+        "--steps", type=_parse_steps, default=None, metavar="SPEC", help="only these steps: 3, 0-9, 1,4,7-8"
+    )
     audit.add_argument("--every", type=int, default=1, metavar="N", help="only steps divisible by N")
     audit.add_argument(
-        "--samples", type=_parse_fraction, default=1.0, metavar="FRACTION",
+        "--samples",
+        type=_parse_fraction,
+        default=1.0,
+        metavar="FRACTION",
         help="a hash-selected fraction of samples (the same samples in every audit of the run)",
-    )  # fmt: skip
+    )
     audit.add_argument("--html", metavar="PATH", help="also write a self-contained HTML report with plots")
     audit.add_argument("--json", metavar="PATH", help="also write the result as JSON (schema: audit_report)")
-    audit.add_argument("--summary", metavar="DIR", help="also write per-step, per-layer and per-sample Parquet tables")
     audit.add_argument(
-        "--fail-on", type=_parse_threshold, action="append", default=[], metavar="FIGURE=VALUE",
+        "--summary", metavar="DIR", help="also write per-step, per-layer and per-sample Parquet tables"
+    )
+    audit.add_argument(
+        "--fail-on",
+        type=_parse_threshold,
+        action="append",
+        default=[],
+        metavar="FIGURE=VALUE",
         help="exit 1 when a step's figure exceeds VALUE (e.g. mean_abs_diff=0.01, disagreement=0.05)",
-    )  # fmt: skip
+    )
     audit.add_argument("--strict", action="store_true", help="stop at the first violation or input error")
     audit.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     audit.set_defaults(func=_cmd_audit)
 
     generate = commands.add_parser(
-        "generate", help="write a seeded run of realistic shape (Qwen3-30B-A3B routing), faults planted on request"
+        "generate",
+        help="write a seeded run of realistic shape (Qwen3-30B-A3B routing), faults planted on request",
     )
     generate.add_argument("directory", metavar="DIR")
     generate.add_argument("--steps", type=int, default=2)
-    generate.add_argument("--size", type=_parse_size, default=None, help="grow the run to this many bytes of routes")
+    generate.add_argument(
+        "--size", type=_parse_size, default=None, help="grow the run to this many bytes of routes"
+    )
     generate.add_argument("--seed", type=int, default=0)
-    generate.add_argument("--faults", nargs="*", default=[], metavar="FAULT", help="'all' or some of the fault kinds")
+    generate.add_argument(
+        "--faults", nargs="*", default=[], metavar="FAULT", help="'all' or some of the fault kinds"
+    )
     generate.set_defaults(func=_cmd_generate)
 
     run = commands.add_parser(
-        "run", help="a small real RL loop (vLLM on CPU, transformers trainer) written through the tap, for rrh audit"
+        "run",
+        help="a small real RL loop (vLLM on CPU, transformers trainer) written through the tap, "
+        "for rrh audit",
     )
     run.add_argument("directory", metavar="DIR", help="where the tapped run is written")
     run.add_argument("--steps", type=int, default=3, help="RL steps (default: 3)")
     run.add_argument("--prompts", type=int, default=2, help="prompts per step (default: 2)")
     run.add_argument("--group", type=int, default=4, help="responses per prompt (default: 4)")
     run.add_argument("--response-len", type=int, default=16, help="tokens per response (default: 16)")
-    run.add_argument("--replay", choices=["none", "R2", "R3"], default="R3", help="routing replay (default: R3)")
-    run.add_argument("--splice", choices=["correct", "latest"], default="correct",
-                     help="how attempts are spliced: the subject's splice, or 'replace with the latest payload'")  # fmt: skip
-    run.add_argument("--subject", default=None, metavar="MODULE:ATTR",
-                     help="the subject whose install_hf_replay and splice drive the trainer (default: the reference)")  # fmt: skip
-    run.add_argument("--minibatches", type=int, default=2,
-                     help="update passes and Adam steps per step, each on its share of the samples")  # fmt: skip
-    run.add_argument("--ranks", type=int, default=1,
-                     help="trainer ranks on gloo, each tapping its --split shard of every sample into its own files")  # fmt: skip
-    run.add_argument("--split", choices=["cp", "sp", "sp-halo"], default="cp",
-                     help="the shard each rank holds: cp (zig-zag), sp (contiguous), sp-halo (broken: boundary rows twice)")  # fmt: skip
+    run.add_argument(
+        "--replay", choices=["none", "R2", "R3"], default="R3", help="routing replay (default: R3)"
+    )
+    run.add_argument(
+        "--splice",
+        choices=["correct", "latest"],
+        default="correct",
+        help="how attempts are spliced: the subject's splice, or 'replace with the latest payload'",
+    )
+    run.add_argument(
+        "--subject",
+        default=None,
+        metavar="MODULE:ATTR",
+        help="the subject whose install_hf_replay and splice drive the trainer (default: the reference)",
+    )
+    run.add_argument(
+        "--minibatches",
+        type=int,
+        default=2,
+        help="update passes and Adam steps per step, each on its share of the samples",
+    )
+    run.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="trainer ranks on gloo, each tapping its --split shard of every sample into its own files",
+    )
+    run.add_argument(
+        "--split",
+        choices=["cp", "sp", "sp-halo"],
+        default="cp",
+        help="the shard each rank holds: cp (zig-zag), sp (contiguous), "
+        "sp-halo (broken: boundary rows twice)",
+    )
     run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--engine-from", default=None, metavar="RUN",
-                     help="train on the engine payloads a tapped run recorded instead of starting vLLM "
-                     "(a framework env without vLLM)")  # fmt: skip
+    run.add_argument(
+        "--engine-from",
+        default=None,
+        metavar="RUN",
+        help="train on the engine payloads a tapped run recorded instead of starting vLLM "
+        "(a framework env without vLLM)",
+    )
     run.set_defaults(func=_cmd_run)
 
     from harness.gate import add_parser as add_gate_parser

@@ -168,9 +168,7 @@ class _Trainer:
         rank = 0 if group is None else group.rank
         self.tap = TrainerTap(self.model, writer, **shape) if rank == 0 else None  # type: ignore[arg-type]
         self.shard_tap = (
-            None
-            if group is None
-            else TrainerTap(self.model, writer, shard=rank, shards=group.world, **shape)  # type: ignore[arg-type]
+            None if group is None else TrainerTap(self.model, writer, shard=rank, shards=group.world, **shape)  # type: ignore[arg-type]
         )
         self.group = group
         self.cfg = cfg

@@ -161,7 +161,7 @@ def _bad_cases(good: Path) -> dict[str, tuple[pa.Table, dict[bytes, bytes] | Non
             ),
             meta,
             "row 0: column engine_routes holds 15 bytes; expected 4 rows",
-        ),  # fmt: skip
+        ),
         "ragged list": (
             table.set_column(table.schema.get_field_index("tokens"), "tokens", tokens),
             meta,

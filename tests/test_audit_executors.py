@@ -372,7 +372,7 @@ def test_the_gap_of_segments_does_not_depend_on_how_they_are_split_into_calls(
     whole, parts = GapAccumulator(), GapAccumulator()
     whole.add_segments(train, infer, starts)
     bounds = [*starts.tolist(), n]
-    for lo, hi in reversed(list(zip(bounds[:-1], bounds[1:], strict=True))):
+    for lo, hi in reversed(list(itertools.pairwise(bounds))):
         part = GapAccumulator()
         part.add_segments(train[lo:hi], infer[lo:hi], np.zeros(1, dtype=np.int64))
         parts.merge(part)

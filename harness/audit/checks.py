@@ -103,7 +103,10 @@ class _Offenders:
         layer: npt.NDArray[np.int64],
         describe: Any,
     ) -> None:
-        """Record violations at (sample, row, layer) cells; ``describe(i)`` gives (expected, actual) of cell i."""
+        """Record violations at (sample, row, layer) cells.
+
+        ``describe(i)`` gives (expected, actual) of cell i.
+        """
         if sample.size == 0:
             return
         self.samples.update(np.unique(sample).tolist())
@@ -301,8 +304,12 @@ class _BatchAudit:
         pairs = np.argwhere(all_zero)
         samples = s0 + np.flatnonzero(has)[pairs[:, 0]]
         layer = np.asarray(b.moe_layers)[pairs[:, 1]]
-        zero_found.cells(samples, np.zeros(samples.size, np.int64), layer.astype(np.int64),
-                         lambda i: ("a captured route", f"every row of MoE layer {int(layer[i])} is 0"))  # fmt: skip
+        zero_found.cells(
+            samples,
+            np.zeros(samples.size, np.int64),
+            layer.astype(np.int64),
+            lambda i: ("a captured route", f"every row of MoE layer {int(layer[i])} is 0"),
+        )
 
     def tokens(self) -> None:
         b = self.b
@@ -634,9 +641,9 @@ class _BatchAudit:
             self.state.step(step).samples += 1
             self.state.samples.append(
                 SampleFigure(
-                    step, b.sample_key[s], b.group_key[s] or "", int(self.engine_rows[s]), int(b.response_len[s]),
-                    float(self.sample_gap[s]), float(self.sample_disagreement[s]), int(self.uncaptured[s]),
-                    int(self.violations[s]),
+                    step, b.sample_key[s], b.group_key[s] or "", int(self.engine_rows[s]),
+                    int(b.response_len[s]), float(self.sample_gap[s]), float(self.sample_disagreement[s]),
+                    int(self.uncaptured[s]), int(self.violations[s]),
                 )
             )  # fmt: skip
 

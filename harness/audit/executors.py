@@ -31,6 +31,9 @@ from harness.cpus import available_cpus
 
 EXECUTORS = ("serial", "processes", "ray")
 
+EVERY_ROW = AuditOptions()
+"""The default options: every step and every sample (frozen, so one instance serves every call)."""
+
 
 def _selected(table: Any, options: AuditOptions) -> tuple[Any, Any]:
     """The rows of ``table`` the options select (all of them by default: no copy), and their indices."""
@@ -50,7 +53,9 @@ def _selected(table: Any, options: AuditOptions) -> tuple[Any, Any]:
         keep &= step % options.every == 0
     if options.samples < 1.0:
         keys = table.column("sample_key").to_pylist()
-        keep &= np.array([sample_hash(int(s), k) < options.samples for s, k in zip(step, keys)], dtype=bool)
+        keep &= np.array(
+            [sample_hash(int(s), k) < options.samples for s, k in zip(step, keys, strict=True)], dtype=bool
+        )
     return table.filter(pa.array(keep)), np.flatnonzero(keep)
 
 
@@ -79,7 +84,7 @@ def _release_arrow_memory() -> None:
     pa.default_memory_pool().release_unused()
 
 
-def audit_unit(unit: Unit, options: AuditOptions = AuditOptions()) -> AuditState:
+def audit_unit(unit: Unit, options: AuditOptions = EVERY_ROW) -> AuditState:
     """Read and check one unit; a malformed file or row becomes an input error of the returned state."""
     state = AuditState()
     state.files.add(unit.path)
@@ -194,7 +199,7 @@ def run_units(
 def audit_run(
     run: str | os.PathLike[str],
     *,
-    options: AuditOptions = AuditOptions(),
+    options: AuditOptions = EVERY_ROW,
     executor: str = "processes",
     workers: int | None = None,
     ray_address: str | None = None,

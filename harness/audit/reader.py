@@ -133,7 +133,10 @@ def plan_units(path: Path, unit_bytes: int = UNIT_BYTES) -> list[Unit]:
 
 @dataclass
 class ListColumn:
-    """A list column of a batch: ``values[offsets[i]:offsets[i+1]]`` is row i's list; ``valid[i]`` not null."""
+    """A list column of a batch: ``values[offsets[i]:offsets[i+1]]`` is row i's list.
+
+    ``valid[i]`` says row i is not null.
+    """
 
     offsets: IntArray
     values: npt.NDArray[Any]
@@ -285,7 +288,10 @@ def _valid(array: Any) -> npt.NDArray[np.bool_]:
 def _check_lengths(
     column: ListColumn, expected: IntArray, name: str, what: str, batch_path: str, file_rows: IntArray
 ) -> None:
-    """Every non-null list of ``column`` has ``expected`` entries (``LayoutError`` on the first that has not)."""
+    """Every non-null list of ``column`` has ``expected`` entries.
+
+    Raises ``LayoutError`` on the first that has not.
+    """
     bad = column.valid & (column.lengths() != expected)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])

@@ -19,11 +19,13 @@ from harness.audit.checks import METRICS, NEEDS, STRICT
 from harness.audit.state import WORST, AuditState, SampleFigure, nan_if_empty
 
 HINTS: dict[str, str] = {
-    "engine_routes": "the engine's routed experts (vLLM enable_return_routed_experts, SGLang return_routed_experts)",
+    "engine_routes": "the engine's routed experts "
+    "(vLLM enable_return_routed_experts, SGLang return_routed_experts)",
     "engine_logprobs": "the engine's log-probs of the sampled tokens (SamplingParams logprobs)",
-    "trainer_logprobs": "the old-log-prob pass (SkyRL trainer.dump_data_batch=true writes it; verl's RolloutSkip "
-    "dump is taken before it); harness.audit.tap writes it",
-    "trainer_tokens": "the tokens the trainer consumed (slime --save-debug-train-data beside the rollout dump)",
+    "trainer_logprobs": "the old-log-prob pass (SkyRL trainer.dump_data_batch=true writes it; "
+    "verl's RolloutSkip dump is taken before it); harness.audit.tap writes it",
+    "trainer_tokens": "the tokens the trainer consumed "
+    "(slime --save-debug-train-data beside the rollout dump)",
     "trainer_routes": "what the trainer dispatched: no framework dumps it; harness.audit.tap writes it",
     "replay": "the replay mode (none, R2, R3) of each row; harness.audit.tap writes it",
     "group_key": "the prompt's GRPO group of each sample",
@@ -156,7 +158,8 @@ class AuditResult:
                 invariants.append(
                     InvariantResult(
                         name, kind, status, checked, tally.violated if tally else 0,
-                        [o.as_dict() for o in (tally.offenders if tally else [])], missing if status == "not checkable" else [],
+                        [o.as_dict() for o in (tally.offenders if tally else [])],
+                        missing if status == "not checkable" else [],
                     )
                 )  # fmt: skip
             else:
@@ -170,7 +173,7 @@ class AuditResult:
                         0,
                         [],
                         [] if checkable else (missing or list(NEEDS.get(name, ()))),
-                    )  # fmt: skip
+                    )
                 )
         steps = [_step_row(step, state) for step in sorted(state.steps)]
         layers, step_layers = _layer_rows(state)
@@ -234,10 +237,12 @@ def _metric_summaries(state: AuditState, layers: list[dict[str, Any]]) -> dict[s
     g, a, fl = gap.result(), agreed.result(), flipped.result()
     loads = [r["load_max_over_mean"] for r in layers if r.get("load_max_over_mean") is not None]
     return {
-        "fallback": f"{uncaptured} of {rows} rows without a captured route ({nan_if_empty(uncaptured, rows):.4f})",
+        "fallback": f"{uncaptured} of {rows} rows without a captured route "
+        f"({nan_if_empty(uncaptured, rows):.4f})",
         "agreement": (
             f"set agreement {1 - agreement.disagreement:.4f} per (position, layer), "
-            f"{1 - agreement.token_disagreement:.4f} per token (all layers), over {agreement.positions} positions"
+            f"{1 - agreement.token_disagreement:.4f} per token (all layers), "
+            f"over {agreement.positions} positions"
             if agreement
             else ""
         ),
@@ -245,7 +250,8 @@ def _metric_summaries(state: AuditState, layers: list[dict[str, Any]]) -> dict[s
             f"mean |Δ| {g.mean_abs_diff:.3e}, k3 {g.k3:.3e} over {g.n_tokens} tokens; "
             f"routes agreed: {_part_gap(a)}, flipped: {_part_gap(fl)}"
         ),
-        "prefix_agreement": f"{prefix_agree:.4f} of prompt rows agree within their group ({len(groups)} groups)",
+        "prefix_agreement": f"{prefix_agree:.4f} of prompt rows agree within their group "
+        f"({len(groups)} groups)",
         "expert_load": f"busiest expert / mean, worst layer: {max(loads):.2f}" if loads else "",
     }
 
@@ -365,6 +371,7 @@ def _drift(steps: list[dict[str, Any]]) -> list[str]:
         for step, value in values:
             if median > 0 and value > DRIFT_FACTOR * median:
                 flags.append(
-                    f"{figure} at step {step} is {value:.3g}, {value / median:.1f}× the run's median {median:.3g}"
+                    f"{figure} at step {step} is {value:.3g}, "
+                    f"{value / median:.1f}× the run's median {median:.3g}"
                 )
     return flags

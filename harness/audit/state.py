@@ -35,7 +35,10 @@ WORST = 10
 
 @dataclass(frozen=True, order=True)
 class Offender:
-    """One violation: where (step, sample, row, layer) and both values. ``row``/``layer`` −1: not applicable."""
+    """One violation: where (step, sample, row, layer) and both values.
+
+    ``row``/``layer`` −1: not applicable.
+    """
 
     step: int
     sample_key: str

@@ -41,8 +41,8 @@ def write_summary(result: AuditResult, directory: str | os.PathLike[str]) -> lis
     step_columns = {
         "step": i64, "samples": i64, "rows": i64, "fallback_fraction": f64, "disagreement": f64,
         "token_disagreement": f64, "tokens": i64, "mean_abs_diff": f64, "k3": f64, "extreme_fraction": f64,
-        "mean_abs_diff_agreed": f64, "tokens_agreed": i64, "mean_abs_diff_flipped": f64, "tokens_flipped": i64,
-        "prefix_agreement": f64,
+        "mean_abs_diff_agreed": f64, "tokens_agreed": i64, "mean_abs_diff_flipped": f64,
+        "tokens_flipped": i64, "prefix_agreement": f64,
     }  # fmt: skip
     layer_columns = {"step": i64, "layer": i64, "disagreement": f64, "load_max_over_mean": f64}
     sample_columns = {
@@ -50,7 +50,8 @@ def write_summary(result: AuditResult, directory: str | os.PathLike[str]) -> lis
         "mean_abs_diff": f64, "disagreement": f64, "uncaptured_rows": i64, "violations": i64,
     }  # fmt: skip
     offender_columns = {
-        "invariant": s, "step": i64, "sample_key": s, "row": i64, "layer": i64, "expected": s, "actual": s, "where": s
+        "invariant": s, "step": i64, "sample_key": s, "row": i64, "layer": i64, "expected": s, "actual": s,
+        "where": s,
     }  # fmt: skip
     offenders = [{"invariant": r.name, **o} for r in result.invariants for o in r.offenders]
     samples = [f.as_dict() for f in result.samples]

@@ -32,7 +32,7 @@ _BLOBS = ("engine_routes", "trainer_routes", "recorded_routes", "attempt_routes"
 def _row_bytes(row: dict[str, Any]) -> int:
     """A cheap estimate of a row's size: its blobs and four bytes per list entry."""
     size = 256
-    for name, value in row.items():
+    for value in row.values():
         if isinstance(value, bytes):
             size += len(value)
         elif isinstance(value, list):
