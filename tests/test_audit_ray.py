@@ -3,8 +3,9 @@
 Two Ray nodes of one CPU each (``ray.cluster_utils.Cluster``: a head and a worker node, each its
 own raylet and object store) audit a generated run with every fault planted, one task per unit
 of work; the result must be exactly the serial audit's, floats and offenders' places included.
-Skipped when Ray (the ``ray`` extra) is not installed, unless ``RRH_REQUIRE_RAY=1`` (``.ci/run``'s
-Ray step), which makes a missing Ray a failure. Every wait is bounded, so a node that does not
+Marked ``slow`` (starting two raylets is ~25 s of one core, an eighth of the default run);
+``.ci/run`` runs it as its own step. Skipped when Ray (the ``ray`` extra) is not installed, unless
+``RRH_REQUIRE_RAY=1`` (``.ci/run``'s Ray step), which makes a missing Ray a failure. Every wait is bounded, so a node that does not
 come up or dies fails the test in minutes, never hangs it.
 """
 
@@ -27,7 +28,7 @@ from ray.cluster_utils import Cluster
 from harness.audit import audit_run
 from harness.audit.generate import FAULTS, RunShape, generate_run
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 SHAPE = RunShape(
     steps=3, prompts=3, group_size=3, prompt_len=7, response_len=9, layers=5, experts=16, top_k=4
