@@ -6,6 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 PYTHONPATH="$PWD/ci/avx2${PYTHONPATH:+:$PYTHONPATH}"
+# Inductor's cache is keyed without this ISA cap: AVX2 kernels go into a folder of their own, so no
+# later run loads them (a run with AVX-512 kernels aborted on an AVX2 kernel from a shared cache).
+TORCHINDUCTOR_CACHE_DIR="$(mktemp -d -t rrh-inductor-avx2-XXXXXX)"
+export TORCHINDUCTOR_CACHE_DIR
+trap 'rm -rf "$TORCHINDUCTOR_CACHE_DIR"' EXIT
 python - <<'PY'
 """Refuse to run unless vLLM really loaded its AVX2 kernel library."""
 import sys
