@@ -139,6 +139,106 @@ def _agreement(  # type: ignore[no-untyped-def]
             sample_cells[o] += 1
 
 
+@numba.njit(cache=True, nogil=True)
+def _row_hashes(flat, out):  # type: ignore[no-untyped-def]
+    """``out[r]``: a 64-bit hash of the bytes of row r of ``flat [rows, bytes]`` (equal rows, equal hashes),
+    eight bytes at a time where the row allows it."""
+    rows, width = flat.shape
+    words = width // 8
+    for r in range(rows):
+        h = np.uint64(_SEED)
+        for w in range(words):
+            v = np.uint64(0)
+            for b in range(8):
+                v |= np.uint64(flat[r, w * 8 + b]) << np.uint64(8 * b)
+            h = (h ^ v) * np.uint64(_FNV)
+            h ^= h >> np.uint64(29)
+        for b in range(words * 8, width):
+            h = (h ^ np.uint64(flat[r, b])) * np.uint64(_FNV)
+        out[r] = h ^ (h >> np.uint64(32))
+
+
+@numba.njit(cache=True, nogil=True)
+def _repeated_runs(hashes, captured, lo, hi, best_start, best_length, equal_pairs):  # type: ignore[no-untyped-def]
+    """Per sample s (rows ``[lo[s], hi[s])``): the longest segment of m ≥ 2 captured rows equal to the
+    m rows just before it (``best_start``: the first row of the earlier copy, local; ``best_length``:
+    m, 0 when none), and ``equal_pairs``: pairs of its captured rows with equal hashes.
+
+    One pass per sample with an open-addressing table (hash → last row, count): row i's nearest
+    earlier equal row is at distance d_i; a run of rows with the same d = m that is at least m long
+    is a repeated segment (its rows distinct from each other; a segment that repeats a row inside
+    itself breaks the run, which only makes the detector quieter)."""
+    longest = 0
+    for s in range(lo.size):
+        longest = max(longest, hi[s] - lo[s])
+    size = 2
+    while size < 2 * longest:
+        size *= 2
+    mask = size - 1
+    keys = np.zeros(size, np.uint64)
+    last = np.full(size, -1, np.int64)
+    count = np.zeros(size, np.int64)
+    used = np.empty(max(longest, 1), np.int64)
+    for s in range(lo.size):
+        n_used = 0
+        run_d = 0
+        run_start = 0
+        run_len = 0
+        best_m = 0
+        best_a = -1
+        pairs = 0
+        for i in range(lo[s], hi[s]):
+            d = 0
+            if captured[i]:
+                x = hashes[i]
+                slot = np.int64(x & np.uint64(mask))
+                while last[slot] >= 0 and keys[slot] != x:
+                    slot = (slot + 1) & mask
+                if last[slot] >= 0:
+                    d = i - last[slot]
+                    pairs += count[slot]
+                    count[slot] += 1
+                else:
+                    keys[slot] = x
+                    count[slot] = 1
+                    used[n_used] = slot
+                    n_used += 1
+                last[slot] = i
+            if d > 0 and d == run_d:
+                run_len += 1
+            else:
+                run_d = d
+                run_start = i
+                run_len = 1 if d > 0 else 0
+            if run_d >= 2 and run_len >= run_d and run_d > best_m:
+                best_m = run_d
+                best_a = run_start - run_d - lo[s]
+        for u in range(n_used):
+            last[used[u]] = -1
+        best_start[s] = best_a
+        best_length[s] = best_m
+        equal_pairs[s] = pairs
+
+
+def repeated_runs(
+    routes: npt.NDArray[np.integer[Any]],
+    captured: npt.NDArray[np.bool_],
+    lo: npt.NDArray[np.int64],
+    hi: npt.NDArray[np.int64],
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """``(start, length, equal_pairs)`` per sample of rows ``[lo, hi)`` of ``routes [rows, layers, top_k]``
+    (``_repeated_runs``; rows compared byte for byte, every layer)."""
+    n = lo.size
+    start, length, pairs = np.full(n, -1, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64)
+    rows = routes.shape[0]
+    if n and rows:
+        flat = np.ascontiguousarray(routes).reshape(rows, -1).view(np.uint8)
+        hashes = np.empty(rows, np.uint64)
+        _row_hashes(flat, hashes)
+        _repeated_runs(hashes, captured, lo.astype(np.int64), hi.astype(np.int64), start, length, pairs)
+    return start, length, pairs
+
+
 def _digest_table(size: int) -> npt.NDArray[np.uint64]:
     """A fixed pseudo-random 64-bit value per id (the same in every process and run)."""
     return np.random.default_rng(_SEED).integers(0, 2**63, size=size, dtype=np.uint64) * np.uint64(
