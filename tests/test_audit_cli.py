@@ -219,17 +219,17 @@ def test_a_garbage_file_is_one_input_error_first_on_stderr_and_nothing_else(
     code, out, err = _audit(capsys, garbage)
     assert code == 2 and out == "", out
     assert err.splitlines() == [
-        f"rrh audit: input error: {garbage}: not a readable Parquet file (ArrowInvalid: Parquet magic bytes not "
-        "found in footer. Either the file is corrupted or this is not a parquet file.); expected a run-layout "
-        "Parquet file"
+        f"rrh audit: input error: {garbage}: not a readable Parquet file (ArrowInvalid: Parquet magic bytes "
+        "not found in footer. Either the file is corrupted or this is not a parquet file.); expected a "
+        "run-layout Parquet file"
     ]
     # A Parquet file that is not the run layout: the same, naming the metadata key it lacks.
     pq.write_table(pa.table({"x": [1, 2]}), tmp_path / "other.parquet")
     code, out, err = _audit(capsys, tmp_path / "other.parquet")
     assert code == 2 and out == ""
     assert err.splitlines() == [
-        f"rrh audit: input error: {tmp_path / 'other.parquet'}: no rrh.run_layout key in the file's metadata; "
-        "not a run-layout file"
+        f"rrh audit: input error: {tmp_path / 'other.parquet'}: no rrh.run_layout key in the file's "
+        "metadata; not a run-layout file"
     ]
 
 
