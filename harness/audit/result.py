@@ -382,14 +382,16 @@ def _imbalance(load: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
 
 
 def _worst(samples: list[SampleFigure]) -> dict[str, list[dict[str, Any]]]:
-    """The ``WORST`` samples by mean |Δ| and by disagreement (ties by step and sample key)."""
+    """The ``WORST`` samples by mean |Δ| and by disagreement, above 0 (ties by step and sample key)."""
     out = {}
     for figure in ("mean_abs_diff", "disagreement"):
 
         def rank(s: SampleFigure, f: str = figure) -> tuple[float, int, str]:
             return (-float(getattr(s, f)), s.step, s.sample_key)
 
-        ranked = sorted((s for s in samples if math.isfinite(getattr(s, figure))), key=rank)
+        # A sample at 0 is not among the worst: no table of zeros when nothing differs.
+        ranked = sorted((s for s in samples if math.isfinite(getattr(s, figure)) and getattr(s, figure) > 0),
+                        key=rank)  # fmt: skip
         out[figure] = [s.as_dict() for s in ranked[:WORST]]
     return out
 
