@@ -46,14 +46,14 @@ def report_document(result: AuditResult, *, run: str, command: str, seconds: flo
     return {"format": REPORT_FORMAT, "run": run, "command": command, "seconds": seconds, **result.as_dict()}
 
 
-def _import(args: argparse.Namespace, keep: list[Any]) -> tuple[str, list[str], list[str]]:
+def _import(args: argparse.Namespace, keep: list[Any]) -> tuple[str, str | None, list[str], list[str]]:
     """The run-layout directory to audit (``args.run`` itself, or the dump found there imported into
-    one), what the importer inferred and its notes."""
+    one), the importer (``None``: the run layout), what it inferred and its notes."""
     from harness.audit import importers
 
     name, dump = importers.locate(args.run, args.source)
     if name is None:
-        return str(dump), [], []
+        return str(dump), None, [], []
     if args.import_to:
         target = args.import_to
     else:
@@ -67,14 +67,14 @@ def _import(args: argparse.Namespace, keep: list[Any]) -> tuple[str, list[str], 
     importers.import_dump(
         name, dump, target, inferred=inferred, num_experts=args.num_experts, moe_layers=args.moe_layers
     )
-    return target, inferred, [f"{name}: {note}" for note in importers.notes(name)]
+    return target, name, inferred, [f"{name}: {note}" for note in importers.notes(name)]
 
 
 def run_audit(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     keep: list[Any] = []
     try:
-        run, inferred, notes = _import(args, keep)
+        run, name, inferred, notes = _import(args, keep)
         options = AuditOptions(steps=args.steps, every=max(1, args.every), samples=args.samples)
         result = audit_run(
             run,
@@ -99,8 +99,13 @@ def run_audit(args: argparse.Namespace) -> int:
         print(f"rrh audit: input error: {error}", file=sys.stderr)
     if result.input_errors and not result.rows:
         return 2
-    print(f"rrh audit {args.run}: {result.files} files, {result.rows} samples, "
-          f"{human_size(result.bytes_read)} in {seconds:.1f}s")  # fmt: skip
+    if name is None:
+        print(f"rrh audit {args.run}: {result.files} files, {result.rows} samples, "
+              f"{human_size(result.bytes_read)} in {seconds:.1f}s")  # fmt: skip
+    else:
+        layout = f"{result.files} file{'s' * (result.files != 1)}, {human_size(result.bytes_read)}"
+        print(f"rrh audit {args.run}: {result.rows} samples of a {name} dump (imported: {layout} of run "
+              f"layout) in {seconds:.1f}s")  # fmt: skip
     for line in result.lines():
         print(line)
     if result.input_errors:

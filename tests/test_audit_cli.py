@@ -16,6 +16,7 @@ from harness.audit.generate import FAULTS, RunShape, generate_run
 from harness.audit.layout import SampleRecord
 from harness.audit.writer import RunWriter
 from harness.cli import main
+from tests.audit_transcript import check, transcript
 
 SMALL = RunShape(
     steps=2, prompts=2, group_size=3, prompt_len=12, response_len=10, layers=6, experts=32, top_k=4
@@ -280,3 +281,10 @@ def test_dense_slots_are_judged_on_captured_rows_only(tmp_path: Path, capsys) ->
     code, out, _ = _audit(capsys, tmp_path)
     assert code == 1
     assert "dense_empty         VIOLATED in 1 of 2 samples; first at step 0 sample b row 1 layer 0" in out
+
+
+def test_the_run_layout_audit_prints_the_committed_transcript(
+    faulty_run: tuple[Path, list], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory, _ = faulty_run
+    check("run_layout", transcript(capsys, [str(directory)], directory, tmp_path))

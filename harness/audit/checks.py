@@ -547,7 +547,7 @@ class _BatchAudit:
             mine = sorted(trainer.routes[int(trainer.row_offsets[s]) + row, slot].tolist())
             items.append((float(score[s]), Offender(
                 int(b.step[s]), b.sample_key[s], row, int(b.moe_layers[j]), f"engine experts {engine}",
-                f"trainer {mine} ({float(score[s]):.3g} of the sample's (row, layer) routes differ)",
+                f"trainer {mine} ({float(score[s]):.1%} of the sample's (row, MoE layer) routes differ)",
                 b.place(s, row),
             )))  # fmt: skip
         return items

@@ -54,6 +54,8 @@ class _Odd:
     member: Member
     rows: list[int] = field(default_factory=list)
     peer: tuple[str, Member] | None = None
+    tie: bool = False
+    """At some of its rows no digest has a majority."""
 
 
 @dataclass
@@ -76,8 +78,10 @@ class _Sample:
 
 
 def _odd_members(state: AuditState) -> list[_Odd]:
-    """Every member that disagrees with its group's majority at some prompt row (ties: the digest the
-    member with the smallest key holds is the majority), ranked by rows that differ."""
+    """Every member that disagrees with its group's majority at some prompt row, ranked by rows that
+    differ. Where no digest has a majority (a tie: two members, one each), every member disagrees,
+    each against the smallest-keyed member holding another digest: the audit cannot tell which is
+    right, so it names both."""
     found: dict[tuple[int, str], _Odd] = {}
     for (step, group), digests in sorted(state.groups.items()):
         if len(digests.members) < 2:
@@ -87,13 +91,18 @@ def _odd_members(state: AuditState) -> list[_Odd]:
             column = table[:, row]
             held = column != NO_ROUTE
             values, counts = np.unique(column[held], return_counts=True)
-            best = counts.max()
-            tied = {int(v) for v, c in zip(values.tolist(), counts.tolist(), strict=True) if c == best}
-            majority = next(column[i] for i in range(len(keys)) if held[i] and int(column[i]) in tied)
-            peer = next(i for i in range(len(keys)) if held[i] and column[i] == majority)
-            for i in np.flatnonzero(held & (column != majority)).tolist():
+            top = counts == counts.max()
+            majority = values[top][0] if top.sum() == 1 else None
+            for i in np.flatnonzero(held).tolist():
+                if majority is not None and column[i] == majority:
+                    continue
+                peer = next(
+                    j for j in range(len(keys))
+                    if held[j] and column[j] != column[i] and (majority is None or column[j] == majority)
+                )  # fmt: skip
                 odd = found.setdefault((step, keys[i]), _Odd(step, group, keys[i], digests.members[keys[i]]))
                 odd.rows.append(row)
+                odd.tie = odd.tie or majority is None
                 if odd.peer is None:
                     odd.peer = (keys[peer], digests.members[keys[peer]])
     return sorted(found.values(), key=lambda o: (-len(o.rows), o.step, o.key))
@@ -157,8 +166,10 @@ def _differing_cells(odd: _Odd, mine: _Sample, theirs: _Sample) -> list[Offender
                 out.append(
                     Offender(
                         odd.step, odd.key, row, int(mine.layers[j]),
-                        f"ids {b}, as sample {peer} of group {odd.group} holds at this prompt row",
-                        f"ids {a} ({len(odd.rows)} prompt rows differ from the group's majority)",
+                        f"ids {b}, as sample {peer} of group {odd.group} holds at this prompt row"
+                        + (" (no majority: the group is split evenly)" if odd.tie else ""),
+                        f"ids {a} ({len(odd.rows)} prompt rows differ from the group's "
+                        + ("other members)" if odd.tie else "majority)"),
                         "",
                     )
                 )  # fmt: skip
