@@ -159,15 +159,35 @@ def _row_hashes(flat, out):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True, nogil=True)
-def _repeated_runs(hashes, captured, lo, hi, best_start, best_length, equal_pairs):  # type: ignore[no-untyped-def]
-    """Per sample s (rows ``[lo[s], hi[s])``): the longest segment of m ≥ 2 captured rows equal to the
-    m rows just before it (``best_start``: the first row of the earlier copy, local; ``best_length``:
-    m, 0 when none), and ``equal_pairs``: pairs of its captured rows with equal hashes.
+def _windows(hashes, captured, lo, hi, width, out, valid):  # type: ignore[no-untyped-def]
+    """``out[i]``: a hash of rows ``[i, i + width)`` of i's sample (``valid[i]``: all of them captured
+    and inside the sample)."""
+    for s in range(lo.size):
+        for i in range(lo[s], hi[s]):
+            ok = i + width <= hi[s]
+            h = np.uint64(_SEED)
+            if ok:
+                for r in range(i, i + width):
+                    if not captured[r]:
+                        ok = False
+                        break
+                    h = (h ^ hashes[r]) * np.uint64(_FNV)
+                    h ^= h >> np.uint64(31)
+            out[i] = h
+            valid[i] = ok
 
-    One pass per sample with an open-addressing table (hash → last row, count): row i's nearest
-    earlier equal row is at distance d_i; a run of rows with the same d = m that is at least m long
-    is a repeated segment (its rows distinct from each other; a segment that repeats a row inside
-    itself breaks the run, which only makes the detector quieter)."""
+
+@numba.njit(cache=True, nogil=True)
+def _repeated_runs(keys, valid, lo, hi, width, best_start, best_length, equal_pairs):  # type: ignore[no-untyped-def]
+    """Per sample s (positions ``[lo[s], hi[s])``): the longest segment of m ≥ max(2, width) rows equal
+    to the m rows just before it (``best_start``: the first row of the earlier copy, local;
+    ``best_length``: m, 0 when none), and ``equal_pairs``: pairs of its valid positions with equal keys.
+
+    ``keys[i]`` identifies the ``width`` rows from i (a row's hash for width 1, a window's for more).
+    One pass per sample with an open-addressing table (key → last position, count): position i's
+    nearest earlier equal key is at distance d_i; a run of positions with the same d = m at least
+    ``m − width + 1`` long is a repeated segment. A segment that repeats a row inside itself breaks
+    the runs of single rows (low-entropy routing), not those of windows of rows."""
     longest = 0
     for s in range(lo.size):
         longest = max(longest, hi[s] - lo[s])
@@ -175,10 +195,11 @@ def _repeated_runs(hashes, captured, lo, hi, best_start, best_length, equal_pair
     while size < 2 * longest:
         size *= 2
     mask = size - 1
-    keys = np.zeros(size, np.uint64)
+    table = np.zeros(size, np.uint64)
     last = np.full(size, -1, np.int64)
     count = np.zeros(size, np.int64)
     used = np.empty(max(longest, 1), np.int64)
+    least = max(2, width)
     for s in range(lo.size):
         n_used = 0
         run_d = 0
@@ -189,17 +210,17 @@ def _repeated_runs(hashes, captured, lo, hi, best_start, best_length, equal_pair
         pairs = 0
         for i in range(lo[s], hi[s]):
             d = 0
-            if captured[i]:
-                x = hashes[i]
+            if valid[i]:
+                x = keys[i]
                 slot = np.int64(x & np.uint64(mask))
-                while last[slot] >= 0 and keys[slot] != x:
+                while last[slot] >= 0 and table[slot] != x:
                     slot = (slot + 1) & mask
                 if last[slot] >= 0:
                     d = i - last[slot]
                     pairs += count[slot]
                     count[slot] += 1
                 else:
-                    keys[slot] = x
+                    table[slot] = x
                     count[slot] = 1
                     used[n_used] = slot
                     n_used += 1
@@ -210,7 +231,7 @@ def _repeated_runs(hashes, captured, lo, hi, best_start, best_length, equal_pair
                 run_d = d
                 run_start = i
                 run_len = 1 if d > 0 else 0
-            if run_d >= 2 and run_len >= run_d and run_d > best_m:
+            if run_d >= least and run_len >= run_d - width + 1 and run_d > best_m:
                 best_m = run_d
                 best_a = run_start - run_d - lo[s]
         for u in range(n_used):
@@ -220,6 +241,11 @@ def _repeated_runs(hashes, captured, lo, hi, best_start, best_length, equal_pair
         equal_pairs[s] = pairs
 
 
+WINDOW = 8
+"""Rows per window of ``repeated_runs``' second pass (what low-entropy routing, where single rows
+repeat, still tells apart)."""
+
+
 def repeated_runs(
     routes: npt.NDArray[np.integer[Any]],
     captured: npt.NDArray[np.bool_],
@@ -227,15 +253,28 @@ def repeated_runs(
     hi: npt.NDArray[np.int64],
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """``(start, length, equal_pairs)`` per sample of rows ``[lo, hi)`` of ``routes [rows, layers, top_k]``
-    (``_repeated_runs``; rows compared byte for byte, every layer)."""
+    (``_repeated_runs`` over single rows, then over windows of ``WINDOW`` rows; the longer segment
+    wins; rows compared byte for byte, every layer). ``equal_pairs``: of single rows."""
     n = lo.size
     start, length, pairs = np.full(n, -1, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64)
     rows = routes.shape[0]
     if n and rows:
+        lo, hi = lo.astype(np.int64), hi.astype(np.int64)
         flat = np.ascontiguousarray(routes).reshape(rows, -1).view(np.uint8)
         hashes = np.empty(rows, np.uint64)
         _row_hashes(flat, hashes)
-        _repeated_runs(hashes, captured, lo.astype(np.int64), hi.astype(np.int64), start, length, pairs)
+        _repeated_runs(hashes, captured, lo, hi, 1, start, length, pairs)
+        if (hi - lo).max() >= 2 * WINDOW:
+            windows, valid = np.empty(rows, np.uint64), np.empty(rows, dtype=bool)
+            _windows(hashes, captured, lo, hi, WINDOW, windows, valid)
+            wide_start, wide_length, ignored = (
+                np.full(n, -1, np.int64),
+                np.zeros(n, np.int64),
+                np.zeros(n, np.int64),
+            )
+            _repeated_runs(windows, valid, lo, hi, WINDOW, wide_start, wide_length, ignored)
+            longer = wide_length > length
+            start[longer], length[longer] = wide_start[longer], wide_length[longer]
     return start, length, pairs
 
 

@@ -158,7 +158,7 @@ class SampleRecord:
     """Where an importer read the sample: the framework's own file and the sample's index in it
     (layout v3); ``None`` where the layout file itself is the place."""
     origin_column: int | None = None
-    """The column of position 0 on the origin file's padded token axis (layout v3), if it has one."""
+    """The column of route row 0 on the origin file's padded token axis (layout v3), if it has one."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_row(self) -> dict[str, Any]:

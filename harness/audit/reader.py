@@ -210,7 +210,7 @@ class Batch:
     origin: list[str | None]
     """Layout v3: where an importer read each sample (null: the layout file is the place)."""
     origin_column: IntArray
-    """Layout v3: the column of position 0 on the origin file's padded token axis, −1 where none."""
+    """Layout v3: the column of route row 0 on the origin file's padded token axis, −1 where none."""
 
     def where(self, row: int) -> str:
         """Where the user finds batch row ``row``: the framework's own file and the sample's index in
@@ -221,12 +221,12 @@ class Batch:
         return f"{self.path} row {int(self.file_rows[row])}"
 
     def place(self, row: int, trace_row: int = -1) -> str:
-        """``where(row)``, with the token column of route row ``trace_row`` (position
-        ``routes_start + trace_row``) on the origin file's padded axis where it has one."""
+        """``where(row)``, with the column of route row ``trace_row`` on the origin file's padded token
+        axis where it has one (the token at position ``routes_start + trace_row`` is there too)."""
         column = int(self.origin_column[row])
         if trace_row < 0 or column < 0 or self.origin[row] is None:
             return self.where(row)
-        return f"{self.where(row)}, token column {column + int(self.routes_start[row]) + trace_row}"
+        return f"{self.where(row)}, token column {column + trace_row}"
 
 
 def _numpy(array: Any) -> npt.NDArray[Any]:

@@ -242,8 +242,10 @@ def check_moe_layers(moe_layers: tuple[int, ...], num_layers: int, source: str) 
 
 def payload_rows(
     rows: npt.NDArray[Any], first: int, length: int, has_route: npt.NDArray[np.bool_] | None = None
-) -> tuple[npt.NDArray[Any], npt.NDArray[np.bool_]]:
-    """The engine rows of a sample and which hold a captured route.
+) -> tuple[npt.NDArray[Any], npt.NDArray[np.bool_], int]:
+    """The engine rows of a sample, which hold a captured route, and the index in ``rows`` of the first
+    (``first`` unless the payload starts before the sample: a place names that index, the cell the
+    user finds in the file).
 
     ``rows [S, L, K]`` is the sample's padded row axis; position 0 of its ``length = P+R`` tokens
     is at index ``first``. ``has_route`` marks rows the dump says were captured; without it (zero
@@ -259,7 +261,7 @@ def payload_rows(
     )
     present = np.flatnonzero(captured_axis)
     if present.size == 0:
-        return np.zeros_like(rows[first : first + expected]), np.zeros(expected, dtype=bool)
+        return np.zeros_like(rows[first : first + expected]), np.zeros(expected, dtype=bool), first
     lo, hi = min(first, int(present[0])), int(present[-1]) + 1
     if has_route is None:
         captured_axis = np.zeros(rows.shape[0], dtype=bool)
@@ -268,7 +270,7 @@ def payload_rows(
     payload, captured = rows[lo:end], captured_axis[lo:end]
     if has_route is not None and not captured.all():
         payload = np.where(captured[:, None, None], payload, 0).astype(rows.dtype)
-    return payload, captured
+    return payload, captured, lo
 
 
 def check_ids_fit(routes: npt.NDArray[Any], num_experts: int, source: str, sample: int, step: int) -> None:

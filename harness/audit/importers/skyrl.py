@@ -256,11 +256,11 @@ def batch_records(
                 "1 <= response tokens < tokens"
             )
         first = width - total
-        engine, captured = payload_rows(
+        engine, captured, column = payload_rows(
             routes[i], first, total, None if padding is None else ~padding[i].astype(bool)
         )
         check_ids_fit(engine, num_experts, source, i, step)
-        samples.append((i, prompt, resp, first, engine, captured))
+        samples.append((i, prompt, resp, first, engine, captured, column))
     if vote is None and moe_layers is None:
         vote = LayerVote()
     moe_layers = step_layers(
@@ -268,7 +268,7 @@ def batch_records(
     )
     check_moe_layers(moe_layers, num_layers, source)
     out = []
-    for i, prompt, resp, first, engine, captured in samples:
+    for i, prompt, resp, first, engine, captured, column in samples:
         tail = (i, slice(r_max - resp, r_max))
         out.append(
             SampleRecord(
@@ -290,7 +290,7 @@ def batch_records(
                 engine_routes=engine,
                 engine_captured=captured,
                 origin=f"{source} batch row {i}",
-                origin_column=first,
+                origin_column=column,
             )
         )
     return out, moe_layers

@@ -232,9 +232,9 @@ def batch_records(
                 f"{source} sample {i}: attention_mask has no prompt token; expected at least one"
             )
         first = p_max - prompt
-        engine, captured = payload_rows(routes[i], first, prompt + resp)
+        engine, captured, column = payload_rows(routes[i], first, prompt + resp)
         check_ids_fit(engine, num_experts, source, i, step)
-        samples.append((i, prompt, resp, first, engine, captured))
+        samples.append((i, prompt, resp, first, engine, captured, column))
     if vote is None and moe_layers is None:
         vote = LayerVote()
     moe_layers = step_layers(
@@ -260,9 +260,9 @@ def batch_records(
             engine_routes=engine,
             engine_captured=captured,
             origin=f"{source} batch row {i}",
-            origin_column=first,
+            origin_column=column,
         )
-        for i, prompt, resp, first, engine, captured in samples
+        for i, prompt, resp, first, engine, captured, column in samples
     ]
     return out, moe_layers
 
