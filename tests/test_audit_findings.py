@@ -266,6 +266,40 @@ def test_the_inferred_layers_are_those_most_samples_route_on_and_a_tie_is_refuse
         tie.decide([0])
 
 
+@pytest.mark.parametrize("name", ["skyrl", "verl"])
+def test_one_sample_shifted_onto_a_dense_layer_is_named_and_leaves_the_others_alone(
+    name: str, tmp_path: Path
+) -> None:
+    """In the first step (the one that decides the layout), sample 2's routes sit one layer early: on
+    the dense layer 0, with its last MoE layer empty. Without --moe-layers only that sample is named."""
+    from harness.audit.importers import import_dump
+    from tests.test_audit_import_frameworks import E, _skyrl_synthetic, _verl_synthetic, rollout
+
+    steps = {1: rollout(1), 2: rollout(2)}
+    shifted = steps[1][2].routes
+    shifted[:, :-1] = shifted[:, 1:].copy()
+    shifted[:, -1] = 0
+    if name == "skyrl":
+        _skyrl_synthetic(tmp_path / "dump", steps, {})
+    else:
+        _verl_synthetic(tmp_path / "dump", steps)
+    inferred: list[str] = []
+    import_dump(name, tmp_path / "dump", tmp_path / "run", num_experts=E, inferred=inferred)
+    assert inferred[0].startswith("moe_layers 1-3: inferred (--moe-layers not given)"), inferred
+    assert "7 of 8 samples agree" in inferred[0] and "batch row 2 (layers 0-2)" in inferred[0], inferred
+    result = audit_run(tmp_path / "run", executor="serial")
+    by_name = _by_name(result)
+    # The empty layer's zero routes repeat an id: ids_valid names them too, in that sample only.
+    assert {r.name for r in result.violated} == {"dense_empty", "moe_layer_nonzero", "ids_valid"}
+    for violated in result.violated:
+        assert violated.violated == 1 and {(o["step"], o["sample_key"]) for o in violated.offenders} == {
+            (1, "2")
+        }
+    assert _cells(result, "dense_empty")[0] == (1, "2", 0, 0)
+    assert _cells(result, "moe_layer_nonzero") == [(1, "2", 0, 3)]
+    assert by_name["ids_valid"].offenders[0]["layer"] == 3
+
+
 def test_one_sample_cannot_raise_the_inferred_expert_count() -> None:
     vote = ExpertVote()
     rng = np.random.default_rng(7)
