@@ -139,22 +139,30 @@ def _agreement(  # type: ignore[no-untyped-def]
             sample_cells[o] += 1
 
 
+HASHED_WORDS = 8
+"""Eight-byte words of a row that ``_row_hashes`` reads (spread over the row): wide rows (Qwen3: 48
+words) are told apart by a few of their layers, and every repeat found is compared in full after."""
+
+
 @numba.njit(cache=True, nogil=True)
 def _row_hashes(flat, out):  # type: ignore[no-untyped-def]
-    """``out[r]``: a 64-bit hash of the bytes of row r of ``flat [rows, bytes]`` (equal rows, equal hashes),
-    eight bytes at a time where the row allows it."""
+    """``out[r]``: a 64-bit hash of row r of ``flat [rows, bytes]`` (equal rows, equal hashes): of every
+    byte of a narrow row, of ``HASHED_WORDS`` eight-byte words spread over a wide one."""
     rows, width = flat.shape
     words = width // 8
+    read = min(words, HASHED_WORDS)
     for r in range(rows):
         h = np.uint64(_SEED)
-        for w in range(words):
+        for k in range(read):
+            w = k * words // read
             v = np.uint64(0)
             for b in range(8):
                 v |= np.uint64(flat[r, w * 8 + b]) << np.uint64(8 * b)
             h = (h ^ v) * np.uint64(_FNV)
             h ^= h >> np.uint64(29)
-        for b in range(words * 8, width):
-            h = (h ^ np.uint64(flat[r, b])) * np.uint64(_FNV)
+        if read == words:
+            for b in range(words * 8, width):
+                h = (h ^ np.uint64(flat[r, b])) * np.uint64(_FNV)
         out[r] = h ^ (h >> np.uint64(32))
 
 
@@ -254,7 +262,9 @@ def repeated_runs(
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """``(start, length, equal_pairs)`` per sample of rows ``[lo, hi)`` of ``routes [rows, layers, top_k]``
     (``_repeated_runs`` over single rows, then over windows of ``WINDOW`` rows; the longer segment
-    wins; rows compared byte for byte, every layer). ``equal_pairs``: of single rows."""
+    wins; a segment's rows are then compared byte for byte, every layer, by the caller).
+    ``equal_pairs``: of single rows (of their hashes: a wide row is hashed from some of its bytes, so
+    this may count a pair that differs elsewhere, which only makes ``repeated_rows`` quieter)."""
     n = lo.size
     start, length, pairs = np.full(n, -1, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64)
     rows = routes.shape[0]
@@ -264,7 +274,10 @@ def repeated_runs(
         hashes = np.empty(rows, np.uint64)
         _row_hashes(flat, hashes)
         _repeated_runs(hashes, captured, lo, hi, 1, start, length, pairs)
-        if (hi - lo).max() >= 2 * WINDOW:
+        # Windows only where single rows repeat (low-entropy routing); elsewhere rows already tell.
+        repeating = (pairs > 0) & (hi - lo >= 2 * WINDOW)
+        if repeating.any():
+            hi = np.where(repeating, hi, lo)
             windows, valid = np.empty(rows, np.uint64), np.empty(rows, dtype=bool)
             _windows(hashes, captured, lo, hi, WINDOW, windows, valid)
             wide_start, wide_length, ignored = (
