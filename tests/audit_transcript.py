@@ -69,6 +69,13 @@ def transcript(capsys: pytest.CaptureFixture[str], args: list[str], dump: Path, 
     lines += ["--- stdout", *out.splitlines()]
     if report.exists():
         doc: dict[str, Any] = json.loads(report.read_text())
+        try:
+            import jsonschema
+        except ImportError:  # the dev extra's; a framework's tox env may lack it
+            jsonschema = None
+        if jsonschema is not None:
+            schema = Path(__file__).parents[1] / "harness" / "schemas" / "audit_report.schema.json"
+            jsonschema.validate(doc, json.loads(schema.read_text()))
         doc["seconds"], doc["bytes_read"] = 0, 0
         lines += ["--- json", *json.dumps(doc, indent=1, sort_keys=True, ensure_ascii=False).splitlines()]
     if tables.exists():
