@@ -81,31 +81,33 @@ def _odd_members(state: AuditState) -> list[_Odd]:
     """Every member that disagrees with its group's majority at some prompt row, ranked by rows that
     differ. Where no digest has a majority (a tie: two members, one each), every member disagrees,
     each against the smallest-keyed member holding another digest: the audit cannot tell which is
-    right, so it names both."""
-    found: dict[tuple[int, str], _Odd] = {}
-    for (step, group), digests in sorted(state.groups.items()):
-        if len(digests.members) < 2:
+    right, so it names both. Vectorised per group (members² × rows that differ)."""
+    found: list[_Odd] = []
+    for (step, group), digests in state.groups.items():
+        if len(digests.members) < 2 or not any(m.diff_rows.size for m in digests.members.values()):
             continue
         keys, table = digests.table()
-        for row in np.flatnonzero(differing_rows(table)).tolist():
-            column = table[:, row]
-            held = column != NO_ROUTE
-            values, counts = np.unique(column[held], return_counts=True)
-            top = counts == counts.max()
-            majority = values[top][0] if top.sum() == 1 else None
-            for i in np.flatnonzero(held).tolist():
-                if majority is not None and column[i] == majority:
-                    continue
-                peer = next(
-                    j for j in range(len(keys))
-                    if held[j] and column[j] != column[i] and (majority is None or column[j] == majority)
-                )  # fmt: skip
-                odd = found.setdefault((step, keys[i]), _Odd(step, group, keys[i], digests.members[keys[i]]))
-                odd.rows.append(row)
-                odd.tie = odd.tie or majority is None
-                if odd.peer is None:
-                    odd.peer = (keys[peer], digests.members[keys[peer]])
-    return sorted(found.values(), key=lambda o: (-len(o.rows), o.step, o.key))
+        columns = np.flatnonzero(differing_rows(table))
+        if not columns.size:
+            continue
+        sub = table[:, columns]
+        held = sub != NO_ROUTE
+        same = (sub[:, None, :] == sub[None, :, :]) & held[:, None, :] & held[None, :, :]
+        votes = same.sum(axis=1)  # members holding each member's digest, per column
+        best = votes.argmax(axis=0)
+        leader = sub[best, np.arange(columns.size)]
+        tie = ((votes == votes.max(axis=0)) & held & (sub != leader)).any(axis=0)
+        odd = held & ((sub != leader) | tie)
+        for i in np.flatnonzero(odd.any(axis=1)).tolist():
+            mine = np.flatnonzero(odd[i])
+            c = int(mine[0])
+            peers = held[:, c] & (sub[:, c] != sub[i, c]) & (tie[c] | (sub[:, c] == leader[c]))
+            peer = int(np.flatnonzero(peers)[0])
+            member = _Odd(step, group, keys[i], digests.members[keys[i]], columns[mine].tolist())
+            member.peer = (keys[peer], digests.members[keys[peer]])
+            member.tie = bool(tie[mine].any())
+            found.append(member)
+    return sorted(found, key=lambda o: (-len(o.rows), o.step, o.key))
 
 
 class _Reader:

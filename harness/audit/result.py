@@ -203,9 +203,10 @@ class AuditResult:
                         [] if checkable else (missing or list(NEEDS.get(name, ()))),
                     )
                 )
-        steps = [_step_row(step, state) for step in sorted(state.steps)]
+        prefix = _prefix_figures(state)
+        steps = [_step_row(step, state, prefix.get(step, (0, 0, 0))) for step in sorted(state.steps)]
         layers, step_layers = _layer_rows(state)
-        summaries = _metric_summaries(state, layers)
+        summaries = _metric_summaries(state, layers, prefix)
         for result in invariants:
             if result.kind == "metric" and result.status == "checked":
                 result.summary = summaries[result.name]
@@ -249,7 +250,20 @@ def _hints(sources: set[str]) -> dict[str, str]:
     return hints_for(sources)
 
 
-def _metric_summaries(state: AuditState, layers: list[dict[str, Any]]) -> dict[str, str]:
+def _prefix_figures(state: AuditState) -> dict[int, tuple[int, int, int]]:
+    """Per step: ``(prompt rows, rows where members differ, groups)`` over its groups of two or more."""
+    out: dict[int, tuple[int, int, int]] = {}
+    for (step, _), group in state.groups.items():
+        if len(group.members) > 1:
+            rows, differ = group.figures()
+            have = out.get(step, (0, 0, 0))
+            out[step] = (have[0] + rows, have[1] + differ, have[2] + 1)
+    return out
+
+
+def _metric_summaries(
+    state: AuditState, layers: list[dict[str, Any]], prefix: dict[int, tuple[int, int, int]]
+) -> dict[str, str]:
     """One line of figures per metric over the whole run (exact merges of every step's figures)."""
     from harness.metrics import GapAccumulator
     from harness.trace import AgreementCounts
@@ -267,10 +281,10 @@ def _metric_summaries(state: AuditState, layers: list[dict[str, Any]]) -> dict[s
         gap.merge(f.gap)
         agreed.merge(f.gap_agreed)
         flipped.merge(f.gap_flipped)
-    groups = [g for g in state.groups.values() if len(g.members) > 1]
-    figures_of = [g.figures() for g in groups]
-    prefix_rows = sum(rows for rows, _ in figures_of)
-    prefix_agree = 1 - sum(differ for _, differ in figures_of) / prefix_rows if prefix_rows else math.nan
+    prefix_rows = sum(rows for rows, _, _ in prefix.values())
+    groups = sum(count for _, _, count in prefix.values())
+    prefix_differ = sum(differ for _, differ, _ in prefix.values())
+    prefix_agree = 1 - prefix_differ / prefix_rows if prefix_rows else math.nan
     g, a, fl = gap.result(), agreed.result(), flipped.result()
     loads = [r["load_max_over_mean"] for r in layers if r.get("load_max_over_mean") is not None]
     return {
@@ -287,8 +301,7 @@ def _metric_summaries(state: AuditState, layers: list[dict[str, Any]]) -> dict[s
             f"mean |Δ| {g.mean_abs_diff:.3e}, k3 {g.k3:.3e} over {g.n_tokens} tokens; "
             f"routes agreed: {_part_gap(a)}, flipped: {_part_gap(fl)}"
         ),
-        "prefix_agreement": f"{prefix_agree:.4f} of prompt rows agree within their group "
-        f"({len(groups)} groups)",
+        "prefix_agreement": f"{prefix_agree:.4f} of prompt rows agree within their group ({groups} groups)",
         "expert_load": f"busiest expert / mean, worst layer: {max(loads):.2f}" if loads else "",
     }
 
@@ -309,12 +322,10 @@ def _metric_checkable(name: str, state: AuditState) -> bool:
     return any(f.rows for f in figures)
 
 
-def _step_row(step: int, state: AuditState) -> dict[str, Any]:
+def _step_row(step: int, state: AuditState, prefix: tuple[int, int, int]) -> dict[str, Any]:
     f = state.steps[step]
     gap, agreed, flipped = f.gap.result(), f.gap_agreed.result(), f.gap_flipped.result()
-    figures_of = [g.figures() for (s, _), g in state.groups.items() if s == step and len(g.members) > 1]
-    prefix_rows = sum(rows for rows, _ in figures_of)
-    prefix_differ = sum(differ for _, differ in figures_of)
+    prefix_rows, prefix_differ, _ = prefix
     agreement = f.agreement
     return {
         "step": step,
