@@ -267,8 +267,8 @@ def test_layout_v1_files_are_still_read_and_unknown_versions_refused(tmp_path: P
     pq.write_table(table, tmp_path / "part.parquet")
     found = _statuses(tmp_path)
     assert found["coverage"].status == "checked" and found["splice_consistency"].status == "not checkable"
-    with pytest.raises(LayoutError, match=r"version 3; expected one of \[1, 2\]"):
-        arrow_schema(3)
+    with pytest.raises(LayoutError, match=r"version 4; expected one of \[1, 2, 3\]"):
+        arrow_schema(4)
 
 
 def test_a_shard_row_needs_its_positions() -> None:
