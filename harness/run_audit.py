@@ -89,7 +89,7 @@ def run_audit(args: argparse.Namespace) -> int:
         for tmp in keep:
             tmp.cleanup()
     seconds = time.perf_counter() - start
-    print(f"rrh audit {args.run}: {result.files} files, {result.rows} samples, "
+    print(f"rrh audit {args.run}: {result.files} files, {result.counted()}, "
           f"{result.bytes_read / 2**20:.1f} MiB in {seconds:.1f}s")  # fmt: skip
     for line in result.lines():
         print(line)

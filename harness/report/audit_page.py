@@ -144,7 +144,7 @@ def audit_html(result: AuditResult, *, title: str, command: str, seconds: float)
 <style>{CSS}</style></head>
 <body><main>
 <h1>Routing replay audit: {e(title)}</h1>
-<p class="sub">{result.files} files · {result.rows} samples · {result.bytes_read / 2**20:.1f} MiB ·
+<p class="sub">{result.files} files · {e(result.counted())} · {result.bytes_read / 2**20:.1f} MiB ·
 {seconds:.1f}s · <span class="mono">{e(command)}</span><br>sources: {e("; ".join(result.sources))}</p>
 <div class="verdict {e(status)}"><div class="status">{e(status.upper())}</div><p>{e(text)}</p></div>
 {errors}{drift}
