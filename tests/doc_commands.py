@@ -72,9 +72,9 @@ class Run:
     printed_in_page: bool = False
     """What it prints is a generated part of the page: it must appear there verbatim."""
     requires: tuple[str, ...] = ()
-    """Programs on PATH or Python modules it needs from the dev extra; outside CI (``CI`` unset) a
-    command whose requirement is missing is left out with a warning (a venv from before the extra
-    named it), under CI it runs and fails."""
+    """Programs on PATH (``duckdb``) or modules (``python -m mkdocs``) it needs from the dev extra;
+    outside CI (``CI`` unset) a command whose requirement is missing is left out with a warning (a
+    venv made before the extra named it), under CI it runs and fails."""
     in_process: bool = False
     """An ``rrh`` command run by ``harness.cli.main`` in the test's process (real vLLM: the engine
     starts once for the page, not once per command); the program path must be this env's ``rrh``."""
@@ -151,7 +151,7 @@ WHERE: dict[str, Run | SameAs | NotRun] = {
         "gate.run_gate against the installed release's baseline) and a tampered baseline that must fail",
     ),
     # docs/index.md
-    "python -m mkdocs build --strict --site-dir /tmp/rrh-site": Run(QUICK, requires=("mkdocs",)),
+    "python -m mkdocs build --strict --site-dir /tmp/rrh-site": Run(QUICK, requires=("python -m mkdocs",)),
     "python -m mkdocs serve": NotRun(
         "a development server: it serves until stopped, on a fixed port; the build line above it "
         "builds what it serves, in the default run"
@@ -507,12 +507,12 @@ import torch
 
 
 def merge_routed_experts(merged, routes, new_tokens):
-    if new_tokens == 0:
-        return merged
+    if new_tokens == 0:  # nothing new: keep what is merged (an empty start if nothing is yet)
+        return torch.as_tensor(routes)[:0] if merged is None and routes is not None else merged
     if routes is None:
         raise ValueError("an attempt that added tokens returned no routes")
     routes = torch.as_tensor(routes)
-    if merged is None:
+    if merged is None or len(merged) == 0:  # the first call that adds tokens: its whole payload
         return routes
     merged = torch.as_tensor(merged)
     if len(routes) != len(merged) + new_tokens:
@@ -531,7 +531,7 @@ def add_subject(space: Workspace, page: Path) -> None:
     (user / "my_subject.py").write_text(code)
     (user / "my_framework" / "__init__.py").write_text("")
     (user / "my_framework" / "rollout.py").write_text(SUBJECT_FRAMEWORK)
-    space.env["PYTHONPATH"] = os.pathsep.join([str(user), space.env["PYTHONPATH"]])
+    space.env["PYTHONPATH"] = os.pathsep.join([str(user), *filter(None, [space.env.get("PYTHONPATH")])])
 
 
 def fresh_venv(space: Workspace) -> None:
@@ -573,11 +573,12 @@ def _in_process(text: str, space: Workspace) -> tuple[int, str]:
 
 
 def _available(requirement: str, space: Workspace) -> bool:
+    """``python -m NAME`` (a module of the test's interpreter) or ``NAME`` (a program on PATH)."""
     import importlib.util
 
-    return bool(shutil.which(requirement, path=space.env["PATH"])) or (
-        importlib.util.find_spec(requirement) is not None
-    )
+    if requirement.startswith("python -m "):
+        return importlib.util.find_spec(requirement.removeprefix("python -m ")) is not None
+    return shutil.which(requirement, path=space.env["PATH"]) is not None
 
 
 def run_command(command: Shown, entry: Run, space: Workspace) -> Ran:
@@ -655,10 +656,10 @@ def run_page(
     (exit statuses, quoted outputs, files left in the clone) and what each printed."""
     space = workspace(tmp)
     entries = [WHERE[c.name] for c in commands]
-    if any(isinstance(e, Run) and e.subject for e in entries):
-        add_subject(space, page)
     if any(isinstance(e, Run) and e.fresh_venv for e in entries):
         fresh_venv(space)
+    if any(isinstance(e, Run) and e.subject for e in entries):
+        add_subject(space, page)
     if prepare is not None:
         prepare(space)
     problems: list[str] = []
