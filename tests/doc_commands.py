@@ -157,10 +157,18 @@ WHERE: dict[str, Run | SameAs | NotRun] = {
         "builds what it serves, in the default run"
     ),
     # docs/megatron-depth.md
-    "python -m pytest suites/test_megatron.py --hypothesis-profile ci": Run(CI),
+    "python -m pytest suites/test_megatron.py --hypothesis-profile ci": SameAs(
+        ".ci/run",
+        (TEST_COMMAND,),
+        "the default suite step runs these tests with the same selection and profile (a superset)",
+    ),
     "RRH_MEGATRON_LAYOUT=pp2thd,pp2,thd-tp2ep2 python -m pytest suites/test_megatron.py "
     "--hypothesis-profile ci": Run(CI),
-    "python -m pytest suites/test_replay.py -k megatron --hypothesis-profile ci": Run(CI),
+    "python -m pytest suites/test_replay.py -k megatron --hypothesis-profile ci": SameAs(
+        ".ci/run",
+        (TEST_COMMAND,),
+        "the default suite step runs these tests with the same selection and profile (a superset)",
+    ),
     "RRH_MEGATRON_LAYOUT=pp2thd,thd-tp2ep2,pp2vpp2thd python -m pytest suites/test_megatron.py "
     f"--rr-subject {VERL} --hypothesis-profile ci": Run(VERL_MCORE),
     "python -m pytest tests/test_verl_agent_truncation.py -rs": SameAs(
@@ -559,7 +567,7 @@ def _in_process(text: str, space: Workspace) -> tuple[int, str]:
         link = (space.root / program).parent
         assert link.resolve() == env_bin.resolve(), f"{program}: not this environment's rrh ({env_bin})"
     out = io.StringIO()
-    cwd = Path.cwd()
+    cwd, path = Path.cwd(), list(sys.path)
     os.chdir(space.root)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
@@ -569,6 +577,7 @@ def _in_process(text: str, space: Workspace) -> tuple[int, str]:
                 status = stop.code if isinstance(stop.code, int) else 1
     finally:
         os.chdir(cwd)
+        sys.path[:] = path  # rrh puts the current directory on it
     return status, out.getvalue()
 
 
@@ -662,6 +671,7 @@ def run_page(
         add_subject(space, page)
     if prepare is not None:
         prepare(space)
+    space.status = space.git_status()  # what the commands leave is compared with this
     problems: list[str] = []
     done: list[Ran] = []
     for command, entry in zip(commands, entries, strict=True):
