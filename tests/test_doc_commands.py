@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -163,7 +164,7 @@ def test_real_engine_documented_commands_run_as_shown(page: Path, tmp_path: Path
     def env_links(space: dc.Workspace) -> None:
         (space.root / ".tox").mkdir(exist_ok=True)
         for name in ("vllm-cpu", "verl-0.9.1"):
-            (space.root / ".tox" / name).symlink_to(Path(os.sys.prefix), target_is_directory=True)
+            (space.root / ".tox" / name).symlink_to(Path(sys.prefix), target_is_directory=True)
 
     def needs_verl(command: dc.Shown) -> None:
         if any(v in command.text for v in dc.NEEDS_VERL) and importlib.util.find_spec("verl") is None:
