@@ -100,11 +100,11 @@ def run_audit(args: argparse.Namespace) -> int:
     if result.input_errors and not result.rows:
         return 2
     if name is None:
-        print(f"rrh audit {args.run}: {result.files} files, {result.rows} samples, "
+        print(f"rrh audit {args.run}: {result.files} files, {result.counted()}, "
               f"{human_size(result.bytes_read)} in {seconds:.1f}s")  # fmt: skip
     else:
         layout = f"{result.files} file{'s' * (result.files != 1)}, {human_size(result.bytes_read)}"
-        print(f"rrh audit {args.run}: {result.rows} samples of a {name} dump (imported: {layout} of run "
+        print(f"rrh audit {args.run}: {result.counted()} of a {name} dump (imported: {layout} of run "
               f"layout) in {seconds:.1f}s")  # fmt: skip
     for line in result.lines():
         print(line)

@@ -147,6 +147,13 @@ class AuditResult:
             if s.get(name) is not None and s[name] > limit
         ]
 
+    def counted(self) -> str:
+        """How many samples were read: ``19 samples``, with the records where a tapped run's shard
+        rows make more (``19 samples (57 records)``: each sample's engine record and two ranks'
+        shard records)."""
+        samples = len(self.samples)
+        return f"{samples} samples" + (f" ({self.rows} records)" if self.rows != samples else "")
+
     def lines(self) -> list[str]:
         """The terminal summary: what was inferred, one line per invariant, then drift and notes (input
         errors are the caller's to print first: ``rrh audit`` writes them to stderr)."""

@@ -188,7 +188,7 @@ def audit_html(result: AuditResult, *, title: str, command: str, seconds: float)
 <style>{CSS}</style></head>
 <body><main>
 <h1>Routing replay audit: {e(title)}</h1>
-<p class="sub">{result.files} files · {result.rows} samples · {human_size(result.bytes_read)} ·
+<p class="sub">{result.files} files · {e(result.counted())} · {human_size(result.bytes_read)} ·
 {seconds:.1f}s · <span class="mono">{e(command)}</span><br>sources: {e("; ".join(result.sources))}</p>
 <div class="verdict {e(status)}"><div class="status">{e(status.upper())}</div><p>{e(text)}</p></div>
 {errors}{drift}
