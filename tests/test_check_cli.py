@@ -212,3 +212,47 @@ def test_a_lab_only_run_draws_no_invariant_table_and_counts_no_zeroes(
     assert "No suite ran (--no-suites)" in page
     assert "<th>invariant</th>" not in page and 'class="counts"' not in page
     assert schema_violations(json.loads(js.read_text())) == []
+
+
+def test_the_suites_run_on_one_torch_thread_with_the_imports_frozen(tmp_path: Path) -> None:
+    """An installed wheel has no root ``conftest.py``: ``run_suites`` itself runs the tiny models on
+    one torch thread (two took four times the CPU time on two cores) and moves what the imports
+    built out of the garbage collector's sight; the caller's thread count comes back after."""
+    import gc
+
+    import torch
+
+    from harness.check import run_suites
+    from harness.subjects import DEFAULT_SUBJECT
+
+    suite = tmp_path / "test_run_settings.py"  # outside the clone: its conftest.py does not apply
+    suite.write_text(
+        "import gc\nimport torch\n\n\ndef test_settings():\n"
+        "    assert torch.get_num_threads() == 1\n    assert gc.get_freeze_count() > 0\n"
+    )
+    before = torch.get_num_threads()
+    gc.unfreeze()  # the next nested run (or this one) freezes again
+    torch.set_num_threads(2)
+    try:
+        outcomes, log = run_suites(DEFAULT_SUBJECT, paths=[str(suite)], select="")
+        assert [o.outcome for o in outcomes] == ["passed"], log
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_rrh_check_runs_the_mismatch_lab_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lab the mismatch-lab suite ran is the lab the report shows: one run of it, not two."""
+    from harness import lab
+
+    runs: list[Any] = []
+    real = lab._run
+
+    def counted(cfg: Any, driver: object) -> Any:
+        runs.append(cfg)
+        return real(cfg, driver)
+
+    monkeypatch.setattr(lab, "_run", counted)
+    monkeypatch.setattr(lab, "_RESULTS", {})
+    assert cli.main(["check", "--engine", "reference", "--suite", "mismatch_lab", *FAST]) == 0
+    assert runs == [lab.LabConfig()]
