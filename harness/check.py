@@ -264,9 +264,9 @@ def one_torch_thread() -> Iterator[None]:
     """One torch intra-op thread inside, the caller's count after.
 
     The suites' models are tiny, so a forward is dominated by thread hand-offs: on a 2-core machine
-    the default ``rrh check`` took four times the CPU time with torch's default of two threads (a
-    clone's root ``conftest.py`` sets one thread for its own pytest runs; an installed wheel has no
-    such file, so the run sets it itself).
+    the replay and layouts suites took four times the CPU time with torch's default of two threads
+    (a clone's root ``conftest.py`` sets one thread for its own pytest runs; an installed wheel has
+    no such file, so the run sets it itself).
     """
     import torch
 
@@ -283,8 +283,10 @@ class _FreezeImports:
 
     torch, transformers, megatron-core and hypothesis build a few hundred thousand objects; every
     full garbage collection walks them again (pytest's closing collections, and the automatic ones
-    during the tests), ~2 s of a default run. Objects the tests make are collected as before. The
-    same as a clone's root ``conftest.py``, for an installed wheel that has none.
+    during the tests): 2 s of the replay and layouts suites' CPU time. Objects the tests make are
+    collected as before; what existed when collection ended is kept for the process, even once it
+    is garbage (a previous nested run's suite modules). The same as a clone's root
+    ``conftest.py``, for an installed wheel that has none.
     """
 
     @pytest.hookimpl(trylast=True)
