@@ -131,8 +131,8 @@ class Progress:
 
     One line per step, when it ends (:meth:`finish`); on a TTY, meanwhile, a line updated in place
     counts the step's finished tests. ``verbose`` (``rrh check -v``) adds one line per finished test:
-    ``[3/122] prefix suite PASS: invariant``. The stream is fixed when the object is made, so pytest's
-    output capture does not swallow it.
+    ``[3/122] reference suites · splice PASS: invariant``. The stream is fixed when the object is
+    made, so pytest's output capture does not swallow it.
     """
 
     def __init__(self, stream: TextIO | None = None, *, label: str = "", verbose: bool = False) -> None:
