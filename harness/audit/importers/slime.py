@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from harness.audit.importers.model_shape import ExpertVote, LayerVote, signature
 from harness.audit.layout import LayoutError, SampleRecord
 from harness.trace import LayerAxis, storage_dtype
 
@@ -56,15 +57,34 @@ DESCRIPTION = (
 NOTES = (
     "every dumped route row is a captured route: slime's arange % E filler for the last position and "
     "packing pads is built at replay (cp_utils._pad_routed_experts), never dumped, so it cannot be checked",
-    "num_experts and the MoE layers are not in the dump: without num_experts= and moe_layers= they are "
-    "inferred (largest id + 1; decoder layers with a non-zero id), so ids are checked for distinctness "
-    "but not against the model's expert count, and a MoE layer all-zero in every sample looks dense",
+    "num_experts and the MoE layers are not in the dump: without --num-experts and --moe-layers they are "
+    "inferred from what most samples agree on (1 + the largest id more than one sample uses; the layers most "
+    "samples route on), so ids are checked against that bound, not the model's expert count, and a MoE "
+    "layer all-zero in most samples reads as dense",
     "trainer tokens and log-probs come only from a format_version 2 train dump beside the rollout dump; "
     "no trainer routes, replay mode or attempt boundaries are dumped: replay fidelity, agreement, "
     "splice consistency and shard union are not checkable",
     "evaluation dumps (eval_{id}.pt) are skipped: they were never trained on",
 )
+HINTS = {
+    "engine_routes": "rollout_routed_experts (--use-rollout-routing-replay with --save-debug-rollout-data)",
+    "engine_logprobs": "rollout_log_probs of each sample in the rollout dump",
+    "trainer_tokens": "the tokens the trainer consumed: slime --save-debug-train-data (format_version 2, "
+    "D/train_data/{rollout_id}.pt beside the rollout dump)",
+    "trainer_logprobs": "the trainer's log_probs: slime --save-debug-train-data (format_version 2)",
+    "trainer_routes": "what the trainer dispatched: nothing in slime writes it (the train dump drops the "
+    "routes); harness.audit.tap writes it",
+    "replay": "the replay mode of each row: nothing in slime's dumps says it; harness.audit.tap writes it",
+    "group_key": "the prompt's group: group_index of each sample",
+    "attempt payloads": "each attempt's own engine payload: nothing in slime writes it "
+    "(Sample._apply_meta_info splices them); harness.audit.tap writes them",
+    "shard positions": "per-rank shards with their positions: nothing in slime writes them (format_version 2 "
+    "reassembles CP shards); harness.audit.tap writes them",
+}
+"""What writes each column an invariant may miss, said for slime (``AuditResult`` lines use it)."""
 SOURCE = "slime/miles --save-debug-rollout-data"
+SOURCE_PREFIXES = ("slime",)
+"""The ``source`` of the records this importer writes (``hints_for`` tells a re-audited import by it)."""
 TRAIN_FORMAT_VERSION = 2
 _ID = re.compile(r"(\d+)$")
 
@@ -101,6 +121,7 @@ def records(
     train: str | Path | None = None,
     num_experts: int | None = None,
     moe_layers: Sequence[int] | None = None,
+    inferred: list[str] | None = None,
 ) -> Iterator[SampleRecord]:
     """The samples of the dump at ``path``, one rollout file at a time, joined with the train dump.
 
@@ -108,7 +129,8 @@ def records(
     directory of rollout files, or one rollout file. ``train`` is the train dump when it is not
     ``path/train_data``: a directory of ``{rollout_id}.pt`` or the ``--save-debug-train-data``
     template itself (``.../{rollout_id}.pt``). ``num_experts`` and ``moe_layers`` (decoder indices)
-    are the model's; left out, they are inferred from the routes in a first pass (see ``NOTES``).
+    are the model's; left out, they are inferred from the routes in a first pass from what most
+    samples agree on (see ``NOTES``), and what was inferred is appended to ``inferred``.
     """
     path = Path(path)
     rollout_files, template = _files(path, train)
@@ -121,7 +143,7 @@ def records(
             )
         yield from _train_only(train_files)
         return
-    shape = _model_shape([p for _, p in rollout_files], num_experts, moe_layers)
+    shape = _model_shape(rollout_files, num_experts, moe_layers, inferred)
     for step, rollout_path in rollout_files:
         samples = _samples(_load(rollout_path), rollout_path, step)
         train_path = Path(template.format(rollout_id=step)) if template else None
@@ -293,19 +315,27 @@ def _routes(sample: dict[str, Any], where: str) -> npt.NDArray[np.int64] | None:
     return routes
 
 
-def _model_shape(files: list[Path], num_experts: int | None, moe_layers: Sequence[int] | None) -> _Shape:
-    """The routing shape: layers and top-k from the first routes; the rest given or inferred (a full pass)."""
+def _model_shape(
+    files: list[tuple[int, Path]],
+    num_experts: int | None,
+    moe_layers: Sequence[int] | None,
+    inferred: list[str] | None = None,
+) -> _Shape:
+    """The routing shape: layers and top-k from the first routes; the rest given or inferred in a full
+    pass from what most samples agree on (``model_shape.LayerVote``, ``ExpertVote``), noted in
+    ``inferred``."""
     known = num_experts is not None and moe_layers is not None
     layers = top_k = 0
-    high, used = -1, None
-    for path in files:
+    vote, experts = LayerVote(), ExpertVote()
+    seen = False
+    for step, path in files:
         for i, sample in enumerate(_samples(_load(path), path, None)):
             routes = _routes(sample, f"{path}: samples[{i}]")
             if routes is None:
                 continue
-            if used is None:
+            if not seen:
                 layers, top_k = int(routes.shape[1]), int(routes.shape[2])
-                used = np.zeros(layers, dtype=bool)
+                seen = True
                 if known:
                     break
             elif routes.shape[1:] != (layers, top_k):
@@ -313,18 +343,25 @@ def _model_shape(files: list[Path], num_experts: int | None, moe_layers: Sequenc
                     f"{path}: samples[{i}] field 'rollout_routed_experts' has shape {list(routes.shape)}; "
                     f"expected [rows, {layers}, {top_k}] like the samples before it"
                 )
-            if routes.size:
-                high = max(high, int(routes.max()))
-                used |= routes.any(axis=(0, 2))
-        if known and used is not None:
+            place = f"{path} samples[{i}]"
+            vote.add(step, signature(routes), place)
+            experts.add(routes, place)
+        if known and seen:
             break
-    if used is None:
+    if not seen:
         return _NO_ROUTES
+    notes: list[str] = []
+    if moe_layers is None:
+        chosen = vote.decide() if vote.steps else None
+        chosen = chosen or tuple(range(layers))  # every layer all-zero: moe_layer_nonzero names them
+        notes += vote.notes()
+    else:
+        chosen = tuple(int(x) for x in moe_layers)
     if num_experts is None:
-        num_experts = max(high + 1, top_k)
-    chosen = tuple(int(x) for x in (np.flatnonzero(used).tolist() if moe_layers is None else moe_layers))
-    if not chosen:
-        chosen = tuple(range(layers))  # every layer all-zero: moe_layer_nonzero names them
+        num_experts = experts.decide(top_k)
+        notes += experts.notes(num_experts)
+    if inferred is not None:
+        inferred.extend(notes)
     if list(chosen) != sorted(set(chosen)) or chosen[0] < 0 or chosen[-1] >= layers:
         raise LayoutError(
             f"moe_layers: {list(chosen)}; expected distinct increasing decoder indices in [0, {layers})"
@@ -423,6 +460,7 @@ def _record(
         layer_axis=LayerAxis.DECODER.value,
         engine_routes=routes,
         source=SOURCE if trained is None else f"{SOURCE} + --save-debug-train-data",
+        origin=f"{path} samples[{position}]",
     )
 
 
@@ -475,4 +513,5 @@ def _train_only(files: list[tuple[int, Path]]) -> Iterator[SampleRecord]:
                 num_layers=_NO_ROUTES.num_layers,
                 moe_layers=_NO_ROUTES.moe_layers,
                 source="slime --save-debug-train-data",
+                origin=f"{path} samples[{i}]",
             )
