@@ -53,8 +53,14 @@ VERL_MCORE = ".ci/run, the verl 0.9.1 + megatron-core 0.19.2 step (RRH_DOC_ENV=v
 SKYRL = ".ci/run, the SkyRL 0.4.0 step (RRH_DOC_ENV=skyrl-0.4.0)"
 WHERES = (QUICK, CI, VLLM_RECIPE, VLLM, VERL_MCORE, SKYRL)
 
-LAB = (r"^mismatch lab: ", r"^(no replay|R3)  ", r"^per-layer disagreement without replay: ")
-"""The mismatch lab's lines in ``rrh check``'s output: bf16 figures."""
+LAB = (
+    r"^mismatch lab: ",
+    r"^(no replay|R3)  ",
+    r"^per-layer disagreement without replay: ",
+    r"mismatch lab \([^)]*\): \S+ of routes flipped without replay",
+)
+"""The mismatch lab's lines in ``rrh check``'s output (its table, and its line while it runs): bf16
+figures."""
 
 
 @dataclass(frozen=True)
