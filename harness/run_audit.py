@@ -46,8 +46,11 @@ def report_document(result: AuditResult, *, run: str, command: str, seconds: flo
     return {"format": REPORT_FORMAT, "run": run, "command": command, "seconds": seconds, **result.as_dict()}
 
 
-def _import(args: argparse.Namespace, keep: list[Any]) -> str:
-    """The run-layout directory to audit: ``args.run`` itself, or the dump imported into one."""
+def _import(args: argparse.Namespace, keep: list[Any], errors: list[str]) -> str:
+    """The run-layout directory to audit: ``args.run`` itself, or the dump imported into one.
+
+    A dump file that cannot be imported is a line in ``errors`` (an input error of the audit), and
+    the other files are imported; with none imported, the first error is raised."""
     from harness.audit import importers
 
     name = args.source or importers.detect(args.run)
@@ -61,7 +64,18 @@ def _import(args: argparse.Namespace, keep: list[Any]) -> str:
         target = tmp.name
     module = importers.importer(name)
     print(f"importing {args.run} as a {module.DESCRIPTION}", file=sys.stderr)
-    importers.import_dump(name, args.run, target, num_experts=args.num_experts, moe_layers=args.moe_layers)
+    files = importers.import_dump(
+        name,
+        args.run,
+        target,
+        errors=None if args.strict else errors,
+        num_experts=args.num_experts,
+        moe_layers=args.moe_layers,
+    )
+    if not files and errors:  # nothing imported: no run to audit, only the files that failed
+        raise LayoutError(
+            "; ".join(errors[:3]) + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else "")
+        )
     for note in getattr(module, "NOTES", ()) or ():
         print(f"note ({name}): {note}")
     return target
@@ -70,8 +84,9 @@ def _import(args: argparse.Namespace, keep: list[Any]) -> str:
 def run_audit(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     keep: list[Any] = []
+    import_errors: list[str] = []
     try:
-        run = _import(args, keep)
+        run = _import(args, keep, import_errors)
         options = AuditOptions(steps=args.steps, every=max(1, args.every), samples=args.samples)
         result = audit_run(
             run,
@@ -81,6 +96,7 @@ def run_audit(args: argparse.Namespace) -> int:
             ray_address=args.ray_address,
             strict=args.strict,
             progress=_progress(args.progress and sys.stderr.isatty()),
+            input_errors=import_errors,
         )
     except LayoutError as err:
         print(f"rrh audit: {err}", file=sys.stderr)

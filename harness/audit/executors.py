@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -207,14 +207,17 @@ def audit_run(
     progress: Callable[[Iterable[tuple[Unit, AuditState]], int], Iterable[tuple[Unit, AuditState]]]
     | None = None,
     unit_bytes: int | None = None,
+    input_errors: Sequence[str] = (),
 ) -> AuditResult:
     """Audit every unit of ``run`` and return the merged result.
 
     ``progress(stream, total_bytes)`` may wrap the stream of finished units (the CLI's progress
-    bar). ``strict`` stops at the first unit with a violation or an input error.
+    bar). ``strict`` stops at the first unit with a violation or an input error. ``input_errors``:
+    what went wrong before the run was there (the dump files an importer could not read).
     """
     plan = plan_run(run, unit_bytes)
     state = AuditState()
+    state.input_errors.extend(input_errors)
     state.input_errors.extend(plan.errors)
     manifests = check_manifests(run)
     state.input_errors.extend(manifests.errors)

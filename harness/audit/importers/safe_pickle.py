@@ -716,8 +716,8 @@ class _Archive:
             names = self.zip.namelist()
         except Exception as err:  # BadZipFile, and whatever a damaged directory makes zipfile raise
             raise LayoutError(
-                f"{source}: not a torch.save archive ({type(err).__name__}: {_first_line(err)}); "
-                "expected a complete torch.save file (zip format, torch >= 1.6)"
+                f"{source}: not a torch.save archive ({type(err).__name__}: {_first_line(err)}: truncated, "
+                "or not torch.save output); expected a complete torch.save file (zip format, torch >= 1.6)"
             ) from None
         pickles = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pickles) != 1:

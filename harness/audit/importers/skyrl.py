@@ -133,8 +133,7 @@ def _tensor(entry: Any, source: str, field: str) -> npt.NDArray[Any]:
     size = math.prod(shape) * dtype.itemsize
     if len(data) != size:
         raise LayoutError(
-            f"{source}: field {field!r} holds {len(data)} bytes; "
-            f"expected {size} for {dtype} {shape}"
+            f"{source}: field {field!r} holds {len(data)} bytes; expected {size} for {dtype} {shape}"
         )
     return np.frombuffer(data, dtype=dtype).reshape(shape)
 
