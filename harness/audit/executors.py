@@ -24,7 +24,16 @@ from harness.audit.checks import AuditOptions, fold_batch, fold_shards
 from harness.audit.layout import LayoutError
 from harness.audit.manifest import check_manifests
 from harness.audit.pool import pool_context
-from harness.audit.reader import Unit, decode, plan_units, read_unit, run_files
+from harness.audit.reader import (
+    Model,
+    Unit,
+    check_model,
+    decode,
+    first_model,
+    plan_units,
+    read_unit,
+    run_files,
+)
 from harness.audit.result import AuditResult
 from harness.audit.state import AuditState
 from harness.cpus import available_cpus
@@ -59,13 +68,26 @@ def _selected(table: Any, options: AuditOptions) -> tuple[Any, Any]:
     return table.filter(pa.array(keep)), np.flatnonzero(keep)
 
 
-def _fold_table(table: Any, path: str, first_row: int, options: AuditOptions, state: AuditState) -> None:
+def _decode(table: Any, path: str, first_row: int, rows: Any, model: Model | None) -> Any:
+    batch = decode(table, path, first_row, rows)
+    check_model(batch, model)
+    return batch
+
+
+def _fold_table(
+    table: Any,
+    path: str,
+    first_row: int,
+    options: AuditOptions,
+    state: AuditState,
+    model: Model | None = None,
+) -> None:
     selected, kept = _selected(table, options)
     if not selected.num_rows:
         return
     rows = None if kept is None else first_row + kept  # the file's rows, named in offenders
     if "shard" not in selected.schema.names or selected.column("shard").null_count == selected.num_rows:
-        fold_batch(decode(selected, path, first_row, rows), state)
+        fold_batch(_decode(selected, path, first_row, rows, model), state)
         return
     # Shard rows (layout v2, a CP/SP rank's part of a sample) are folded apart from whole samples.
     import numpy as np
@@ -75,7 +97,10 @@ def _fold_table(table: Any, path: str, first_row: int, options: AuditOptions, st
     shard = selected.column("shard").is_valid().to_numpy(zero_copy_only=False)
     for mask, fold in ((~shard, fold_batch), (shard, fold_shards)):
         if mask.any():
-            fold(decode(selected.filter(pa.array(mask)), path, first_row, first_row + index[mask]), state)
+            fold(
+                _decode(selected.filter(pa.array(mask)), path, first_row, first_row + index[mask], model),
+                state,
+            )
 
 
 def _release_arrow_memory() -> None:
@@ -92,7 +117,7 @@ def audit_unit(unit: Unit, options: AuditOptions = EVERY_ROW) -> AuditState:
         # One thread: pyarrow decodes on the calling thread and so do the kernels. The executors'
         # parallelism is their processes; threads inside each would only oversubscribe the CPUs.
         for first_row, table in read_unit(unit, use_threads=False):
-            _fold_table(table, unit.path, first_row, options, state)
+            _fold_table(table, unit.path, first_row, options, state, unit.model)
             del table
             # Arrow's allocator keeps what a row group freed for the next one, which may not fit in it:
             # handed back, memory stays one row group in flight over any number of row groups.
@@ -116,11 +141,18 @@ class Plan:
 
 
 def plan_run(run: str | os.PathLike[str], unit_bytes: int | None = None) -> Plan:
-    """Split ``run`` into units; ``LayoutError`` when there is no run at all."""
-    units, errors = [], []
-    for path in run_files(run):
+    """Split ``run`` into units; ``LayoutError`` when there is no run at all.
+
+    The run's model (expert count, top-k, layers, MoE layers) is its first readable file's first
+    row's: a row group of another model is an input error, never merged into the figures."""
+    units: list[Unit] = []
+    errors: list[str] = []
+    model: Model | None = None
+    for path in run_files(run, errors):
         try:
-            units.extend(plan_units(path, *(() if unit_bytes is None else (unit_bytes,))))
+            if model is None:
+                model = first_model(path)
+            units.extend(plan_units(path, *(() if unit_bytes is None else (unit_bytes,)), model=model))
         except LayoutError as err:
             errors.append(str(err))
     return Plan(units, errors)
