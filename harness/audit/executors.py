@@ -17,6 +17,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,20 +164,156 @@ def _serial(units: list[Unit], options: AuditOptions) -> Iterator[tuple[Unit, Au
         yield unit, audit_unit(unit, options)
 
 
-def _processes(units: list[Unit], options: AuditOptions, workers: int) -> Iterator[tuple[Unit, AuditState]]:
-    with ProcessPoolExecutor(max_workers=workers, mp_context=pool_context()) as pool:
-        pending: dict[Future[AuditState], Unit] = {pool.submit(audit_unit, u, options): u for u in units}
+UNIT_SECONDS_ENV = "RRH_UNIT_SECONDS"
+"""Environment variable: the base time budget of one unit of work in a pool or on Ray (seconds)."""
+UNIT_SECONDS = 600.0
+UNIT_BYTES_PER_SECOND = 4 << 20
+"""A unit's budget grows by a second per this many of its compressed bytes (a unit is ~64 MiB)."""
+
+
+def unit_seconds(units: Iterable[Unit]) -> float:
+    """How long the slowest of ``units`` may take before its worker is taken for stuck."""
+    text = os.environ.get(UNIT_SECONDS_ENV)
+    try:
+        base = UNIT_SECONDS if text is None else float(text)
+    except ValueError:
+        raise LayoutError(f"{UNIT_SECONDS_ENV}={text!r}: expected a number of seconds") from None
+    if not base > 0:
+        raise LayoutError(f"{UNIT_SECONDS_ENV}={text!r}: expected a positive number of seconds")
+    return base + max((u.nbytes for u in units), default=0) / UNIT_BYTES_PER_SECOND
+
+
+def lost(unit: Unit, why: str) -> AuditState:
+    """The state of a unit that was not audited: an input error saying so, so that the audit is not
+    reported complete (exit 2, never the violation code)."""
+    state = AuditState()
+    state.files.add(unit.path)
+    rows = f"row groups {unit.row_groups[0]}–{unit.row_groups[-1]}" if unit.row_groups else "no row group"
+    state.input_errors.append(f"{unit.path} {rows} (rows {unit.first_row}…): not audited: {why}")
+    state.bytes_read = unit.nbytes
+    return state
+
+
+class _PoolRound:
+    """One process pool auditing some units: ``run`` yields each unit that finished and its state;
+    the units that did not (their worker died, or stalled past the budget) are left in ``left``,
+    with what happened in ``why``."""
+
+    def __init__(
+        self, units: list[Unit], options: AuditOptions, workers: int, work: Callable[..., AuditState]
+    ) -> None:
+        self.units, self.options, self.workers, self.work = units, options, workers, work
+        self.left: list[Unit] = []
+        self.why = ""
+
+    def run(self) -> Iterator[tuple[Unit, AuditState]]:
+        pool: ProcessPoolExecutor | None = None
+        pending: dict[Future[AuditState], Unit] = {}
+        unsubmitted = list(self.units)
         try:
+            pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=pool_context())
+            while unsubmitted:
+                pending[pool.submit(self.work, unsubmitted[0], self.options)] = unsubmitted[0]
+                unsubmitted.pop(0)
             while pending:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                budget = unit_seconds(pending.values())
+                done, _ = wait(pending, timeout=budget, return_when=FIRST_COMPLETED)
+                if not done:
+                    self.why = (
+                        f"no unit finished in {budget:.0f} s ({UNIT_SECONDS_ENV} sets the budget): stuck"
+                    )
+                    break
                 for future in done:
-                    yield pending.pop(future), future.result()
+                    try:
+                        state = future.result()
+                    except BrokenProcessPool:
+                        self.why = f"a worker process died ({_exit_of(pool)})"
+                        raise _Broken from None
+                    except Exception as err:  # the worker raised: this unit is reported, the others go on
+                        state = lost(
+                            pending[future], f"the worker raised {type(err).__name__}: {_first_line(err)}"
+                        )
+                    yield pending.pop(future), state
+        except _Broken:
+            pass
+        except (BrokenProcessPool, EOFError, OSError) as err:  # the pool or its fork server failed
+            self.why = f"the process pool failed ({type(err).__name__}: {_first_line(err)})"
         finally:
-            for future in pending:
-                future.cancel()
+            self.left = list(pending.values()) + unsubmitted
+            if pool is not None:
+                _stop(pool)
 
 
-def _ray(units: list[Unit], options: AuditOptions, address: str | None) -> Iterator[tuple[Unit, AuditState]]:
+class _Broken(Exception):
+    """A pool broke: its pending units are left for the next round."""
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).splitlines() or [""])[0][:200]
+
+
+def _exit_of(pool: ProcessPoolExecutor) -> str:
+    """How the pool's dead workers ended (``SIGKILL``, ``SIGSEGV``, an exit status), as far as known."""
+    import signal
+
+    codes = sorted(
+        {
+            p.exitcode
+            for p in (getattr(pool, "_processes", None) or {}).values()
+            if p.exitcode not in (None, 0)
+        }
+    )
+    names = []
+    for code in codes:
+        try:
+            names.append(signal.Signals(-code).name if code < 0 else f"exit status {code}")
+        except ValueError:
+            names.append(f"exit status {code}")
+    return ", ".join(names) or "killed"
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Shut ``pool`` down without waiting on a stuck worker: its processes are killed first."""
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        if process.is_alive():
+            process.kill()
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+RETRIES = 2
+"""Pool rounds before the units a broken or stuck pool left are isolated, one per single-worker pool."""
+
+
+def _processes(
+    units: list[Unit], options: AuditOptions, workers: int, work: Callable[..., AuditState] = audit_unit
+) -> Iterator[tuple[Unit, AuditState]]:
+    """Units in a process pool. A worker that dies (killed, a crash) breaks the pool: the units it
+    left run again in a fresh pool, and after ``RETRIES`` such rounds each is audited alone in a
+    pool of one worker, so that a unit that kills its worker every time is found and reported as not
+    audited, while the others are audited. A pool in which no unit finishes within the budget
+    (``unit_seconds``: a stopped or hung worker) is killed and treated the same way."""
+    left = units
+    for _ in range(RETRIES):
+        attempt = _PoolRound(left, options, workers, work)
+        yield from attempt.run()
+        left = attempt.left
+        if not left:
+            return
+    # Isolation: each remaining unit in its own one-worker pool, ``workers`` of them at a time.
+    for start in range(0, len(left), workers):
+        rounds = [_PoolRound([u], options, 1, work) for u in left[start : start + workers]]
+        for attempt in rounds:
+            yield from attempt.run()
+            for unit in attempt.left:
+                yield unit, lost(unit, f"{attempt.why} in {RETRIES + 1} tries")
+
+
+def _ray(
+    units: list[Unit],
+    options: AuditOptions,
+    address: str | None,
+    work: Callable[..., AuditState] = audit_unit,
+) -> Iterator[tuple[Unit, AuditState]]:
     try:
         import ray
     except ImportError:
@@ -196,13 +333,27 @@ def _ray(units: list[Unit], options: AuditOptions, address: str | None) -> Itera
             log_to_driver=False,
             **local,
         )
-    remote: Any = ray.remote(audit_unit)
+    remote: Any = ray.remote(work)
     try:
         pending = {remote.remote(u, options): u for u in units}
         while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
+            budget = unit_seconds(pending.values())
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=budget)
+            if not done:  # nothing finished within the budget: the tasks left are stuck
+                for ref, unit in pending.items():
+                    ray.cancel(ref, force=True)
+                    yield (
+                        unit,
+                        lost(unit, f"no Ray task finished in {budget:.0f} s ({UNIT_SECONDS_ENV}): stuck"),
+                    )
+                return
             for ref in done:
-                yield pending.pop(ref), ray.get(ref)
+                unit = pending.pop(ref)
+                try:
+                    state = ray.get(ref)
+                except Exception as err:  # Ray retried a lost worker already; this one is reported
+                    state = lost(unit, f"the Ray task failed ({type(err).__name__}: {_first_line(err)})")
+                yield unit, state
     finally:
         if started:
             ray.shutdown()
