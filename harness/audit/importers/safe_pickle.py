@@ -334,10 +334,23 @@ def _numpy_globals(source: str) -> dict[tuple[str, str], Any]:
     return allowed
 
 
+def _safe_key(key: Any, depth: int) -> bool:
+    """Whether ``key`` may be hashed into a dict or set built from a file (see ``SafeUnpickler._key``)."""
+    if key is None or isinstance(key, (str, bytes, bool)):
+        return True
+    if isinstance(key, (int, float)):
+        return not abs(key) >= 2**61  # NaN passes: each NaN hashes by its identity
+    if isinstance(key, tuple) and depth > 0:
+        return len(key) <= 8 and all(_safe_key(k, depth - 1) for k in key)
+    return False
+
+
 def _safe_set(items: Any = ()) -> set[Any]:
-    """``set(items)``, one item at a time (a time budget can stop a set of colliding hashes)."""
+    """``set(items)``, one item at a time, items whose hashes cannot be aimed (``_safe_key``)."""
     out: set[Any] = set()
     for item in _iterable(items, "builtins.set"):
+        if not _safe_key(item, 2):
+            raise LayoutError(f"builtins.set: item {brief(item)} refused; expected strings or small numbers")
         out.add(item)
     return out
 
@@ -350,7 +363,7 @@ def _safe_ordered_dict(items: Any = ()) -> OrderedDict[Any, Any]:
     out: OrderedDict[Any, Any] = OrderedDict()
     pairs = items.items() if isinstance(items, dict) else _iterable(items, "collections.OrderedDict")
     for pair in pairs:
-        if not (isinstance(pair, tuple) and len(pair) == 2):
+        if not (isinstance(pair, tuple) and len(pair) == 2 and _safe_key(pair[0], 2)):
             raise LayoutError(f"collections.OrderedDict: item {brief(pair)}; expected (key, value)")
         out[pair[0]] = pair[1]
     return out
@@ -500,6 +513,48 @@ class SafeUnpickler(pickle._Unpickler):
     def load_next_buffer(self) -> None:
         raise LayoutError(f"{self.source}: an out-of-band buffer; expected the data inside the pickle")
 
+    # Keys of dicts and items of sets: only values whose hashes a file cannot aim at one bucket (a
+    # million integers k·(2**61 − 1) share one hash: inserting them is quadratic, minutes of CPU).
+    def _key(self, key: Any) -> Any:
+        if not _safe_key(key, 2):
+            raise LayoutError(
+                f"{self.source}: a dict key or set item {brief(key)} refused; expected strings, bytes or "
+                "integers below 2**61"
+            )
+        return key
+
+    def load_dict(self) -> None:
+        items = self.pop_mark()
+        self.append({self._key(items[i]): items[i + 1] for i in range(0, len(items), 2)})
+
+    def load_setitem(self) -> None:
+        value = self.stack.pop()
+        key = self._key(self.stack.pop())
+        self.stack[-1][key] = value
+
+    def load_setitems(self) -> None:
+        items = self.pop_mark()
+        target = self.stack[-1]
+        for i in range(0, len(items), 2):
+            target[self._key(items[i])] = items[i + 1]
+
+    def load_additems(self) -> None:
+        items = self.pop_mark()
+        target = self.stack[-1]
+        if not isinstance(target, set):
+            raise LayoutError(f"{self.source}: ADDITEMS on {brief(target)}; expected a set")
+        for item in items:
+            target.add(self._key(item))
+
+    def load_frozenset(self) -> None:
+        items = self.pop_mark()
+        self.append(frozenset(self._key(item) for item in items))
+
+    dispatch[pickle.DICT[0]] = load_dict
+    dispatch[pickle.SETITEM[0]] = load_setitem
+    dispatch[pickle.SETITEMS[0]] = load_setitems
+    dispatch[pickle.ADDITEMS[0]] = load_additems
+    dispatch[pickle.FROZENSET[0]] = load_frozenset
     dispatch[pickle.BUILD[0]] = load_build
     dispatch[pickle.GET[0]] = load_get
     dispatch[pickle.BINGET[0]] = load_binget

@@ -337,27 +337,37 @@ def _model_shape(
     errors: list[str] | None = None,
     bad: set[Path] | None = None,
 ) -> _Shape:
-    """The routing shape: layers and top-k from the first routes; the rest given or inferred (a full
-    pass). A file that cannot be read goes to ``errors`` and ``bad`` (when given) and is left out."""
+    """The routing shape: layers and top-k those of most rollout files (a damaged file cannot impose
+    its own on the others); the rest given or inferred from every file. A file that cannot be read,
+    or whose routes have another shape, goes to ``errors`` and ``bad`` (when given) and is left out."""
     known = num_experts is not None and moe_layers is not None
-    layers = top_k = 0
-    high, used = -1, None
+    scans: dict[Path, tuple[tuple[int, int], int, npt.NDArray[np.bool_]]] = {}
     for path in files:
-        scanned = read_file(path, errors, lambda p=path, s=(layers, top_k): _scan(p, s, known))
+        scanned = read_file(path, errors, lambda p=path: _scan(p, known))
         if scanned is None:
             if bad is not None:
                 bad.add(path)
-            continue
-        if scanned[0] is None:
-            continue
-        if used is None:
-            (layers, top_k), used = scanned[0], np.zeros(scanned[0][0], dtype=bool)
-        high = max(high, scanned[1])
-        used |= scanned[2]
-        if known:
-            break
-    if used is None:
+        elif scanned[0] is not None:
+            scans[path] = (scanned[0], scanned[1], scanned[2])
+    if not scans:
         return _NO_ROUTES
+    widths = [width for width, _, _ in scans.values()]
+    layers, top_k = max(widths, key=lambda w: (widths.count(w), -widths.index(w)))
+    high, used = -1, np.zeros(layers, dtype=bool)
+    for path, (width, file_high, file_used) in scans.items():
+        if width != (layers, top_k):
+            message = (
+                f"{path}: field 'rollout_routed_experts' has [rows, {width[0]}, {width[1]}]; expected "
+                f"[rows, {layers}, {top_k}] like most rollout files"
+            )
+            if errors is None:
+                raise LayoutError(message)
+            errors.append(message)
+            if bad is not None:
+                bad.add(path)
+            continue
+        high = max(high, file_high)
+        used |= file_used
     if num_experts is None:
         num_experts = max(high + 1, top_k)
     chosen = tuple(int(x) for x in (np.flatnonzero(used).tolist() if moe_layers is None else moe_layers))
@@ -372,12 +382,10 @@ def _model_shape(
     return _Shape(int(num_experts), top_k, layers, chosen)
 
 
-def _scan(
-    path: Path, seen: tuple[int, int], first_only: bool
-) -> tuple[tuple[int, int] | None, int, npt.NDArray[np.bool_]]:
-    """One rollout file's routes: their ``(layers, top_k)`` (those of the files before it when they
-    had routes), the largest id and which layers hold a non-zero id."""
-    width = seen if seen != (0, 0) else None
+def _scan(path: Path, first_only: bool) -> tuple[tuple[int, int] | None, int, npt.NDArray[np.bool_]]:
+    """One rollout file's routes: their ``(layers, top_k)``, the same for all its samples, the largest
+    id and which layers hold a non-zero id (``first_only``: the shape of the first routes alone)."""
+    width = None
     high, used = -1, None
     for i, sample in enumerate(_samples(_load(path), path, None)):
         routes = _routes(sample, f"{path}: samples[{i}]")
@@ -385,15 +393,14 @@ def _scan(
             continue
         if width is None:
             width = (int(routes.shape[1]), int(routes.shape[2]))
+            used = np.zeros(width[0], dtype=bool)
+            if first_only:
+                break
         if routes.shape[1:] != width:
             raise LayoutError(
                 f"{path}: samples[{i}] field 'rollout_routed_experts' has shape {list(routes.shape)}; "
                 f"expected [rows, {width[0]}, {width[1]}] like the samples before it"
             )
-        if used is None:
-            used = np.zeros(width[0], dtype=bool)
-            if first_only:
-                break
         if routes.size:
             high = max(high, int(routes.max()))
             used |= routes.any(axis=(0, 2))
