@@ -115,7 +115,11 @@ def _write_value(kind: int, value: Any) -> bytes:
         return _varint(len(value)) + bytes(value)
     if kind in (LIST, SET):
         inner, items = value
-        head = bytes([(len(items) << 4) | inner]) if len(items) < 15 else bytes([0xF0 | inner]) + _varint(len(items))
+        head = (
+            bytes([(len(items) << 4) | inner])
+            if len(items) < 15
+            else bytes([0xF0 | inner]) + _varint(len(items))
+        )
         body = b"".join(bytes([1 if x else 2]) if inner in (BOOL_TRUE, BOOL_FALSE) else _write_value(inner, x)
                         for x in items)  # fmt: skip
         return head + body

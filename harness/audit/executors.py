@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from harness.audit.checks import AuditOptions, fold_batch, fold_shards
@@ -70,7 +72,15 @@ def _selected(table: Any, options: AuditOptions) -> tuple[Any, Any]:
 
 
 def _decode(table: Any, path: str, first_row: int, rows: Any, model: Model | None) -> Any:
-    batch = decode(table, path, first_row, rows)
+    """``decode``, with what pyarrow raises on data it cannot convert (strings that are not UTF-8, …)
+    said as a ``LayoutError`` naming the file and the rows, and the run's model checked."""
+    try:
+        batch = decode(table, path, first_row, rows)
+    except LayoutError:
+        raise
+    except Exception as err:
+        text = (str(err).splitlines() or [""])[0][:200]
+        raise LayoutError(f"{path} rows {first_row}…: undecodable ({type(err).__name__}: {text})") from None
     check_model(batch, model)
     return batch
 
@@ -144,15 +154,22 @@ class Plan:
 def plan_run(run: str | os.PathLike[str], unit_bytes: int | None = None) -> Plan:
     """Split ``run`` into units; ``LayoutError`` when there is no run at all.
 
-    The run's model (expert count, top-k, layers, MoE layers) is its first readable file's first
-    row's: a row group of another model is an input error, never merged into the figures."""
-    units: list[Unit] = []
+    The run's model (expert count, top-k, layers, MoE layers) is the one most of its files start
+    with (the first file's among equals): one damaged file cannot impose its own on the others. A
+    row group of another model is an input error, never merged into the figures."""
     errors: list[str] = []
-    model: Model | None = None
+    models: dict[Path, Model | None] = {}
     for path in run_files(run, errors):
         try:
-            if model is None:
-                model = first_model(path)
+            models[path] = first_model(path)
+        except LayoutError as err:
+            errors.append(str(err))
+    found = [m for m in models.values() if m is not None]
+    counts = Counter(found)  # insertion-ordered: among equal counts, the first file's model
+    model = max(counts, key=lambda m: counts[m]) if counts else None
+    units: list[Unit] = []
+    for path in models:
+        try:
             units.extend(plan_units(path, *(() if unit_bytes is None else (unit_bytes,)), model=model))
         except LayoutError as err:
             errors.append(str(err))

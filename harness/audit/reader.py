@@ -140,6 +140,24 @@ def check_schema(path: str, schema: Any) -> int:
     return version
 
 
+def _metadata_errors(function: Any) -> Any:
+    """``function(path, …)`` with a failure of pyarrow on a damaged footer (undecodable names, …) said
+    as a ``LayoutError`` naming the file, never raised as pyarrow's own."""
+
+    def checked(path: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(path, *args, **kwargs)
+        except LayoutError:
+            raise
+        except Exception as err:
+            text = (str(err).splitlines() or [""])[0][:200]
+            raise LayoutError(f"{path}: unreadable metadata ({type(err).__name__}: {text})") from None
+
+    checked.__doc__, checked.__name__ = function.__doc__, function.__name__
+    return checked
+
+
+@_metadata_errors
 def plan_units(path: Path, unit_bytes: int = UNIT_BYTES, model: Model | None = None) -> list[Unit]:
     """Split one file into units of about ``unit_bytes``; checks the file's schema and version first,
     and what each row group declares (rows, sizes, where its columns lie) against the file."""
@@ -209,6 +227,7 @@ def check_row_group(path: str, group: Any, index: int, file_size: int) -> None:
             )
 
 
+@_metadata_errors
 def first_model(path: Path) -> Model | None:
     """The model of the first row of layout file ``path`` (``None`` when it has no row)."""
     handle = _open(str(path))
@@ -743,16 +762,21 @@ def read_unit(
     worker of a process pool runs one thread: the pool is the parallelism).
     """
     handle = _open(unit.path)
-    meta = handle.metadata
-    present = set(handle.schema_arrow.names)  # a version-1 file has no version-2 column
+    try:
+        meta = handle.metadata
+        present = set(handle.schema_arrow.names)  # a version-1 file has no version-2 column
+    except Exception as err:  # a footer pyarrow cannot decode (names that are not UTF-8, …)
+        raise LayoutError(f"{unit.path}: unreadable metadata ({type(err).__name__})") from None
     names = None if columns is None else [c for c in columns if c in present]
     first = unit.first_row
     size = _file_size(Path(unit.path))
     for index in unit.row_groups:
-        group = meta.row_group(index)
-        check_row_group(unit.path, group, index, size)  # again: the file may have changed since the plan
         try:
+            group = meta.row_group(index)
+            check_row_group(unit.path, group, index, size)  # again: the file may have changed since the plan
             table = handle.read_row_group(index, columns=names, use_threads=use_threads)
+        except LayoutError:
+            raise
         except Exception as err:  # a truncated or corrupt row group: pyarrow's error, said in one line
             text = (str(err).splitlines() or [""])[0][:200]
             raise LayoutError(

@@ -570,7 +570,7 @@ class SafeUnpickler(pickle._Unpickler):
     def persistent_load(self, pid: Any) -> Any:
         if self.archive is None:
             raise LayoutError(f"{self.source}: persistent id {brief(pid)} refused; expected a plain pickle")
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and isinstance(pid[0], str) and pid[0] == "storage"):
             raise LayoutError(
                 f"{self.source}: persistent id {brief(pid)}; expected ('storage', kind, key, device, n)"
             )

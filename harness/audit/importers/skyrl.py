@@ -106,14 +106,13 @@ def detect(path: Path) -> bool:
 def _tensor(entry: Any, source: str, field: str) -> npt.NDArray[Any]:
     """One ``_serialize_tensor`` entry as an array: numpy bytes, or ``torch.save`` bytes (bfloat16)."""
     safe_pickle.expect(entry, dict, source, field, "a serialized tensor dict")
-    if entry.get("format") == "torch":
+    kind = entry.get("format", "numpy")
+    if not isinstance(kind, str) or kind not in ("numpy", "torch"):
+        raise LayoutError(f"{source}: field {field!r} has format {brief(kind)}; expected 'numpy' or 'torch'")
+    if kind == "torch":
         data = safe_pickle.expect(entry.get("data"), bytes, source, f"{field}.data", "torch.save bytes")
         array = safe_pickle.load_torch_bytes(data, f"{source} field {field!r}")
         return safe_pickle.expect(array, np.ndarray, source, field, "a tensor")
-    if entry.get("format", "numpy") != "numpy":
-        raise LayoutError(
-            f"{source}: field {field!r} has format {entry.get('format')!r}; expected 'numpy' or 'torch'"
-        )
     data = safe_pickle.expect(entry.get("data"), bytes, source, f"{field}.data", "bytes")
     shape = safe_pickle.expect(entry.get("shape"), tuple, source, f"{field}.shape", "a shape tuple")
     name = entry.get("dtype")

@@ -412,11 +412,12 @@ def _scan(path: Path, first_only: bool) -> tuple[tuple[int, int] | None, int, np
 def _train_payload(path: Path) -> dict[str, Any]:
     """A train dump of format_version 2, the only one whose samples are whole and in rollout order."""
     payload = _load(path)
-    version = payload.get("format_version")
-    if version != TRAIN_FORMAT_VERSION:
+    version = _scalar(payload.get("format_version"))
+    if not _is_int(version) or version != TRAIN_FORMAT_VERSION:
         raise LayoutError(
-            f"{path}: field 'format_version' is {version!r}; expected {TRAIN_FORMAT_VERSION} (slime ≥ #2266; "
-            "per-rank train dumps of older slime and of miles hold CP-sliced shards and are not read)"
+            f"{path}: field 'format_version' is {brief(version)}; expected {TRAIN_FORMAT_VERSION} "
+            "(slime ≥ #2266; per-rank train dumps of older slime and of miles hold CP-sliced shards and are "
+            "not read)"
         )
     return payload
 
