@@ -250,7 +250,7 @@ def _expired(_signum: int, _frame: Any) -> None:
         signal.setitimer(signal.ITIMER_REAL, deadline - time.monotonic())
         return
     raise FileTimeout(
-        f"{source}: still being read after {seconds:.0f} s, its time budget ({FILE_SECONDS_ENV} sets the "
+        f"{source}: still being read after {seconds:g} s, its time budget ({FILE_SECONDS_ENV} sets the "
         "base); expected a file that reads in time (damaged or hostile?)"
     )
 
