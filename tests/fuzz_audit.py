@@ -686,7 +686,11 @@ def _mutate_parquet(rng: random.Random, path: Path) -> str:
     )  # fmt: skip
     kind_of = table.schema.field(name).type
     n = table.num_rows
-    if pa.types.is_list(kind_of):
+    if pa.types.is_list(kind_of) and pa.types.is_boolean(kind_of.value_type):
+        choices = [None, [], [True], [False] * 50, [True, False] * 3]
+    elif pa.types.is_list(kind_of) and pa.types.is_string(kind_of.value_type):
+        choices = [None, [], ["x"], ["start", "zzz"]]
+    elif pa.types.is_list(kind_of):
         choices = [None, [], [2**31 - 1], [-5, 3], list(range(50)), [0] * 3]
     elif pa.types.is_string(kind_of):
         choices = ["zzz", "", "R3", None]
@@ -704,8 +708,10 @@ def _mutate_parquet(rng: random.Random, path: Path) -> str:
         write_table(path, table, 10_000, row_group_bytes=1_500)
     except (pa.ArrowInvalid, pa.ArrowTypeError, ValueError):  # a null in a non-null column: written raw
         schema = pa.schema([f.with_nullable(True) for f in table.schema], metadata=table.schema.metadata)
-        table = pa.Table.from_pydict({**table.to_pydict(), name: values}, schema=schema)
-        pq.write_table(table, path)
+        try:
+            pq.write_table(pa.Table.from_pydict({**table.to_pydict(), name: values}, schema=schema), path)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, ValueError):
+            return f"parquet:column:{name}:unwritable"
     return f"parquet:column:{name}={str(value)[:20]}@{row}"
 
 
