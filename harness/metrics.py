@@ -42,6 +42,7 @@ __all__ = [
     "LogprobGap",
     "ProbDiffStats",
     "extreme_fraction",
+    "gap_growth_bound",
     "icepop_mask_rate",
     "k1",
     "k2",
@@ -269,6 +270,26 @@ def max_abs_diff(train_logprobs: LogprobsLike, infer_logprobs: LogprobsLike, mas
     SkyRL's ``rollout_train_logprobs_abs_diff_max``. ``nan`` when no token is selected.
     """
     return _max(_abs_delta(_select(train_logprobs, infer_logprobs, mask)))
+
+
+def gap_growth_bound(before: LogprobsLike, after: LogprobsLike, *, sigmas: float = 3.0) -> float:
+    """The largest mean of ``after`` that has not grown beyond the noise of the pair.
+
+    ``before`` and ``after`` are per-token |Δ log-prob| of the same tokens under two trainer settings
+    (no replay, R3). The bound is ``mean(before) + sigmas · SE``, with ``SE`` the standard error of
+    the per-token differences ``after − before``: the tolerance comes from the run's own tokens, not
+    from a constant that fits one CPU's bf16 kernels. When every token moved by the same amount (or
+    none moved), ``SE`` is 0 and the bound is ``mean(before)`` exactly.
+    """
+    b = np.asarray(before, dtype=np.float64).reshape(-1)
+    a = np.asarray(after, dtype=np.float64).reshape(-1)
+    if a.shape != b.shape or a.size == 0:
+        raise ValueError(
+            f"gap_growth_bound: expected two equal non-empty token sets, got {b.size} and {a.size}"
+        )
+    diff = a - b
+    se = float(diff.std(ddof=1) / np.sqrt(diff.size)) if diff.size > 1 else 0.0
+    return float(b.mean()) + sigmas * se
 
 
 class ProbDiffStats(NamedTuple):

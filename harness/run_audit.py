@@ -21,7 +21,7 @@ from typing import Any
 from harness.atomic import atomic_write
 from harness.audit import AuditOptions, audit_run
 from harness.audit.layout import LayoutError
-from harness.audit.result import AuditResult
+from harness.audit.result import AuditResult, human_size
 
 REPORT_FORMAT = "rrh-audit-report/1"
 
@@ -46,16 +46,19 @@ def report_document(result: AuditResult, *, run: str, command: str, seconds: flo
     return {"format": REPORT_FORMAT, "run": run, "command": command, "seconds": seconds, **result.as_dict()}
 
 
-def _import(args: argparse.Namespace, keep: list[Any], errors: list[str]) -> str:
-    """The run-layout directory to audit: ``args.run`` itself, or the dump imported into one.
+def _import(
+    args: argparse.Namespace, keep: list[Any], errors: list[str]
+) -> tuple[str, str | None, list[str], list[str]]:
+    """The run-layout directory to audit (``args.run`` itself, or the dump found there imported into
+    one), the importer (``None``: the run layout), what it inferred and its notes.
 
     A dump file that cannot be imported is a line in ``errors`` (an input error of the audit), and
-    the other files are imported; with none imported, the first error is raised."""
+    the other files are imported; with none imported, the first errors are raised."""
     from harness.audit import importers
 
-    name = args.source or importers.detect(args.run)
+    name, dump = importers.locate(args.run, args.source)
     if name is None:
-        return str(args.run)
+        return str(dump), None, [], []
     if args.import_to:
         target = args.import_to
     else:
@@ -63,22 +66,18 @@ def _import(args: argparse.Namespace, keep: list[Any], errors: list[str]) -> str
         keep.append(tmp)
         target = tmp.name
     module = importers.importer(name)
-    print(f"importing {args.run} as a {module.DESCRIPTION}", file=sys.stderr)
+    found = "" if Path(dump) == Path(args.run) else f" (found below {args.run})"
+    print(f"importing {dump}{found} as a {module.DESCRIPTION}", file=sys.stderr)
+    inferred: list[str] = []
     files = importers.import_dump(
-        name,
-        args.run,
-        target,
-        errors=None if args.strict else errors,
-        num_experts=args.num_experts,
-        moe_layers=args.moe_layers,
-    )
+        name, dump, target, errors=None if args.strict else errors, inferred=inferred,
+        num_experts=args.num_experts, moe_layers=args.moe_layers,
+    )  # fmt: skip
     if not files and errors:  # nothing imported: no run to audit, only the files that failed
         raise LayoutError(
             "; ".join(errors[:3]) + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else "")
         )
-    for note in getattr(module, "NOTES", ()) or ():
-        print(f"note ({name}): {note}")
-    return target
+    return target, name, inferred, [f"{name}: {note}" for note in importers.notes(name)]
 
 
 def run_audit(args: argparse.Namespace) -> int:
@@ -86,7 +85,7 @@ def run_audit(args: argparse.Namespace) -> int:
     keep: list[Any] = []
     import_errors: list[str] = []
     try:
-        run = _import(args, keep, import_errors)
+        run, name, inferred, notes = _import(args, keep, import_errors)
         options = AuditOptions(steps=args.steps, every=max(1, args.every), samples=args.samples)
         result = audit_run(
             run,
@@ -104,11 +103,26 @@ def run_audit(args: argparse.Namespace) -> int:
     finally:
         for tmp in keep:
             tmp.cleanup()
+    result.inferred = inferred + result.inferred
+    result.notes = result.notes + notes
     seconds = time.perf_counter() - start
-    print(f"rrh audit {args.run}: {result.files} files, {result.rows} samples, "
-          f"{result.bytes_read / 2**20:.1f} MiB in {seconds:.1f}s")  # fmt: skip
+    # An input error comes first, on stderr, one line each; with nothing audited it is all there is.
+    for error in result.input_errors:
+        print(f"rrh audit: input error: {error}", file=sys.stderr)
+    if result.input_errors and not result.rows:
+        return 2
+    if name is None:
+        print(f"rrh audit {args.run}: {result.files} files, {result.counted()}, "
+              f"{human_size(result.bytes_read)} in {seconds:.1f}s")  # fmt: skip
+    else:
+        layout = f"{result.files} file{'s' * (result.files != 1)}, {human_size(result.bytes_read)}"
+        print(f"rrh audit {args.run}: {result.counted()} of a {name} dump (imported: {layout} of run "
+              f"layout) in {seconds:.1f}s")  # fmt: skip
     for line in result.lines():
         print(line)
+    if result.input_errors:
+        print(f"incomplete: {len(result.input_errors)} input error(s), printed first on stderr; the other "
+              "files were audited")  # fmt: skip
     over = result.over(args.fail_on)
     for line in over:
         print(f"over threshold: {line}")

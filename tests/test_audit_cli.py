@@ -16,6 +16,7 @@ from harness.audit.generate import FAULTS, RunShape, generate_run
 from harness.audit.layout import SampleRecord
 from harness.audit.writer import RunWriter
 from harness.cli import main
+from tests.audit_transcript import check, transcript
 
 SMALL = RunShape(
     steps=2, prompts=2, group_size=3, prompt_len=12, response_len=10, layers=6, experts=32, top_k=4
@@ -188,23 +189,49 @@ def test_bad_input_is_one_line_naming_file_column_row_and_other_files_are_still_
     _write(bad, table, meta)
     code, out, err = _audit(capsys, one_good_file.parent)
     assert code == 2
-    errors = [line for line in out.splitlines() if line.startswith("input error:")]
-    assert len(errors) == 1 and str(bad) in errors[0] and message in errors[0], errors
+    # The input error comes first, on stderr, one line; the good file is still audited, on stdout.
+    errors = err.splitlines()
+    assert len(errors) == 1 and errors[0].startswith("rrh audit: input error: "), errors
+    assert str(bad) in errors[0] and message in errors[0], errors
     assert "1 samples" in out.splitlines()[0] or "2 files" in out.splitlines()[0]
     assert "coverage            checked: 1 samples" in out  # the good file was audited
+    assert out.splitlines()[-1].startswith("incomplete: 1 input error(s), printed first on stderr")
     assert "Traceback" not in out + err
 
 
 def test_truncated_file_and_directory_without_a_run(one_good_file: Path, tmp_path: Path, capsys) -> None:
     data = one_good_file.read_bytes()
     (one_good_file.parent / "cut.parquet").write_bytes(data[: len(data) // 2])
-    code, out, _ = _audit(capsys, one_good_file.parent)
-    assert code == 2 and "cut.parquet: not a readable Parquet file" in out
+    code, _, err = _audit(capsys, one_good_file.parent)
+    assert code == 2 and "cut.parquet: not a readable Parquet file" in err
     empty = tmp_path / "empty"
     empty.mkdir()
     code, _, err = _audit(capsys, empty)
-    assert code == 2 and err.strip().endswith("no run here (no *.parquet file of the run layout)")
+    assert code == 2 and f"rrh audit: {empty}: no run here: looked in it and up to 3 folder levels" in err
+    assert "*.parquet files of the run layout" in err and "gen_batch.dp" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_garbage_file_is_one_input_error_first_on_stderr_and_nothing_else(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    garbage = tmp_path / "garbage.parquet"
+    garbage.write_bytes(np.random.default_rng(0).bytes(3000))
+    code, out, err = _audit(capsys, garbage)
+    assert code == 2 and out == "", out
+    assert err.splitlines() == [
+        f"rrh audit: input error: {garbage}: not a readable Parquet file (ArrowInvalid: Parquet magic bytes "
+        "not found in footer. Either the file is corrupted or this is not a parquet file.); expected a "
+        "run-layout Parquet file"
+    ]
+    # A Parquet file that is not the run layout: the same, naming the metadata key it lacks.
+    pq.write_table(pa.table({"x": [1, 2]}), tmp_path / "other.parquet")
+    code, out, err = _audit(capsys, tmp_path / "other.parquet")
+    assert code == 2 and out == ""
+    assert err.splitlines() == [
+        f"rrh audit: input error: {tmp_path / 'other.parquet'}: no rrh.run_layout key in the file's "
+        "metadata; not a run-layout file"
+    ]
 
 
 def test_nan_and_positive_logprobs_are_named_violations(tmp_path: Path, capsys) -> None:
@@ -254,3 +281,10 @@ def test_dense_slots_are_judged_on_captured_rows_only(tmp_path: Path, capsys) ->
     code, out, _ = _audit(capsys, tmp_path)
     assert code == 1
     assert "dense_empty         VIOLATED in 1 of 2 samples; first at step 0 sample b row 1 layer 0" in out
+
+
+def test_the_run_layout_audit_prints_the_committed_transcript(
+    faulty_run: tuple[Path, list], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory, _ = faulty_run
+    check("run_layout", transcript(capsys, [str(directory)], directory, tmp_path))

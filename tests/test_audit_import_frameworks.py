@@ -43,6 +43,7 @@ from harness.audit.importers import verl as verl_importer
 from harness.audit.layout import LayoutError, SampleRecord
 from harness.audit.result import AuditResult
 from harness.subjects.frameworks import installed_version
+from tests.audit_transcript import check, transcript
 from tests.test_audit_safe_pickle import dumps_named, named, torch_bytes
 
 E, L, K = 16, 4, 2
@@ -458,9 +459,8 @@ SKYRL_NOT_CHECKABLE = {"replay_fidelity", "agreement", "tokens_match"}
 VERL_NOT_CHECKABLE = SKYRL_NOT_CHECKABLE | {"logprob_gap"}
 
 
-def _audit_skyrl(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: Any, faulty: bool
-) -> list[SampleRecord]:
+def _skyrl_dump(export: Path, write: Any, faulty: bool) -> list[tuple[Any, ...]]:
+    """The two steps written as SkyRL writes them (``write``) at ``export``; the faults planted."""
     steps, faults = _steps(faulty, long_payload=False)
     shift = {}
     if faulty:
@@ -468,7 +468,21 @@ def _audit_skyrl(
         shift = {FAULT_STEP: target}
         s = steps[FAULT_STEP][target]
         faults.append(("coverage", FAULT_STEP, str(target), s.length - 1, None))
-    write(tmp_path / "export", steps, shift)
+    write(export, steps, shift)
+    return faults
+
+
+def _verl_dump(root: Path, write: Any, faulty: bool) -> list[tuple[Any, ...]]:
+    """The two steps written as verl's RolloutSkip writes them (``write``) under ``root``; the faults."""
+    steps, faults = _steps(faulty, long_payload=True)
+    write(root, steps)
+    return faults
+
+
+def _audit_skyrl(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: Any, faulty: bool
+) -> list[SampleRecord]:
+    faults = _skyrl_dump(tmp_path / "export", write, faulty)
     records = _import("skyrl", tmp_path / "export", tmp_path / "run", monkeypatch)
     _check(audit_run(tmp_path / "run", executor="serial"), faults, SKYRL_NOT_CHECKABLE)
     return records
@@ -477,19 +491,40 @@ def _audit_skyrl(
 def _audit_verl(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: Any, faulty: bool
 ) -> list[SampleRecord]:
-    steps, faults = _steps(faulty, long_payload=True)
-    write(tmp_path / "dump", steps)
+    faults = _verl_dump(tmp_path / "dump", write, faulty)
     records = _import("verl", tmp_path / "dump", tmp_path / "run", monkeypatch)
     _check(audit_run(tmp_path / "run", executor="serial"), faults, VERL_NOT_CHECKABLE)
     return records
 
 
-def _same(a: list[SampleRecord], b: list[SampleRecord]) -> None:
-    """Two imports hold the same records, field by field."""
+# --- what the CLI prints: golden transcripts (tests/transcripts/), synthetic and release-written ---
+
+
+def _transcript(
+    name: str, write: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> str:
+    """``rrh audit EXPERIMENT --num-experts 16`` of the faulty dump written by ``write``, found one folder
+    below the experiment folder (verl: ``rollout_dump/``, SkyRL: ``export/``), MoE layers inferred."""
+    monkeypatch.delenv("RRH_NUM_EXPERTS", raising=False)
+    monkeypatch.delenv("RRH_MOE_LAYERS", raising=False)
+    experiment = tmp_path / "experiment"
+    if name == "skyrl":
+        _skyrl_dump(experiment / "export", write, faulty=True)
+    else:
+        _verl_dump(experiment / "rollout_dump", write, faulty=True)
+    (tmp_path / "scratch").mkdir()
+    return transcript(capsys, [str(experiment), "--num-experts", str(E)], experiment, tmp_path / "scratch")
+
+
+def _same(a: list[SampleRecord], b: list[SampleRecord], roots: tuple[Path, Path]) -> None:
+    """Two imports (of dumps under ``roots``) hold the same records, field by field; places the same
+    within their dump."""
     assert len(a) == len(b)
     for x, y in zip(a, b, strict=True):
         for name, value in vars(x).items():
             other = getattr(y, name)
+            if name == "origin":
+                value, other = value.replace(str(roots[0]), "<DUMP>"), other.replace(str(roots[1]), "<DUMP>")
             if isinstance(value, np.ndarray) or isinstance(other, np.ndarray):
                 mine, theirs = np.asarray(value), np.asarray(other)
                 assert np.array_equal(mine, theirs, equal_nan=mine.dtype.kind == "f"), name
@@ -606,11 +641,28 @@ def test_skyrl_release_dump_audits(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     _skyrl_modules()
     released = _audit_skyrl(tmp_path / "release", monkeypatch, _skyrl_release, faulty)
     synthetic = _audit_skyrl(tmp_path / "synthetic", monkeypatch, _skyrl_synthetic, faulty)
-    _same(released, synthetic)
+    _same(released, synthetic, (tmp_path / "release", tmp_path / "synthetic"))
 
 
 @pytest.mark.parametrize("faulty", [False, True], ids=["clean", "faults"])
 def test_verl_release_dump_audits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, faulty: bool) -> None:
     released = _audit_verl(tmp_path / "release", monkeypatch, _verl_release, faulty)
     synthetic = _audit_verl(tmp_path / "synthetic", monkeypatch, _verl_synthetic, faulty)
-    _same(released, synthetic)
+    _same(released, synthetic, (tmp_path / "release", tmp_path / "synthetic"))
+
+
+def test_skyrl_audit_prints_the_committed_transcript(tmp_path: Path, capsys, monkeypatch) -> None:
+    check("skyrl", _transcript("skyrl", _skyrl_synthetic, tmp_path, capsys, monkeypatch))
+
+
+def test_verl_audit_prints_the_committed_transcript(tmp_path: Path, capsys, monkeypatch) -> None:
+    check("verl", _transcript("verl", _verl_synthetic, tmp_path, capsys, monkeypatch))
+
+
+def test_skyrl_release_dump_prints_the_committed_transcript(tmp_path: Path, capsys, monkeypatch) -> None:
+    _skyrl_modules()
+    check("skyrl", _transcript("skyrl", _skyrl_release, tmp_path, capsys, monkeypatch))
+
+
+def test_verl_release_dump_prints_the_committed_transcript(tmp_path: Path, capsys, monkeypatch) -> None:
+    check("verl", _transcript("verl", _verl_release, tmp_path, capsys, monkeypatch))

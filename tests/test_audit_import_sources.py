@@ -23,6 +23,7 @@ import torch
 
 from harness.audit import AuditResult, LayoutError, RunWriter, SampleRecord, audit_run
 from harness.audit.importers import import_dump, megatron_lm, nemo_rl, slime
+from tests.audit_transcript import check, transcript
 
 E, L, K = 8, 4, 2
 """Experts, decoder layers and top-k of the small model every dump here routes."""
@@ -513,3 +514,46 @@ def test_megatron_bad_input_is_one_line_naming_file_line_and_field(tmp_path: Pat
     with pytest.raises(LayoutError) as err:
         megatron_lm.check_trace(tmp_path / "field")
     _one_line(err, "router_trace_rank0.jsonl:3", "'top_indices'", "expected a list")
+
+
+# --- what the CLI prints: golden transcripts (tests/transcripts/) --------------------------------------
+
+
+def _slime_faults(step: int, samples: list[dict], trained: list[dict] | None) -> None:
+    """A row short (step 0, sample 1), another token consumed (step 0, sample 3), an id past the
+    model's 8 experts (step 1, sample 2) and a NaN log-prob (step 1, sample 0)."""
+    assert trained is not None
+    if step == 0:
+        samples[1]["rollout_routed_experts"] = samples[1]["rollout_routed_experts"][:-1]
+        trained[3]["tokens"] = trained[3]["tokens"].clone()
+        trained[3]["tokens"][6] += 1
+    else:
+        samples[2]["rollout_routed_experts"][3, 2, 1] = E + 1
+        samples[0]["rollout_log_probs"][2] = math.nan
+
+
+def test_slime_audit_prints_the_committed_transcript(tmp_path: Path, capsys) -> None:
+    """Found below the experiment folder; the expert count and MoE layers inferred (not given)."""
+    _slime_dump(tmp_path / "experiment" / "dump", edit=_slime_faults)
+    (tmp_path / "scratch").mkdir()
+    args = [str(tmp_path / "experiment")]
+    check("slime", transcript(capsys, args, tmp_path / "experiment", tmp_path / "scratch"))
+
+
+def test_nemo_rl_audit_prints_the_committed_transcript(tmp_path: Path, capsys) -> None:
+    def edit(step: int, lines: list[dict]) -> None:
+        if step == 2:
+            lines[1]["generation_logprobs"][0][LENGTHS[1][0] + 1] = math.nan
+
+    _nemo_dump(tmp_path / "experiment" / "logs", edit)
+    (tmp_path / "scratch").mkdir()
+    args = [str(tmp_path / "experiment")]
+    check("nemo_rl", transcript(capsys, args, tmp_path / "experiment", tmp_path / "scratch"))
+
+
+def test_megatron_lm_audit_prints_the_committed_transcript(tmp_path: Path, capsys) -> None:
+    """The trace alone cannot be placed (no sample, no position): one input error, exit 2."""
+    _megatron_trace(tmp_path / "experiment" / "trace")
+    (tmp_path / "scratch").mkdir()
+    args = [str(tmp_path / "experiment")]
+    check("megatron_lm", transcript(capsys, args, tmp_path / "experiment", tmp_path / "scratch"))

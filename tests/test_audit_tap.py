@@ -178,6 +178,21 @@ def test_shard_union_is_checked_on_real_per_rank_files(tmp_path: Path) -> None:
     assert union.status == "violated" and "first row 3" in union.offenders[0]["actual"]
 
 
+def test_a_run_with_shard_rows_counts_its_samples_not_its_records(tmp_path: Path) -> None:
+    """The summary line and the HTML header count samples; shard rows are records of the same
+    samples (docs/tap-and-run.md's picture once said 57 samples for 19 samples' 57 records)."""
+    from harness.report.audit_page import audit_html
+
+    _shard_run(tmp_path, [[0, 1, 2, 9, 10, 11], [3, 4, 5, 6, 7, 8]])
+    result = audit_run(tmp_path, executor="serial")
+    samples = len({(s.step, s.sample_key) for s in result.samples})
+    assert result.rows > samples
+    assert result.counted() == f"{samples} samples ({result.rows} records)"
+    assert f" · {samples} samples ({result.rows} records) · " in audit_html(
+        result, title="run", command="rrh audit run", seconds=0.0
+    )
+
+
 # --- bad input -----------------------------------------------------------------------------------
 
 
@@ -267,8 +282,8 @@ def test_layout_v1_files_are_still_read_and_unknown_versions_refused(tmp_path: P
     pq.write_table(table, tmp_path / "part.parquet")
     found = _statuses(tmp_path)
     assert found["coverage"].status == "checked" and found["splice_consistency"].status == "not checkable"
-    with pytest.raises(LayoutError, match=r"version 3; expected one of \[1, 2\]"):
-        arrow_schema(3)
+    with pytest.raises(LayoutError, match=r"version 4; expected one of \[1, 2, 3\]"):
+        arrow_schema(4)
 
 
 def test_a_shard_row_needs_its_positions() -> None:

@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from harness.conventions import ModelSpec
 from harness.engines.checkpoint import ENGINE_OVERRIDES, load_checkpoint, model_spec, write_checkpoint
+from harness.errors import HarnessError
 from harness.trainers.hf import install_replay, tiny_model
 
 pytestmark = pytest.mark.hf
@@ -149,3 +150,26 @@ def test_model_spec_reads_the_moe_layers(config: dict, moe: tuple[int, ...]) -> 
     spec = model_spec(config)
     assert spec.moe_layer_tuple == moe, f"moe_layers {spec.moe_layer_tuple}, expected {moe}"
     assert (spec.num_experts, spec.top_k) == (8, 2)
+
+
+def test_the_negated_router_copy_negates_every_router_and_nothing_else(tmp_path: Path) -> None:
+    """The real-engine splice suites' weight update: a copy of the served checkpoint whose MoE routers
+    (only) are negated, pushed through the engine's own loading (never edited in place)."""
+    from safetensors.torch import load_file, save_file
+
+    from harness.engines.weight_updates import negated_router_checkpoint
+
+    checkpoint = write_checkpoint(tmp_path / "ckpt", seed=0)
+    negated = negated_router_checkpoint(checkpoint.path, tmp_path / "negated")
+    assert (negated / "config.json").read_text() == (checkpoint.path / "config.json").read_text()
+    before, after = load_file(checkpoint.path / "model.safetensors"), load_file(negated / "model.safetensors")
+    assert before.keys() == after.keys()
+    routers = [name for name in before if name.endswith("mlp.gate.weight")]
+    assert len(routers) == len(checkpoint.spec.moe_layers), routers
+    for name, tensor in before.items():
+        expected = -tensor if name in routers else tensor
+        assert torch.equal(after[name], expected), name
+    (tmp_path / "dense").mkdir()
+    save_file({"lm_head.weight": torch.zeros(2, 2)}, tmp_path / "dense" / "model.safetensors")
+    with pytest.raises(HarnessError, match=r"no tensor named \*\.mlp\.gate\.weight in .*dense"):
+        negated_router_checkpoint(tmp_path / "dense", tmp_path / "dense-negated")

@@ -17,6 +17,7 @@ from harness.errors import MetricError
 from harness.metrics import (
     LogprobGap,
     extreme_fraction,
+    gap_growth_bound,
     icepop_mask_rate,
     k1,
     k2,
@@ -357,3 +358,17 @@ def test_error_bad_tau(tau: float) -> None:
 def test_error_bad_icepop_band(low: float, high: float) -> None:
     with pytest.raises(MetricError, match=r"expected 0 < low <= high"):
         icepop_mask_rate(np.full(2, -1.0), np.full(2, -1.0), low=low, high=high)
+
+
+def test_gap_growth_bound_is_the_mean_before_plus_the_noise_of_the_pair() -> None:
+    """Identical gaps: the bound is the mean exactly (no slack); a uniform growth has no noise, so
+    any growth is beyond it; scattered per-token changes widen the bound by 3 standard errors."""
+    before = np.array([0.1, 0.2, 0.3, 0.4])
+    assert gap_growth_bound(before, before) == pytest.approx(0.25)
+    grown = before + 1e-6
+    assert grown.mean() > gap_growth_bound(before, grown)
+    scattered = before + np.array([0.02, -0.02, 0.02, -0.02])
+    se = np.std([0.02, -0.02, 0.02, -0.02], ddof=1) / 2
+    assert gap_growth_bound(before, scattered) == pytest.approx(0.25 + 3 * se)
+    with pytest.raises(ValueError, match="two equal non-empty token sets, got 4 and 3"):
+        gap_growth_bound(before, before[:3])

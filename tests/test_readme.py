@@ -194,22 +194,3 @@ def test_every_command_shown_is_parsed(path: Path) -> None:
 def _console_commands(page: Path) -> list[str]:
     blocks = re.findall(r"```console\n(.+?)\n```", page.read_text(), flags=re.S)
     return [line[2:] for block in blocks for line in block.splitlines() if line.startswith("$ ")]
-
-
-def test_the_audit_example_runs_as_shown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``rrh generate`` + ``rrh audit`` of docs/audit.md, in a scratch directory; the DuckDB query
-    is run too."""
-    from harness.cli import main
-
-    pytest.importorskip("pyarrow")
-    commands = _console_commands(ROOT / "docs" / "audit.md")
-    assert [c.split()[:2] for c in commands] == [["rrh", "generate"], ["rrh", "audit"], ["duckdb", "-c"]]
-    monkeypatch.chdir(tmp_path)
-    rewritten = [c.replace("/tmp/", f"{tmp_path}/") for c in commands]
-    assert main(shlex.split(rewritten[0])[1:]) == 0
-    audit = [*shlex.split(rewritten[1])[1:], "--executor", "serial", "--no-progress"]
-    assert main(audit) == 1  # faults planted
-    assert (tmp_path / "rrh-audit.html").is_file()
-    duckdb = pytest.importorskip("duckdb")
-    rows = duckdb.sql(shlex.split(rewritten[2])[2]).fetchall()
-    assert [r[0] for r in rows] == [0, 1]

@@ -5,6 +5,7 @@
 - ``reader``: a run's files, units of work and zero-copy decoding;
 - ``checks``: the strict invariants and metrics, folded batch by batch;
 - ``state``: the mergeable accumulators; ``result``: the figures of a finished audit;
+- ``findings``: the prompt rows that differ within a group, named at the end (and ``wrapped_ids``);
 - ``executors``: serial, process pool and Ray;
 - ``generate``: seeded runs of realistic shape with planted faults.
 

@@ -23,6 +23,7 @@ from harness.audit.reader import Batch, ListColumn, RouteColumn
 from harness.audit.state import (
     OFFENDER_SAMPLES,
     OFFENDERS_PER_SAMPLE,
+    WORST,
     AuditState,
     GroupDigests,
     Offender,
@@ -39,13 +40,21 @@ STRICT = (
     "ids_valid",
     "dense_empty",
     "moe_layer_nonzero",
+    "wrapped_ids",
+    "repeated_rows",
     "tokens_match",
     "logprobs_valid",
     "replay_fidelity",
     "splice_consistency",
     "shard_union",
 )
-"""Every strict invariant, in report order."""
+"""Every strict invariant, in report order. ``wrapped_ids`` and ``repeated_rows`` are detectors of what a
+dump alone shows (``harness.audit.findings``; ``_BatchAudit.repeated``): each names a fault only under
+conditions that make it implausible on a correct dump."""
+
+REPEAT_ALPHA = 1e-6
+"""``repeated_rows`` names a segment only when a repeat of its length is less likely than this by chance,
+given how often the sample's own rows repeat (``_BatchAudit.repeated``)."""
 
 LOCATE_ROWS = 4096
 """Rows of a batch whose offenders are located at once (only in a batch that failed a fast check)."""
@@ -57,6 +66,8 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "ids_valid": ("engine_routes",),
     "dense_empty": ("engine_routes",),
     "moe_layer_nonzero": ("engine_routes",),
+    "wrapped_ids": ("group_key",),
+    "repeated_rows": ("engine_routes",),
     "tokens_match": ("trainer_tokens",),
     "logprobs_valid": ("engine_logprobs",),
     "replay_fidelity": ("trainer_routes", "replay"),
@@ -123,14 +134,16 @@ class _Offenders:
             self.items.append(
                 Offender(
                     int(self.batch.step[s]), self.batch.sample_key[s], int(row[i]), int(layer[i]),
-                    expected, actual, self.batch.where(s),
+                    expected, actual, self.batch.place(s, int(row[i])),
                 )
             )  # fmt: skip
 
     def one(self, s: int, expected: str, actual: str, row: int = -1, layer: int = -1) -> None:
         self.samples.add(s)
         b = self.batch
-        self.items.append(Offender(int(b.step[s]), b.sample_key[s], row, layer, expected, actual, b.where(s)))
+        self.items.append(
+            Offender(int(b.step[s]), b.sample_key[s], row, layer, expected, actual, b.place(s, row))
+        )
 
 
 def _owned(column: ListColumn, samples: npt.NDArray[np.bool_]) -> Any:
@@ -311,6 +324,45 @@ class _BatchAudit:
             lambda i: ("a captured route", f"every row of MoE layer {int(layer[i])} is 0"),
         )
 
+    def repeated(self) -> None:
+        """``repeated_rows``: a segment of m ≥ 2 captured rows equal, byte for byte in every layer, to the
+        m rows just before it, within the sample's coverage — the shape a duplicated resume leaves when
+        the framework cuts the rows back to ``P + R − 1``. Named only when the tokens of the two
+        segments differ (a repeated text may legitimately route the same) and a repeat of that length
+        is implausible by chance given how often the sample's own rows repeat: with ``n`` captured
+        rows and ``c`` other equal pairs among them, ``n · q^m ≤ REPEAT_ALPHA`` for
+        ``q = (c + 1) / (n(n − 1)/2 + 1)`` (low-entropy routing, where rows often repeat, needs a
+        long segment before anything is named)."""
+        b = self.b
+        found = _Offenders(b, self.order)
+        checked = int(self.engine.valid.sum())
+        if not checked:
+            self.state.note_missing("repeated_rows", "engine_routes")
+        lo = self.engine.row_offsets[:-1]
+        cover = np.where(self.engine.valid, np.clip(self.expected_rows, 0, self.engine_rows), 0)
+        start, length, pairs = audit_kernels.repeated_runs(self.engine.routes, self.captured, lo, lo + cover)
+        for s in np.flatnonzero(length >= 2).tolist():
+            a, m = int(start[s]), int(length[s])
+            rows = self.engine.routes[lo[s] : lo[s] + cover[s]]
+            if not np.array_equal(rows[a : a + m], rows[a + m : a + 2 * m]):
+                continue  # two hashes collided
+            tokens = b.tokens.values[b.tokens.offsets[s] : b.tokens.offsets[s + 1]]
+            p = int(b.routes_start[s]) + a
+            if np.array_equal(tokens[p : p + m], tokens[p + m : p + 2 * m]):
+                continue  # the text itself repeats
+            n = int(self.captured[lo[s] : lo[s] + cover[s]].sum())
+            q = (max(0, int(pairs[s]) - m) + 1) / (n * (n - 1) / 2 + 1)
+            if n * q**m > REPEAT_ALPHA:
+                continue
+            found.one(
+                s,
+                f"new routes at rows [{a + m}, {a + 2 * m}) (their tokens differ from rows [{a}, {a + m}))",
+                f"rows [{a + m}, {a + 2 * m}) repeat rows [{a}, {a + m}) in every layer "
+                "(a duplicated resume?)",
+                row=a + m,
+            )
+        self.finish("repeated_rows", found, checked)
+
     def tokens(self) -> None:
         b = self.b
         found = _Offenders(b, self.order)
@@ -384,6 +436,7 @@ class _BatchAudit:
         if aligned.any():
             overlap = self._overlap(self.engine, trainer, aligned)
             self._agreement(overlap, aligned)
+            self.state.add_worst("agreement", self._agreement_cells(overlap, trainer, aligned))
             r3 = aligned & (modes == "R3")
             checked += int(r3.sum())
             # Cells are located only in rows that differ somewhere (``row_differs``, one pass).
@@ -477,6 +530,28 @@ class _BatchAudit:
                 step.agreement = AgreementCounts(b.top_k)
             step.agreement.merge(counts)
 
+    def _agreement_cells(
+        self, overlap: npt.NDArray[np.uint8], trainer: RouteColumn, aligned: npt.NDArray[np.bool_]
+    ) -> list[tuple[float, Offender]]:
+        """Each worst sample by trainer–engine disagreement, at its first differing (row, MoE layer)."""
+        b, items = self.b, []
+        score = np.where(aligned, self.sample_disagreement, np.nan)
+        for s in self._worst_samples(score):
+            lo, hi = int(self.engine.row_offsets[s]), int(self.engine.row_offsets[s + 1])
+            bad = np.argwhere((overlap[lo:hi] < b.top_k) & self.captured[lo:hi, None])
+            if not bad.size:
+                continue
+            row, j = int(bad[0, 0]), int(bad[0, 1])
+            slot = int(self.moe[j])
+            engine = sorted(self.engine.routes[lo + row, slot].tolist())
+            mine = sorted(trainer.routes[int(trainer.row_offsets[s]) + row, slot].tolist())
+            items.append((float(score[s]), Offender(
+                int(b.step[s]), b.sample_key[s], row, int(b.moe_layers[j]), f"engine experts {engine}",
+                f"trainer {mine} ({float(score[s]):.1%} of the sample's (row, MoE layer) routes differ)",
+                b.place(s, row),
+            )))  # fmt: skip
+        return items
+
     def splice(self) -> None:
         """``splice_consistency`` (DESIGN §3.4): each attempt's own rows of the spliced engine routes
         are that attempt's payload, as sets — prompt rows from the first attempt that added tokens,
@@ -558,6 +633,7 @@ class _BatchAudit:
         sums = np.bincount(self.resp_owner, weights=absd, minlength=b.size)
         with np.errstate(invalid="ignore", divide="ignore"):
             self.sample_gap = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+        self.state.add_worst("logprob_gap", self._gap_cells(engine, trainer, ok, absd))
         # The terms of every kept token once; each accumulator folds its tokens, a segment per sample.
         kept = np.flatnonzero(ok)
         tokens = GapTerms(trainer[kept].astype(np.float64), engine[kept].astype(np.float64))
@@ -578,6 +654,23 @@ class _BatchAudit:
                 starts = np.flatnonzero(np.diff(owners[idx], prepend=-1)).astype(np.int64)
                 acc.add_terms(tokens, idx, starts)
 
+    def _gap_cells(
+        self, engine: npt.NDArray[Any], trainer: npt.NDArray[Any], ok: npt.NDArray[np.bool_], absd: Any
+    ) -> list[tuple[float, Offender]]:
+        """Each worst sample by mean |Δ|, at its token of largest |Δ| (row: the token's position)."""
+        b, items = self.b, []
+        for s in self._worst_samples(self.sample_gap):
+            lo, hi = int(self.resp_offsets[s]), int(self.resp_offsets[s + 1])
+            j = int(np.argmax(np.where(ok[lo:hi], absd[lo:hi], -1.0)))
+            position = int(b.prompt_len[s]) + j
+            gap = float(self.sample_gap[s])
+            items.append((gap, Offender(
+                int(b.step[s]), b.sample_key[s], position, -1, f"engine log-prob {float(engine[lo + j]):.6g}",
+                f"trainer log-prob {float(trainer[lo + j]):.6g} (|Δ| {float(absd[lo + j]):.3g}; the sample's "
+                f"mean |Δ| {gap:.3g})", b.place(s, position - int(b.routes_start[s])),
+            )))  # fmt: skip
+        return items
+
     def counts(self) -> audit_kernels.Counts:
         """The engine routes' id counts per step and the prompt rows' digests (one pass, made once)."""
         if self._counts is None:
@@ -589,7 +682,8 @@ class _BatchAudit:
                 0,
             ).astype(np.int64)
             local = np.arange(self.row_owner.size) - self.engine.row_offsets[:-1][self.row_owner]
-            prompt = local < self.prompt_rows[self.row_owner]
+            # A prompt row with no captured route gets no digest (``NO_ROUTE``): filler is never compared.
+            prompt = (local < self.prompt_rows[self.row_owner]) & self.captured
             self._counts = audit_kernels.Counts(
                 self.engine.routes,
                 self.moe,
@@ -615,6 +709,28 @@ class _BatchAudit:
             figures.rows += int(rows[g])
             figures.uncaptured_rows += int(uncaptured[g])
             figures.load = load[g] if figures.load is None else figures.load + load[g]
+        self.state.add_worst("fallback", self._fallback_cells())
+
+    def _worst_samples(self, score: npt.NDArray[np.float64]) -> list[int]:
+        """The batch's ``WORST`` samples by ``score`` (finite and > 0; ties by step and sample key): a
+        superset of the run's worst that lie in this batch."""
+        b = self.b
+        chosen = np.flatnonzero(np.isfinite(score) & (score > 0)).tolist()
+        chosen.sort(key=lambda s: (-float(score[s]), int(b.step[s]), b.sample_key[s]))
+        return chosen[:WORST]
+
+    def _fallback_cells(self) -> list[tuple[float, Offender]]:
+        """Each worst sample by rows without a captured route, at its first such row."""
+        b, items = self.b, []
+        for s in self._worst_samples(self.uncaptured.astype(np.float64)):
+            lo, hi = int(self.engine.row_offsets[s]), int(self.engine.row_offsets[s + 1])
+            row = int(np.flatnonzero(~self.captured[lo:hi])[0])
+            count = int(self.uncaptured[s])
+            items.append((float(count), Offender(
+                int(b.step[s]), b.sample_key[s], row, -1, "a captured route",
+                f"no route captured at {count} of {hi - lo} rows, the first this one", b.place(s, row),
+            )))  # fmt: skip
+        return items
 
     def prefix(self) -> None:
         b = self.b
@@ -625,7 +741,9 @@ class _BatchAudit:
                 continue
             lo = int(starts[s])
             rows = int(self.prompt_rows[s])
-            entry = GroupDigests(self.digests[lo : lo + rows].copy(), np.zeros(rows, dtype=bool))
+            entry = GroupDigests.single(
+                b.sample_key[s], self.digests[lo : lo + rows].copy(), b.where(s), b.path, int(b.file_rows[s])
+            )
             key = (int(b.step[s]), group)
             if key in self.state.groups:
                 self.state.groups[key].merge(entry)
@@ -643,7 +761,7 @@ class _BatchAudit:
                 SampleFigure(
                     step, b.sample_key[s], b.group_key[s] or "", int(self.engine_rows[s]),
                     int(b.response_len[s]), float(self.sample_gap[s]), float(self.sample_disagreement[s]),
-                    int(self.uncaptured[s]), int(self.violations[s]),
+                    int(self.uncaptured[s]), int(self.violations[s]), b.where(s),
                 )
             )  # fmt: skip
 
@@ -654,11 +772,14 @@ def fold_batch(batch: Batch, state: AuditState) -> None:
     state.sources.update(batch.source)
     if batch.size and not state.moe_layers:
         state.moe_layers = batch.moe_layers
+    if batch.size:
+        state.num_experts = state.num_experts or batch.num_experts
     for s in range(batch.size):
         state.see(int(batch.step[s]), batch.sample_key[s], batch.where(s))
     work = _BatchAudit(batch, state)
     work.coverage()
     work.ids()
+    work.repeated()
     work.tokens()
     work.logprobs()
     work.replay()

@@ -27,13 +27,14 @@ from harness.errors import HarnessError
 from harness.trace import LayerAxis, storage_dtype
 
 FORMAT = "rrh-run-layout"
-VERSION = 2
+VERSION = 3
 """The newest layout version this harness writes; it reads every version listed in ``KNOWN``.
 
 Version 2 (the tap, ``harness.audit.tap``) adds the trainer ``forward``, each attempt's own
 engine payload (``attempt_routes``/``attempt_rows``) and shard rows (``shard``, ``shards``,
-``positions``); a version-1 file reads as a version-2 one with those columns null."""
-KNOWN = (1, 2)
+``positions``); version 3 adds where an importer read each sample (``origin``, ``origin_column``).
+A file of an older version reads as a newest one with the columns it lacks null."""
+KNOWN = (1, 2, 3)
 METADATA_KEY = b"rrh.run_layout"
 FILE_SUFFIX = ".parquet"
 
@@ -153,6 +154,11 @@ class SampleRecord:
     shards: int | None = None
     positions: Any = None
     """A shard row's route row of each row of ``trainer_routes`` (layout v2)."""
+    origin: str | None = None
+    """Where an importer read the sample: the framework's own file and the sample's index in it
+    (layout v3); ``None`` where the layout file itself is the place."""
+    origin_column: int | None = None
+    """The column of route row 0 on the origin file's padded token axis (layout v3), if it has one."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_row(self) -> dict[str, Any]:
@@ -212,6 +218,8 @@ class SampleRecord:
             row[f"{name}_routes"] = encode_routes(array, int(self.num_experts), f"{name}_routes")
             row[f"{name}_rows"] = int(array.shape[0])
         self._v2_columns(row)
+        row["origin"] = None if self.origin is None else str(self.origin)
+        row["origin_column"] = None if self.origin_column is None else int(self.origin_column)
         return row
 
     def _v2_columns(self, row: dict[str, Any]) -> None:

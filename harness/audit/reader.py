@@ -108,7 +108,10 @@ def _open(path: str) -> Any:
         return pq.ParquetFile(path)
     except Exception as err:  # pyarrow raises ArrowInvalid, OSError, ... for a file that is not Parquet
         first = (str(err).splitlines() or [""])[0][:200]
-        raise LayoutError(f"{path}: not a readable Parquet file ({type(err).__name__}: {first})") from None
+        raise LayoutError(
+            f"{path}: not a readable Parquet file ({type(err).__name__}: {first}); "
+            "expected a run-layout Parquet file"
+        ) from None
 
 
 def check_schema(path: str, schema: Any) -> int:
@@ -346,9 +349,26 @@ class Batch:
             return np.asarray(self.moe_layers, dtype=np.intp)
         return np.arange(len(self.moe_layers), dtype=np.intp)
 
+    origin: list[str | None]
+    """Layout v3: where an importer read each sample (null: the layout file is the place)."""
+    origin_column: IntArray
+    """Layout v3: the column of route row 0 on the origin file's padded token axis, −1 where none."""
+
     def where(self, row: int) -> str:
-        """How errors name a batch row: the file and the row's index in the file."""
+        """Where the user finds batch row ``row``: the framework's own file and the sample's index in
+        it when an importer wrote the row (``origin``), else the layout file and the row's index."""
+        origin = self.origin[row]
+        if origin is not None:
+            return origin
         return f"{self.path} row {int(self.file_rows[row])}"
+
+    def place(self, row: int, trace_row: int = -1) -> str:
+        """``where(row)``, with the column of route row ``trace_row`` on the origin file's padded token
+        axis where it has one (the token at position ``routes_start + trace_row`` is there too)."""
+        column = int(self.origin_column[row])
+        if trace_row < 0 or column < 0 or self.origin[row] is None:
+            return self.where(row)
+        return f"{self.where(row)}, token column {column + trace_row}"
 
 
 def _numpy(array: Any) -> npt.NDArray[Any]:
@@ -623,7 +643,12 @@ def decode(table: Any, path: str, first_row: int, rows: IntArray | None = None) 
             raise LayoutError(
                 f"{path} row {int(file_rows[i])}: column 'replay' is {mode!r}; expected none, R2, R3 or null"
             )
+    origin = table.column("origin").to_pylist()
+    origin_array = _array(table, "origin_column")
+    origin_column = np.where(_valid(origin_array), _numpy(origin_array), -1).astype(np.int64)
     return Batch(
+        origin=origin,
+        origin_column=origin_column,
         path=path,
         first_row=first_row,
         file_rows=file_rows,
@@ -656,14 +681,16 @@ def decode(table: Any, path: str, first_row: int, rows: IntArray | None = None) 
 
 V2_COLUMNS = ("forward", "attempt_routes", "attempt_rows", "shard", "shards", "positions")
 """The columns layout version 2 added (the tap's)."""
+V3_COLUMNS = ("origin", "origin_column")
+"""The columns layout version 3 added (where an importer read each sample)."""
 
 
 def _with_v2_columns(table: Any) -> Any:
-    """``table`` with the version-2 columns it lacks (a version-1 file's) added as nulls."""
+    """``table`` with the newer versions' columns it lacks (an older file's) added as nulls."""
     import pyarrow as pa
 
-    schema = arrow_schema(2)
-    for name in V2_COLUMNS:
+    schema = arrow_schema()
+    for name in (*V2_COLUMNS, *V3_COLUMNS):
         if name not in table.schema.names:
             table = table.append_column(schema.field(name), pa.nulls(table.num_rows, schema.field(name).type))
     return table
@@ -748,6 +775,7 @@ AUDIT_COLUMNS = (
     "loss_mask", "engine_logprobs", "trainer_logprobs", "num_experts", "top_k", "layer_axis", "num_layers",
     "moe_layers", "routes_start", "engine_routes", "engine_rows", "engine_captured", "trainer_routes",
     "trainer_rows", "recorded_routes", "recorded_rows", "replay", "attempt_ends", "source", *V2_COLUMNS,
+    *V3_COLUMNS,
 )  # fmt: skip
 """The columns ``decode`` reads: what the audit reads of a run (the benchmark's read floor reads the same)."""
 

@@ -24,8 +24,8 @@ HINTS: dict[str, str] = {
     "engine_logprobs": "the engine's log-probs of the sampled tokens (SamplingParams logprobs)",
     "trainer_logprobs": "the old-log-prob pass (SkyRL trainer.dump_data_batch=true writes it; "
     "verl's RolloutSkip dump is taken before it); harness.audit.tap writes it",
-    "trainer_tokens": "the tokens the trainer consumed "
-    "(slime --save-debug-train-data beside the rollout dump)",
+    "trainer_tokens": "the tokens the trainer consumed, apart from the engine's (harness.audit.tap writes "
+    "them; of the frameworks' dumps, slime's --save-debug-train-data does)",
     "trainer_routes": "what the trainer dispatched: no framework dumps it; harness.audit.tap writes it",
     "replay": "the replay mode (none, R2, R3) of each row; harness.audit.tap writes it",
     "group_key": "the prompt's GRPO group of each sample",
@@ -33,6 +33,7 @@ HINTS: dict[str, str] = {
     "shard positions": "per-rank shards with their positions: harness.audit.tap writes them",
     "replayed rows": "rows trained with replay R2 or R3 (every row here has replay = none: no target to be "
     "faithful to)",
+    "more than 256 experts": "a model with more than 256 experts (with 256 or fewer, no id can wrap at 256)",
 }
 """What writes each column an invariant may be missing."""
 
@@ -57,21 +58,20 @@ class InvariantResult:
     summary: str = ""
     """A metric's figures over the whole run, in a few words."""
 
-    def line(self) -> str:
+    def line(self, hints: dict[str, str] | None = None) -> str:
+        """The terminal line; ``hints`` (an importer's ``HINTS``) say what writes a missing column."""
         if self.status == "not checkable":
-            why = "; ".join(f"{m}: {HINTS.get(m, 'not in this dump')}" for m in self.missing)
+            said = {**HINTS, **(hints or {})}
+            why = "; ".join(f"{m}: {said.get(m, 'not in this dump')}" for m in self.missing)
             return f"{self.name:<19} not checkable from this dump — missing {why}"
         if self.status == "violated":
-            o = self.offenders[0]
-            at = f"step {o['step']} sample {o['sample_key']}"
-            at += f" row {o['row']}" if o["row"] is not None else ""
-            at += f" layer {o['layer']}" if o["layer"] is not None else ""
             return (
-                f"{self.name:<19} VIOLATED in {self.violated} of {self.checked} samples; first at {at}: "
-                f"expected {o['expected']}, got {o['actual']} ({o['where']})"
+                f"{self.name:<19} VIOLATED in {self.violated} of {self.checked} samples; first at "
+                f"{_offender_text(self.offenders[0])}"
             )
         if self.kind == "metric":
-            return f"{self.name:<19} measured: {self.summary}"
+            worst = f"; worst: {_offender_text(self.offenders[0])}" if self.offenders else ""
+            return f"{self.name:<19} measured: {self.summary}{worst}"
         return f"{self.name:<19} checked: {self.checked} samples, no violation"
 
     def as_dict(self) -> dict[str, Any]:
@@ -85,6 +85,24 @@ class InvariantResult:
             "missing": self.missing,
             "summary": self.summary,
         }
+
+
+def human_size(nbytes: int) -> str:
+    """Bytes in the largest unit that keeps a digit before the point: ``812 B``, ``41.3 KiB``, ``2.0 GiB``."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB"):
+        if value < 1024:
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
+def _offender_text(o: dict[str, Any]) -> str:
+    """``step S sample K row R layer L: expected E, got A (where)``."""
+    at = f"step {o['step']} sample {o['sample_key']}"
+    at += f" row {o['row']}" if o["row"] is not None else ""
+    at += f" layer {o['layer']}" if o["layer"] is not None else ""
+    return f"{at}: expected {o['expected']}, got {o['actual']} ({o['where']})"
 
 
 def _finite(x: float) -> float | None:
@@ -109,7 +127,12 @@ class AuditResult:
     moe_layers: list[int]
     step_layers: list[dict[str, Any]]
     notes: list[str] = field(default_factory=list)
-    """What the tap's manifests say of the run (a run cut short), ``harness.audit.manifest``."""
+    """What the tap's manifests say of the run (a run cut short), ``harness.audit.manifest``, and what
+    the importer's dump cannot show (its ``NOTES``)."""
+    inferred: list[str] = field(default_factory=list)
+    """Model facts the dump does not record, as the importer inferred them (printed first)."""
+    hints: dict[str, str] = field(default_factory=dict)
+    """What writes each missing column, said for the framework that wrote the dump (``hints_for``)."""
 
     @property
     def violated(self) -> list[InvariantResult]:
@@ -124,11 +147,19 @@ class AuditResult:
             if s.get(name) is not None and s[name] > limit
         ]
 
+    def counted(self) -> str:
+        """How many samples were read: ``19 samples``, with the records where a tapped run's shard
+        rows make more (``19 samples (57 records)``: each sample's engine record and two ranks'
+        shard records)."""
+        samples = len(self.samples)
+        return f"{samples} samples" + (f" ({self.rows} records)" if self.rows != samples else "")
+
     def lines(self) -> list[str]:
-        """The terminal summary: one line per invariant, then drift and input errors."""
-        out = [r.line() for r in self.invariants]
+        """The terminal summary: what was inferred, one line per invariant, then drift and notes (input
+        errors are the caller's to print first: ``rrh audit`` writes them to stderr)."""
+        out = [f"inferred: {x}" for x in self.inferred]
+        out += [r.line(self.hints) for r in self.invariants]
         out += [f"drift: {d}" for d in self.drift]
-        out += [f"input error: {x}" for x in self.input_errors]
         out += [f"note: {x}" for x in self.notes]
         return out
 
@@ -144,10 +175,13 @@ class AuditResult:
             union.checked = len(state.shards)
             shard_offenders = state.shard_offenders()
             union.add(0, shard_offenders, len({(o.step, o.sample_key) for o in shard_offenders}))
+        from harness.audit.findings import name_groups
+
+        named = name_groups(state)
         for name in (*STRICT, *METRICS):
             kind = "strict" if name in STRICT else "metric"
-            tally = state.tallies.get(name)
-            missing = sorted(state.missing.get(name, set()))
+            tally = named.wrapped if name == "wrapped_ids" else state.tallies.get(name)
+            missing = named.wrap_missing if name == "wrapped_ids" else sorted(state.missing.get(name, set()))
             if kind == "strict":
                 checked = tally.checked if tally else 0
                 if checked == 0 and name != "unique_sample":
@@ -164,6 +198,7 @@ class AuditResult:
                 )  # fmt: skip
             else:
                 checkable = _metric_checkable(name, state)
+                cells = named.prefix if name == "prefix_agreement" else state.worst_cells.get(name, [])
                 invariants.append(
                     InvariantResult(
                         name,
@@ -171,13 +206,14 @@ class AuditResult:
                         "checked" if checkable else "not checkable",
                         0,
                         0,
-                        [],
+                        [o.as_dict() for _, o in cells] if checkable else [],
                         [] if checkable else (missing or list(NEEDS.get(name, ()))),
                     )
                 )
-        steps = [_step_row(step, state) for step in sorted(state.steps)]
+        prefix = _prefix_figures(state)
+        steps = [_step_row(step, state, prefix.get(step, (0, 0, 0))) for step in sorted(state.steps)]
         layers, step_layers = _layer_rows(state)
-        summaries = _metric_summaries(state, layers)
+        summaries = _metric_summaries(state, layers, prefix)
         for result in invariants:
             if result.kind == "metric" and result.status == "checked":
                 result.summary = summaries[result.name]
@@ -195,10 +231,12 @@ class AuditResult:
             sources=sorted(state.sources),
             moe_layers=list(state.moe_layers),
             step_layers=step_layers,
+            hints=_hints(state.sources),
         )
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            "inferred": self.inferred,
             "files": self.files,
             "rows": self.rows,
             "bytes_read": self.bytes_read,
@@ -213,7 +251,26 @@ class AuditResult:
         }
 
 
-def _metric_summaries(state: AuditState, layers: list[dict[str, Any]]) -> dict[str, str]:
+def _hints(sources: set[str]) -> dict[str, str]:
+    from harness.audit.importers import hints_for
+
+    return hints_for(sources)
+
+
+def _prefix_figures(state: AuditState) -> dict[int, tuple[int, int, int]]:
+    """Per step: ``(prompt rows, rows where members differ, groups)`` over its groups of two or more."""
+    out: dict[int, tuple[int, int, int]] = {}
+    for (step, _), group in state.groups.items():
+        if len(group.members) > 1:
+            rows, differ = group.figures()
+            have = out.get(step, (0, 0, 0))
+            out[step] = (have[0] + rows, have[1] + differ, have[2] + 1)
+    return out
+
+
+def _metric_summaries(
+    state: AuditState, layers: list[dict[str, Any]], prefix: dict[int, tuple[int, int, int]]
+) -> dict[str, str]:
     """One line of figures per metric over the whole run (exact merges of every step's figures)."""
     from harness.metrics import GapAccumulator
     from harness.trace import AgreementCounts
@@ -231,9 +288,10 @@ def _metric_summaries(state: AuditState, layers: list[dict[str, Any]]) -> dict[s
         gap.merge(f.gap)
         agreed.merge(f.gap_agreed)
         flipped.merge(f.gap_flipped)
-    groups = [g for g in state.groups.values() if g.members > 1]
-    prefix_rows = sum(g.differs.size for g in groups)
-    prefix_agree = 1 - sum(int(g.differs.sum()) for g in groups) / prefix_rows if prefix_rows else math.nan
+    prefix_rows = sum(rows for rows, _, _ in prefix.values())
+    groups = sum(count for _, _, count in prefix.values())
+    prefix_differ = sum(differ for _, differ, _ in prefix.values())
+    prefix_agree = 1 - prefix_differ / prefix_rows if prefix_rows else math.nan
     g, a, fl = gap.result(), agreed.result(), flipped.result()
     loads = [r["load_max_over_mean"] for r in layers if r.get("load_max_over_mean") is not None]
     return {
@@ -250,8 +308,7 @@ def _metric_summaries(state: AuditState, layers: list[dict[str, Any]]) -> dict[s
             f"mean |Δ| {g.mean_abs_diff:.3e}, k3 {g.k3:.3e} over {g.n_tokens} tokens; "
             f"routes agreed: {_part_gap(a)}, flipped: {_part_gap(fl)}"
         ),
-        "prefix_agreement": f"{prefix_agree:.4f} of prompt rows agree within their group "
-        f"({len(groups)} groups)",
+        "prefix_agreement": f"{prefix_agree:.4f} of prompt rows agree within their group ({groups} groups)",
         "expert_load": f"busiest expert / mean, worst layer: {max(loads):.2f}" if loads else "",
     }
 
@@ -268,16 +325,14 @@ def _metric_checkable(name: str, state: AuditState) -> bool:
     if name == "logprob_gap":
         return any(f.gap.n_tokens for f in figures)
     if name == "prefix_agreement":
-        return any(g.members > 1 for g in state.groups.values())
+        return any(len(g.members) > 1 for g in state.groups.values())
     return any(f.rows for f in figures)
 
 
-def _step_row(step: int, state: AuditState) -> dict[str, Any]:
+def _step_row(step: int, state: AuditState, prefix: tuple[int, int, int]) -> dict[str, Any]:
     f = state.steps[step]
     gap, agreed, flipped = f.gap.result(), f.gap_agreed.result(), f.gap_flipped.result()
-    groups = [g for (s, _), g in state.groups.items() if s == step and g.members > 1]
-    prefix_rows = sum(g.differs.size for g in groups)
-    prefix_differ = sum(int(g.differs.sum()) for g in groups)
+    prefix_rows, prefix_differ, _ = prefix
     agreement = f.agreement
     return {
         "step": step,
@@ -345,14 +400,16 @@ def _imbalance(load: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
 
 
 def _worst(samples: list[SampleFigure]) -> dict[str, list[dict[str, Any]]]:
-    """The ``WORST`` samples by mean |Δ| and by disagreement (ties by step and sample key)."""
+    """The ``WORST`` samples by mean |Δ| and by disagreement, above 0 (ties by step and sample key)."""
     out = {}
     for figure in ("mean_abs_diff", "disagreement"):
 
         def rank(s: SampleFigure, f: str = figure) -> tuple[float, int, str]:
             return (-float(getattr(s, f)), s.step, s.sample_key)
 
-        ranked = sorted((s for s in samples if math.isfinite(getattr(s, figure))), key=rank)
+        # A sample at 0 is not among the worst: no table of zeros when nothing differs.
+        ranked = sorted((s for s in samples if math.isfinite(getattr(s, figure)) and getattr(s, figure) > 0),
+                        key=rank)  # fmt: skip
         out[figure] = [s.as_dict() for s in ranked[:WORST]]
     return out
 

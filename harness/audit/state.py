@@ -122,23 +122,105 @@ class StepFigures:
             self.load = other.load.copy() if self.load is None else self.load + other.load
 
 
+NO_ROUTE = np.uint64(0)
+"""The digest of a prompt row with no captured route: it agrees and disagrees with nothing."""
+
+
+@dataclass
+class Member:
+    """One member of a GRPO group: where it is, and where its prompt-row digests differ from the group's
+    reference member (``GroupDigests.reference``)."""
+
+    rows: int
+    """Prompt rows the member has."""
+    where: str
+    file: str
+    """The layout file holding it and its row there (read again to name a row that differs)."""
+    file_row: int
+    diff_rows: npt.NDArray[np.int64]
+    diff_digests: npt.NDArray[np.uint64]
+
+    def digests(self, reference: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+        """Its own digest of each of its prompt rows."""
+        out = np.full(self.rows, NO_ROUTE, dtype=np.uint64)
+        common = min(self.rows, reference.size)
+        out[:common] = reference[:common]
+        out[self.diff_rows] = self.diff_digests
+        return out
+
+    def against(self, reference: npt.NDArray[np.uint64], own: npt.NDArray[np.uint64]) -> None:
+        """Keep ``own`` (its digests) as the rows where they differ from ``reference``."""
+        common = min(self.rows, reference.size)
+        differ = np.flatnonzero(own[:common] != reference[:common])
+        rows = np.concatenate([differ, np.arange(common, self.rows)])
+        self.diff_rows = rows.astype(np.int64)
+        self.diff_digests = own[self.diff_rows]
+
+
 @dataclass
 class GroupDigests:
-    """Prompt rows of one GRPO group: a digest per row and whether any two members differ there."""
+    """Prompt rows of one GRPO group (its members share them): a digest per row of one member, the
+    *reference* (the smallest sample key), and each member's rows that differ from it.
 
+    Exact and order-free under ``merge``: the reference is the smallest key whatever the order, and
+    each member's differences are its own digests against it. A member's row with no captured route
+    (``NO_ROUTE``) differs from nothing.
+    """
+
+    reference: str
     digests: npt.NDArray[np.uint64]
-    differs: npt.NDArray[np.bool_]
-    members: int = 1
+    members: dict[str, Member]
+
+    @classmethod
+    def single(
+        cls, key: str, digests: npt.NDArray[np.uint64], where: str, file: str, file_row: int
+    ) -> GroupDigests:
+        empty = np.zeros(0, np.int64)
+        member = Member(digests.size, where, file, file_row, empty, np.zeros(0, np.uint64))
+        return cls(key, digests, {key: member})
 
     def merge(self, other: GroupDigests) -> None:
-        common = min(self.digests.size, other.digests.size)
-        differs = (
-            self.differs[:common] | other.differs[:common] | (self.digests[:common] != other.digests[:common])
-        )
-        longer = self if self.digests.size >= other.digests.size else other
-        self.differs = np.concatenate([differs, longer.differs[common:]])
-        self.digests = longer.digests.copy()
-        self.members += other.members
+        if other.reference < self.reference:
+            mine, theirs = other, self
+        else:
+            mine, theirs = self, other
+        # Re-express the other side's members against the reference kept.
+        members = dict(mine.members)
+        for key, member in theirs.members.items():
+            own = member.digests(theirs.digests)
+            moved = Member(member.rows, member.where, member.file, member.file_row, member.diff_rows,
+                           member.diff_digests)  # fmt: skip
+            moved.against(mine.digests, own)
+            held = members.get(key)
+            if held is None or (moved.file, moved.file_row) < (held.file, held.file_row):
+                members[key] = moved  # a sample written twice (unique_sample names it): one copy
+        self.reference, self.digests, self.members = mine.reference, mine.digests, members
+
+    def table(self) -> tuple[list[str], npt.NDArray[np.uint64]]:
+        """Member keys (sorted) and their digests ``[members, rows]`` (``NO_ROUTE`` past a member's rows)."""
+        keys = sorted(self.members)
+        rows = max(m.rows for m in self.members.values())
+        out = np.full((len(keys), rows), NO_ROUTE, dtype=np.uint64)
+        for i, key in enumerate(keys):
+            member = self.members[key]
+            out[i, : member.rows] = member.digests(self.digests)
+        return keys, out
+
+    def figures(self) -> tuple[int, int]:
+        """``(rows, rows where two members' captured routes differ)``."""
+        rows = max(m.rows for m in self.members.values())
+        if not any(m.diff_rows.size for m in self.members.values()):
+            return rows, 0
+        _, table = self.table()
+        return rows, int(differing_rows(table).sum())
+
+
+def differing_rows(table: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
+    """Per column of ``table [members, rows]``: two members hold different digests (``NO_ROUTE`` aside)."""
+    held = table != NO_ROUTE
+    high = np.where(held, table, np.uint64(0)).max(axis=0)
+    low = np.where(held, table, np.uint64(np.iinfo(np.uint64).max)).min(axis=0)
+    return held.any(axis=0) & (high != low)
 
 
 @dataclass
@@ -219,6 +301,9 @@ class SampleFigure:
     disagreement: float
     uncaptured_rows: int
     violations: int
+    where: str = ""
+    """Where the user finds the sample (``Batch.where``): the framework's own file and index, or the
+    layout file and row."""
 
     def as_dict(self) -> dict[str, Any]:
         """Field → value; an undefined figure (nan: no token, no trainer route) is ``None``, as in JSON."""
@@ -245,6 +330,26 @@ class AuditState:
     rows_read: int = 0
     moe_layers: tuple[int, ...] = ()
     shards: dict[tuple[int, str], ShardCover] = field(default_factory=dict)
+    worst_cells: dict[str, list[tuple[float, Offender]]] = field(default_factory=dict)
+    """Per metric, the ``WORST`` samples that move it most (score, their worst cell): ``add_worst``."""
+    num_experts: int = 0
+
+    def add_worst(self, name: str, items: list[tuple[float, Offender]]) -> None:
+        """Keep the ``WORST`` highest-scoring samples of metric ``name`` (one cell each; ties by step,
+        sample, row, layer): the same for any split, since each sample's cell comes from one batch."""
+        if not items and name in self.worst_cells:
+            return
+        ranked = sorted(
+            set(self.worst_cells.get(name, [])) | set(items),
+            key=lambda x: (-x[0], x[1].step, x[1].sample_key, x[1].row, x[1].layer, x[1]),
+        )
+        kept: list[tuple[float, Offender]] = []
+        seen: set[tuple[int, str]] = set()
+        for score, offender in ranked:
+            if (offender.step, offender.sample_key) not in seen and len(kept) < WORST:
+                seen.add((offender.step, offender.sample_key))
+                kept.append((score, offender))
+        self.worst_cells[name] = kept
 
     def tally(self, name: str) -> Tally:
         return self.tallies.setdefault(name, Tally())
@@ -284,6 +389,9 @@ class AuditState:
         self.bytes_read += other.bytes_read
         self.rows_read += other.rows_read
         self.moe_layers = self.moe_layers or other.moe_layers
+        self.num_experts = self.num_experts or other.num_experts
+        for name, items in other.worst_cells.items():
+            self.add_worst(name, items)
         for key, cover in other.shards.items():
             if key in self.shards:
                 self.shards[key].merge(cover)

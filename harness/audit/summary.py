@@ -47,7 +47,7 @@ def write_summary(result: AuditResult, directory: str | os.PathLike[str]) -> lis
     layer_columns = {"step": i64, "layer": i64, "disagreement": f64, "load_max_over_mean": f64}
     sample_columns = {
         "step": i64, "sample_key": s, "group_key": s, "rows": i64, "response_tokens": i64,
-        "mean_abs_diff": f64, "disagreement": f64, "uncaptured_rows": i64, "violations": i64,
+        "mean_abs_diff": f64, "disagreement": f64, "uncaptured_rows": i64, "violations": i64, "where": s,
     }  # fmt: skip
     offender_columns = {
         "invariant": s, "step": i64, "sample_key": s, "row": i64, "layer": i64, "expected": s, "actual": s,

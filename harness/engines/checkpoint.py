@@ -190,12 +190,15 @@ def load_checkpoint(
     """The checkpoint as a transformers causal LM in eval mode (SDPA attention)."""
     from transformers import AutoModelForCausalLM
 
+    from harness.trainers.hf.models import model_imports
+
     path = checkpoint.path if isinstance(checkpoint, TinyCheckpoint) else Path(checkpoint)
     if dtype is None and isinstance(checkpoint, TinyCheckpoint):
         dtype = getattr(torch, checkpoint.dtype)
-    model: Any = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype or torch.float32, attn_implementation="sdpa"
-    )
+    with model_imports():
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype or torch.float32, attn_implementation="sdpa"
+        )
     return model.to(device).eval()  # type: ignore[no-any-return]
 
 
@@ -290,6 +293,8 @@ class TrainerComparison:
     mean_abs_gap: float  # mean |log π_train − log π_engine| over response tokens, no replay
     mean_abs_gap_r3: float  # the same with the engine's routes replayed
     tokens: int
+    abs_gaps: tuple[float, ...] = field(default=(), repr=False, compare=False)  # per token, no replay
+    abs_gaps_r3: tuple[float, ...] = field(default=(), repr=False, compare=False)  # the same tokens, R3
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -388,6 +393,8 @@ def trainer_recompute(
         float(np.mean(gaps)) if gaps else float("nan"),
         float(np.mean(gaps_r3)) if gaps_r3 else float("nan"),
         len(gaps),
+        tuple(gaps),
+        tuple(gaps_r3),
     )
 
 

@@ -3,7 +3,10 @@
 In the style of the ``rrh check`` page: a verdict, one row per invariant (checked, violated with
 its first offenders, or not checkable and why), then the plots people would rather look at than
 read — the per-step trend of the gap (split by whether the token's routes agreed) and of
-agreement and fallback, per-layer agreement, and the worst samples.
+agreement and fallback, per-layer agreement, and the worst samples. A figure the dump does not
+allow is said to be "not measured" (and why), never drawn as an empty chart or a table of zeros;
+every offender and worst sample is named by its place: the framework's own file and the index in
+it for an imported dump, else the layout file and row.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from harness.audit.result import AuditResult
+from harness.audit.result import AuditResult, InvariantResult, human_size
 from harness.report.html_page import CSS
 from harness.report.svg import svg_grouped_bars
 
@@ -22,15 +25,36 @@ def _every(count: int) -> int:
     return max(1, count // 16)
 
 
+def _chart_or_line(title: str, cats: list[str], series: list[tuple[str, list[Any], str]], **kw: Any) -> str:
+    """A chart of the series that were measured; a sentence instead when every value is 0."""
+    measured = [(name, vals, colour) for name, vals, colour in series if any(v is not None for v in vals)]
+    if not measured:
+        return ""
+    if all(not v for _, vals, _ in measured for v in vals if v is not None):
+        names = " and ".join(name for name, _, _ in measured)
+        return f"<p class=sub>{html.escape(title)}: {html.escape(names)} 0 in every step.</p>"
+    return svg_grouped_bars(title, cats, measured, **kw)
+
+
+def _not_measured(result: AuditResult, name: str, what: str) -> str:
+    """``what: not measured — missing …`` for a metric the dump does not allow."""
+    found = next((r for r in result.invariants if r.name == name), None)
+    if found is None or found.status != "not checkable":
+        return ""
+    why = found.line(result.hints).split("— missing ", 1)[-1]
+    return f"<p class=sub>{html.escape(what)}: not measured — missing {html.escape(why)}</p>"
+
+
 def _trend_charts(result: AuditResult) -> list[str]:
     steps = result.steps
     if not steps:
         return []
     cats = [str(s["step"]) for s in steps]
     charts = []
+    common = {"x_label": "step", "label_every": _every(len(cats)), "width": max(560, 24 * len(cats) + 120)}
     if any(s["mean_abs_diff"] is not None for s in steps):
         charts.append(
-            svg_grouped_bars(
+            _chart_or_line(
                 "Train–inference gap per step: mean |Δ log-prob|",
                 cats,
                 [
@@ -39,32 +63,39 @@ def _trend_charts(result: AuditResult) -> list[str]:
                     ("routes flipped", [s["mean_abs_diff_flipped"] for s in steps], "#d9822b"),
                 ],
                 y_label="mean |Δ|",
-                x_label="step",
-                label_every=_every(len(cats)),
-                width=max(560, 24 * len(cats) + 120),
+                **common,
             )
         )
-    series = [
-        ("routes differ (trainer vs engine)", [s["disagreement"] for s in steps], "#d9822b"),
-        ("rows without a captured route", [s["fallback_fraction"] for s in steps], "#777"),
-    ]
-    if any(v is not None for _, vals, _ in series for v in vals):
+    else:
+        charts.append(_not_measured(result, "logprob_gap", "Train–inference gap"))
+    disagreement = [s["disagreement"] for s in steps]
+    if any(v is not None for v in disagreement):
         charts.append(
-            svg_grouped_bars(
-                "Disagreement and fallback per step",
+            _chart_or_line(
+                "Routes that differ (trainer vs engine) per step",
                 cats,
-                series,
+                [("routes differ (trainer vs engine)", disagreement, "#d9822b")],
                 y_label="fraction",
-                x_label="step",
                 percent=True,
-                label_every=_every(len(cats)),
-                width=max(560, 24 * len(cats) + 120),
+                **common,
             )
         )
+    else:
+        charts.append(_not_measured(result, "agreement", "Routes that differ (trainer vs engine)"))
+    charts.append(
+        _chart_or_line(
+            "Rows without a captured route per step",
+            cats,
+            [("rows without a captured route", [s["fallback_fraction"] for s in steps], "#777")],
+            y_label="fraction",
+            percent=True,
+            **common,
+        )
+    )
     layers = [r for r in result.layers if r.get("disagreement") is not None]
     if layers:
         charts.append(
-            svg_grouped_bars(
+            _chart_or_line(
                 "Routing disagreement per MoE layer, whole run",
                 [f"L{r['layer']}" for r in layers],
                 [("routes differ", [r["disagreement"] for r in layers], "#d9822b")],
@@ -75,7 +106,24 @@ def _trend_charts(result: AuditResult) -> list[str]:
                 width=max(560, 14 * len(layers) + 120),
             )
         )
-    return charts
+    return [c for c in charts if c]
+
+
+def _offender_table(inv: InvariantResult) -> str:
+    e = html.escape
+    rows = "".join(
+        f"<tr><td class=num>{o['step']}</td><td class=mono>{e(o['sample_key'])}</td>"
+        f"<td class=num>{'' if o['row'] is None else o['row']}</td>"
+        f"<td class=num>{'' if o['layer'] is None else o['layer']}</td>"
+        f"<td>{e(o['expected'])}</td><td>{e(o['actual'])}</td><td class=mono>{e(o['where'])}</td></tr>"
+        for o in inv.offenders
+    )
+    what = "first offenders" if inv.kind == "strict" else "worst samples"
+    return (
+        f"<details><summary>{len(inv.offenders)} {what}</summary><table><thead><tr>"
+        "<th>step</th><th>sample</th><th>row</th><th>layer</th><th>expected</th><th>got</th><th>where</th>"
+        f"</tr></thead><tbody>{rows}</tbody></table></details>"
+    )
 
 
 def _invariant_rows(result: AuditResult) -> str:
@@ -83,20 +131,10 @@ def _invariant_rows(result: AuditResult) -> str:
     out = []
     for inv in result.invariants:
         mark = _STATUS[inv.status]
-        detail = e(inv.line().split(None, 1)[1] if " " in inv.line() else inv.line())
+        line = inv.line(result.hints)
+        detail = e(line.split(None, 1)[1] if " " in line else line)
         if inv.offenders:
-            rows = "".join(
-                f"<tr><td class=num>{o['step']}</td><td class=mono>{e(o['sample_key'])}</td>"
-                f"<td class=num>{'' if o['row'] is None else o['row']}</td>"
-                f"<td class=num>{'' if o['layer'] is None else o['layer']}</td>"
-                f"<td>{e(o['expected'])}</td><td>{e(o['actual'])}</td></tr>"
-                for o in inv.offenders
-            )
-            detail += (
-                f"<details><summary>{len(inv.offenders)} first offenders</summary><table><thead><tr>"
-                "<th>step</th><th>sample</th><th>row</th><th>layer</th><th>expected</th><th>got</th></tr>"
-                f"</thead><tbody>{rows}</tbody></table></details>"
-            )
+            detail += _offender_table(inv)
         out.append(
             f'<tr class="{mark}"><td><span class="badge {mark}">{e(inv.status)}</span></td>'
             f"<td>{e(inv.kind)}</td><td class=mono>{e(inv.name)}</td><td class=msg>{detail}</td></tr>"
@@ -104,19 +142,24 @@ def _invariant_rows(result: AuditResult) -> str:
     return "".join(out)
 
 
-def _worst_table(rows: list[dict[str, Any]], figure: str) -> str:
+_WORST_METRIC = {"mean_abs_diff": "logprob_gap", "disagreement": "agreement"}
+
+
+def _worst_table(result: AuditResult, rows: list[dict[str, Any]], figure: str) -> str:
     e = html.escape
     if not rows:
-        return ""
+        reason = _not_measured(result, _WORST_METRIC.get(figure, figure), f"Worst samples by {figure}")
+        return reason or f"<p class=sub>Worst samples by {e(figure)}: no sample above 0.</p>"
     body = "".join(
         f"<tr><td class=num>{r['step']}</td><td class=mono>{e(r['sample_key'])}</td>"
         f"<td class=mono>{e(r['group_key'])}</td><td class=num>{r[figure]:.4g}</td>"
-        f"<td class=num>{r['response_tokens']}</td><td class=num>{r['violations']}</td></tr>"
+        f"<td class=num>{r['response_tokens']}</td><td class=num>{r['violations']}</td>"
+        f"<td class=mono>{e(r.get('where') or '')}</td></tr>"
         for r in rows
     )
     return (
         f"<h3>Worst samples by {e(figure)}</h3><table><thead><tr><th>step</th><th>sample</th><th>group</th>"
-        f"<th>{e(figure)}</th><th>response tokens</th><th>invariants violated</th></tr></thead>"
+        f"<th>{e(figure)}</th><th>response tokens</th><th>invariants violated</th><th>where</th></tr></thead>"
         f"<tbody>{body}</tbody></table>"
     )
 
@@ -133,10 +176,11 @@ def audit_html(result: AuditResult, *, title: str, command: str, seconds: float)
         + (", but some files could not be read" if result.input_errors else "")
     )
     errors = "".join(f'<p class="error">{e(x)}</p>' for x in result.input_errors)
-    drift = "".join(f'<p class="note">drift: {e(x)}</p>' for x in result.drift)
+    drift = "".join(f'<p class="note">inferred: {e(x)}</p>' for x in result.inferred)
+    drift += "".join(f'<p class="note">drift: {e(x)}</p>' for x in result.drift)
     drift += "".join(f'<p class="note">{e(x)}</p>' for x in result.notes)
     charts = "".join(_trend_charts(result)) or "<p class=sub>No metric to plot.</p>"
-    worst = "".join(_worst_table(rows, figure) for figure, rows in result.worst.items())
+    worst = "".join(_worst_table(result, rows, figure) for figure, rows in result.worst.items())
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
@@ -144,7 +188,7 @@ def audit_html(result: AuditResult, *, title: str, command: str, seconds: float)
 <style>{CSS}</style></head>
 <body><main>
 <h1>Routing replay audit: {e(title)}</h1>
-<p class="sub">{result.files} files · {result.rows} samples · {result.bytes_read / 2**20:.1f} MiB ·
+<p class="sub">{result.files} files · {e(result.counted())} · {human_size(result.bytes_read)} ·
 {seconds:.1f}s · <span class="mono">{e(command)}</span><br>sources: {e("; ".join(result.sources))}</p>
 <div class="verdict {e(status)}"><div class="status">{e(status.upper())}</div><p>{e(text)}</p></div>
 {errors}{drift}

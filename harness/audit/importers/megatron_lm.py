@@ -52,7 +52,21 @@ NOTES = (
     "layer numbers are indices under decoder.layers of each rank's module, local to its pipeline stage; "
     "MTP routers (block mtp) are validated, never mapped to samples",
 )
+HINTS = {
+    "engine_routes": "the engine's routes: nothing in Megatron-LM writes them; audit an engine-side dump "
+    "(verl, SkyRL, slime) or a tapped run beside the trace",
+    "engine_logprobs": "the engine's log-probs: nothing in Megatron-LM writes them",
+    "trainer_logprobs": "the trainer's log-probs: nothing in the router trace holds them",
+    "trainer_tokens": "the tokens the trainer consumed: the packing given to records() (the trace has none)",
+    "replay": "the replay mode of each row: nothing in the router trace says it; harness.audit.tap writes it",
+    "group_key": "the prompt's group: the packing given to records() (the trace has none)",
+    "attempt payloads": "each attempt's own engine payload: nothing in Megatron-LM writes it",
+    "shard positions": "per-rank shards with their positions: nothing in the router trace maps them",
+}
+"""What writes each column an invariant may miss, said for Megatron-LM (``AuditResult`` lines use it)."""
 SOURCE = "Megatron-LM --moe-routing-trace-path"
+SOURCE_PREFIXES = ("Megatron-LM ",)
+"""The ``source`` of the records this importer writes (``hints_for`` tells a re-audited import by it)."""
 _FILE = re.compile(r"router_trace_rank(\d+)\.jsonl")
 
 
@@ -370,4 +384,6 @@ def _samples(
             layer_axis=LayerAxis.MOE_ORDINAL.value,
             trainer_routes=routes[int(cu[i]) : int(cu[i]) + tokens.size - 1],
             source=SOURCE,
+            origin=f"{where} segment {i}",
+            origin_column=int(cu[i]),
         )

@@ -3,7 +3,8 @@
 Neither dump holds the model's expert count or which decoder layers are MoE: ``num_experts`` comes
 from the caller (``rrh audit --num-experts``, or ``$RRH_NUM_EXPERTS``) and is never inferred from
 the ids (an id wrapped into ``[E, 256)`` would raise the bound and hide itself); ``moe_layers``
-comes from the caller or is inferred from which layers hold a non-zero id. Both dumps keep a
+comes from the caller or is inferred from the layers most samples route on (``LayerVote``: one
+sample shifted onto a dense layer does not move it). Both dumps keep a
 sample's engine rows in a padded, zero-filled row axis: ``payload_rows`` cuts them out.
 """
 
@@ -64,17 +65,180 @@ def moe_layers_input(moe_layers: Sequence[int] | None) -> tuple[int, ...] | None
     return tuple(layers)
 
 
-def infer_moe_layers(
-    routes: npt.NDArray[Any], captured: npt.NDArray[np.bool_], source: str
-) -> tuple[int, ...]:
-    """The layers with a non-zero id in some captured row of ``routes [rows, L, K]`` (dense slots are 0)."""
-    layers = np.flatnonzero(routes[captured].any(axis=(0, 2)))
-    if layers.size == 0:
-        raise LayoutError(
-            f"{source}: every captured route is zero, so the MoE layers cannot be inferred; "
-            f"expected moe_layers= or {MOE_LAYERS_ENV}"
+def signature(
+    routes: npt.NDArray[Any], captured: npt.NDArray[np.bool_] | None = None
+) -> tuple[int, ...] | None:
+    """The decoder layers with a non-zero id in some captured row of one sample's ``routes [rows, L, K]``
+    (dense slots are 0), or ``None`` for a sample with no captured row (it has no say)."""
+    chosen = routes if captured is None else routes[captured]
+    if chosen.shape[0] == 0:
+        return None
+    return tuple(int(x) for x in np.flatnonzero(chosen.any(axis=(0, 2))))
+
+
+def layer_span(layers: Sequence[int]) -> str:
+    """``[1, 2, 3, 5]`` → ``"1-3,5"`` (the ``--moe-layers`` syntax); ``()`` → ``"none"``."""
+    parts: list[str] = []
+    values = list(layers)
+    i = 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        parts.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
+        i = j + 1
+    return ",".join(parts) or "none"
+
+
+SHOWN = 3
+"""Disagreeing samples named in an inference note (all of them are judged by the checks)."""
+
+
+class LayerVote:
+    """The MoE layers a dump does not record, inferred from what most samples agree on.
+
+    Each sample votes with its ``signature`` (the layers it routes on); the layout of a step is
+    the signature most of its samples hold, so one sample shifted onto a dense layer, or with an
+    all-zero MoE layer, does not move it. The run is judged against one layout (a model has one):
+    ``decide`` picks it, and ``notes`` say what was inferred, how many samples agree, and which do
+    not (the checks then report those at their place: ``dense_empty``, ``moe_layer_nonzero``).
+    """
+
+    def __init__(self, flag: str = "--moe-layers") -> None:
+        self.flag = flag
+        self.steps: dict[int, dict[tuple[int, ...], list[str]]] = {}
+        self.layers: tuple[int, ...] | None = None
+        self.decided_by = ""
+
+    def add(self, step: int, layers: tuple[int, ...] | None, place: str) -> None:
+        if layers is not None:
+            self.steps.setdefault(step, {}).setdefault(layers, []).append(place)
+
+    def merge(self, other: LayerVote) -> None:
+        """Add ``other``'s votes (a file's, counted apart until its shape was known to be the run's)."""
+        for step, votes in other.steps.items():
+            for layers, places in votes.items():
+                self.steps.setdefault(step, {}).setdefault(layers, []).extend(places)
+
+    def winner(self, steps: Sequence[int] | None = None) -> tuple[tuple[int, ...], int, int] | None:
+        """``(layers, samples holding them, samples voting)`` over ``steps`` (default all); ``None``
+        when no sample voted. ``LayoutError`` on a tie: no layout most samples agree on."""
+        counts: dict[tuple[int, ...], int] = {}
+        for step in self.steps if steps is None else steps:
+            for layers, places in self.steps.get(step, {}).items():
+                counts[layers] = counts.get(layers, 0) + len(places)
+        if not counts:
+            return None
+        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+        if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
+            where = f"step {steps[0]}" if steps is not None and len(steps) == 1 else "the dump"
+            raise LayoutError(
+                f"moe_layers: in {where} as many samples route on layers {layer_span(ranked[0][0])} as on "
+                f"{layer_span(ranked[1][0])} ({ranked[0][1]} each); expected a layout most samples agree "
+                f"on, or {self.flag} (the model's MoE layers)"
+            )
+        return ranked[0][0], ranked[0][1], sum(counts.values())
+
+    def decide(self, steps: Sequence[int] | None = None) -> tuple[int, ...] | None:
+        """Fix the run's layout to the winner over ``steps`` (``None`` while no sample voted)."""
+        best = self.winner(steps)
+        if best is None:
+            return None
+        if not best[0]:
+            raise LayoutError(
+                f"moe_layers: every captured route is zero, so the MoE layers cannot be inferred; "
+                f"expected {self.flag} or {MOE_LAYERS_ENV}"
+            )
+        self.layers = best[0]
+        chosen = sorted(self.steps) if steps is None else list(steps)
+        self.decided_by = (
+            f"step {chosen[0]}" if len(chosen) == 1 else f"steps {chosen[0]}-{chosen[-1]}" if chosen else ""
         )
-    return tuple(int(x) for x in layers)
+        return self.layers
+
+    def notes(self) -> list[str]:
+        """What was inferred, in a line a user can check, with the samples that disagree."""
+        if self.layers is None:
+            return []
+        agree = total = 0
+        others: list[str] = []
+        odd_steps: list[str] = []
+        for step in sorted(self.steps):
+            votes = self.steps[step]
+            for layers, places in sorted(votes.items()):
+                total += len(places)
+                if layers == self.layers:
+                    agree += len(places)
+                else:
+                    others += [f"{p} (layers {layer_span(layers)})" for p in places]
+            best = max(votes.items(), key=lambda kv: (len(kv[1]), kv[0]))[0]
+            if best != self.layers:
+                odd_steps.append(f"step {step} (most of its samples route on {layer_span(best)})")
+        line = (
+            f"moe_layers {layer_span(self.layers)}: inferred ({self.flag} not given) as the layers most "
+            f"samples route on ({self.decided_by}); {agree} of {total} samples agree"
+        )
+        if others:
+            shown = "; ".join(others[:SHOWN]) + (
+                f"; and {len(others) - SHOWN} more" if len(others) > SHOWN else ""
+            )
+            line += f"; the others are judged against it: {shown}"
+        lines = [line]
+        if odd_steps:
+            lines.append(
+                f"moe_layers: {', '.join(odd_steps)} disagree with the inferred {layer_span(self.layers)}; "
+                f"give {self.flag} if the model's layers are not {layer_span(self.layers)}"
+            )
+        return lines
+
+
+class ExpertVote:
+    """The expert count a dump does not record, inferred so that one sample cannot raise it.
+
+    ``E = 1 +`` the largest id that more than one sample uses (the largest id of all when only one
+    sample has routes): an id only one sample holds (out of range, or wrapped into ``[E, 2**bits)``)
+    does not move the bound; the checks then name it (``ids_valid``) at its place.
+    """
+
+    def __init__(self) -> None:
+        self.users: dict[int, int] = {}
+        self.first: dict[int, str] = {}
+        self.samples = 0
+
+    def add(self, routes: npt.NDArray[Any], place: str, layers: Sequence[int] | None = None) -> None:
+        chosen = routes if layers is None else routes[:, list(layers)]
+        if chosen.size == 0:
+            return
+        self.samples += 1
+        for value in np.unique(chosen).tolist():
+            self.users[value] = self.users.get(value, 0) + 1
+            self.first.setdefault(value, place)
+
+    def merge(self, other: ExpertVote) -> None:
+        """Add ``other``'s votes (a file's, counted apart until its shape was known to be the run's)."""
+        self.samples += other.samples
+        for value, count in other.users.items():
+            self.users[value] = self.users.get(value, 0) + count
+            self.first.setdefault(value, other.first[value])
+
+    def decide(self, top_k: int) -> int:
+        if not self.users:
+            return top_k
+        shared = [v for v, n in self.users.items() if n > 1]
+        high = max(shared) if shared and self.samples > 1 else max(self.users)
+        return max(high + 1, top_k)
+
+    def notes(self, num_experts: int) -> list[str]:
+        beyond = sorted(v for v in self.users if v >= num_experts)
+        line = (
+            f"num_experts {num_experts}: inferred (--num-experts not given) as 1 + the largest id more than "
+            f"one sample uses ({self.samples} samples with routes)"
+        )
+        if beyond:
+            shown = "; ".join(f"id {v} in {self.first[v]}" for v in beyond[:SHOWN])
+            more = f"; and {len(beyond) - SHOWN} more ids" if len(beyond) > SHOWN else ""
+            line += f"; ids past it, each in one sample, are judged out of range: {shown}{more}"
+        return [line]
 
 
 def check_moe_layers(moe_layers: tuple[int, ...], num_layers: int, source: str) -> None:
@@ -91,8 +255,10 @@ def check_moe_layers(moe_layers: tuple[int, ...], num_layers: int, source: str) 
 
 def payload_rows(
     rows: npt.NDArray[Any], first: int, length: int, has_route: npt.NDArray[np.bool_] | None = None
-) -> tuple[npt.NDArray[Any], npt.NDArray[np.bool_]]:
-    """The engine rows of a sample and which hold a captured route.
+) -> tuple[npt.NDArray[Any], npt.NDArray[np.bool_], int]:
+    """The engine rows of a sample, which hold a captured route, and the index in ``rows`` of the first
+    (``first`` unless the payload starts before the sample: a place names that index, the cell the
+    user finds in the file).
 
     ``rows [S, L, K]`` is the sample's padded row axis; position 0 of its ``length = P+R`` tokens
     is at index ``first``. ``has_route`` marks rows the dump says were captured; without it (zero
@@ -108,7 +274,7 @@ def payload_rows(
     )
     present = np.flatnonzero(captured_axis)
     if present.size == 0:
-        return np.zeros_like(rows[first : first + expected]), np.zeros(expected, dtype=bool)
+        return np.zeros_like(rows[first : first + expected]), np.zeros(expected, dtype=bool), first
     lo, hi = min(first, int(present[0])), int(present[-1]) + 1
     if has_route is None:
         captured_axis = np.zeros(rows.shape[0], dtype=bool)
@@ -117,7 +283,7 @@ def payload_rows(
     payload, captured = rows[lo:end], captured_axis[lo:end]
     if has_route is not None and not captured.all():
         payload = np.where(captured[:, None, None], payload, 0).astype(rows.dtype)
-    return payload, captured
+    return payload, captured, lo
 
 
 def check_ids_fit(routes: npt.NDArray[Any], num_experts: int, source: str, sample: int, step: int) -> None:
@@ -135,3 +301,27 @@ def check_ids_fit(routes: npt.NDArray[Any], num_experts: int, source: str, sampl
             f"expert id {int(routes[row, layer, slot])}; "
             f"expected an id in [0, {num_experts}) (num_experts={num_experts})"
         )
+
+
+def step_layers(
+    vote: LayerVote | None,
+    moe_layers: tuple[int, ...] | None,
+    step: int,
+    samples: Sequence[tuple[str, npt.NDArray[Any], npt.NDArray[np.bool_] | None]],
+    source: str,
+) -> tuple[int, ...]:
+    """The MoE layers to write one step's records with: the given ones, or (``vote`` not ``None``)
+    the samples' votes — the first step with a captured route decides the run's layout, every step
+    after it votes too (for ``LayerVote.notes``). ``samples``: ``(place, routes, captured)`` of each."""
+    if vote is None:
+        assert moe_layers is not None
+        return moe_layers
+    for place, routes, captured in samples:
+        vote.add(step, signature(routes, captured), place)
+    if vote.layers is None and vote.decide([step]) is None:
+        raise LayoutError(
+            f"{source}: no sample of step {step} has a captured route, so the MoE layers cannot be inferred "
+            f"from it; expected {vote.flag} (or {MOE_LAYERS_ENV})"
+        )
+    assert vote.layers is not None
+    return vote.layers

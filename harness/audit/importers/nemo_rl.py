@@ -52,7 +52,27 @@ NOTES = (
     "the trainer's tokens are not dumped apart from the engine's (one token_ids column): tokens_match is "
     "not checkable",
 )
+HINTS = {
+    "engine_routes": "the engine's routes: nothing in NeMo-RL writes them (NRL_R3_TRACE* logs SHA-256 hashes "
+    "only: harness.audit.importers.nemo_rl.trace_violations checks those)",
+    "trainer_tokens": "the tokens the trainer consumed apart from the engine's: nothing in NeMo-RL writes "
+    "them (train_data_step{N}.jsonl has one token_ids column); harness.audit.tap writes them",
+    "engine_logprobs": "generation_logprobs of train_data_step{N}.jsonl",
+    "trainer_logprobs": "prev_logprobs of train_data_step{N}.jsonl",
+    "trainer_routes": "what the trainer dispatched: nothing in NeMo-RL writes it (hashes only in "
+    "NRL_R3_TRACE); harness.audit.tap writes it",
+    "replay": "the replay mode of each row: nothing in NeMo-RL's data dump says it; harness.audit.tap "
+    "writes it",
+    "group_key": "the prompt's group: nothing in train_data_step{N}.jsonl names it",
+    "attempt payloads": "each attempt's own engine payload: nothing in NeMo-RL writes it; "
+    "harness.audit.tap writes them",
+    "shard positions": "per-rank shards with their positions: nothing in NeMo-RL writes them; "
+    "harness.audit.tap writes them",
+}
+"""What writes each column an invariant may miss, said for NeMo-RL (``AuditResult`` lines use it)."""
 SOURCE = "NeMo-RL train_data_step{N}.jsonl"
+SOURCE_PREFIXES = ("NeMo-RL ",)
+"""The ``source`` of the records this importer writes (``hints_for`` tells a re-audited import by it)."""
 FETCH_STAGES = ("prev_lp", "train")
 """The trainer's fetches whose hashes must equal the producer's (``tools/check_r3_trace.py``)."""
 REPLAY_STAGES = ("prev-logprob", "train")
@@ -201,6 +221,7 @@ def _record(step: int, row: dict[str, Any], where: str) -> SampleRecord:
         num_layers=_NUM_LAYERS,
         moe_layers=_MOE_LAYERS,
         source=SOURCE,
+        origin=where,
     )
 
 

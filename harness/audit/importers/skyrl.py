@@ -41,12 +41,13 @@ import numpy.typing as npt
 
 from harness.audit.importers import read_file, safe_pickle
 from harness.audit.importers.model_shape import (
+    LayerVote,
     check_ids_fit,
     check_moe_layers,
-    infer_moe_layers,
     moe_layers_input,
     num_experts_input,
     payload_rows,
+    step_layers,
 )
 from harness.audit.inputs import brief, check_ints, check_mask, check_step, entries
 from harness.audit.layout import LayoutError, SampleRecord
@@ -57,16 +58,34 @@ DESCRIPTION = (
     "global_step_{N}_training_input.pkl (TrainingInputBatch.save, written after the old-log-prob pass)"
 )
 NOTES = (
-    "num_experts is not in the dump: give it (num_experts=, RRH_NUM_EXPERTS). "
-    "moe_layers is inferred from the first step's non-zero layers unless given "
-    "(moe_layers=, RRH_MOE_LAYERS): "
-    "a MoE layer all zero in every sample of that step is read as dense. "
+    "num_experts is not in the dump: give it (--num-experts, RRH_NUM_EXPERTS)",
+    "moe_layers is not in the dump: without --moe-layers (RRH_MOE_LAYERS) it is inferred as the layers most "
+    "samples route on; a MoE layer all zero in most samples reads as dense",
     "SkyRL 0.3.0 fills missing rows with zeros and has no mask: trailing all-zero rows, and a sample whose "
-    "routes are all zero, are read as not captured (fallback metric), never as routes. "
-    "No trainer routes and no replay mode: replay_fidelity and agreement are not checkable."
+    "routes are all zero, are read as not captured (fallback metric), never as routes",
+    "no trainer routes and no replay mode: replay_fidelity and agreement are not checkable",
 )
+HINTS = {
+    "engine_routes": "rollout_expert_indices (generator.inference_engine.enable_return_routed_experts=true)",
+    "engine_logprobs": "rollout_logprobs (the generator's sampled-token log-probs)",
+    "trainer_tokens": "the tokens the trainer consumed apart from the engine's: nothing in SkyRL writes them "
+    "(its dump holds one token tensor, sequences); harness.audit.tap writes them",
+    "trainer_logprobs": "action_log_probs (trainer.dump_data_batch=true writes them after the old-log-prob "
+    "pass)",
+    "trainer_routes": "what the trainer dispatched: nothing in SkyRL writes it (hf_router_replay keeps it in "
+    "memory); harness.audit.tap writes it",
+    "replay": "the replay mode of each row: nothing in SkyRL's dump says it; harness.audit.tap writes it",
+    "group_key": "the prompt's group: metadata['policy_prompt_boundaries'] of the dump",
+    "attempt payloads": "each attempt's own engine payload: nothing in SkyRL writes it (the generator keeps "
+    "the last turn's); harness.audit.tap writes them",
+    "shard positions": "per-rank shards with their positions: nothing in SkyRL writes them; "
+    "harness.audit.tap writes them",
+}
+"""What writes each column an invariant may miss, said for SkyRL (``AuditResult`` lines use it)."""
 
 SOURCE = "SkyRL trainer.dump_data_batch (rrh import skyrl)"
+SOURCE_PREFIXES = ("SkyRL ",)
+"""The ``source`` of the records this importer writes (``hints_for`` tells a re-audited import by it)."""
 FILE_PATTERN = re.compile(r"^global_step_(\d+)_training_input\.pkl$")
 MODULE = "skyrl.backends.skyrl_train.training_batch"
 BATCH_CLASS = f"{MODULE}.TrainingInputBatch"
@@ -213,9 +232,10 @@ def _groups(metadata: dict[str, Any], size: int, source: str) -> list[str | None
 
 
 def batch_records(
-    file: Path, step: int, num_experts: int, moe_layers: tuple[int, ...] | None
+    file: Path, step: int, num_experts: int, moe_layers: tuple[int, ...] | None, vote: LayerVote | None = None
 ) -> tuple[list[SampleRecord], tuple[int, ...]]:
-    """The records of one dump file, and the MoE layers used (inferred here when ``moe_layers`` is None)."""
+    """The records of one dump file, and the MoE layers used: ``moe_layers``, or with ``vote`` what
+    most samples agree on (``model_shape.step_layers``)."""
     source = str(file)
     check_step(step, source)
     tensors, metadata = read_batch(file)
@@ -275,18 +295,19 @@ def batch_records(
                 "1 <= response tokens < tokens"
             )
         first = width - total
-        engine, captured = payload_rows(
+        engine, captured, column = payload_rows(
             routes[i], first, total, None if padding is None else ~padding[i].astype(bool)
         )
         check_ids_fit(engine, num_experts, source, i, step)
-        samples.append((i, prompt, resp, first, engine, captured))
-    if moe_layers is None:
-        moe_layers = infer_moe_layers(
-            np.concatenate([s[4] for s in samples]), np.concatenate([s[5] for s in samples]), source
-        )
+        samples.append((i, prompt, resp, first, engine, captured, column))
+    if vote is None and moe_layers is None:
+        vote = LayerVote()
+    moe_layers = step_layers(
+        vote, moe_layers, step, [(f"{source} batch row {s[0]}", s[4], s[5]) for s in samples], source
+    )
     check_moe_layers(moe_layers, num_layers, source)
     out = []
-    for i, prompt, resp, first, engine, captured in samples:
+    for i, prompt, resp, first, engine, captured, column in samples:
         tail = (i, slice(r_max - resp, r_max))
         out.append(
             SampleRecord(
@@ -307,6 +328,8 @@ def batch_records(
                 trainer_logprobs=_row(tensors["action_log_probs"], tail, np.float32),
                 engine_routes=engine,
                 engine_captured=captured,
+                origin=f"{source} batch row {i}",
+                origin_column=column,
             )
         )
     return out, moe_layers
@@ -318,22 +341,24 @@ def records(
     num_experts: int | None = None,
     moe_layers: Sequence[int] | None = None,
     errors: list[str] | None = None,
+    inferred: list[str] | None = None,
 ) -> Iterator[SampleRecord]:
     """One ``SampleRecord`` per (step, sample) of the SkyRL dump at ``path``, step by step.
 
     ``num_experts`` (or ``$RRH_NUM_EXPERTS``) is required: the dump does not hold it. ``moe_layers``
-    (or ``$RRH_MOE_LAYERS``) defaults to the layers with a non-zero id in the first step. ``errors``:
-    see ``harness.audit.importers`` (a damaged file is a line there, the other files are read).
+    (or ``$RRH_MOE_LAYERS``) defaults to the layers most samples route on (``LayerVote``); what
+    was inferred is appended to ``inferred`` at the end. ``errors``: see ``harness.audit.importers``
+    (a damaged file is a line there, the other files are read).
     """
     files = dump_files(Path(path))
     if not files:
         raise LayoutError(f"{path}: no SkyRL dump (dumped_data/global_step_<N>_training_input.pkl)")
     experts = num_experts_input(num_experts, "SkyRL")
     layers = moe_layers_input(moe_layers)
+    vote = LayerVote() if layers is None else None
     for step, file in files:
-        read = read_file(
-            file, errors, lambda s=step, f=file, known=layers: batch_records(f, s, experts, known)
-        )
+        read = read_file(file, errors, lambda s=step, f=file: batch_records(f, s, experts, layers, vote))
         if read is not None:
-            batch, layers = read
-            yield from batch
+            yield from read[0]
+    if vote is not None and inferred is not None:
+        inferred.extend(vote.notes())

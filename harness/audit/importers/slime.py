@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import re
 import string
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,7 @@ import numpy as np
 import numpy.typing as npt
 
 from harness.audit.importers import read_file, safe_pickle
+from harness.audit.importers.model_shape import ExpertVote, LayerVote, signature
 from harness.audit.inputs import brief, check_step, glob
 from harness.audit.layout import LayoutError, SampleRecord
 from harness.trace import MAX_LAYERS, LayerAxis, storage_dtype
@@ -60,15 +62,34 @@ DESCRIPTION = (
 NOTES = (
     "every dumped route row is a captured route: slime's arange % E filler for the last position and "
     "packing pads is built at replay (cp_utils._pad_routed_experts), never dumped, so it cannot be checked",
-    "num_experts and the MoE layers are not in the dump: without num_experts= and moe_layers= they are "
-    "inferred (largest id + 1; decoder layers with a non-zero id), so ids are checked for distinctness "
-    "but not against the model's expert count, and a MoE layer all-zero in every sample looks dense",
+    "num_experts and the MoE layers are not in the dump: without --num-experts and --moe-layers they are "
+    "inferred from what most samples agree on (1 + the largest id more than one sample uses; the layers most "
+    "samples route on), so ids are checked against that bound, not the model's expert count, and a MoE "
+    "layer all-zero in most samples reads as dense",
     "trainer tokens and log-probs come only from a format_version 2 train dump beside the rollout dump; "
     "no trainer routes, replay mode or attempt boundaries are dumped: replay fidelity, agreement, "
     "splice consistency and shard union are not checkable",
     "evaluation dumps (eval_{id}.pt) are skipped: they were never trained on",
 )
+HINTS = {
+    "engine_routes": "rollout_routed_experts (--use-rollout-routing-replay with --save-debug-rollout-data)",
+    "engine_logprobs": "rollout_log_probs of each sample in the rollout dump",
+    "trainer_tokens": "the tokens the trainer consumed: slime --save-debug-train-data (format_version 2, "
+    "D/train_data/{rollout_id}.pt beside the rollout dump)",
+    "trainer_logprobs": "the trainer's log_probs: slime --save-debug-train-data (format_version 2)",
+    "trainer_routes": "what the trainer dispatched: nothing in slime writes it (the train dump drops the "
+    "routes); harness.audit.tap writes it",
+    "replay": "the replay mode of each row: nothing in slime's dumps says it; harness.audit.tap writes it",
+    "group_key": "the prompt's group: group_index of each sample",
+    "attempt payloads": "each attempt's own engine payload: nothing in slime writes it "
+    "(Sample._apply_meta_info splices them); harness.audit.tap writes them",
+    "shard positions": "per-rank shards with their positions: nothing in slime writes them (format_version 2 "
+    "reassembles CP shards); harness.audit.tap writes them",
+}
+"""What writes each column an invariant may miss, said for slime (``AuditResult`` lines use it)."""
 SOURCE = "slime/miles --save-debug-rollout-data"
+SOURCE_PREFIXES = ("slime",)
+"""The ``source`` of the records this importer writes (``hints_for`` tells a re-audited import by it)."""
 TRAIN_FORMAT_VERSION = 2
 _ID = re.compile(r"(\d+)$")
 
@@ -106,6 +127,7 @@ def records(
     num_experts: int | None = None,
     moe_layers: Sequence[int] | None = None,
     errors: list[str] | None = None,
+    inferred: list[str] | None = None,
 ) -> Iterator[SampleRecord]:
     """The samples of the dump at ``path``, one rollout file at a time, joined with the train dump.
 
@@ -113,8 +135,9 @@ def records(
     directory of rollout files, or one rollout file. ``train`` is the train dump when it is not
     ``path/train_data``: a directory of ``{rollout_id}.pt`` or the ``--save-debug-train-data``
     template itself (``.../{rollout_id}.pt``). ``num_experts`` and ``moe_layers`` (decoder indices)
-    are the model's; left out, they are inferred from the routes in a first pass (see ``NOTES``).
-    ``errors``: see ``harness.audit.importers`` (a damaged file is a line there, the others are read).
+    are the model's; left out, they are inferred from the routes in a first pass from what most
+    samples agree on (see ``NOTES``), and what was inferred is appended to ``inferred``. ``errors``:
+    see ``harness.audit.importers`` (a damaged file is a line there, the others are read).
     """
     path = Path(path)
     rollout_files, template = _files(path, train, errors)
@@ -130,7 +153,7 @@ def records(
         yield from _train_only(train_files, errors)
         return
     bad: set[Path] = set()
-    shape = _model_shape([p for _, p in rollout_files], num_experts, moe_layers, errors, bad)
+    shape = _model_shape(rollout_files, num_experts, moe_layers, inferred, errors, bad)
     for step, rollout_path in rollout_files:
         if rollout_path in bad:
             continue
@@ -331,30 +354,33 @@ def _routes(sample: dict[str, Any], where: str) -> npt.NDArray[np.int64] | None:
 
 
 def _model_shape(
-    files: list[Path],
+    files: list[tuple[int, Path]],
     num_experts: int | None,
     moe_layers: Sequence[int] | None,
+    inferred: list[str] | None = None,
     errors: list[str] | None = None,
     bad: set[Path] | None = None,
 ) -> _Shape:
     """The routing shape: layers and top-k those of most rollout files (a damaged file cannot impose
-    its own on the others); the rest given or inferred from every file. A file that cannot be read,
-    or whose routes have another shape, goes to ``errors`` and ``bad`` (when given) and is left out."""
+    its own on the others); the rest given, or inferred in a full pass from what most samples agree
+    on (``model_shape.LayerVote``, ``ExpertVote``), noted in ``inferred``. A file that cannot be
+    read, or whose routes have another shape, goes to ``errors`` and ``bad`` (when given) and is left
+    out."""
     known = num_experts is not None and moe_layers is not None
-    scans: dict[Path, tuple[tuple[int, int], int, npt.NDArray[np.bool_]]] = {}
-    for path in files:
-        scanned = read_file(path, errors, lambda p=path: _scan(p, known))
+    scans: dict[Path, tuple[tuple[int, int], LayerVote, ExpertVote]] = {}
+    for step, path in files:
+        scanned = read_file(path, errors, lambda s=step, p=path: _scan(s, p, known))
         if scanned is None:
             if bad is not None:
                 bad.add(path)
         elif scanned[0] is not None:
-            scans[path] = (scanned[0], scanned[1], scanned[2])
+            scans[path] = scanned  # type: ignore[assignment]
     if not scans:
         return _NO_ROUTES
-    widths = [width for width, _, _ in scans.values()]
-    layers, top_k = max(widths, key=lambda w: (widths.count(w), -widths.index(w)))
-    high, used = -1, np.zeros(layers, dtype=bool)
-    for path, (width, file_high, file_used) in scans.items():
+    widths = Counter(width for width, _, _ in scans.values())  # insertion-ordered: ties go to the first
+    layers, top_k = max(widths, key=lambda w: widths[w])
+    vote, experts = LayerVote(), ExpertVote()
+    for path, (width, file_vote, file_experts) in scans.items():
         if width != (layers, top_k):
             message = (
                 f"{path}: field 'rollout_routed_experts' has [rows, {width[0]}, {width[1]}]; expected "
@@ -366,13 +392,20 @@ def _model_shape(
             if bad is not None:
                 bad.add(path)
             continue
-        high = max(high, file_high)
-        used |= file_used
+        vote.merge(file_vote)
+        experts.merge(file_experts)
+    notes: list[str] = []
+    if moe_layers is None:
+        chosen = vote.decide() if vote.steps else None
+        chosen = chosen or tuple(range(layers))  # every layer all-zero: moe_layer_nonzero names them
+        notes += vote.notes()
+    else:
+        chosen = tuple(int(x) for x in moe_layers)
     if num_experts is None:
-        num_experts = max(high + 1, top_k)
-    chosen = tuple(int(x) for x in (np.flatnonzero(used).tolist() if moe_layers is None else moe_layers))
-    if not chosen:
-        chosen = tuple(range(layers))  # every layer all-zero: moe_layer_nonzero names them
+        num_experts = experts.decide(top_k)
+        notes += experts.notes(num_experts)
+    if inferred is not None:
+        inferred.extend(notes)
     if list(chosen) != sorted(set(chosen)) or chosen[0] < 0 or chosen[-1] >= layers:
         raise LayoutError(
             f"moe_layers: {list(chosen)}; expected distinct increasing decoder indices in [0, {layers})"
@@ -382,18 +415,17 @@ def _model_shape(
     return _Shape(int(num_experts), top_k, layers, chosen)
 
 
-def _scan(path: Path, first_only: bool) -> tuple[tuple[int, int] | None, int, npt.NDArray[np.bool_]]:
-    """One rollout file's routes: their ``(layers, top_k)``, the same for all its samples, the largest
-    id and which layers hold a non-zero id (``first_only``: the shape of the first routes alone)."""
+def _scan(step: int, path: Path, first_only: bool) -> tuple[tuple[int, int] | None, LayerVote, ExpertVote]:
+    """One rollout file's routes: their ``(layers, top_k)``, the same for all its samples, and its
+    samples' votes on the MoE layers and the expert count (``first_only``: the shape alone)."""
     width = None
-    high, used = -1, None
+    vote, experts = LayerVote(), ExpertVote()
     for i, sample in enumerate(_samples(_load(path), path, None)):
         routes = _routes(sample, f"{path}: samples[{i}]")
         if routes is None:
             continue
         if width is None:
             width = (int(routes.shape[1]), int(routes.shape[2]))
-            used = np.zeros(width[0], dtype=bool)
             if first_only:
                 break
         if routes.shape[1:] != width:
@@ -401,12 +433,10 @@ def _scan(path: Path, first_only: bool) -> tuple[tuple[int, int] | None, int, np
                 f"{path}: samples[{i}] field 'rollout_routed_experts' has shape {list(routes.shape)}; "
                 f"expected [rows, {width[0]}, {width[1]}] like the samples before it"
             )
-        if routes.size:
-            high = max(high, int(routes.max()))
-            used |= routes.any(axis=(0, 2))
-    if used is None or width is None:
-        return None, -1, np.zeros(0, dtype=bool)
-    return width, high, used
+        place = f"{path} samples[{i}]"
+        vote.add(step, signature(routes), place)
+        experts.add(routes, place)
+    return width, vote, experts
 
 
 def _train_payload(path: Path) -> dict[str, Any]:
@@ -504,6 +534,7 @@ def _record(
         layer_axis=LayerAxis.DECODER.value,
         engine_routes=routes,
         source=SOURCE if trained is None else f"{SOURCE} + --save-debug-train-data",
+        origin=f"{path} samples[{position}]",
     )
 
 
@@ -565,4 +596,5 @@ def _train_file(step: int, path: Path) -> Iterator[SampleRecord]:
             num_layers=_NO_ROUTES.num_layers,
             moe_layers=_NO_ROUTES.moe_layers,
             source="slime --save-debug-train-data",
+            origin=f"{path} samples[{i}]",
         )

