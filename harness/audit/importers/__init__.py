@@ -3,8 +3,10 @@
 Each importer module converts one framework's dump, streaming, into ``SampleRecord``s: its layer
 axis, its dtype and its missing-row filler (zero rows, ``arange`` dummies, −1 sentinels,
 ``router_padding_mask``) become the layout's explicit ``engine_captured`` mask, never routes.
-Pickles are untrusted input: read only through an allowlist (``safe_pickle``'s unpickler for
-SkyRL's and verl's framework classes, torch's ``weights_only`` loader for slime's plain dicts).
+Pickles are untrusted input: read only through ``safe_pickle``'s allowlist unpickler (SkyRL's and
+verl's framework classes as stand-ins; slime's ``torch.save`` archives too: torch never unpickles
+anything). Files are opened only when regular (``harness.audit.inputs``), and each is read under a
+time budget.
 
 A module ``harness.audit.importers.<name>`` provides:
 
