@@ -46,7 +46,7 @@ def open_regular(path: str | os.PathLike[str]) -> IO[bytes]:
     (``/dev/zero`` never ends), a directory, a missing file or a dangling symlink, an unreadable one.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as err:
         raise LayoutError(
             f"{path}: cannot be opened ({_reason(err)}); expected a readable regular file"

@@ -85,7 +85,7 @@ def run_files(run: str | os.PathLike[str], errors: list[str] | None = None) -> l
             f"{err.filename}: cannot be listed ({err.strerror}); expected a readable run directory"
         )
 
-    files = []
+    files: list[Path] = []
     for folder, subfolders, names in os.walk(root, onerror=unlisted):
         subfolders.sort()
         files.extend(Path(folder) / n for n in names if n.endswith(FILE_SUFFIX) and TMP_MARK not in n)

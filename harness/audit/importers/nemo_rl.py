@@ -31,6 +31,7 @@ import re
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,7 @@ def records(path: Path, *, errors: list[str] | None = None) -> Iterator[SampleRe
     if not steps:
         raise LayoutError(f"{path}: no train_data_step{{N}}.jsonl; expected NeMo-RL's log directory")
     for step, file in steps:
-        yield from read_file(file, errors, lambda s=step, f=file: _file_records(s, f, errors)) or ()
+        yield from read_file(file, errors, partial(_file_records, step, file, errors)) or ()
 
 
 def _file_records(step: int, file: Path, errors: list[str] | None) -> list[SampleRecord]:

@@ -407,6 +407,13 @@ class SafeUnpickler(pickle._Unpickler):
     """
 
     dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
+    # What pickle._Unpickler sets up in ``__init__`` and ``load`` (typeshed does not declare it).
+    read: Callable[[int], bytes]
+    readline: Callable[[], bytes]
+    append: Callable[[Any], None]
+    stack: list[Any]
+    memo: dict[Any, Any]
+    pop_mark: Callable[[], list[Any]]
 
     def __init__(
         self,

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -264,10 +265,9 @@ def batch_records(
     for name, mask in (("attention_mask", attention), ("response_mask", response)):
         check_mask(mask, source, name)
     for name in ("rollout_logprobs", "action_log_probs"):
-        if tensors[name] is not None and tensors[name].dtype.kind not in "iuf":
-            raise LayoutError(
-                f"{source}: field {name!r} is {tensors[name].dtype}; expected log-probabilities"
-            )
+        values = tensors[name]
+        if values is not None and values.dtype.kind not in "iuf":
+            raise LayoutError(f"{source}: field {name!r} is {values.dtype}; expected log-probabilities")
     num_layers, top_k = int(routes.shape[2]), int(routes.shape[3])
     if not 1 <= num_layers <= MAX_LAYERS:
         raise LayoutError(
@@ -357,7 +357,7 @@ def records(
     layers = moe_layers_input(moe_layers)
     vote = LayerVote() if layers is None else None
     for step, file in files:
-        read = read_file(file, errors, lambda s=step, f=file: batch_records(f, s, experts, layers, vote))
+        read = read_file(file, errors, partial(batch_records, file, step, experts, layers, vote))
         if read is not None:
             yield from read[0]
     if vote is not None and inferred is not None:

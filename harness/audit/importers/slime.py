@@ -43,6 +43,7 @@ import string
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -158,9 +159,7 @@ def records(
         if rollout_path in bad:
             continue
         train_path = Path(template.format(rollout_id=step)) if template else None
-        read = read_file(
-            rollout_path, errors, lambda s=step, r=rollout_path, t=train_path: _rollout(s, r, t, shape)
-        )
+        read = read_file(rollout_path, errors, partial(_rollout, step, rollout_path, train_path, shape))
         yield from read or ()
         del read  # one rollout in memory: free this one before the next is loaded
 
@@ -369,7 +368,7 @@ def _model_shape(
     known = num_experts is not None and moe_layers is not None
     scans: dict[Path, tuple[tuple[int, int], LayerVote, ExpertVote]] = {}
     for step, path in files:
-        scanned = read_file(path, errors, lambda s=step, p=path: _scan(s, p, known))
+        scanned = read_file(path, errors, partial(_scan, step, path, known))
         if scanned is None:
             if bad is not None:
                 bad.add(path)
@@ -570,11 +569,16 @@ def _numbered(directory: Path, errors: list[str] | None = None) -> list[tuple[in
 def _train_only(files: list[tuple[int, Path]], errors: list[str] | None = None) -> Iterator[SampleRecord]:
     """Records from a train dump alone (no rollout dump): tokens, masks and both log-probs, no routes."""
     for step, path in files:
-        yield from read_file(path, errors, lambda s=step, p=path: list(_train_file(s, p))) or ()
+        yield from read_file(path, errors, partial(_train_file, step, path)) or ()
 
 
-def _train_file(step: int, path: Path) -> Iterator[SampleRecord]:
+def _train_file(step: int, path: Path) -> list[SampleRecord]:
+    """The records of one train file read alone, all or none."""
     check_step(step, str(path))
+    return list(_train_records(step, path))
+
+
+def _train_records(step: int, path: Path) -> Iterator[SampleRecord]:
     for i, sample in enumerate(_samples(_train_payload(path), path, step)):
         where = f"{path}: samples[{i}]"
         tokens, response = _sequence(sample, "response_lengths", where)

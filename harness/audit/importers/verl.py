@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -304,11 +305,11 @@ def records(
     vote = LayerVote() if layers is None else None
     ordered: list[tuple[int, Path]] = []
     for file in files:
-        step = read_file(file.parent / "meta.json", errors, lambda f=file: step_of(f))
+        step = read_file(file.parent / "meta.json", errors, partial(step_of, file))
         if step is not None:
             ordered.append((step, file))
     for _, file in sorted(ordered):
-        read = read_file(file, errors, lambda f=file: batch_records(f, experts, layers, vote))
+        read = read_file(file, errors, partial(batch_records, file, experts, layers, vote))
         if read is not None:
             yield from read[0]
     if vote is not None and inferred is not None:
