@@ -84,9 +84,9 @@ def _load(path: Path) -> dict[str, Any]:
     if not 0 <= doc["rank"] < doc["world_size"]:
         raise ValueError(f"{path}: rank {brief(doc['rank'])} of world_size {brief(doc['world_size'])}; "
                          "expected 0 <= rank < world_size")  # fmt: skip
-    bad = next((f for f in doc["files"] if not isinstance(f, str) or not _inside(f)), None)
-    if bad is not None:
-        raise ValueError(f"{path}: files lists {brief(bad)}; expected file names inside the run directory")
+    bad = [f for f in doc["files"] if not isinstance(f, str) or not _inside(f)]
+    if bad:  # a list: a null entry is as bad as any other (``next(…, None)`` would pass it)
+        raise ValueError(f"{path}: files lists {brief(bad[0])}; expected file names inside the run directory")
     return doc
 
 
