@@ -314,8 +314,8 @@ def _manifest(**fields: Any) -> Callable[[Path], None]:
 
 @pytest.mark.parametrize(
     "damage",
-    [_manifest(world_size=10**7), _manifest(files=["../../etc/passwd"]), _manifest(files=[None]), _manifest(rank=5),
-     fifo, dev_zero],
+    [_manifest(world_size=10**7), _manifest(files=["../../etc/passwd"]), _manifest(files=[None]),
+     _manifest(rank=5), fifo, dev_zero],
     ids=["world-size-10**7", "files-outside", "files-null", "rank-past-world", "fifo", "dev-zero"],
 )  # fmt: skip
 def test_hostile_file_tap_manifest(runner: fz.Runner, bases: Any, tmp_path: Path, damage: Any) -> None:
