@@ -137,6 +137,40 @@ def _depth(doc: object) -> int:
     return deepest
 
 
+def _bad_text(doc: object) -> str | None:
+    """The first string (key or value) of ``doc`` that is not Unicode text (a lone surrogate from a
+    ``\\ud800`` escape: it could never be printed or written back), else None."""
+    stack = [doc]
+    while stack:
+        node = stack.pop()
+        items = list(node.items()) if isinstance(node, dict) else node if isinstance(node, list) else [node]
+        for item in items:
+            for text in item if isinstance(item, tuple) else (item,):
+                if isinstance(text, str):
+                    try:
+                        text.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return text
+                elif isinstance(text, (dict, list)):
+                    stack.append(text)
+    return None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all distinct (``json`` would keep the last of two silently)."""
+    doc: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in doc:
+            raise ValueError(f"duplicate key {key[:80]!r} in one object")
+        doc[key] = value
+    return doc
+
+
+TOP_KEYS = ("format", "format_version", "engine", "version", "harness_version", "convention",
+            "observations", "invariants", "metrics")  # fmt: skip
+METRIC_KEYS = ("value", "tolerance", "better", "undefined")
+
+
 def _json_float(value: float) -> float | None:
     value = float(value)
     return None if math.isnan(value) else value  # JSON has no NaN: null means "undefined"
@@ -174,6 +208,11 @@ def validate_baseline(doc: object, source: str = "baseline") -> dict[str, Any]:
         raise BaselineError(f"{source}: expected a JSON object, got {type(doc).__name__}")
     if _depth(doc) > MAX_DEPTH:
         raise BaselineError(f"{source}: expected objects and lists nested at most {MAX_DEPTH} deep")
+    unknown = sorted(str(k) for k in doc if k not in TOP_KEYS)
+    if unknown:
+        raise BaselineError(
+            f"{source}: {unknown[0][:80]!r}: an unknown field; expected only {list(TOP_KEYS)}"
+        )
     if doc.get("format") != FORMAT_NAME:
         raise BaselineError(f"{source}: format: expected {FORMAT_NAME!r}, got {doc.get('format')!r:.80}")
     version = doc.get("format_version")
@@ -181,9 +220,11 @@ def validate_baseline(doc: object, source: str = "baseline") -> dict[str, Any]:
         raise BaselineError(
             f"{source}: format_version: expected {FORMAT_VERSION}, got {doc.get('format_version')!r}"
         )
-    for key in ("engine", "version"):
+    for key in ("engine", "version", "harness_version"):
+        if key == "harness_version" and key not in doc:
+            continue
         if not isinstance(doc.get(key), str) or (not doc[key] and key == "engine"):
-            raise BaselineError(f"{source}: {key}: expected a string, got {doc.get(key)!r}")
+            raise BaselineError(f"{source}: {key}: expected a string, got {doc.get(key)!r:.80}")
     for key in ("convention", "observations", "invariants", "metrics"):
         if not isinstance(doc.get(key), dict):
             raise BaselineError(f"{source}: {key}: expected an object, got {type(doc.get(key)).__name__}")
@@ -196,6 +237,13 @@ def validate_baseline(doc: object, source: str = "baseline") -> dict[str, Any]:
         where = f"{source}: metrics[{name!r}]"
         if not isinstance(entry, dict):
             raise BaselineError(f"{where}: expected an object with value, tolerance, better")
+        if not name:
+            raise BaselineError(f"{where}: expected a metric name")
+        extra = sorted(k for k in entry if k not in METRIC_KEYS)
+        if extra:
+            raise BaselineError(
+                f"{where}.{extra[0][:80]}: an unknown field; expected only {list(METRIC_KEYS)}"
+            )
         value, tol, better = entry.get("value"), entry.get("tolerance"), entry.get("better")
         if value is not None and _finite(value) is None:
             raise BaselineError(f"{where}.value: expected a finite number or null, got {value!r:.80}")
@@ -240,11 +288,16 @@ def load_baseline(path: str | os.PathLike[str]) -> dict[str, Any]:
     except UnicodeDecodeError as err:
         raise BaselineError(f"{path}: not UTF-8 text (byte {err.start}); expected a JSON baseline") from None
     try:
-        doc = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+        doc = json.loads(
+            text, parse_constant=_refuse_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys
+        )
     except RecursionError:
         raise BaselineError(f"{path}: expected objects and lists nested at most {MAX_DEPTH} deep") from None
     except ValueError as err:  # JSONDecodeError, non-finite numbers, integers of more than 4,300 digits
         raise BaselineError(f"{path}: not valid JSON ({str(err)[:200]})") from None
+    bad = _bad_text(doc)
+    if bad is not None:
+        raise BaselineError(f"{path}: a string holds a lone surrogate ({bad[:40]!r}); expected Unicode text")
     return validate_baseline(doc, str(path))
 
 

@@ -46,9 +46,14 @@ def report_document(result: AuditResult, *, run: str, command: str, seconds: flo
     return {"format": REPORT_FORMAT, "run": run, "command": command, "seconds": seconds, **result.as_dict()}
 
 
-def _import(args: argparse.Namespace, keep: list[Any]) -> tuple[str, str | None, list[str], list[str]]:
+def _import(
+    args: argparse.Namespace, keep: list[Any], errors: list[str]
+) -> tuple[str, str | None, list[str], list[str]]:
     """The run-layout directory to audit (``args.run`` itself, or the dump found there imported into
-    one), the importer (``None``: the run layout), what it inferred and its notes."""
+    one), the importer (``None``: the run layout), what it inferred and its notes.
+
+    A dump file that cannot be imported is a line in ``errors`` (an input error of the audit), and
+    the other files are imported; with none imported, the first errors are raised."""
     from harness.audit import importers
 
     name, dump = importers.locate(args.run, args.source)
@@ -64,17 +69,23 @@ def _import(args: argparse.Namespace, keep: list[Any]) -> tuple[str, str | None,
     found = "" if Path(dump) == Path(args.run) else f" (found below {args.run})"
     print(f"importing {dump}{found} as a {module.DESCRIPTION}", file=sys.stderr)
     inferred: list[str] = []
-    importers.import_dump(
-        name, dump, target, inferred=inferred, num_experts=args.num_experts, moe_layers=args.moe_layers
-    )
+    files = importers.import_dump(
+        name, dump, target, errors=None if args.strict else errors, inferred=inferred,
+        num_experts=args.num_experts, moe_layers=args.moe_layers,
+    )  # fmt: skip
+    if not files and errors:  # nothing imported: no run to audit, only the files that failed
+        raise LayoutError(
+            "; ".join(errors[:3]) + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else "")
+        )
     return target, name, inferred, [f"{name}: {note}" for note in importers.notes(name)]
 
 
 def run_audit(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     keep: list[Any] = []
+    import_errors: list[str] = []
     try:
-        run, name, inferred, notes = _import(args, keep)
+        run, name, inferred, notes = _import(args, keep, import_errors)
         options = AuditOptions(steps=args.steps, every=max(1, args.every), samples=args.samples)
         result = audit_run(
             run,
@@ -84,6 +95,7 @@ def run_audit(args: argparse.Namespace) -> int:
             ray_address=args.ray_address,
             strict=args.strict,
             progress=_progress(args.progress and sys.stderr.isatty()),
+            input_errors=import_errors,
         )
     except LayoutError as err:
         print(f"rrh audit: {err}", file=sys.stderr)

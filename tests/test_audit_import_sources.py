@@ -215,7 +215,7 @@ def test_miles_numpy_routes_load_with_the_numeric_numpy_globals_only(tmp_path: P
     )
     with pytest.raises(LayoutError) as err:
         list(slime.records(evil))
-    _one_line(err, "rollout_data/0.pt", "refused", "ObjectDType")
+    _one_line(err, "rollout_data/0.pt", "'tokens'", "ObjectArray", "expected integers")
 
 
 def test_slime_bad_input_is_one_line_naming_file_and_field(tmp_path: Path) -> None:

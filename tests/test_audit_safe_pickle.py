@@ -211,7 +211,7 @@ def test_a_compressed_storage_record_is_refused() -> None:
         for name in source.namelist():
             deflated.writestr(name, source.read(name))
     with pytest.raises(
-        LayoutError, match=r"^t\.pt: storage record data/0 is compressed; expected stored bytes"
+        LayoutError, match=r"^t\.pt: record \S+ is compressed \(method 8\); expected stored bytes"
     ):
         safe_pickle.load_torch_bytes(buffer.getvalue(), "t.pt")
 
@@ -219,7 +219,8 @@ def test_a_compressed_storage_record_is_refused() -> None:
 def test_a_truncated_or_foreign_file_is_one_line(tmp_path: Path) -> None:
     path = tmp_path / "cut.pkl"
     path.write_bytes(pickle.dumps({"a": list(range(100))})[:40])
-    with pytest.raises(LayoutError, match=rf"^{path}: not a readable pickle \(") as err:
+    declared = rf"^{path}: the pickle declares \d+ bytes where \d+ are left"
+    with pytest.raises(LayoutError, match=declared) as err:
         safe_pickle.load(path)
     assert "\n" not in str(err.value)
     with pytest.raises(LayoutError, match=r"^b: not a torch\.save archive"):

@@ -348,8 +348,13 @@ def http_responses(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
     np.save(buffer, _ROUTES.astype(np.uint8))
     choice: dict[str, Any] = {"routed_experts": base64.b64encode(buffer.getvalue()).decode()}
     if draw(st.booleans()):
-        choice["token_ids"] = draw(st.lists(st.integers(0, 9), max_size=5) | _SCALARS)
-    return kind, {"choices": [choice], "usage": {"completion_tokens": draw(COUNTS)}}
+        choice["token_ids"] = draw(
+            st.lists(st.integers(0, 9), max_size=5) | st.lists(_SCALARS, min_size=3, max_size=3) | _SCALARS
+        )
+    usage = {"completion_tokens": draw(COUNTS)}
+    if draw(st.booleans()):
+        usage["prompt_tokens"] = draw(COUNTS)
+    return kind, {"choices": [choice], "usage": usage}
 
 
 def test_http_decoders_raise_only_convention_errors_and_never_coerce(record_property: Any) -> None:
@@ -369,10 +374,16 @@ def test_http_decoders_raise_only_convention_errors_and_never_coerce(record_prop
         if trace is None:
             return
         counts = response.get("meta_info") or response.get("usage") or {}
-        if kind == "vllm" and "token_ids" in response["choices"][0]:
-            counts = {}  # the length came from token_ids; usage was not read
         for key, value in counts.items():  # accepted counts were JSON integers, not "5", True or 1.9
             assert not key.endswith("_tokens") or type(value) is int, counts
+        if kind == "vllm":  # and they agreed with each other: token_ids, usage and the prompt length
+            token_ids = response["choices"][0].get("token_ids")
+            if token_ids is not None:
+                assert all(type(t) is int and t >= 0 for t in token_ids), token_ids
+                assert counts.get("completion_tokens", len(token_ids)) == len(token_ids), response
+            assert counts.get("prompt_tokens", 4) == 4, response
+        else:
+            assert counts["prompt_tokens"] >= 1, counts
 
     _fuzz(record_property, "HTTP responses", run, count)
 
@@ -418,6 +429,83 @@ def test_subject_specs_raise_only_subject_errors(
         assert subject is None or (isinstance(subject, Subject) and spec == "rrh_fuzz_good:SUBJECT")
 
     _fuzz(record_property, "subject specs", run, count)
+
+
+# --- inputs the fuzz of issue 32 found accepted: each refused, naming the field ---------------------
+
+_PAYLOAD = encode_sglang_b64(_ROUTES)
+
+
+def _vllm(choice: dict[str, Any], usage: dict[str, Any] | None = None) -> Any:
+    buffer = __import__("io").BytesIO()
+    np.save(buffer, _ROUTES.astype(np.uint8))
+    body = {"choices": [{"routed_experts": base64.b64encode(buffer.getvalue()).decode(), **choice}]}
+    return lambda: http.vllm_completion_trace({**body, "usage": usage or {}}, model=SPEC, prompt_len=4)
+
+
+@pytest.mark.parametrize(
+    ("decode", "field"),
+    [
+        (_vllm({"token_ids": ["a", None, 3]}), "choices[0].token_ids[0]"),
+        (_vllm({"token_ids": [1.5, 2, 3]}), "choices[0].token_ids[0]"),
+        (_vllm({"token_ids": [1, 2, 3]}, {"completion_tokens": 4}), "usage.completion_tokens"),
+        (_vllm({"token_ids": [1, 2, 3]}, {"prompt_tokens": 5}), "usage.prompt_tokens"),
+        (_vllm({"token_ids": [1, 2, 3], "prompt_token_ids": [1, 2]}), "choices[0].prompt_token_ids"),
+        (
+            lambda: http.sglang_generate_trace(
+                {"meta_info": {"prompt_tokens": 0, "completion_tokens": 7, "routed_experts": _PAYLOAD}},
+                model=SPEC,
+            ),
+            "meta_info.prompt_tokens",
+        ),
+        (
+            lambda: http.sglang_openai_trace(
+                {"choices": [{}, {}], "usage": {"prompt_tokens": 4, "completion_tokens": 3},
+                 "sglext": {"routed_experts": _PAYLOAD}}, model=SPEC,
+            ),
+            "choices",
+        ),
+        (
+            lambda: __import__("harness.conventions", fromlist=["x"]).decode_sglang_meta(
+                _PAYLOAD, model=SPEC, prompt_len=0, response_len=7
+            ),
+            "prompt_len",
+        ),
+    ],
+    ids=["token-ids-not-ints", "token-ids-floats", "usage-completion", "usage-prompt", "prompt-token-ids",
+         "sglang-empty-prompt", "sglang-openai-two-choices", "sglang-payload-empty-prompt"],
+)  # fmt: skip
+def test_a_response_the_fuzz_once_accepted_is_refused_naming_the_field(decode: Any, field: str) -> None:
+    with pytest.raises(HarnessError) as err:
+        decode()
+    assert field in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def _with(edit: Callable[[dict[str, Any]], None]) -> str:
+    doc = json.loads(json.dumps(BASELINE))
+    edit(doc)
+    return json.dumps(doc)
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        (json.dumps(BASELINE).replace('"engine": ', '"engine": "x", "engine": ', 1), "key 'engine'"),
+        (_with(lambda d: d.update(metric={})), "'metric': an unknown field"),
+        (_with(lambda d: next(iter(d["metrics"].values())).update(tolerence=0.1)), ".tolerence: an unknown"),
+        (_with(lambda d: d.update(harness_version=5)), "harness_version: expected a string"),
+        (_with(lambda d: d.update(version="\ud800")), "lone surrogate"),
+    ],
+    ids=["duplicate-key", "unknown-field", "unknown-metric-field", "harness-version", "surrogate"],
+)  # fmt: skip
+def test_a_baseline_the_fuzz_once_accepted_is_refused_naming_the_field(
+    tmp_path: Path, text: str, field: str
+) -> None:
+    path = tmp_path / "baseline.json"
+    path.write_text(text, encoding="utf-8", errors="surrogatepass")
+    with pytest.raises(bl.BaselineError) as err:
+        bl.load_baseline(path)
+    assert field in str(err.value) and str(path) in str(err.value), str(err.value)
 
 
 def test_the_memory_cap_turns_a_bomb_into_a_memory_error() -> None:

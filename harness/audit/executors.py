@@ -15,16 +15,28 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from harness.audit.checks import AuditOptions, fold_batch, fold_shards
 from harness.audit.layout import LayoutError
 from harness.audit.manifest import check_manifests
 from harness.audit.pool import pool_context
-from harness.audit.reader import Unit, decode, plan_units, read_unit, run_files
+from harness.audit.reader import (
+    Model,
+    Unit,
+    check_model,
+    decode,
+    first_model,
+    plan_units,
+    read_unit,
+    run_files,
+)
 from harness.audit.result import AuditResult
 from harness.audit.state import AuditState
 from harness.cpus import available_cpus
@@ -59,13 +71,34 @@ def _selected(table: Any, options: AuditOptions) -> tuple[Any, Any]:
     return table.filter(pa.array(keep)), np.flatnonzero(keep)
 
 
-def _fold_table(table: Any, path: str, first_row: int, options: AuditOptions, state: AuditState) -> None:
+def _decode(table: Any, path: str, first_row: int, rows: Any, model: Model | None) -> Any:
+    """``decode``, with what pyarrow raises on data it cannot convert (strings that are not UTF-8, …)
+    said as a ``LayoutError`` naming the file and the rows, and the run's model checked."""
+    try:
+        batch = decode(table, path, first_row, rows)
+    except LayoutError:
+        raise
+    except Exception as err:
+        text = (str(err).splitlines() or [""])[0][:200]
+        raise LayoutError(f"{path} rows {first_row}…: undecodable ({type(err).__name__}: {text})") from None
+    check_model(batch, model)
+    return batch
+
+
+def _fold_table(
+    table: Any,
+    path: str,
+    first_row: int,
+    options: AuditOptions,
+    state: AuditState,
+    model: Model | None = None,
+) -> None:
     selected, kept = _selected(table, options)
     if not selected.num_rows:
         return
     rows = None if kept is None else first_row + kept  # the file's rows, named in offenders
     if "shard" not in selected.schema.names or selected.column("shard").null_count == selected.num_rows:
-        fold_batch(decode(selected, path, first_row, rows), state)
+        fold_batch(_decode(selected, path, first_row, rows, model), state)
         return
     # Shard rows (layout v2, a CP/SP rank's part of a sample) are folded apart from whole samples.
     import numpy as np
@@ -75,7 +108,10 @@ def _fold_table(table: Any, path: str, first_row: int, options: AuditOptions, st
     shard = selected.column("shard").is_valid().to_numpy(zero_copy_only=False)
     for mask, fold in ((~shard, fold_batch), (shard, fold_shards)):
         if mask.any():
-            fold(decode(selected.filter(pa.array(mask)), path, first_row, first_row + index[mask]), state)
+            fold(
+                _decode(selected.filter(pa.array(mask)), path, first_row, first_row + index[mask], model),
+                state,
+            )
 
 
 def _release_arrow_memory() -> None:
@@ -92,7 +128,7 @@ def audit_unit(unit: Unit, options: AuditOptions = EVERY_ROW) -> AuditState:
         # One thread: pyarrow decodes on the calling thread and so do the kernels. The executors'
         # parallelism is their processes; threads inside each would only oversubscribe the CPUs.
         for first_row, table in read_unit(unit, use_threads=False):
-            _fold_table(table, unit.path, first_row, options, state)
+            _fold_table(table, unit.path, first_row, options, state, unit.model)
             del table
             # Arrow's allocator keeps what a row group freed for the next one, which may not fit in it:
             # handed back, memory stays one row group in flight over any number of row groups.
@@ -116,11 +152,25 @@ class Plan:
 
 
 def plan_run(run: str | os.PathLike[str], unit_bytes: int | None = None) -> Plan:
-    """Split ``run`` into units; ``LayoutError`` when there is no run at all."""
-    units, errors = [], []
-    for path in run_files(run):
+    """Split ``run`` into units; ``LayoutError`` when there is no run at all.
+
+    The run's model (expert count, top-k, layers, MoE layers) is the one most of its files start
+    with (the first file's among equals): one damaged file cannot impose its own on the others. A
+    row group of another model is an input error, never merged into the figures."""
+    errors: list[str] = []
+    models: dict[Path, Model | None] = {}
+    for path in run_files(run, errors):
         try:
-            units.extend(plan_units(path, *(() if unit_bytes is None else (unit_bytes,))))
+            models[path] = first_model(path)
+        except LayoutError as err:
+            errors.append(str(err))
+    found = [m for m in models.values() if m is not None]
+    counts = Counter(found)  # insertion-ordered: among equal counts, the first file's model
+    model = max(counts, key=lambda m: counts[m]) if counts else None
+    units: list[Unit] = []
+    for path in models:
+        try:
+            units.extend(plan_units(path, *(() if unit_bytes is None else (unit_bytes,)), model=model))
         except LayoutError as err:
             errors.append(str(err))
     return Plan(units, errors)
@@ -131,20 +181,156 @@ def _serial(units: list[Unit], options: AuditOptions) -> Iterator[tuple[Unit, Au
         yield unit, audit_unit(unit, options)
 
 
-def _processes(units: list[Unit], options: AuditOptions, workers: int) -> Iterator[tuple[Unit, AuditState]]:
-    with ProcessPoolExecutor(max_workers=workers, mp_context=pool_context()) as pool:
-        pending: dict[Future[AuditState], Unit] = {pool.submit(audit_unit, u, options): u for u in units}
+UNIT_SECONDS_ENV = "RRH_UNIT_SECONDS"
+"""Environment variable: the base time budget of one unit of work in a pool or on Ray (seconds)."""
+UNIT_SECONDS = 600.0
+UNIT_BYTES_PER_SECOND = 4 << 20
+"""A unit's budget grows by a second per this many of its compressed bytes (a unit is ~64 MiB)."""
+
+
+def unit_seconds(units: Iterable[Unit]) -> float:
+    """How long the slowest of ``units`` may take before its worker is taken for stuck."""
+    text = os.environ.get(UNIT_SECONDS_ENV)
+    try:
+        base = UNIT_SECONDS if text is None else float(text)
+    except ValueError:
+        raise LayoutError(f"{UNIT_SECONDS_ENV}={text!r}: expected a number of seconds") from None
+    if not base > 0:
+        raise LayoutError(f"{UNIT_SECONDS_ENV}={text!r}: expected a positive number of seconds")
+    return base + max((u.nbytes for u in units), default=0) / UNIT_BYTES_PER_SECOND
+
+
+def lost(unit: Unit, why: str) -> AuditState:
+    """The state of a unit that was not audited: an input error saying so, so that the audit is not
+    reported complete (exit 2, never the violation code)."""
+    state = AuditState()
+    state.files.add(unit.path)
+    rows = f"row groups {unit.row_groups[0]}–{unit.row_groups[-1]}" if unit.row_groups else "no row group"
+    state.input_errors.append(f"{unit.path} {rows} (rows {unit.first_row}…): not audited: {why}")
+    state.bytes_read = unit.nbytes
+    return state
+
+
+class _PoolRound:
+    """One process pool auditing some units: ``run`` yields each unit that finished and its state;
+    the units that did not (their worker died, or stalled past the budget) are left in ``left``,
+    with what happened in ``why``."""
+
+    def __init__(
+        self, units: list[Unit], options: AuditOptions, workers: int, work: Callable[..., AuditState]
+    ) -> None:
+        self.units, self.options, self.workers, self.work = units, options, workers, work
+        self.left: list[Unit] = []
+        self.why = ""
+
+    def run(self) -> Iterator[tuple[Unit, AuditState]]:
+        pool: ProcessPoolExecutor | None = None
+        pending: dict[Future[AuditState], Unit] = {}
+        unsubmitted = list(self.units)
         try:
+            pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=pool_context())
+            while unsubmitted:
+                pending[pool.submit(self.work, unsubmitted[0], self.options)] = unsubmitted[0]
+                unsubmitted.pop(0)
             while pending:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                budget = unit_seconds(pending.values())
+                done, _ = wait(pending, timeout=budget, return_when=FIRST_COMPLETED)
+                if not done:
+                    self.why = (
+                        f"no unit finished in {budget:.0f} s ({UNIT_SECONDS_ENV} sets the budget): stuck"
+                    )
+                    break
                 for future in done:
-                    yield pending.pop(future), future.result()
+                    try:
+                        state = future.result()
+                    except BrokenProcessPool:
+                        self.why = f"a worker process died ({_exit_of(pool)})"
+                        raise _Broken from None
+                    except Exception as err:  # the worker raised: this unit is reported, the others go on
+                        state = lost(
+                            pending[future], f"the worker raised {type(err).__name__}: {_first_line(err)}"
+                        )
+                    yield pending.pop(future), state
+        except _Broken:
+            pass
+        except (BrokenProcessPool, EOFError, OSError) as err:  # the pool or its fork server failed
+            self.why = f"the process pool failed ({type(err).__name__}: {_first_line(err)})"
         finally:
-            for future in pending:
-                future.cancel()
+            self.left = list(pending.values()) + unsubmitted
+            if pool is not None:
+                _stop(pool)
 
 
-def _ray(units: list[Unit], options: AuditOptions, address: str | None) -> Iterator[tuple[Unit, AuditState]]:
+class _Broken(Exception):
+    """A pool broke: its pending units are left for the next round."""
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).splitlines() or [""])[0][:200]
+
+
+def _exit_of(pool: ProcessPoolExecutor) -> str:
+    """How the pool's dead workers ended (``SIGKILL``, ``SIGSEGV``, an exit status), as far as known."""
+    import signal
+
+    codes = sorted(
+        {
+            p.exitcode
+            for p in (getattr(pool, "_processes", None) or {}).values()
+            if p.exitcode not in (None, 0)
+        }
+    )
+    names = []
+    for code in codes:
+        try:
+            names.append(signal.Signals(-code).name if code < 0 else f"exit status {code}")
+        except ValueError:
+            names.append(f"exit status {code}")
+    return ", ".join(names) or "killed"
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Shut ``pool`` down without waiting on a stuck worker: its processes are killed first."""
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        if process.is_alive():
+            process.kill()
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+RETRIES = 2
+"""Pool rounds before the units a broken or stuck pool left are isolated, one per single-worker pool."""
+
+
+def _processes(
+    units: list[Unit], options: AuditOptions, workers: int, work: Callable[..., AuditState] = audit_unit
+) -> Iterator[tuple[Unit, AuditState]]:
+    """Units in a process pool. A worker that dies (killed, a crash) breaks the pool: the units it
+    left run again in a fresh pool, and after ``RETRIES`` such rounds each is audited alone in a
+    pool of one worker, so that a unit that kills its worker every time is found and reported as not
+    audited, while the others are audited. A pool in which no unit finishes within the budget
+    (``unit_seconds``: a stopped or hung worker) is killed and treated the same way."""
+    left = units
+    for _ in range(RETRIES):
+        attempt = _PoolRound(left, options, workers, work)
+        yield from attempt.run()
+        left = attempt.left
+        if not left:
+            return
+    # Isolation: each remaining unit in its own one-worker pool, ``workers`` of them at a time.
+    for start in range(0, len(left), workers):
+        rounds = [_PoolRound([u], options, 1, work) for u in left[start : start + workers]]
+        for attempt in rounds:
+            yield from attempt.run()
+            for unit in attempt.left:
+                yield unit, lost(unit, f"{attempt.why} in {RETRIES + 1} tries")
+
+
+def _ray(
+    units: list[Unit],
+    options: AuditOptions,
+    address: str | None,
+    work: Callable[..., AuditState] = audit_unit,
+) -> Iterator[tuple[Unit, AuditState]]:
     try:
         import ray
     except ImportError:
@@ -164,13 +350,27 @@ def _ray(units: list[Unit], options: AuditOptions, address: str | None) -> Itera
             log_to_driver=False,
             **local,
         )
-    remote: Any = ray.remote(audit_unit)
+    remote: Any = ray.remote(work)
     try:
         pending = {remote.remote(u, options): u for u in units}
         while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
+            budget = unit_seconds(pending.values())
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=budget)
+            if not done:  # nothing finished within the budget: the tasks left are stuck
+                for ref, unit in pending.items():
+                    ray.cancel(ref, force=True)
+                    yield (
+                        unit,
+                        lost(unit, f"no Ray task finished in {budget:.0f} s ({UNIT_SECONDS_ENV}): stuck"),
+                    )
+                return
             for ref in done:
-                yield pending.pop(ref), ray.get(ref)
+                unit = pending.pop(ref)
+                try:
+                    state = ray.get(ref)
+                except Exception as err:  # Ray retried a lost worker already; this one is reported
+                    state = lost(unit, f"the Ray task failed ({type(err).__name__}: {_first_line(err)})")
+                yield unit, state
     finally:
         if started:
             ray.shutdown()
@@ -207,14 +407,17 @@ def audit_run(
     progress: Callable[[Iterable[tuple[Unit, AuditState]], int], Iterable[tuple[Unit, AuditState]]]
     | None = None,
     unit_bytes: int | None = None,
+    input_errors: Sequence[str] = (),
 ) -> AuditResult:
     """Audit every unit of ``run`` and return the merged result.
 
     ``progress(stream, total_bytes)`` may wrap the stream of finished units (the CLI's progress
-    bar). ``strict`` stops at the first unit with a violation or an input error.
+    bar). ``strict`` stops at the first unit with a violation or an input error. ``input_errors``:
+    what went wrong before the run was there (the dump files an importer could not read).
     """
     plan = plan_run(run, unit_bytes)
     state = AuditState()
+    state.input_errors.extend(input_errors)
     state.input_errors.extend(plan.errors)
     manifests = check_manifests(run)
     state.input_errors.extend(manifests.errors)

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.atomic import atomic_write
+from harness.audit.inputs import brief, glob, read_json
+from harness.audit.layout import LayoutError
 
 DIRECTORY = "_tap"
 FORMAT = "rrh-tap-manifest"
@@ -65,17 +67,33 @@ class ManifestCheck:
 
 
 def _load(path: Path) -> dict[str, Any]:
+    """A manifest read from a regular file and checked field by field (``ValueError`` naming it)."""
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{path}: not a readable tap manifest ({type(err).__name__}: {err})") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("version") != VERSION:
-        raise ValueError(f"{path}: format/version {doc.get('format')!r}/{doc.get('version')!r}; "
+        doc = read_json(path)
+    except LayoutError as err:
+        raise ValueError(f"not a readable tap manifest: {err}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: a JSON {type(doc).__name__}; expected a tap manifest object")
+    if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+        raise ValueError(f"{path}: format/version {brief(doc.get('format'))}/{brief(doc.get('version'))}; "
                          f"expected {FORMAT!r}/{VERSION}")  # fmt: skip
     for name, kind in (("rank", int), ("world_size", int), ("files", list), ("closed", bool)):
-        if not isinstance(doc.get(name), kind):
-            raise ValueError(f"{path}: {name} is {doc.get(name)!r}; expected a {kind.__name__}")
+        value = doc.get(name)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(f"{path}: {name} is {brief(value)}; expected a {kind.__name__}")
+    if not 0 <= doc["rank"] < doc["world_size"]:
+        raise ValueError(f"{path}: rank {brief(doc['rank'])} of world_size {brief(doc['world_size'])}; "
+                         "expected 0 <= rank < world_size")  # fmt: skip
+    bad = [f for f in doc["files"] if not isinstance(f, str) or not _inside(f)]
+    if bad:  # a list: a null entry is as bad as any other (``next(…, None)`` would pass it)
+        raise ValueError(f"{path}: files lists {brief(bad[0])}; expected file names inside the run directory")
     return doc
+
+
+def _inside(name: str) -> bool:
+    """A file name relative to the run directory, never out of it."""
+    parts = Path(name).parts
+    return bool(parts) and not Path(name).is_absolute() and ".." not in parts and "\0" not in name
 
 
 def check_manifests(run: str | os.PathLike[str]) -> ManifestCheck:
@@ -86,7 +104,12 @@ def check_manifests(run: str | os.PathLike[str]) -> ManifestCheck:
     if not root.is_dir() or not folder.is_dir():
         return out
     docs: dict[int, dict[str, Any]] = {}
-    for path in sorted(folder.glob("rank-*.json")):
+    try:
+        paths = glob(folder, "rank-*.json")
+    except LayoutError as err:
+        out.errors.append(str(err))
+        return out
+    for path in paths:
         try:
             doc = _load(path)
         except ValueError as err:
@@ -94,14 +117,19 @@ def check_manifests(run: str | os.PathLike[str]) -> ManifestCheck:
             continue
         docs[doc["rank"]] = doc
     world = max((d["world_size"] for d in docs.values()), default=0)
-    for rank in range(world):
-        found = docs.get(rank)
-        if found is None:
-            out.errors.append(
-                f"{folder}: rank {rank} of world_size {world} wrote no manifest (rank-{rank:05d}.json); "
-                "expected every rank's files"
-            )
-            continue
+    sizes = sorted({d["world_size"] for d in docs.values()})
+    if len(sizes) > 1:
+        out.errors.append(f"{folder}: the manifests disagree on world_size ({sizes[:4]}); expected one")
+    missing = world - len(docs)  # ranks are checked to be in [0, world_size): no rank is counted twice
+    if missing:
+        # Named without walking world_size (a manifest may claim 10**7 ranks): the first few missing.
+        first = [r for r in range(min(world, len(docs) + 3)) if r not in docs][:3]
+        out.errors.append(
+            f"{folder}: {missing} of world_size {world} ranks wrote no manifest (rank "
+            f"{', '.join(str(r) for r in first)}{', …' if missing > len(first) else ''}: "
+            f"rank-{first[0]:05d}.json); expected every rank's files"
+        )
+    for rank, found in sorted(docs.items()):
         for name in found["files"]:
             if not (root / name).is_file():
                 out.errors.append(

@@ -90,6 +90,11 @@ def decode_sglang_meta(
     ``start`` is the request's ``routed_experts_start_len``.
     """
     conv = SGLANG if version is None else SGLANG_ENGINE.resolve(version)
+    if isinstance(prompt_len, int) and not isinstance(prompt_len, bool) and prompt_len < 1:
+        raise ConventionError(
+            f"{conv.name}: prompt_len: expected at least 1 prompt token (SGLang serves no empty prompt), "
+            f"got {prompt_len}"
+        )
     return conv.decode(
         b64, model=model, prompt_len=prompt_len, response_len=response_len, start=start, version=version or ""
     )

@@ -51,10 +51,30 @@ def _count(mapping: object, key: str, where: str) -> int:
 
 
 def _token_count(token_ids: object, where: str) -> int:
-    """``len(token_ids)`` of a JSON list of token ids; anything else is a ``ConventionError``."""
+    """``len(token_ids)`` of a JSON list of token ids (integers ≥ 0); anything else is a
+    ``ConventionError`` naming the entry (``["a", null]`` is no list of two tokens)."""
     if not isinstance(token_ids, list):
         raise ConventionError(f"{where}: expected a list of token ids, got {type(token_ids).__name__}")
+    for i, token in enumerate(token_ids):
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ConventionError(f"{where}[{i}]: expected a token id (an integer >= 0), got {token!r:.80}")
     return len(token_ids)
+
+
+def _prompt_count(mapping: object, key: str, where: str) -> int:
+    """A prompt's token count: a JSON integer ≥ 1 (an engine never serves an empty prompt)."""
+    count = _count(mapping, key, where)
+    if count < 1:
+        raise ConventionError(f"{where}: expected at least 1 prompt token, got {count}")
+    return count
+
+
+def _same_count(mapping: object, key: str, where: str, expected: int, what: str) -> None:
+    """A count the response also gives (``usage``) agrees with the one read elsewhere, when present."""
+    if isinstance(mapping, Mapping) and key in mapping:
+        given = _count(mapping, key, where)
+        if given != expected:
+            raise ConventionError(f"{where}: {given}, but {what} says {expected}; expected one count")
 
 
 # --- vLLM ----------------------------------------------------------------------------------------
@@ -121,6 +141,26 @@ def vllm_completion_trace(
             f"choices[{index}]: expected an object (a completion choice), "
             f"got {type(choice).__name__} {choice!r:.80}"
         )
+    usage = response.get("usage")
+    if len(choices) == 1:  # usage counts every choice: compared only when there is one
+        _same_count(usage, "prompt_tokens", "usage.prompt_tokens", prompt_len, "prompt_len")
+    if choice.get("prompt_token_ids") is not None:
+        given = _token_count(choice["prompt_token_ids"], f"choices[{index}].prompt_token_ids")
+        if given != prompt_len:
+            raise ConventionError(
+                f"choices[{index}].prompt_token_ids: {given} tokens, but prompt_len is {prompt_len}; "
+                "expected one count"
+            )
+    if choice.get("token_ids") is not None:
+        generated = _token_count(choice["token_ids"], f"choices[{index}].token_ids")
+        if len(choices) == 1:
+            _same_count(usage, "completion_tokens", "usage.completion_tokens", generated,
+                        f"choices[{index}].token_ids")  # fmt: skip
+        if response_len is not None and response_len != generated:
+            raise ConventionError(
+                f"choices[{index}].token_ids: {generated} tokens, but response_len is {response_len}; "
+                "expected one count"
+            )
     if response_len is None:
         token_ids = choice.get("token_ids")
         if token_ids is not None:
@@ -176,7 +216,7 @@ def sglang_generate_trace(
     (``prompt_tokens``, ``completion_tokens``)."""
     meta = _get(response, "meta_info", "meta_info")
     payload = _get(meta, "routed_experts", 'meta_info["routed_experts"]')
-    prompt_len = _count(meta, "prompt_tokens", "meta_info.prompt_tokens")
+    prompt_len = _prompt_count(meta, "prompt_tokens", "meta_info.prompt_tokens")
     response_len = _count(meta, "completion_tokens", "meta_info.completion_tokens")
     return decode_sglang_meta(
         payload, model=model, prompt_len=prompt_len, response_len=response_len, start=start, version=version
@@ -190,8 +230,14 @@ def sglang_openai_trace(
     lengths from ``usage``."""
     sglext = _get(response, "sglext", "sglext")
     payload = _get(sglext, "routed_experts", "sglext.routed_experts")
+    choices = response.get("choices")
+    if choices is not None and not (isinstance(choices, list) and len(choices) == 1):
+        got = f"{len(choices)} choices" if isinstance(choices, list) else type(choices).__name__
+        raise ConventionError(
+            f"choices: {got}; expected one choice (sglext.routed_experts is the response's, of one sample)"
+        )
     usage = _get(response, "usage", "usage")
-    prompt_len = _count(usage, "prompt_tokens", "usage.prompt_tokens")
+    prompt_len = _prompt_count(usage, "prompt_tokens", "usage.prompt_tokens")
     response_len = _count(usage, "completion_tokens", "usage.completion_tokens")
     return decode_sglang_meta(
         payload, model=model, prompt_len=prompt_len, response_len=response_len, start=start, version=version

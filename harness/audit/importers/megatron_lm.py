@@ -24,7 +24,6 @@ otherwise raises a ``LayoutError`` that says what is missing.
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -35,6 +34,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from harness.audit.inputs import brief, glob, lines, parse_json
 from harness.audit.layout import LayoutError, SampleRecord
 from harness.trace import LayerAxis
 
@@ -210,7 +210,7 @@ def records(
 
 def _files(path: Path) -> list[tuple[int, Path]]:
     """``(rank, file)`` of every ``router_trace_rank{r}.jsonl`` at ``path``, in rank order."""
-    files = [path] if path.is_file() else sorted(path.glob("router_trace_rank*.jsonl"))
+    files = [path] if path.is_file() else glob(path, "router_trace_rank*.jsonl")
     found = sorted((int(m.group(1)), p) for p in files if (m := _FILE.fullmatch(p.name)))
     if not found:
         raise LayoutError(
@@ -222,41 +222,35 @@ def _files(path: Path) -> list[tuple[int, Path]]:
 def _field(record: dict[str, Any], name: str, kind: type, where: str) -> Any:
     value = record.get(name)
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise LayoutError(f"{where}: field {name!r} is {value!r}; expected a {kind.__name__}")
+        raise LayoutError(f"{where}: field {name!r} is {brief(value)}; expected a {kind.__name__}")
     return value
 
 
 def _calls(file: Path) -> Iterator[_Call]:
     """Each record of ``file``; a line that is not a record of this format is one ``LayoutError``."""
-    with file.open(encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{file}:{line_no}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise LayoutError(
-                    f"{where}: not JSON ({err.msg} at column {err.colno}); expected one record per line "
-                    "(truncated write?)"
-                ) from None
-            if not isinstance(record, dict):
-                raise LayoutError(f"{where}: a JSON {type(record).__name__}; expected a record object")
-            block = _field(record, "block", str, where)
-            if block == "mtp":
-                block = f"mtp{_field(record, 'mtp_idx', int, where)}"
-            elif block != "decoder":
-                raise LayoutError(f"{where}: field 'block' is {block!r}; expected 'decoder' or 'mtp'")
-            yield _Call(
-                step=_field(record, "step", int, where),
-                block=block,
-                layer=_field(record, "layer", int, where),
-                rank=_field(record, "rank", int, where),
-                topk=_field(record, "topk", int, where),
-                num_tokens=_field(record, "num_tokens", int, where),
-                rows=_field(record, "top_indices", list, where),
-                where=where,
-            )
+    # A regular UTF-8 file, read line by line; JSON nested too deep or huge integers are one error.
+    for line_no, line in lines(file):
+        if not line.strip():
+            continue
+        where = f"{file}:{line_no}"
+        record = parse_json(line, where)
+        if not isinstance(record, dict):
+            raise LayoutError(f"{where}: a JSON {type(record).__name__}; expected a record object")
+        block = _field(record, "block", str, where)
+        if block == "mtp":
+            block = f"mtp{_field(record, 'mtp_idx', int, where)}"
+        elif block != "decoder":
+            raise LayoutError(f"{where}: field 'block' is {brief(block)}; expected 'decoder' or 'mtp'")
+        yield _Call(
+            step=_field(record, "step", int, where),
+            block=block,
+            layer=_field(record, "layer", int, where),
+            rank=_field(record, "rank", int, where),
+            topk=_field(record, "topk", int, where),
+            num_tokens=_field(record, "num_tokens", int, where),
+            rows=_field(record, "top_indices", list, where),
+            where=where,
+        )
 
 
 def _steps(

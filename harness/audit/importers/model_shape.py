@@ -114,6 +114,12 @@ class LayerVote:
         if layers is not None:
             self.steps.setdefault(step, {}).setdefault(layers, []).append(place)
 
+    def merge(self, other: LayerVote) -> None:
+        """Add ``other``'s votes (a file's, counted apart until its shape was known to be the run's)."""
+        for step, votes in other.steps.items():
+            for layers, places in votes.items():
+                self.steps.setdefault(step, {}).setdefault(layers, []).extend(places)
+
     def winner(self, steps: Sequence[int] | None = None) -> tuple[tuple[int, ...], int, int] | None:
         """``(layers, samples holding them, samples voting)`` over ``steps`` (default all); ``None``
         when no sample voted. ``LayoutError`` on a tie: no layout most samples agree on."""
@@ -207,6 +213,13 @@ class ExpertVote:
         for value in np.unique(chosen).tolist():
             self.users[value] = self.users.get(value, 0) + 1
             self.first.setdefault(value, place)
+
+    def merge(self, other: ExpertVote) -> None:
+        """Add ``other``'s votes (a file's, counted apart until its shape was known to be the run's)."""
+        self.samples += other.samples
+        for value, count in other.users.items():
+            self.users[value] = self.users.get(value, 0) + count
+            self.first.setdefault(value, other.first[value])
 
     def decide(self, top_k: int) -> int:
         if not self.users:

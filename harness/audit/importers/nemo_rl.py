@@ -26,18 +26,20 @@ so the records carry no routes and the route invariants are not checkable: the t
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from harness.audit.importers import read_file
+from harness.audit.inputs import brief, check_step, glob, lines, parse_json
 from harness.audit.layout import LayoutError, SampleRecord
 
 DESCRIPTION = "NeMo-RL {log_dir}/train_data_step{N}.jsonl (tokens, masks, generation and prev log-probs)"
@@ -86,36 +88,55 @@ def detect(path: Path) -> bool:
     """A ``train_data_step{N}.jsonl`` file or a log directory holding them."""
     if path.is_file():
         return _STEP_FILE.fullmatch(path.name) is not None
-    return path.is_dir() and any(_STEP_FILE.fullmatch(p.name) for p in path.glob("train_data_step*.jsonl"))
+    return path.is_dir() and any(_STEP_FILE.fullmatch(p.name) for p in glob(path, "train_data_step*.jsonl"))
 
 
-def records(path: Path) -> Iterator[SampleRecord]:
-    """The samples of every ``train_data_step{N}.jsonl`` at ``path``, step by step, line by line."""
+def records(path: Path, *, errors: list[str] | None = None) -> Iterator[SampleRecord]:
+    """The samples of every ``train_data_step{N}.jsonl`` at ``path``, step by step, line by line.
+
+    ``errors``: see ``harness.audit.importers``: a file that cannot be read, and a line that is not
+    a sample, are lines there, and the other files and lines are read.
+    """
     path = Path(path)
-    files = [path] if path.is_file() else sorted(path.glob("train_data_step*.jsonl"))
+    # Every entry of that name, a FIFO or a directory too: reading it says what it is.
+    files = [path] if path.is_file() else glob(path, "train_data_step*.jsonl")
     steps = sorted((int(m.group(1)), p) for p in files if (m := _STEP_FILE.fullmatch(p.name)))
     if not steps:
         raise LayoutError(f"{path}: no train_data_step{{N}}.jsonl; expected NeMo-RL's log directory")
     for step, file in steps:
-        for line_no, row in _lines(file):
-            yield _record(step, row, f"{file}:{line_no}")
+        yield from read_file(file, errors, partial(_file_records, step, file, errors)) or ()
+
+
+def _file_records(step: int, file: Path, errors: list[str] | None) -> list[SampleRecord]:
+    check_step(step, str(file))
+    out = []
+    for line_no, text in lines(file):
+        try:
+            row = _row(text, f"{file}:{line_no}")
+            if row is not None:
+                out.append(_record(step, row, f"{file}:{line_no}"))
+        except LayoutError as err:
+            if errors is None:
+                raise
+            errors.append(str(err))
+    return out
+
+
+def _row(text: str, where: str) -> dict[str, Any] | None:
+    """The JSON object of one line (``None`` for a blank line); anything else is one error."""
+    if not text.strip():
+        return None
+    row = parse_json(text, where)
+    if not isinstance(row, dict):
+        raise LayoutError(f"{where}: a JSON {type(row).__name__}; expected an object")
+    return row
 
 
 def _lines(file: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(line number, object)`` of each non-empty line; a line that is not a JSON object is one error."""
-    with file.open(encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise LayoutError(
-                    f"{file}:{line_no}: not JSON ({err.msg} at column {err.colno}); expected one object per "
-                    "line (truncated write?)"
-                ) from None
-            if not isinstance(row, dict):
-                raise LayoutError(f"{file}:{line_no}: a JSON {type(row).__name__}; expected an object")
+    for line_no, text in lines(file):
+        row = _row(text, f"{file}:{line_no}")
+        if row is not None:
             yield line_no, row
 
 
@@ -123,7 +144,7 @@ def _one(row: dict[str, Any], field: str, where: str) -> Any:
     """The single entry of a batch-of-one column (``log_batched_dict_as_jsonl`` slices batches of 1)."""
     value = row.get(field)
     if not isinstance(value, list) or len(value) != 1:
-        got = "missing" if value is None else f"{type(value).__name__} {json.dumps(value)[:40]}"
+        got = "missing" if value is None else brief(value)
         raise LayoutError(f"{where}: field {field!r} is {got}; expected a list of one row (a batch of one)")
     return value[0]
 
@@ -144,17 +165,26 @@ def _sequence(row: dict[str, Any], field: str, where: str, length: int, kind: st
         )
     head = value[:length]
     numeric, what = ((int,), "integers") if kind == "i" else ((int, float), "numbers")
-    if not all(isinstance(x, numeric) and (kind == "m" or not isinstance(x, bool)) for x in head):
-        bad = next(x for x in head if not isinstance(x, numeric) or (kind != "m" and isinstance(x, bool)))
-        raise LayoutError(f"{where}: field {field!r} holds {bad!r}; expected {what}")
+    low, high = (-(2**31), 2**31) if kind == "i" else (-(2**63), 2**63)  # token ids: the layout's int32
+
+    def fits(x: Any) -> bool:
+        if not isinstance(x, numeric) or (kind != "m" and isinstance(x, bool)):
+            return False
+        return not isinstance(x, int) or low <= x < high
+
+    if not all(fits(x) for x in head):
+        bad = next(x for x in head if not fits(x))
+        raise LayoutError(f"{where}: field {field!r} holds {brief(bad)}; expected {what}")
     return np.asarray(head, dtype=np.int64 if kind == "i" else np.float64)
 
 
 def _record(step: int, row: dict[str, Any], where: str) -> SampleRecord:
     """One layout record from one line: the prompt ends where the first trained token starts."""
     length = _one(row, "input_lengths", where)
-    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-        raise LayoutError(f"{where}: field 'input_lengths' is [{length!r}]; expected [a positive integer]")
+    if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length < 2**31:
+        raise LayoutError(
+            f"{where}: field 'input_lengths' is [{brief(length)}]; expected [a positive integer]"
+        )
     tokens = _sequence(row, "token_ids", where, length, "i")
     token_mask = _sequence(row, "token_loss_mask", where, length, "m")
     if tokens is None or token_mask is None:
@@ -167,13 +197,17 @@ def _record(step: int, row: dict[str, Any], where: str) -> SampleRecord:
         )
     prompt = int(generated[0]) if generated.size else length
     sample_mask = _one(row, "sample_loss_mask", where) if "sample_loss_mask" in row else 1
-    if isinstance(sample_mask, bool) or not isinstance(sample_mask, (int, float)) or math.isnan(sample_mask):
-        raise LayoutError(f"{where}: field 'sample_loss_mask' is [{sample_mask!r}]; expected [a number]")
+    if (
+        isinstance(sample_mask, bool)
+        or not isinstance(sample_mask, (int, float))
+        or (isinstance(sample_mask, float) and math.isnan(sample_mask))
+    ):
+        raise LayoutError(f"{where}: field 'sample_loss_mask' is [{brief(sample_mask)}]; expected [a number]")
     engine = _sequence(row, "generation_logprobs", where, length, "f")
     trainer = _sequence(row, "prev_logprobs", where, length, "f")
     index = row.get("idx")
-    if isinstance(index, bool) or not isinstance(index, int):
-        raise LayoutError(f"{where}: field 'idx' is {index!r}; expected the sample's integer index")
+    if isinstance(index, bool) or not isinstance(index, int) or not -(2**63) <= index < 2**63:
+        raise LayoutError(f"{where}: field 'idx' is {brief(index)}; expected the sample's integer index")
     return SampleRecord(
         step=step,
         sample_key=str(index),
@@ -262,7 +296,7 @@ def _digest(record: dict[str, Any], where: str) -> _Digest:
 def _keyed(record: dict[str, Any], field: str, where: str) -> str:
     value = record.get(field)
     if not isinstance(value, str):
-        raise LayoutError(f"{where}: field {field!r} is {value!r}; expected a string")
+        raise LayoutError(f"{where}: field {field!r} is {brief(value)}; expected a string")
     return value
 
 
@@ -284,7 +318,7 @@ def trace_violations(trace_dir: Path) -> list[R3TraceViolation]:
     assignments: set[str] = set()
     actions: set[tuple[str, str]] = set()
     found: list[R3TraceViolation] = []
-    for file in sorted(trace_dir.glob("*.jsonl")):
+    for file in glob(trace_dir, "*.jsonl"):
         for line_no, record in _lines(file):
             where = f"{file}:{line_no}"
             event = record.get("event")

@@ -30,15 +30,17 @@ padded route tensor.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit.importers import safe_pickle
+from harness.audit.importers import read_file, safe_pickle
 from harness.audit.importers.model_shape import (
     LayerVote,
     check_ids_fit,
@@ -48,8 +50,9 @@ from harness.audit.importers.model_shape import (
     payload_rows,
     step_layers,
 )
+from harness.audit.inputs import brief, check_ints, check_mask, check_step, entries
 from harness.audit.layout import LayoutError, SampleRecord
-from harness.trace import LayerAxis
+from harness.trace import MAX_LAYERS, LayerAxis
 
 DESCRIPTION = (
     "SkyRL 0.3.0 trainer.dump_data_batch=true: {export_path}/dumped_data/"
@@ -105,12 +108,13 @@ def dump_files(path: Path) -> list[tuple[int, Path]]:
     if path.is_file():
         candidates = [path]
     elif (path / "dumped_data").is_dir():
-        candidates = list((path / "dumped_data").iterdir())
+        candidates = entries(path / "dumped_data")
     elif path.is_dir():
-        candidates = list(path.iterdir())
+        candidates = entries(path)
     else:
         candidates = []
-    found = [(int(m.group(1)), p) for p in candidates if (m := FILE_PATTERN.match(p.name)) and p.is_file()]
+    # Every entry named like a dump, a FIFO or a directory too: reading it says what it is.
+    found = [(int(m.group(1)), p) for p in candidates if (m := FILE_PATTERN.match(p.name))]
     return sorted(found)
 
 
@@ -122,30 +126,33 @@ def detect(path: Path) -> bool:
 def _tensor(entry: Any, source: str, field: str) -> npt.NDArray[Any]:
     """One ``_serialize_tensor`` entry as an array: numpy bytes, or ``torch.save`` bytes (bfloat16)."""
     safe_pickle.expect(entry, dict, source, field, "a serialized tensor dict")
-    if entry.get("format") == "torch":
+    kind = entry.get("format", "numpy")
+    if not isinstance(kind, str) or kind not in ("numpy", "torch"):
+        raise LayoutError(f"{source}: field {field!r} has format {brief(kind)}; expected 'numpy' or 'torch'")
+    if kind == "torch":
         data = safe_pickle.expect(entry.get("data"), bytes, source, f"{field}.data", "torch.save bytes")
         array = safe_pickle.load_torch_bytes(data, f"{source} field {field!r}")
         return safe_pickle.expect(array, np.ndarray, source, field, "a tensor")
-    if entry.get("format", "numpy") != "numpy":
-        raise LayoutError(
-            f"{source}: field {field!r} has format {entry.get('format')!r}; expected 'numpy' or 'torch'"
-        )
     data = safe_pickle.expect(entry.get("data"), bytes, source, f"{field}.data", "bytes")
     shape = safe_pickle.expect(entry.get("shape"), tuple, source, f"{field}.shape", "a shape tuple")
+    name = entry.get("dtype")
     try:
-        dtype = np.dtype(str(entry.get("dtype")))
-    except TypeError:
-        dtype = np.dtype("O")
-    if dtype.kind not in "biuf" or not all(isinstance(n, int) and n >= 0 for n in shape):
+        dtype = np.dtype(name) if isinstance(name, str) and len(name) <= 16 else None
+    except Exception:
+        dtype = None
+    if (
+        dtype is None
+        or dtype.kind not in "biuf"
+        or len(shape) > safe_pickle.MAX_DIMS
+        or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**63 for n in shape)
+    ):
         raise LayoutError(
-            f"{source}: field {field!r} is {entry.get('dtype')!r} {shape}; "
-            "expected a numeric dtype and a shape"
+            f"{source}: field {field!r} is {brief(name)} {brief(shape)}; expected a numeric dtype and a shape"
         )
-    if len(data) != int(np.prod(shape)) * dtype.itemsize:
+    size = math.prod(shape) * dtype.itemsize
+    if len(data) != size:
         raise LayoutError(
-            f"{source}: field {field!r} holds {len(data)} bytes; "
-            f"expected {int(np.prod(shape)) * dtype.itemsize} "
-            f"for {dtype} {shape}"
+            f"{source}: field {field!r} holds {len(data)} bytes; expected {size} for {dtype} {shape}"
         )
     return np.frombuffer(data, dtype=dtype).reshape(shape)
 
@@ -161,8 +168,8 @@ def read_batch(file: Path) -> tuple[dict[str, npt.NDArray[Any] | None], dict[str
         )
     state = safe_pickle.expect(batch.state, dict, source, "state", "the TrainingInputBatch state dict")
     fields = safe_pickle.expect(state.get("batch_dict"), dict, source, "batch_dict", "a dict of tensors")
-    metadata = state.get("metadata") or {}
-    safe_pickle.expect(metadata, dict, source, "metadata", "a dict")
+    metadata = state.get("metadata")
+    metadata = {} if metadata is None else safe_pickle.expect(metadata, dict, source, "metadata", "a dict")
     tensors: dict[str, npt.NDArray[Any] | None] = {}
     for name in (
         "sequences", "attention_mask", "response_mask", "loss_mask", "rollout_logprobs",
@@ -197,13 +204,31 @@ def _row(array: npt.NDArray[Any] | None, where: Any, dtype: Any) -> npt.NDArray[
     return values != 0 if dtype is bool else values.astype(dtype)
 
 
-def _groups(metadata: dict[str, Any], size: int) -> list[str | None]:
-    """Each sample's GRPO group from ``metadata["policy_prompt_boundaries"]`` ``[(start, end)]``."""
+def _groups(metadata: dict[str, Any], size: int, source: str) -> list[str | None]:
+    """Each sample's GRPO group from ``metadata["policy_prompt_boundaries"]`` ``[(start, end)]``:
+    consecutive, non-overlapping spans of the batch (``compute_prompt_boundaries``), read in one pass."""
     keys: list[str | None] = [None] * size
-    for index, bounds in enumerate(metadata.get("policy_prompt_boundaries") or ()):
-        if isinstance(bounds, (tuple, list)) and len(bounds) == 2 and all(isinstance(b, int) for b in bounds):
-            for i in range(max(0, bounds[0]), min(size, bounds[1])):
-                keys[i] = f"p{index}"
+    bounds_list = metadata.get("policy_prompt_boundaries")
+    if bounds_list is None:
+        return keys
+    safe_pickle.expect(bounds_list, (list, tuple), source, "metadata.policy_prompt_boundaries", "a list")
+    end = 0
+    for index, bounds in enumerate(bounds_list):
+        if not (
+            isinstance(bounds, (tuple, list))
+            and len(bounds) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) for b in bounds)
+            and end <= bounds[0] <= bounds[1]
+        ):
+            raise LayoutError(
+                f"{source}: metadata 'policy_prompt_boundaries'[{index}] is {brief(bounds)}; expected "
+                f"(start, end) with {end} <= start <= end (increasing, non-overlapping spans)"
+            )
+        start, end = bounds
+        if start >= size:
+            break  # spans of the DP padding samples, which are dropped
+        end = min(end, size)
+        keys[start:end] = [f"p{index}"] * (end - start)
     return keys
 
 
@@ -213,8 +238,10 @@ def batch_records(
     """The records of one dump file, and the MoE layers used: ``moe_layers``, or with ``vote`` what
     most samples agree on (``model_shape.step_layers``)."""
     source = str(file)
+    check_step(step, source)
     tensors, metadata = read_batch(file)
     sequences = _require(tensors, "sequences", 2, source, "[B, S] token ids")
+    check_ints(sequences, 32, source, "sequences")
     batch, width = sequences.shape
     attention = _require(tensors, "attention_mask", 2, source, "[B, S]")
     response = _require(tensors, "response_mask", 2, source, "[B, R_max]")
@@ -235,22 +262,34 @@ def batch_records(
     _shape_check(tensors["router_padding_mask"], (batch, width), source, "router_padding_mask", "[B, S] =")
     if routes.dtype.kind not in "iu":
         raise LayoutError(f"{source}: field 'rollout_expert_indices' is {routes.dtype}; expected integer ids")
+    for name, mask in (("attention_mask", attention), ("response_mask", response)):
+        check_mask(mask, source, name)
+    for name in ("rollout_logprobs", "action_log_probs"):
+        values = tensors[name]
+        if values is not None and values.dtype.kind not in "iuf":
+            raise LayoutError(f"{source}: field {name!r} is {values.dtype}; expected log-probabilities")
     num_layers, top_k = int(routes.shape[2]), int(routes.shape[3])
+    if not 1 <= num_layers <= MAX_LAYERS:
+        raise LayoutError(
+            f"{source}: field 'rollout_expert_indices' has {num_layers} layers; expected 1..{MAX_LAYERS}"
+        )
     if not 1 <= top_k <= num_experts:
         raise LayoutError(
             f"{source}: top_k={top_k} (rollout_expert_indices); expected 1..num_experts={num_experts}"
         )
     pad = metadata.get("pad_size", 0)
-    if not isinstance(pad, int) or not 0 <= pad < batch:
-        raise LayoutError(f"{source}: metadata 'pad_size' is {pad!r}; expected an integer in [0, {batch})")
+    if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < batch:
+        raise LayoutError(
+            f"{source}: metadata 'pad_size' is {brief(pad)}; expected an integer in [0, {batch})"
+        )
     real = batch - pad
     padding = tensors["router_padding_mask"]
-    groups = _groups(metadata, real)
+    groups = _groups(metadata, real, source)
     samples = []
     for i in range(real):
         total, resp = int(attention[i].sum()), int(response[i].sum())
         prompt = total - resp
-        if prompt < 1 or resp > r_max:
+        if prompt < 1 or resp > r_max or total > width:
             raise LayoutError(
                 f"{source} sample {i}: attention_mask sums to {total}, response_mask to {resp}; expected "
                 "1 <= response tokens < tokens"
@@ -301,13 +340,15 @@ def records(
     *,
     num_experts: int | None = None,
     moe_layers: Sequence[int] | None = None,
+    errors: list[str] | None = None,
     inferred: list[str] | None = None,
 ) -> Iterator[SampleRecord]:
     """One ``SampleRecord`` per (step, sample) of the SkyRL dump at ``path``, step by step.
 
     ``num_experts`` (or ``$RRH_NUM_EXPERTS``) is required: the dump does not hold it. ``moe_layers``
     (or ``$RRH_MOE_LAYERS``) defaults to the layers most samples route on (``LayerVote``); what
-    was inferred is appended to ``inferred`` at the end.
+    was inferred is appended to ``inferred`` at the end. ``errors``: see ``harness.audit.importers``
+    (a damaged file is a line there, the other files are read).
     """
     files = dump_files(Path(path))
     if not files:
@@ -316,7 +357,8 @@ def records(
     layers = moe_layers_input(moe_layers)
     vote = LayerVote() if layers is None else None
     for step, file in files:
-        batch, _ = batch_records(file, step, experts, layers, vote)
-        yield from batch
+        read = read_file(file, errors, partial(batch_records, file, step, experts, layers, vote))
+        if read is not None:
+            yield from read[0]
     if vote is not None and inferred is not None:
         inferred.extend(vote.notes())

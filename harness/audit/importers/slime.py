@@ -23,9 +23,11 @@ What the dumps hold (read in THUDM/slime and radixark/miles, never imported):
   hold CP-sliced, unordered shards and are refused.
 
 A step is a rollout id; a sample is keyed by its position in the rollout dump, the key both files
-share. Files are read one rollout at a time (its rollout file and its train file), with
-``torch.load(weights_only=True)`` — torch's loader that refuses arbitrary globals — plus the
-numpy globals that rebuild numeric arrays (miles' routes), never anything else.
+share. Files are read one rollout at a time (its rollout file and its train file), through
+``safe_pickle.load_torch``: the archive's pickle read by the harness's own allowlist unpickler
+(plain containers, tensors decoded into numpy, numeric numpy arrays such as miles' routes; object
+arrays are never rebuilt), never by torch. A file that cannot be read is one error naming it; with
+``errors=`` the other rollouts are still read.
 
 Missing rows: slime pads the last position (which has no route) and the packing remainder with
 ``arange % num_experts`` *at replay* (``_pad_routed_experts`` in
@@ -38,17 +40,21 @@ from __future__ import annotations
 
 import re
 import string
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from harness.audit.importers import read_file, safe_pickle
 from harness.audit.importers.model_shape import ExpertVote, LayerVote, signature
+from harness.audit.inputs import brief, check_step, glob
 from harness.audit.layout import LayoutError, SampleRecord
-from harness.trace import LayerAxis, storage_dtype
+from harness.trace import MAX_LAYERS, LayerAxis, storage_dtype
 
 DESCRIPTION = (
     "slime/miles debug dump: --save-debug-rollout-data (or --dump-details D: D/rollout_data/{id}.pt), "
@@ -121,6 +127,7 @@ def records(
     train: str | Path | None = None,
     num_experts: int | None = None,
     moe_layers: Sequence[int] | None = None,
+    errors: list[str] | None = None,
     inferred: list[str] | None = None,
 ) -> Iterator[SampleRecord]:
     """The samples of the dump at ``path``, one rollout file at a time, joined with the train dump.
@@ -130,38 +137,63 @@ def records(
     ``path/train_data``: a directory of ``{rollout_id}.pt`` or the ``--save-debug-train-data``
     template itself (``.../{rollout_id}.pt``). ``num_experts`` and ``moe_layers`` (decoder indices)
     are the model's; left out, they are inferred from the routes in a first pass from what most
-    samples agree on (see ``NOTES``), and what was inferred is appended to ``inferred``.
+    samples agree on (see ``NOTES``), and what was inferred is appended to ``inferred``. ``errors``:
+    see ``harness.audit.importers`` (a damaged file is a line there, the others are read).
     """
     path = Path(path)
-    rollout_files, template = _files(path, train)
+    rollout_files, template = _files(path, train, errors)
     if not rollout_files:
-        train_files = _numbered(path / "train_data")
+        train_files = _numbered(path / "train_data", errors)
         if not train_files:
+            if errors:  # every file was refused: each is named there
+                return
             raise LayoutError(
                 f"{path}: no rollout or train dump; expected rollout_data/{{rollout_id}}.pt, "
                 "train_data/{rollout_id}.pt or rollout .pt files"
             )
-        yield from _train_only(train_files)
+        yield from _train_only(train_files, errors)
         return
-    shape = _model_shape(rollout_files, num_experts, moe_layers, inferred)
+    bad: set[Path] = set()
+    shape = _model_shape(rollout_files, num_experts, moe_layers, inferred, errors, bad)
     for step, rollout_path in rollout_files:
-        samples = _samples(_load(rollout_path), rollout_path, step)
+        if rollout_path in bad:
+            continue
         train_path = Path(template.format(rollout_id=step)) if template else None
-        trained = _train_samples(train_path, step, samples) if train_path and train_path.is_file() else {}
-        for position, sample in enumerate(samples):
-            yield _record(step, position, sample, trained.get(position), shape, rollout_path, train_path)
-        del samples, trained  # one rollout in memory: free this one before the next is loaded
+        read = read_file(rollout_path, errors, partial(_rollout, step, rollout_path, train_path, shape))
+        yield from read or ()
+        del read  # one rollout in memory: free this one before the next is loaded
 
 
-def _files(path: Path, train: str | Path | None) -> tuple[list[tuple[int, Path]], str | None]:
+def _rollout(step: int, rollout_path: Path, train_path: Path | None, shape: _Shape) -> list[SampleRecord]:
+    """The records of one rollout file joined with its train file (when there is one), all or none."""
+    check_step(step, str(rollout_path))
+    samples = _samples(_load(rollout_path), rollout_path, step)
+    trained = _train_samples(train_path, step, samples) if train_path and _exists(train_path) else {}
+    return [
+        _record(step, position, sample, trained.get(position), shape, rollout_path, train_path)
+        for position, sample in enumerate(samples)
+    ]
+
+
+def _exists(path: Path) -> bool:
+    """Whether anything is at ``path``: a FIFO, a directory or a dangling link there is read, and refused."""
+    try:
+        return path.is_symlink() or path.exists()
+    except OSError:
+        return True
+
+
+def _files(
+    path: Path, train: str | Path | None, errors: list[str] | None = None
+) -> tuple[list[tuple[int, Path]], str | None]:
     """``(rollout id, file)`` of every rollout file, in id order, and the train dump's template."""
     if path.is_file():
         found = [path]
     elif (path / "rollout_data").is_dir() or (path / "train_data").is_dir():
-        found = sorted((path / "rollout_data").glob("*.pt"))
+        found = glob(path / "rollout_data", "*.pt") if (path / "rollout_data").is_dir() else []
         train = path / "train_data" if train is None else train
     elif path.is_dir():
-        found = sorted(p for p in path.glob("*.pt") if not p.name.startswith("router_state_rank"))
+        found = [p for p in glob(path, "*.pt") if not p.name.startswith("router_state_rank")]
     else:
         raise LayoutError(f"{path}: no such file or directory; expected a slime debug dump")
     files = []
@@ -170,10 +202,14 @@ def _files(path: Path, train: str | Path | None) -> tuple[list[tuple[int, Path]]
             continue
         match = _ID.search(file.stem)
         if match is None:
-            raise LayoutError(
+            message = (
                 f"{file}: the file name holds no rollout id; expected a name ending in it "
                 "(--save-debug-rollout-data .../{rollout_id}.pt)"
             )
+            if errors is None:
+                raise LayoutError(message)
+            errors.append(message)
+            continue
         files.append((int(match.group(1)), file))
     if len({step for step, _ in files}) != len(files):
         raise LayoutError(f"{path}: two rollout files carry one rollout id; expected one file per rollout")
@@ -181,7 +217,10 @@ def _files(path: Path, train: str | Path | None) -> tuple[list[tuple[int, Path]]
     if train is not None:
         text = str(train)
         template = text if "{" in text else str(Path(text) / "{rollout_id}.pt")
-        fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+        try:
+            fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+        except ValueError:
+            fields = {"?"}
         if fields != {"rollout_id"}:
             raise LayoutError(
                 f"train={text!r}: template fields {sorted(fields)}; expected only {{rollout_id}} (one train "
@@ -190,51 +229,9 @@ def _files(path: Path, train: str | Path | None) -> tuple[list[tuple[int, Path]]
     return sorted(files), template
 
 
-def _safe_numpy_globals() -> list[Any]:
-    """The numpy globals that rebuild a numeric array (miles stores routes as numpy arrays).
-
-    Object arrays stay refused: their dtype class is not listed.
-    """
-    from numpy._core.multiarray import _reconstruct as reconstruct  # numpy >= 2 (pyproject)
-
-    kinds = {type(np.dtype(c)) for c in "?bBhHiIlLqQefd"}
-    return [
-        (reconstruct, "numpy.core.multiarray._reconstruct"),
-        (reconstruct, "numpy._core.multiarray._reconstruct"),
-        np.ndarray,
-        np.dtype,
-        *kinds,
-    ]
-
-
 def _load(path: Path) -> dict[str, Any]:
-    """``torch.load(path, weights_only=True)``: a refused global or a broken file is one line."""
-    import pickle
-    import zipfile
-
-    import torch
-
-    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; its directory sits at the end
-        raise LayoutError(
-            f"{path}: not a torch.save archive (no zip directory: truncated, or not torch.save output); "
-            "expected a complete torch.save file"
-        )
-    try:
-        with torch.serialization.safe_globals(_safe_numpy_globals()):
-            payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as err:
-        text = str(err)
-        name = re.search(r"GLOBAL ([\w.]+)|got <class '([\w.]+)'>", text)
-        what = next(g for g in name.groups() if g) if name else text.splitlines()[0][:200]
-        raise LayoutError(
-            f"{path}: torch.load(weights_only=True) refused {what}; expected plain dicts, lists, "
-            "tensors and numeric numpy arrays (slime Sample.to_dict)"
-        ) from None
-    except (RuntimeError, OSError, EOFError, ValueError) as err:
-        first = (str(err).splitlines() or [""])[0][:200]
-        raise LayoutError(
-            f"{path}: unreadable ({type(err).__name__}: {first}); expected a complete torch.save file"
-        ) from None
+    """The dict ``torch.save`` wrote to ``path``, read by ``safe_pickle.load_torch`` (never by torch)."""
+    payload = safe_pickle.load_torch(path)
     if not isinstance(payload, dict):
         raise LayoutError(f"{path}: holds a {type(payload).__name__}; expected a dict with 'samples'")
     return payload
@@ -245,27 +242,67 @@ def _samples(payload: dict[str, Any], path: Path, step: int | None) -> list[dict
     samples = payload.get("samples")
     if not isinstance(samples, list) or not all(isinstance(s, dict) for s in samples):
         raise LayoutError(f"{path}: field 'samples' is {type(samples).__name__}; expected a list of dicts")
-    rollout_id = payload.get("rollout_id")
-    if step is not None and rollout_id != step:
+    rollout_id = _scalar(payload.get("rollout_id"))
+    if step is not None and (not _is_int(rollout_id) or rollout_id != step):
         raise LayoutError(
-            f"{path}: field 'rollout_id' is {rollout_id!r}; expected {step} (from the file name)"
+            f"{path}: field 'rollout_id' is {brief(rollout_id)}; expected {step} (from the file name)"
         )
     return samples
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _scalar(value: Any) -> Any:
+    """A one-element array (a 0-d tensor) as its Python value; anything else as it is."""
+    if isinstance(value, np.ndarray) and value.size == 1 and value.dtype.kind in "biuf":
+        return value.reshape(()).item()
+    return value
+
+
 def _array(value: Any, where: str, field: str, kind: str) -> npt.NDArray[Any]:
-    """``value`` (tensor, numpy array or nested list) as int64 (``kind`` ``"i"``) or float64 (``"f"``)."""
-    if hasattr(value, "detach"):  # a torch tensor (bfloat16 included)
-        value = value.detach().cpu()
-        value = (value.double() if value.is_floating_point() else value.long()).numpy()
-    try:
-        array = np.asarray(value)
-    except ValueError:  # ragged nested lists
-        raise LayoutError(f"{where}: field {field!r} is ragged; expected a rectangular array") from None
+    """``value`` (a tensor or numpy array, read as numpy, or nested lists of numbers) as int64
+    (``kind`` ``"i"``) or float64 (``"f"``)."""
     allowed, what = ("iub", "integers") if kind == "i" else ("iuf", "numbers")
+    if isinstance(value, np.ndarray):
+        array = value
+    elif isinstance(value, (list, tuple)):
+        array = _from_lists(value, where, field)
+    elif isinstance(value, (int, float)) and not (isinstance(value, int) and not -(2**63) <= value < 2**63):
+        array = np.asarray(value)
+    else:
+        raise LayoutError(f"{where}: field {field!r} is {brief(value)}; expected {what} (a tensor or a list)")
     if array.dtype.kind not in allowed:
         raise LayoutError(f"{where}: field {field!r} holds {array.dtype} values; expected {what}")
     return array.astype(np.int64 if kind == "i" else np.float64, copy=False)
+
+
+def _from_lists(value: list[Any] | tuple[Any, ...], where: str, field: str) -> npt.NDArray[Any]:
+    """Nested lists of numbers as an array, checked level by level before anything is allocated:
+    rectangular, at most ``MAX_DIMS`` deep, numbers that fit 64 bits, and no list appearing twice (a
+    pickle can repeat one list a million times in a few bytes; a dump's lists are all distinct)."""
+    seen: set[int] = set()
+    shape: list[int] = []
+    level: list[Any] = [value]
+    while level and isinstance(level[0], (list, tuple)):
+        width = len(level[0])
+        for item in level:
+            if not isinstance(item, (list, tuple)) or len(item) != width:
+                raise LayoutError(f"{where}: field {field!r} is ragged; expected a rectangular array")
+            if id(item) in seen:
+                raise LayoutError(f"{where}: field {field!r} repeats one list; expected distinct rows")
+            seen.add(id(item))
+        shape.append(width)
+        if len(shape) > safe_pickle.MAX_DIMS:
+            raise LayoutError(f"{where}: field {field!r} is nested past {safe_pickle.MAX_DIMS} levels")
+        level = [x for item in level for x in item]
+    for x in level:
+        if isinstance(x, (list, tuple)):
+            raise LayoutError(f"{where}: field {field!r} is ragged; expected a rectangular array")
+        if not isinstance(x, (int, float)) or (isinstance(x, int) and not -(2**63) <= x < 2**63):
+            raise LayoutError(f"{where}: field {field!r} holds {brief(x)}; expected numbers")
+    return np.asarray(level).reshape(shape)
 
 
 def _vector(sample: dict[str, Any], field: str, where: str, kind: str, length: int | None) -> Any:
@@ -281,11 +318,9 @@ def _vector(sample: dict[str, Any], field: str, where: str, kind: str, length: i
 
 
 def _count(sample: dict[str, Any], field: str, where: str) -> int:
-    value: Any = sample.get(field)
-    if hasattr(value, "item"):  # a 0-d tensor or numpy scalar
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise LayoutError(f"{where}: field {field!r} is {value!r}; expected a non-negative integer")
+    value: Any = _scalar(sample.get(field))
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
+        raise LayoutError(f"{where}: field {field!r} is {brief(value)}; expected a non-negative integer")
     return value
 
 
@@ -294,6 +329,8 @@ def _sequence(sample: dict[str, Any], response_field: str, where: str) -> tuple[
     tokens = _vector(sample, "tokens", where, "i", None)
     if tokens is None:
         raise LayoutError(f"{where}: field 'tokens' is missing; expected prompt ⊕ response token ids")
+    if tokens.size and (int(tokens.min()) < -(2**31) or int(tokens.max()) >= 2**31):
+        raise LayoutError(f"{where}: field 'tokens' holds an id outside int32; expected token ids")
     response = _count(sample, response_field, where)
     if response >= tokens.size:
         raise LayoutError(
@@ -307,7 +344,7 @@ def _routes(sample: dict[str, Any], where: str) -> npt.NDArray[np.int64] | None:
     if value is None:
         return None
     routes = _array(value, where, "rollout_routed_experts", "i")
-    if routes.ndim != 3:
+    if routes.ndim != 3 or not 1 <= routes.shape[1] <= MAX_LAYERS or routes.shape[2] > 65536:
         raise LayoutError(
             f"{where}: field 'rollout_routed_experts' has shape {list(routes.shape)}; "
             "expected [len(tokens) − 1, num_layers, top_k]"
@@ -320,36 +357,42 @@ def _model_shape(
     num_experts: int | None,
     moe_layers: Sequence[int] | None,
     inferred: list[str] | None = None,
+    errors: list[str] | None = None,
+    bad: set[Path] | None = None,
 ) -> _Shape:
-    """The routing shape: layers and top-k from the first routes; the rest given or inferred in a full
-    pass from what most samples agree on (``model_shape.LayerVote``, ``ExpertVote``), noted in
-    ``inferred``."""
+    """The routing shape: layers and top-k those of most rollout files (a damaged file cannot impose
+    its own on the others); the rest given, or inferred in a full pass from what most samples agree
+    on (``model_shape.LayerVote``, ``ExpertVote``), noted in ``inferred``. A file that cannot be
+    read, or whose routes have another shape, goes to ``errors`` and ``bad`` (when given) and is left
+    out."""
     known = num_experts is not None and moe_layers is not None
-    layers = top_k = 0
-    vote, experts = LayerVote(), ExpertVote()
-    seen = False
+    scans: dict[Path, tuple[tuple[int, int], LayerVote, ExpertVote]] = {}
     for step, path in files:
-        for i, sample in enumerate(_samples(_load(path), path, None)):
-            routes = _routes(sample, f"{path}: samples[{i}]")
-            if routes is None:
-                continue
-            if not seen:
-                layers, top_k = int(routes.shape[1]), int(routes.shape[2])
-                seen = True
-                if known:
-                    break
-            elif routes.shape[1:] != (layers, top_k):
-                raise LayoutError(
-                    f"{path}: samples[{i}] field 'rollout_routed_experts' has shape {list(routes.shape)}; "
-                    f"expected [rows, {layers}, {top_k}] like the samples before it"
-                )
-            place = f"{path} samples[{i}]"
-            vote.add(step, signature(routes), place)
-            experts.add(routes, place)
-        if known and seen:
-            break
-    if not seen:
+        scanned = read_file(path, errors, partial(_scan, step, path, known))
+        if scanned is None:
+            if bad is not None:
+                bad.add(path)
+        elif scanned[0] is not None:
+            scans[path] = scanned  # type: ignore[assignment]
+    if not scans:
         return _NO_ROUTES
+    widths = Counter(width for width, _, _ in scans.values())  # insertion-ordered: ties go to the first
+    layers, top_k = max(widths, key=lambda w: widths[w])
+    vote, experts = LayerVote(), ExpertVote()
+    for path, (width, file_vote, file_experts) in scans.items():
+        if width != (layers, top_k):
+            message = (
+                f"{path}: field 'rollout_routed_experts' has [rows, {width[0]}, {width[1]}]; expected "
+                f"[rows, {layers}, {top_k}] like most rollout files"
+            )
+            if errors is None:
+                raise LayoutError(message)
+            errors.append(message)
+            if bad is not None:
+                bad.add(path)
+            continue
+        vote.merge(file_vote)
+        experts.merge(file_experts)
     notes: list[str] = []
     if moe_layers is None:
         chosen = vote.decide() if vote.steps else None
@@ -371,14 +414,39 @@ def _model_shape(
     return _Shape(int(num_experts), top_k, layers, chosen)
 
 
+def _scan(step: int, path: Path, first_only: bool) -> tuple[tuple[int, int] | None, LayerVote, ExpertVote]:
+    """One rollout file's routes: their ``(layers, top_k)``, the same for all its samples, and its
+    samples' votes on the MoE layers and the expert count (``first_only``: the shape alone)."""
+    width = None
+    vote, experts = LayerVote(), ExpertVote()
+    for i, sample in enumerate(_samples(_load(path), path, None)):
+        routes = _routes(sample, f"{path}: samples[{i}]")
+        if routes is None:
+            continue
+        if width is None:
+            width = (int(routes.shape[1]), int(routes.shape[2]))
+            if first_only:
+                break
+        if routes.shape[1:] != width:
+            raise LayoutError(
+                f"{path}: samples[{i}] field 'rollout_routed_experts' has shape {list(routes.shape)}; "
+                f"expected [rows, {width[0]}, {width[1]}] like the samples before it"
+            )
+        place = f"{path} samples[{i}]"
+        vote.add(step, signature(routes), place)
+        experts.add(routes, place)
+    return width, vote, experts
+
+
 def _train_payload(path: Path) -> dict[str, Any]:
     """A train dump of format_version 2, the only one whose samples are whole and in rollout order."""
     payload = _load(path)
-    version = payload.get("format_version")
-    if version != TRAIN_FORMAT_VERSION:
+    version = _scalar(payload.get("format_version"))
+    if not _is_int(version) or version != TRAIN_FORMAT_VERSION:
         raise LayoutError(
-            f"{path}: field 'format_version' is {version!r}; expected {TRAIN_FORMAT_VERSION} (slime ≥ #2266; "
-            "per-rank train dumps of older slime and of miles hold CP-sliced shards and are not read)"
+            f"{path}: field 'format_version' is {brief(version)}; expected {TRAIN_FORMAT_VERSION} "
+            "(slime ≥ #2266; per-rank train dumps of older slime and of miles hold CP-sliced shards and are "
+            "not read)"
         )
     return payload
 
@@ -386,14 +454,14 @@ def _train_payload(path: Path) -> dict[str, Any]:
 def _train_samples(path: Path, step: int, rollout: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """The train dump's samples by their position in the rollout dump (``rollout_position``)."""
     samples = _samples(_train_payload(path), path, step)
-    by_index = {s.get("index"): i for i, s in enumerate(rollout) if s.get("index") is not None}
+    by_index = {index: i for i, s in enumerate(rollout) if _is_int(index := _scalar(s.get("index")))}
     out: dict[int, dict[str, Any]] = {}
     for i, sample in enumerate(samples):
         where = f"{path}: samples[{i}]"
         if sample.get("rollout_position") is not None:
             position = _count(sample, "rollout_position", where)
-        elif sample.get("sample_index") is not None and sample["sample_index"] in by_index:
-            position = by_index[sample["sample_index"]]
+        elif _is_int(index := _scalar(sample.get("sample_index"))) and index in by_index:
+            position = by_index[index]
         else:
             raise LayoutError(
                 f"{where}: fields 'rollout_position' and 'sample_index' are missing or unknown; expected "
@@ -422,7 +490,10 @@ def _record(
     tokens, response = _sequence(sample, "response_length", where)
     mask = _vector(sample, "loss_mask", where, "i", response)
     mask = np.ones(response, dtype=bool) if mask is None else mask != 0
-    if sample.get("remove_sample"):
+    removed = _scalar(sample.get("remove_sample"))
+    if not isinstance(removed, (bool, int, type(None))):
+        raise LayoutError(f"{where}: field 'remove_sample' is {brief(removed)}; expected a boolean")
+    if removed:
         mask[:] = False  # slime/ray/rollout.py zeroes a removed sample's loss mask
     engine_lp = _vector(sample, "rollout_log_probs", where, "f", response)
     routes = _routes(sample, where)
@@ -441,7 +512,9 @@ def _record(
         trained_mask = _vector(trained, "loss_masks", twhere, "i", response)
         mask = mask if trained_mask is None else trained_mask != 0
         trainer_lp = _vector(trained, "log_probs", twhere, "f", response)
-    group = sample.get("group_index")
+    group = _scalar(sample.get("group_index"))
+    if not (group is None or _is_int(group) or (isinstance(group, str) and len(group) <= 256)):
+        raise LayoutError(f"{where}: field 'group_index' is {brief(group)}; expected an integer")
     return SampleRecord(
         step=step,
         sample_key=str(position),
@@ -486,32 +559,46 @@ def _check_routes(routes: npt.NDArray[np.int64], shape: _Shape, where: str) -> N
         )
 
 
-def _numbered(directory: Path) -> list[tuple[int, Path]]:
+def _numbered(directory: Path, errors: list[str] | None = None) -> list[tuple[int, Path]]:
     """``(rollout id, file)`` of the ``{rollout_id}.pt`` files of ``directory``, in id order."""
-    return sorted((int(m.group(1)), p) for p in directory.glob("*.pt") if (m := _ID.fullmatch(p.stem)))
+    if not directory.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in glob(directory, "*.pt") if (m := _ID.fullmatch(p.stem)))
 
 
-def _train_only(files: list[tuple[int, Path]]) -> Iterator[SampleRecord]:
+def _train_only(files: list[tuple[int, Path]], errors: list[str] | None = None) -> Iterator[SampleRecord]:
     """Records from a train dump alone (no rollout dump): tokens, masks and both log-probs, no routes."""
     for step, path in files:
-        for i, sample in enumerate(_samples(_train_payload(path), path, step)):
-            where = f"{path}: samples[{i}]"
-            tokens, response = _sequence(sample, "response_lengths", where)
-            mask = _vector(sample, "loss_masks", where, "i", response)
-            position = sample.get("rollout_position")
-            yield SampleRecord(
-                step=step,
-                sample_key=str(i if position is None else position),
-                prompt_len=int(tokens.size - response),
-                response_len=response,
-                tokens=tokens,
-                loss_mask=None if mask is None else mask != 0,
-                engine_logprobs=_vector(sample, "rollout_log_probs", where, "f", response),
-                trainer_logprobs=_vector(sample, "log_probs", where, "f", response),
-                num_experts=_NO_ROUTES.num_experts,
-                top_k=_NO_ROUTES.top_k,
-                num_layers=_NO_ROUTES.num_layers,
-                moe_layers=_NO_ROUTES.moe_layers,
-                source="slime --save-debug-train-data",
-                origin=f"{path} samples[{i}]",
-            )
+        yield from read_file(path, errors, partial(_train_file, step, path)) or ()
+
+
+def _train_file(step: int, path: Path) -> list[SampleRecord]:
+    """The records of one train file read alone, all or none."""
+    check_step(step, str(path))
+    return list(_train_records(step, path))
+
+
+def _train_records(step: int, path: Path) -> Iterator[SampleRecord]:
+    for i, sample in enumerate(_samples(_train_payload(path), path, step)):
+        where = f"{path}: samples[{i}]"
+        tokens, response = _sequence(sample, "response_lengths", where)
+        mask = _vector(sample, "loss_masks", where, "i", response)
+        position = (
+            None if sample.get("rollout_position") is None else _count(sample, "rollout_position", where)
+        )
+        yield SampleRecord(
+            step=step,
+            sample_key=str(i if position is None else position),
+            prompt_len=int(tokens.size - response),
+            response_len=response,
+            tokens=tokens,
+            loss_mask=None if mask is None else mask != 0,
+            engine_logprobs=_vector(sample, "rollout_log_probs", where, "f", response),
+            trainer_logprobs=_vector(sample, "log_probs", where, "f", response),
+            num_experts=_NO_ROUTES.num_experts,
+            top_k=_NO_ROUTES.top_k,
+            num_layers=_NO_ROUTES.num_layers,
+            moe_layers=_NO_ROUTES.moe_layers,
+            source="slime --save-debug-train-data",
+            origin=f"{path} samples[{i}]",
+        )

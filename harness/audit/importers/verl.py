@@ -24,15 +24,16 @@ trailing zero rows are read as "no route captured", never as routes. The dump is
 
 from __future__ import annotations
 
-import json
+import os
 import re
 from collections.abc import Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from harness.audit.importers import safe_pickle
+from harness.audit.importers import read_file, safe_pickle
 from harness.audit.importers.model_shape import (
     LayerVote,
     check_ids_fit,
@@ -42,8 +43,9 @@ from harness.audit.importers.model_shape import (
     payload_rows,
     step_layers,
 )
+from harness.audit.inputs import brief, check_ints, check_mask, check_step, glob, read_json
 from harness.audit.layout import LayoutError, SampleRecord
-from harness.trace import LayerAxis
+from harness.trace import MAX_LAYERS, LayerAxis
 
 DESCRIPTION = (
     "verl 0.9.1 RolloutSkip (skip.rollout.enable=True): {dump_dir}/{exp}_{project}/GBS{g}_N{n}_in{p}_out{r}/"
@@ -92,7 +94,8 @@ def dump_files(path: Path) -> list[Path]:
         return [path] if path.name == FILE_NAME else []
     found: list[Path] = []
     for depth in range(4):  # {step}/, GBS…/{step}/, {exp}_{project}/GBS…/{step}/
-        found.extend(p for p in path.glob("/".join(["*"] * depth + [FILE_NAME])) if p.is_file())
+        # Every entry of that name, a FIFO or a directory too: reading it says what it is.
+        found.extend(glob(path, "/".join(["*"] * depth + [FILE_NAME])))
     return sorted(found)
 
 
@@ -104,26 +107,23 @@ def detect(path: Path) -> bool:
 def step_of(file: Path) -> int:
     """The step of a dump: ``meta.json``'s ``global_steps``, else its directory's name."""
     meta = file.parent / "meta.json"
-    if meta.is_file():
-        try:
-            step = json.loads(meta.read_text()).get("global_steps")
-        except (ValueError, AttributeError):
-            raise LayoutError(f'{meta}: not a JSON object; expected {{"global_steps": <step>}}') from None
-        if not isinstance(step, int):
-            raise LayoutError(f"{meta}: global_steps is {step!r}; expected an integer step")
-        return step
-    try:
-        return int(file.parent.name)
-    except ValueError:
-        raise LayoutError(
-            f"{file}: no meta.json and directory {file.parent.name!r} is not a step number"
-        ) from None
+    if os.path.lexists(meta):  # a FIFO, a directory or a dangling link there is refused, not skipped
+        doc = read_json(meta)
+        if not isinstance(doc, dict):
+            raise LayoutError(f'{meta}: a JSON {type(doc).__name__}; expected {{"global_steps": <step>}}')
+        step = doc.get("global_steps")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise LayoutError(f"{meta}: global_steps is {brief(step)}; expected an integer step")
+        return check_step(step, str(meta))
+    if not file.parent.name.isdigit():
+        raise LayoutError(f"{file}: no meta.json and directory {file.parent.name!r} is not a step number")
+    return check_step(int(file.parent.name), str(file))
 
 
 def group_size_of(file: Path) -> int | None:
     """``rollout.n`` from the dump directory ``GBS{g}_N{n}_in{p}_out{r}`` above the step, if named so."""
     match = _GROUP_SIZE.match(file.parent.parent.name)
-    return int(match.group(1)) if match and int(match.group(1)) > 0 else None
+    return int(match.group(1)) if match and 0 < len(match.group(1)) < 10 and int(match.group(1)) > 0 else None
 
 
 def read_batch(file: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -144,17 +144,14 @@ def read_batch(file: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     if isinstance(batch, bytes):
         tensors = safe_pickle.load_torch_bytes(batch, f"{source} field 'batch'")
     elif isinstance(batch, tuple) and len(batch) == 3 and isinstance(batch[2], dict):
-        tensors = {
-            key: safe_pickle.view_bytes(
-                entry[2],
-                entry[0],
-                tuple(entry[1]) if isinstance(entry[1], (tuple, list)) else entry[1],
-                source,
-                key,
-            )
-            for key, entry in batch[2].items()
-            if isinstance(entry, tuple) and len(entry) == 3
-        }
+        tensors = {}
+        for key, entry in batch[2].items():
+            if not (isinstance(entry, tuple) and len(entry) == 3):
+                raise LayoutError(
+                    f"{source}: batch field {brief(key)} is {brief(entry)}; expected (dtype, shape, bytes)"
+                )
+            shape = tuple(entry[1]) if isinstance(entry[1], (tuple, list)) else entry[1]
+            tensors[key] = safe_pickle.view_bytes(entry[2], entry[0], shape, source, brief(key))
     else:
         raise LayoutError(
             f"{source}: field 'batch' is {type(batch).__name__}; expected torch.save bytes of a TensorDict "
@@ -179,12 +176,18 @@ def _field(tensors: dict[str, Any], name: str, shape: Sequence[int | None], sour
     return array
 
 
-def _groups(non_tensor: dict[str, Any], size: int, group_size: int | None) -> list[str | None]:
+def _groups(
+    non_tensor: dict[str, Any], size: int, group_size: int | None, source: str = "gen_batch.dp"
+) -> list[str | None]:
     """Each sample's GRPO group: its ``uid`` when the dump kept it, else ``i // rollout.n`` (samples of
     a prompt are consecutive: ``gen_batch.repeat(interleave=True)``), else unknown."""
     uids = non_tensor.get("uid")
-    if isinstance(uids, np.ndarray) and uids.shape == (size,):
-        return [str(u) for u in uids]
+    if isinstance(uids, (np.ndarray, safe_pickle.ObjectArray)) and uids.shape == (size,):
+        values = uids.tolist()
+        if all(isinstance(u, (str, int)) and not isinstance(u, bool) for u in values):
+            return [str(u)[:256] for u in values]
+        bad = next(u for u in values if not isinstance(u, (str, int)) or isinstance(u, bool))
+        raise LayoutError(f"{source}: non_tensor_batch field 'uid' holds {brief(bad)}; expected string uids")
     if group_size:
         return [f"p{i // group_size}" for i in range(size)]
     return [None] * size
@@ -220,10 +223,21 @@ def batch_records(
         )
     if routes.dtype.kind not in "iu":
         raise LayoutError(f"{source}: field 'routed_experts' is {routes.dtype}; expected integer ids")
+    check_ints(input_ids, 32, source, "input_ids")
+    check_mask(attention, source, "attention_mask")
+    check_mask(response_mask, source, "response_mask")
+    if logprobs is not None and logprobs.dtype.kind not in "iuf":
+        raise LayoutError(
+            f"{source}: field 'rollout_log_probs' is {logprobs.dtype}; expected log-probabilities"
+        )
     num_layers, top_k = int(routes.shape[2]), int(routes.shape[3])
+    if not 1 <= num_layers <= MAX_LAYERS:
+        raise LayoutError(
+            f"{source}: field 'routed_experts' has {num_layers} layers; expected 1..{MAX_LAYERS}"
+        )
     if not 1 <= top_k <= num_experts:
         raise LayoutError(f"{source}: top_k={top_k} (routed_experts); expected 1..num_experts={num_experts}")
-    groups = _groups(non_tensor, batch, group_size_of(file))
+    groups = _groups(non_tensor, batch, group_size_of(file), source)
     samples = []
     for i in range(batch):
         prompt, resp = int(attention[i, :p_max].sum()), int(attention[i, p_max:].sum())
@@ -272,6 +286,7 @@ def records(
     *,
     num_experts: int | None = None,
     moe_layers: Sequence[int] | None = None,
+    errors: list[str] | None = None,
     inferred: list[str] | None = None,
 ) -> Iterator[SampleRecord]:
     """One ``SampleRecord`` per (step, sample) of the verl RolloutSkip dump at ``path``, step by step.
@@ -279,7 +294,8 @@ def records(
     ``num_experts`` (or ``$RRH_NUM_EXPERTS``) is required: the dump does not hold it. ``moe_layers``
     (or ``$RRH_MOE_LAYERS``) defaults to the layers most samples route on (``LayerVote``); what
     was inferred is appended to ``inferred`` at the end. Point ``path`` at one run's ``GBS…``
-    directory: the dump root may hold several runs, whose steps collide.
+    directory: the dump root may hold several runs, whose steps collide. ``errors``: see
+    ``harness.audit.importers`` (a damaged file is a line there, the others are read).
     """
     files = dump_files(Path(path))
     if not files:
@@ -287,9 +303,14 @@ def records(
     experts = num_experts_input(num_experts, "verl")
     layers: tuple[int, ...] | None = moe_layers_input(moe_layers)
     vote = LayerVote() if layers is None else None
-    ordered: list[tuple[int, Path]] = sorted((step_of(f), f) for f in files)
-    for _, file in ordered:
-        batch, _ = batch_records(file, experts, layers, vote)
-        yield from batch
+    ordered: list[tuple[int, Path]] = []
+    for file in files:
+        step = read_file(file.parent / "meta.json", errors, partial(step_of, file))
+        if step is not None:
+            ordered.append((step, file))
+    for _, file in sorted(ordered):
+        read = read_file(file, errors, partial(batch_records, file, experts, layers, vote))
+        if read is not None:
+            yield from read[0]
     if vote is not None and inferred is not None:
         inferred.extend(vote.notes())

@@ -1,0 +1,170 @@
+"""Workers that die or stop mid-audit: a lost unit is retried or reported, a stuck one times out.
+
+A process-pool worker killed from outside (SIGKILL, SIGSEGV, SIGTERM), a worker stopped
+(SIGSTOP), the fork server killed: the audit still ends with the serial result, every unit
+audited. A unit that kills its worker every time, or stops it every time, is reported as not
+audited (an input error naming the file and the row groups, so the audit is never reported
+complete and never exits with the violation code), and every other unit is audited. Ray with a
+task whose worker always dies: the unit is reported, not a ``WorkerCrashedError`` traceback.
+
+The kills come from the ``progress`` hook of ``audit_run``, called in the test's process as each
+unit finishes: at the first one, the pool's workers (the fork server's children) are alive and
+other units are still pending, so the kill always lands mid-audit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterable, Iterator
+from multiprocessing import forkserver
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("pyarrow")
+
+from harness.audit import audit_run
+from harness.audit.checks import AuditOptions
+from harness.audit.executors import _processes, audit_unit, plan_run
+from harness.audit.generate import RunShape, generate_run
+from harness.audit.reader import Unit
+from harness.audit.result import AuditResult
+from harness.audit.state import AuditState
+
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the pool's workers in /proc"),
+]
+
+SHAPE = RunShape(
+    steps=2, prompts=2, group_size=3, prompt_len=7, response_len=9, layers=5, experts=16, top_k=4
+)
+PLACES = ("bytes_read", "seconds")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("workers")
+    generate_run(directory, SHAPE, seed=3, faults=("all_zero_layer", "nan_logprob"), file_bytes=6_000,
+                 row_group_bytes=2_500)  # fmt: skip
+    return directory
+
+
+@pytest.fixture(scope="module")
+def serial(run: Path) -> dict[str, Any]:
+    return _comparable(audit_run(run, executor="serial", unit_bytes=1))
+
+
+def _comparable(result: AuditResult) -> dict[str, Any]:
+    doc = result.as_dict()
+    for key in PLACES:
+        doc.pop(key, None)
+    return doc
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    stat = handle.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _kill_at_first_unit(target: str, sig: signal.Signals, killed: list[int]) -> Any:
+    """A ``progress`` hook that sends ``sig`` to a worker (or the fork server) when the first unit is in."""
+
+    def progress(stream: Iterable[tuple[Unit, AuditState]], total: int) -> Iterator[tuple[Unit, AuditState]]:
+        for item in stream:
+            if not killed:
+                server = forkserver._forkserver._forkserver_pid
+                assert server is not None
+                victim = server if target == "server" else _children(server)[0]
+                os.kill(victim, sig)
+                killed.append(victim)
+            yield item
+
+    return progress
+
+
+@pytest.mark.parametrize(
+    ("target", "sig"),
+    [
+        ("worker", signal.SIGKILL),
+        ("worker", signal.SIGSTOP),
+        ("server", signal.SIGKILL),
+        pytest.param("worker", signal.SIGSEGV, marks=pytest.mark.slow),
+        pytest.param("worker", signal.SIGTERM, marks=pytest.mark.slow),
+    ],
+    ids=["SIGKILL", "SIGSTOP", "fork-server-SIGKILL", "SIGSEGV", "SIGTERM"],
+)
+def test_a_worker_killed_or_stopped_mid_audit_still_gives_the_serial_result(
+    run: Path, serial: dict[str, Any], target: str, sig: signal.Signals, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RRH_UNIT_SECONDS", "4")  # a stopped worker is taken for stuck after 4 s
+    killed: list[int] = []
+    result = audit_run(run, executor="processes", workers=2, unit_bytes=1,
+                       progress=_kill_at_first_unit(target, sig, killed))  # fmt: skip
+    assert killed, "the kill never happened: the run finished in one unit"
+    assert result.input_errors == []
+    assert _comparable(result) == serial
+
+
+def dies_on_its_unit(unit: Unit, options: AuditOptions) -> AuditState:
+    """``audit_unit``, except that the worker given the file's row group 1 dies (a reader crash)."""
+    if 1 in unit.row_groups and unit.path.endswith("000000.parquet"):
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return audit_unit(unit, options)
+
+
+def stops_on_its_unit(unit: Unit, options: AuditOptions) -> AuditState:
+    if 1 in unit.row_groups and unit.path.endswith("000000.parquet"):
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return audit_unit(unit, options)
+
+
+@pytest.mark.parametrize("work", [dies_on_its_unit, stops_on_its_unit], ids=["SIGSEGV", "SIGSTOP"])
+def test_a_unit_that_always_loses_its_worker_is_reported_and_the_others_are_audited(
+    run: Path, work: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if work is stops_on_its_unit:  # taken for stuck after 3 s (a killed worker needs no budget)
+        monkeypatch.setenv("RRH_UNIT_SECONDS", "3")
+    units = plan_run(run, unit_bytes=1).units
+    culprit = next(u for u in units if 1 in u.row_groups and u.path.endswith("000000.parquet"))
+    states = dict(_processes(units, AuditOptions(), 2, work=work))
+    assert sorted(states, key=units.index) == units, "every unit is accounted for, once"
+    errors = [e for state in states.values() for e in state.input_errors]
+    assert len(errors) == 1 and errors[0].startswith(f"{culprit.path} row groups 1–1 (rows ")
+    expected = "SIGSEGV" if work is dies_on_its_unit else "stuck"
+    assert "not audited" in errors[0] and expected in errors[0] and "\n" not in errors[0], errors[0]
+    for unit, state in states.items():  # the others were audited as the serial executor does
+        if unit is not culprit:
+            assert state.input_errors == [] and state.rows_read == audit_unit(unit).rows_read
+
+
+def always_dies(unit: Unit, options: AuditOptions) -> AuditState:
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.slow
+def test_ray_with_every_worker_dead_reports_the_units(run: Path) -> None:
+    ray = pytest.importorskip("ray")
+    from harness.audit.executors import _ray
+
+    units = plan_run(run, unit_bytes=1).units[:2]
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        states = dict(_ray(units, AuditOptions(), None, work=always_dies))
+    finally:
+        ray.shutdown()
+    assert set(states) == set(units)
+    for state in states.values():
+        assert len(state.input_errors) == 1 and "not audited: the Ray task failed" in state.input_errors[0]

@@ -1,0 +1,353 @@
+"""``rrh audit`` on damaged and hostile dumps of every format it reads (``tests/fuzz_audit.py``).
+
+Each input runs ``rrh audit`` in a child forked from a warm server, under an address-space cap
+(the server's size + 2 GiB) and a wall-clock limit, and must end by itself with 0, 1 or 2, print
+one line per message, name the damaged file when it exits 2, allocate nothing a file merely
+declares (no MemoryError under the cap), stay within its time budget, and still audit the intact
+files (every other step in the JSON report with all its samples).
+
+- ``test_hostile_file_*``: the reproducers of issue 32, one by one (a segfault, a FIFO, a symlink
+  to ``/dev/zero``, a declared size of terabytes, a zip record of an unknown method …);
+- ``test_fuzzed_dumps_of_every_format``: a seeded sample of the fuzz, small in the default run
+  (``RRH_FUZZ_INPUTS`` inputs per format, default 2); ``-m slow`` runs 40 per format. The counts of
+  a larger run: ``python -m tests.fuzz_audit --count N --seed S``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests import fuzz_audit as fz
+
+pytest.importorskip("pyarrow")
+pytestmark = [
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(
+        not Path("/proc/self/status").exists() or not hasattr(os, "fork"), reason="forks, reads /proc"
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def runner() -> Iterator[fz.Runner]:
+    server = fz.Runner()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, fz.Base]:
+    root = tmp_path_factory.mktemp("bases")
+    return {fmt: build(root / fmt) for fmt, build in fz.BUILDERS.items()}
+
+
+def _case(
+    bases: dict[str, fz.Base], tmp_path: Path, fmt: str, name: str, damage: Callable[[Path], None]
+) -> fz.Case:
+    base = bases[fmt]
+    directory = tmp_path / "dump"
+    shutil.copytree(base.root, directory, symlinks=True)
+    damage(directory / name)
+    report = directory / "report.json"
+    argv = ["audit", str(directory / base.target), *base.args, "--executor", "serial", "--no-progress",
+            "--json", str(report)]  # fmt: skip
+    step = base.files[name]
+    intact = {s: n for s, n in base.samples.items() if s != step}
+    return fz.Case(0, fmt, directory, argv, name, step, damage.__name__, intact)
+
+
+def _check(runner: fz.Runner, case: fz.Case, code: int = 2) -> str:
+    """Run the case; it must pass the fuzz's judgement and exit ``code``; its messages are returned."""
+    outcome = fz.judge(case, runner.run(case), runner.base_rss_kb)
+    assert outcome.problems == [], outcome.problems
+    assert outcome.code == code, (outcome.code, (case.directory / "stderr.txt").read_text())
+    return (case.directory / "stdout.txt").read_text() + (case.directory / "stderr.txt").read_text()
+
+
+# --- damage, as functions of the file's path ---------------------------------------------------------------
+
+
+def _write(data: bytes) -> Callable[[Path], None]:
+    def write(path: Path) -> None:
+        path.unlink()
+        path.write_bytes(data)
+
+    return write
+
+
+def fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def dev_zero(path: Path) -> None:
+    path.unlink()
+    path.symlink_to("/dev/zero")
+
+
+def directory(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+def dangling(path: Path) -> None:
+    path.unlink()
+    path.symlink_to(path.parent / "gone")
+
+
+def _skyrl(edit: Callable[[dict[str, Any]], Any]) -> Callable[[Path], None]:
+    def damage(path: Path) -> None:
+        step = int(path.name.split("_")[2])
+        state = fz._skyrl_state(step)
+        state = edit(state) or state
+        path.write_bytes(fz.skyrl_pickle(state))
+
+    damage.__name__ = edit.__name__
+    return damage
+
+
+def object_array_short(state: dict[str, Any]) -> None:
+    state["metadata"]["uids"] = fz.fake_array((5000,), np.dtype("O"), ["a", "b", "c"])
+
+
+def declared_terabyte(state: dict[str, Any]) -> None:
+    state["metadata"]["blob"] = fz.Raw(b"\x96" + struct.pack("<Q", 2**40))
+
+
+def uninitialised_array(state: dict[str, Any]) -> None:
+    state["metadata"]["x"] = fz._Call(np.ndarray, (2**33,), "u1")
+
+
+def strided_view(state: dict[str, Any]) -> None:
+    state["metadata"]["policy_prompt_boundaries"] = fz._Call(
+        np.ndarray, (10**12,), "i8", b"12345678", 0, (0,)
+    )
+
+
+def colliding_keys(state: dict[str, Any]) -> None:
+    state["metadata"]["x"] = {k * (2**61 - 1): 0 for k in range(1, 3000)}
+
+
+def huge_shape(state: dict[str, Any]) -> None:
+    state["batch_dict"]["sequences"] = {
+        "format": "numpy",
+        "data": b"",
+        "shape": (2**32, 2**32),
+        "dtype": "int64",
+    }
+
+
+def array_metadata(state: dict[str, Any]) -> None:
+    state["metadata"] = fz.fake_array((2,), np.dtype("i8"), b"\0" * 16)
+
+
+def planted_call(state: dict[str, Any]) -> None:
+    state["metadata"]["x"] = fz._Call(fz._named("os", "system", fz._planted), "touch /tmp/rrh-fuzz-ran")
+
+
+SKYRL = "dumped_data/global_step_2_training_input.pkl"
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [object_array_short, declared_terabyte, uninitialised_array, strided_view, colliding_keys, huge_shape,
+     array_metadata, planted_call],
+)  # fmt: skip
+def test_hostile_file_skyrl_pickle(runner: fz.Runner, bases: Any, tmp_path: Path, edit: Any) -> None:
+    """Each once crashed (SIGSEGV), took gigabytes or minutes, or printed a traceback."""
+    text = _check(runner, _case(bases, tmp_path, "skyrl", SKYRL, _skyrl(edit)))
+    assert "global_step_2_training_input.pkl" in text
+
+
+def test_hostile_file_verl_object_array(runner: fz.Runner, bases: Any, tmp_path: Path) -> None:
+    def damage(path: Path) -> None:
+        batch, non_tensor, meta = fz._verl_state(2, numpy_batch=True)
+        non_tensor["uid"] = fz.fake_array((300,), np.dtype("O"), ["u"] * 4)
+        path.write_bytes(fz.verl_pickle((batch, non_tensor, meta)))
+
+    _check(runner, _case(bases, tmp_path, "verl", f"{fz.VERL_DIR}/2/gen_batch.dp", damage))
+
+
+def test_hostile_file_verl_meta_json_nested_past_the_recursion_limit(
+    runner: fz.Runner, bases: Any, tmp_path: Path
+) -> None:
+    damage = _write(("[" * 100_000 + "]" * 100_000).encode())
+    text = _check(runner, _case(bases, tmp_path, "verl", f"{fz.VERL_DIR}/2/meta.json", damage))
+    assert "recursion limit" in text
+
+
+def _zip_record(
+    method: int | None = None, flags: int | None = None, crc: bool = False
+) -> Callable[[Path], None]:
+    """A slime ``.pt`` whose ``data.pkl`` record has another method, flags or CRC."""
+
+    def damage(path: Path) -> None:
+        data = bytearray(path.read_bytes())
+        name = next(n for n in fz.zipfile.ZipFile(path).namelist() if n.endswith("data.pkl"))
+        info = fz.zipfile.ZipFile(path).getinfo(name)
+        central = fz._central_entry(bytes(data), name)
+        if method is not None:
+            struct.pack_into("<H", data, info.header_offset + 8, method)
+            struct.pack_into("<H", data, central + 10, method)
+        if flags is not None:
+            struct.pack_into("<H", data, info.header_offset + 6, flags)
+            struct.pack_into("<H", data, central + 8, flags)
+        if crc:
+            struct.pack_into("<I", data, central + 16, info.CRC ^ 1)
+            struct.pack_into("<I", data, info.header_offset + 14, info.CRC ^ 1)
+        path.write_bytes(bytes(data))
+
+    return damage
+
+
+def _slime_object_array(path: Path) -> None:
+    rollout, _ = fz.slime_payloads(1)
+    rollout["samples"][1]["tokens"] = fz.fake_array((4000,), np.dtype("O"), [1, 2])
+    path.write_bytes(fz.torch_save(rollout))
+
+
+def _slime_expanded(path: Path) -> None:
+    import torch
+
+    rollout, _ = fz.slime_payloads(1)
+    rollout["samples"][1]["rollout_routed_experts"] = torch.zeros(1, dtype=torch.int32).expand(10**8, 4, 2)
+    path.write_bytes(fz.torch_save(rollout))
+
+
+def _slime_multi_element_count(path: Path) -> None:
+    import torch
+
+    rollout, _ = fz.slime_payloads(1)
+    rollout["samples"][1]["response_length"] = torch.tensor([3, 4])
+    path.write_bytes(fz.torch_save(rollout))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [fifo, dev_zero, directory, dangling, _zip_record(method=99), _zip_record(method=8), _zip_record(flags=1),
+     _zip_record(crc=True), _slime_object_array, _slime_expanded, _slime_multi_element_count],
+    ids=["fifo", "dev-zero", "directory", "dangling", "method-99", "deflated", "encrypted", "bad-crc",
+         "object-array", "expanded-view", "multi-element-count"],
+)  # fmt: skip
+def test_hostile_file_slime(runner: fz.Runner, bases: Any, tmp_path: Path, damage: Any) -> None:
+    text = _check(runner, _case(bases, tmp_path, "slime", "rollout_data/1.pt", damage))
+    assert "rollout_data/1.pt" in text
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [fifo, dev_zero, directory, dangling, _write(b'{"idx": 1, "token_ids": [[\xff\xfe]]}\n'),
+     _write(b"[" * 100_000 + b"]" * 100_000 + b"\n"), _write(b'{"input_lengths": [' + b"9" * 5000 + b"]}\n")],
+    ids=["fifo", "dev-zero", "directory", "dangling", "not-utf8", "deep", "huge-integer"],
+)  # fmt: skip
+def test_hostile_file_nemo_rl(runner: fz.Runner, bases: Any, tmp_path: Path, damage: Any) -> None:
+    text = _check(runner, _case(bases, tmp_path, "nemo_rl", "train_data_step2.jsonl", damage))
+    assert "train_data_step2.jsonl" in text
+
+
+def _footer(rows: int) -> Callable[[Path], None]:
+    def damage(path: Path) -> None:
+        from tests.parquet_footer import (
+            FILE_NUM_ROWS,
+            GROUP_NUM_ROWS,
+            I64,
+            read_footer,
+            row_groups,
+            write_footer,
+        )
+
+        body, meta = read_footer(path.read_bytes())
+        row_groups(meta)[0][GROUP_NUM_ROWS] = (I64, rows)
+        meta[FILE_NUM_ROWS] = (I64, rows)
+        path.write_bytes(write_footer(body, meta))
+
+    return damage
+
+
+def _column(name: str, value: Any) -> Callable[[Path], None]:
+    def damage(path: Path) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from harness.audit.writer import write_table
+
+        table = pq.read_table(path)
+        index = table.schema.get_field_index(name)
+        array = pa.array([value] * table.num_rows, type=table.schema.field(name).type)
+        write_table(
+            path, table.set_column(index, table.schema.field(name), array), 10_000, row_group_bytes=1_500
+        )
+
+    return damage
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [_footer(2**40), _footer(2**31), _footer(7), _column("num_experts", 32),
+     _column("routes_start", 2**31 - 1), fifo, dev_zero],
+    ids=["rows-2**40", "rows-2**31", "rows-off-by-one", "expert-count", "routes-start", "fifo", "dev-zero"],
+)  # fmt: skip
+def test_hostile_file_run_layout(runner: fz.Runner, bases: Any, tmp_path: Path, damage: Any) -> None:
+    """A row group declaring 2**31 rows once took 2.5 GiB and exited 0; files disagreeing on the expert
+    count, a huge routes_start: tracebacks."""
+    name = sorted(bases["layout"].files)[1]
+    _check(runner, _case(bases, tmp_path, "layout", name, damage))
+
+
+def _manifest(**fields: Any) -> Callable[[Path], None]:
+    def damage(path: Path) -> None:
+        doc = json.loads(path.read_text())
+        doc.update(fields)
+        path.write_text(json.dumps(doc))
+
+    return damage
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [_manifest(world_size=10**7), _manifest(files=["../../etc/passwd"]), _manifest(files=[None]),
+     _manifest(rank=5), fifo, dev_zero],
+    ids=["world-size-10**7", "files-outside", "files-null", "rank-past-world", "fifo", "dev-zero"],
+)  # fmt: skip
+def test_hostile_file_tap_manifest(runner: fz.Runner, bases: Any, tmp_path: Path, damage: Any) -> None:
+    """world_size 10**7 once took 4 GiB; a FIFO blocked forever. The run's files are still audited."""
+    _check(runner, _case(bases, tmp_path, "manifest", "_tap/rank-00001.json", damage))
+
+
+def test_fuzzed_dumps_of_every_format(
+    runner: fz.Runner, bases: Any, tmp_path: Path, record_property: Any
+) -> None:
+    count = int(os.environ.get("RRH_FUZZ_INPUTS", "2"))
+    _fuzz(runner, bases, tmp_path, count, seed=0, record_property=record_property)
+
+
+@pytest.mark.slow
+def test_fuzzed_dumps_of_every_format_many(
+    runner: fz.Runner, bases: Any, tmp_path: Path, record_property: Any
+) -> None:
+    _fuzz(runner, bases, tmp_path, 40, seed=1, record_property=record_property)
+
+
+def _fuzz(runner: fz.Runner, bases: Any, tmp_path: Path, count: int, seed: int, record_property: Any) -> None:
+    summary = fz.Summary()
+    for index in range(count):
+        for fmt in fz.FORMATS:
+            case = fz.make_case(index, seed, fmt, bases[fmt], tmp_path)
+            summary.add(fz.judge(case, runner.run(case), runner.base_rss_kb), runner.base_rss_kb)
+            shutil.rmtree(case.directory, ignore_errors=True)
+    for key in ("inputs", "crashes", "timeouts", "memory", "unaudited", "max_seconds", "max_growth_mib"):
+        record_property(key, getattr(summary, key))
+    print(
+        f"\nfuzz rrh audit: {summary.inputs} inputs, exits {summary.exits}, max {summary.max_seconds:.1f} s"
+    )
+    assert summary.inputs == count * len(fz.FORMATS)
+    assert summary.failures == []
