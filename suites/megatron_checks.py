@@ -184,7 +184,7 @@ class _Rank:
                 loss_mask=torch.ones_like(labels, dtype=torch.float32),
             )
         assert layout.lengths is not None
-        slots = thd.packed_slots(layout.lengths, layout.tp)
+        slots = thd.packed_slots(layout.lengths, layout.packing_align)
         real = slots[:, 0] >= 0
         pick = slots.clamp(min=0)
         position = torch.where(real, pick[:, 0] * layout.seq_len + pick[:, 1], slot_count(layout) - 1)
@@ -198,11 +198,13 @@ class _Rank:
         )
 
     def packed_seq_params(self) -> Any:
-        """The packed micro-batch's ``PackedSeqParams`` (THD; samples padded to a multiple of ``tp``)."""
+        """The packed micro-batch's ``PackedSeqParams`` (THD; samples padded to a multiple of the
+        layout's ``align``)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
         assert self.layout.lengths is not None
-        lengths, padded = self.layout.lengths, thd.padded_lengths(self.layout.lengths, self.layout.tp)
+        lengths = self.layout.lengths
+        padded = thd.padded_lengths(lengths, self.layout.packing_align)
         cu, cu_padded = thd.cu_seqlens(lengths).to(self.device), thd.cu_seqlens(padded).to(self.device)
         return PackedSeqParams(
             qkv_format="thd",

@@ -196,9 +196,10 @@ MUTANTS = (
     Mutant(
         "megatron-thd-unpadded-boundaries",
         "token order",
-        "packed targets laid out at cu_seqlens while the model's rows follow cu_seqlens_padded (TP > 1)",
+        "packed targets laid out at cu_seqlens while the model's rows follow cu_seqlens_padded (verl "
+        "#7106's class; hides where no sample is padded: TP = 1 at alignment 1)",
         mutate("megatron-thd-unpadded-boundaries", megatron_data=UnpaddedBoundaries()),
-        killed_by="test_megatron.py::test_router_replay_follows_canonical_targets[thd-tp2ep2]",
+        killed_by="test_megatron.py::test_router_replay_follows_canonical_targets[thd-align4]",
     ),
     Mutant(
         "megatron-layer-shift",

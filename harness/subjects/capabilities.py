@@ -165,6 +165,21 @@ class RefusesMegatronLayout(Protocol):
 
 
 @runtime_checkable
+class PacksAtOwnAlignment(Protocol):
+    """Optional on a ``MegatronDataMovement``: a release that packs a THD micro-batch itself.
+
+    verl and SkyRL do not read the forward's ``packed_seq_params``: they pad each sample to the
+    alignment their own ``preprocess_packed_seqs`` derives from the parallel state (``tp`` at
+    CP = 1 without FP8, ``tp·cp·2`` under CP). A packed layout padded otherwise is one the release
+    never builds: the suite skips it, naming both alignments, instead of judging the release on
+    rows its own trainer would not hold.
+    """
+
+    def packing_align(self, tp: int) -> int:
+        """The per-sample alignment the release packs to at tensor parallel size ``tp`` (CP = 1)."""
+
+
+@runtime_checkable
 class MegatronDataMovement(Protocol):
     """Canonical routes ↔ one rank's routers, for one DP rank's micro-batch (FACTS §2).
 

@@ -69,8 +69,8 @@ class CoreDriver:
 class CoreData:
     """``MegatronDataMovement`` into and out of ``RouterReplay`` 's class list; a packed (THD)
     micro-batch (the forward's ``packed_seq_params``) is laid out the same canonical way
-    (``harness.trainers.megatron.packed``: each sample padded to a multiple of ``tp``, sharded
-    contiguously over TP)."""
+    (``harness.trainers.megatron.packed``: each sample at its ``cu_seqlens_q_padded`` offset,
+    sharded contiguously over TP)."""
 
     def set_replay_data(
         self,
