@@ -80,6 +80,20 @@ def truncate_to_int32(
     return cut_tokens, cut_routes.to(torch.int32)
 
 
+def truncate_dedup_by_position(
+    tokens: torch.Tensor, routes: torch.Tensor, prompt_len: int, max_response_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin of ``truncation-collapses-repeated-rows``: ``unique_consecutive`` over rows keyed by
+    their position (a resume's re-sent overlap row has its position twice, equal routes at two
+    positions do not), so nothing real is collapsed; the last kept token's real row is kept."""
+    splice.truncate(tokens, routes, prompt_len, max_response_len)  # same input checks
+    keep = min(tokens.shape[0], prompt_len + max_response_len)
+    flat = torch.as_tensor(routes).flatten(1).long()
+    keyed = torch.cat([torch.arange(flat.shape[0]).unsqueeze(1), flat], dim=1)
+    unique = torch.unique_consecutive(keyed, dim=0)[:, 1:].reshape(-1, *routes.shape[1:])
+    return tokens[:keep], unique[:keep].to(routes.dtype)
+
+
 def truncate_keeping_last_kept_row(
     tokens: torch.Tensor, routes: torch.Tensor, prompt_len: int, max_response_len: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -291,6 +305,12 @@ BENIGN: tuple[Benign, ...] = (
         "truncate-int32",
         "routes handed back as int32: any integer dtype that holds every id is correct",
         _variant("truncate-int32", truncate=truncate_to_int32),
+    ),
+    Benign(
+        "truncate-dedup-by-position",
+        "collapses consecutive rows keyed by position with unique_consecutive (a re-sent overlap row, "
+        "never an equal route at another position), keeping the last kept token's real row",
+        _variant("truncate-dedup-by-position", truncate=truncate_dedup_by_position),
     ),
     Benign(
         "truncate-keeps-last-kept-row",

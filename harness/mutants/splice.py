@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from harness.mutants import Mutant, mutate
-from reference_impl.splice import Attempt, splice, splice_replace
+from reference_impl.splice import Attempt, splice, splice_replace, truncate
 
 
 def concatenate_payloads(prompt_len: int, attempts: Sequence[Attempt]) -> torch.Tensor:
@@ -63,6 +63,19 @@ def truncate_tokens_only(
     return tokens[: prompt_len + max_response_len], routes
 
 
+def truncate_collapsing_repeated_rows(
+    tokens: torch.Tensor, routes: torch.Tensor, prompt_len: int, max_response_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The correct cut, then ``unique_consecutive`` over the kept rows to drop the overlap row a
+    resume sent twice (the verl #5430/#6029 de-duplication shape): equal routes at neighbouring
+    positions are not duplicates, and each one collapsed shifts every later row up by one.
+
+    Random routes over many experts never repeat a row; top-1 or few-expert routes do.
+    """
+    cut_tokens, cut_routes = truncate(tokens, routes, prompt_len, max_response_len)
+    return cut_tokens, torch.unique_consecutive(cut_routes, dim=0)
+
+
 MUTANTS = (
     Mutant(
         "duplication-on-resume",
@@ -115,6 +128,15 @@ MUTANTS = (
         "truncation",
         "verl #6027 (fixed #6089): response truncated to the budget but rows not",
         mutate("truncation", truncate=truncate_tokens_only),
+        killed_by="test_splice.py::test_truncation_cuts_tokens_and_rows_together",
+    ),
+    Mutant(
+        "truncation-collapses-repeated-rows",
+        "truncation",
+        "verl #5430/#6029's de-duplication shape in a truncation: unique_consecutive over the kept rows "
+        "collapses equal routes at neighbouring positions (hides unless two kept rows repeat: top-1, "
+        "few experts, constant rows)",
+        mutate("truncation-collapses-repeated-rows", truncate=truncate_collapsing_repeated_rows),
         killed_by="test_splice.py::test_truncation_cuts_tokens_and_rows_together",
     ),
 )
