@@ -40,12 +40,13 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from harness.probes import RouteProbe
-from harness.subjects import Subject
-from harness.subjects.capabilities import MissingMember, OneForwardInFlight, ReplayController
-from harness.subjects.replay import controlled, patches, prepare
+from harness.subjects import Subject, load_subject
+from harness.subjects.capabilities import MissingMember, OneForwardInFlight, ReplayController, as_driver
+from harness.subjects.replay import controlled, patches, prepare, unpatched
 from harness.testing.asserts import assert_close_logprobs, assert_same_routes
 from harness.testing.megatron_kind import MegatronKindDriver, megatron_kind, megatron_session
-from harness.testing.suite import require
+from harness.testing.ranks import run_ranks
+from harness.testing.suite import require, subject_spec
 from harness.trainers.hf.models import MODEL_TYPES
 from harness.trainers.kinds import ModelKind, Routing, hf_kind, reference_kind
 from reference_impl import ROUTER_FAMILIES
@@ -293,14 +294,52 @@ def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 @pytest.mark.parametrize(("kind", "family"), _one_family_per_kind())
 def test_a_part_built_before_the_patch_is_replayed_or_refused(
-    subject: Subject, kind: str, family: str
+    subject: Subject, request: pytest.FixtureRequest, kind: str, family: str
 ) -> None:
     """A model part built before the driver's ``patch()`` (an MTP head, a critic; here the last decoder
     layer, built before the patch and copied in) is replayed like the rest or refused loudly (an
-    exception) — never left routing natively while the other layers replay (DESIGN §3.8)."""
+    exception) — never left routing natively while the other layers replay (DESIGN §3.8).
+
+    "Before the patch" holds whatever ran earlier in the process: a driver an earlier test patched is
+    undone for the build (``unpatched``), and one that cannot be undone gets a fresh process (a rank
+    of the fork server, which no driver ever patched), so the verdict does not depend on test order.
+    """
     _not_megatron(kind, "a decoder layer copied between GPT models keeps the other model's RouterReplay")
     k = KINDS[kind]
-    early = copy.deepcopy(_decoder_layers(k.build(family, "fp32", fresh=True))[-1])  # before prepare()
+    driver = as_driver(require(subject, k.capability), k.capability)
+    with unpatched(driver) as clean:
+        early = copy.deepcopy(_decoder_layers(k.build(family, "fp32", fresh=True))[-1]) if clean else None
+    if early is not None:
+        _part_built_before_the_patch(subject, kind, family, early)
+        return
+    run = run_ranks(
+        part_built_before_the_patch_worker,
+        1,
+        args=(subject_spec(request.config), kind, family),
+        timeout=RANK_TIMEOUT_S,
+    )
+    if run.results[0]:
+        pytest.skip(run.results[0])
+
+
+RANK_TIMEOUT_S = 120
+
+
+def part_built_before_the_patch_worker(rank: int, world_size: int, spec: str, kind: str, family: str) -> str:
+    """The check in a fresh process (no driver has patched it): ``""``, or why it skips."""
+    subject = load_subject(spec)
+    try:
+        early = copy.deepcopy(_decoder_layers(KINDS[kind].build(family, "fp32", fresh=True))[-1])
+        _part_built_before_the_patch(subject, kind, family, early)
+    except pytest.skip.Exception as skipped:
+        return str(skipped.msg)
+    return ""
+
+
+def _part_built_before_the_patch(subject: Subject, kind: str, family: str, early: torch.nn.Module) -> None:
+    """``early`` (built before the driver's patch) as the last decoder layer of a model built after
+    it: replayed like the rest, or refused loudly."""
+    k = KINDS[kind]
     driver = prepare(require(subject, k.capability), k.capability)
     model = k.build(family, "fp32", fresh=patches(driver))
     _decoder_layers(model)[-1] = early

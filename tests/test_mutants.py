@@ -45,6 +45,10 @@ QUICK_KEYWORD = {
         "test_replay and reference and not bf16 and (two_controlled or disarmed or part_built or deep_model"
         " or (softmax_topk and not softmax_topk_fp32))"
     ),
+    "constructor-patch-driver-by-tag": (
+        "test_replay and reference and not bf16 and (two_controlled or disarmed or part_built or deep_model"
+        " or (softmax_topk and not softmax_topk_fp32))"
+    ),
     "one-forward-in-flight": "test_recompute",
     "un-undoable-driver-beside-a-bare-callable": "test_hf and qwen2_moe or test_r2",
     "splice-into-buffer": "test_splice",

@@ -402,6 +402,12 @@ BENIGN: tuple[Benign, ...] = (
         _variant("constructor-patch-driver", install_replay=ConstructorPatchDriver()),
     ),
     Benign(
+        "constructor-patch-driver-by-tag",
+        "the constructor-patch driver knowing its routers by a flag its patched constructor sets on each "
+        "(deep copies keep it), refusing an unflagged router loudly",
+        _variant("constructor-patch-driver-by-tag", install_replay=ConstructorPatchDriver(by_tag=True)),
+    ),
+    Benign(
         "one-forward-in-flight",
         "declares one forward in flight (OneForwardInFlight) and keeps REPLAY_FORWARD through backward: "
         "the recompute replays the one forward's own targets",

@@ -72,6 +72,32 @@ def unpatch_all() -> None:
         driver.unpatch()
 
 
+@contextmanager
+def unpatched(driver: Any) -> Iterator[bool]:
+    """A block in which ``driver`` has not patched this process, so that what it builds is built as
+    before ``patch()`` (the next ``prepare`` / ``ensure_patched`` patches again).
+
+    Yields True when that holds: the driver never patched here, patches nothing (a bare callable),
+    or patched last and can undo it (``unpatch()`` runs now). Yields False when it cannot be undone
+    here (no ``unpatch()``, or another driver patched on top of it): the caller builds in a fresh
+    process instead. A check of "a part built before the patch" that builds in an already-patched
+    process would build a patched part and pass whatever the driver does with unpatched ones.
+    """
+    if not patches(driver):
+        yield True
+        return
+    mine = [i for i, d in enumerate(_patched) if d is driver or d == driver]
+    if not mine:
+        yield True
+        return
+    if mine != [len(_patched) - 1] or not isinstance(driver, Unpatchable):
+        yield False
+        return
+    _patched.pop()
+    driver.unpatch()
+    yield True
+
+
 def prepare(capability: object, name: str = "install_replay") -> ReplayDriver:
     """``capability`` as a driver whose ``patch()`` has run: call it before building the models it
     will control (the protocol promises ``install`` models built after ``patch()``)."""
