@@ -52,6 +52,7 @@ QUICK_KEYWORD = {
     "one-forward-in-flight": "test_recompute",
     "un-undoable-driver-beside-a-bare-callable": "test_hf and qwen2_moe or test_r2",
     "splice-into-buffer": "test_splice",
+    "splice-payload-tails": "test_splice",
 }
 """Variants that take ~30 s each over every suite of their capabilities run, in the default run, the
 part of those suites their choice meets: the bad-input cases, the reference replay cases that a

@@ -113,6 +113,21 @@ def splice_to_numpy(prompt_len: int, attempts: Sequence[splice.Attempt]) -> np.n
     return np.sort(splice.splice(prompt_len, attempts).numpy().astype(np.int32), axis=-1)
 
 
+def splice_payload_tails(prompt_len: int, attempts: Sequence[splice.Attempt]) -> torch.Tensor:
+    """The twin of ``seam-found-by-content``: each later attempt's rows are the last ``new_tokens``
+    rows of its payload (the rows before them are the context it re-prefilled), found by the
+    payload's length, never by content (verl's ``FullyAsyncLLMServerClient`` with its ``[-0:]``
+    guard); the first contributing attempt's payload whole. Bad input: the reference's checks."""
+    checked = splice.splice(prompt_len, attempts)  # same input checks; the answer when nothing was fed
+    rows: list[torch.Tensor] = []
+    for attempt in attempts:
+        if not attempt.new_tokens or attempt.routes is None:
+            continue
+        payload = torch.as_tensor(attempt.routes)
+        rows.append(payload[-attempt.new_tokens :] if rows else payload)
+    return torch.cat(rows) if rows else checked
+
+
 def splice_into_buffer(prompt_len: int, attempts: Sequence[splice.Attempt]) -> torch.Tensor | None:
     """The correct splice written as a buffer fill: allocate ``P + Σa − 1`` rows, then copy each
     contributing attempt's own new positions from the same rows of its payload, by index. It never
@@ -321,6 +336,12 @@ BENIGN: tuple[Benign, ...] = (
         "splice-numpy-sorted",
         "the splice as a numpy int32 array, each route's ids sorted",
         _variant("splice-numpy-sorted", splice=splice_to_numpy),
+    ),
+    Benign(
+        "splice-payload-tails",
+        "each later attempt's rows are the last new_tokens rows of its payload (verl's resume splice, "
+        "with its [-0:] guard): the seam from the payload's length, never from its content",
+        _variant("splice-payload-tails", splice=splice_payload_tails),
     ),
     Benign(
         "splice-into-buffer",

@@ -56,6 +56,36 @@ def splice_dropping_repeated_seam_rows(prompt_len: int, attempts: Sequence[Attem
     return trace[keep]
 
 
+def splice_finding_seam_by_content(prompt_len: int, attempts: Sequence[Attempt]) -> torch.Tensor:
+    """The first contributing attempt's payload, then each later attempt's rows taken from just after
+    the last kept row's route, found by content in its payload when it occurs there exactly once (the
+    overlap row the engine sent again), else from the position the rows count gives.
+
+    Right while every route is distinct (it sits where the position says), and while routes repeat so
+    often that none is unique (it falls back to the position); wrong when a weight update moved the
+    routes, so the last kept route reappears once, one position away.
+    """
+    trace: torch.Tensor | None = None
+    context_len = prompt_len
+    for attempt in attempts:
+        context_len += attempt.new_tokens
+        if not attempt.new_tokens:
+            continue
+        if attempt.routes is None:
+            raise ValueError(f"an attempt added {attempt.new_tokens} tokens but returned no routes")
+        rows = torch.as_tensor(attempt.routes)
+        if trace is None:
+            trace = rows[: context_len - 1]
+            continue
+        start = trace.shape[0]
+        last = torch.sort(trace[-1], dim=-1).values
+        hits = [i for i in range(rows.shape[0]) if torch.equal(torch.sort(rows[i], dim=-1).values, last)]
+        if len(hits) == 1:
+            start = hits[0] + 1
+        trace = torch.cat([trace, rows[start : start + attempt.new_tokens]])
+    return splice(prompt_len, attempts) if trace is None else trace
+
+
 def truncate_tokens_only(
     tokens: torch.Tensor, routes: torch.Tensor, prompt_len: int, max_response_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,6 +151,15 @@ MUTANTS = (
         "the one before it is dropped as a duplicate (hides unless two equal rows meet at a seam: top-1, "
         "few experts)",
         mutate("repeated-row-at-seam", splice=splice_dropping_repeated_seam_rows),
+        killed_by="test_splice.py::test_rows_that_repeat_across_a_seam_keep_their_positions",
+    ),
+    Mutant(
+        "seam-found-by-content",
+        "repeated row at a seam",
+        "issue 34's blind spot (no framework release known): each later attempt's rows start after the "
+        "last kept route, found by content in the new payload when it occurs there once (hides unless a "
+        "weight update moves a repeating route one position: distinct or constant routes hide it)",
+        mutate("seam-found-by-content", splice=splice_finding_seam_by_content),
         killed_by="test_splice.py::test_rows_that_repeat_across_a_seam_keep_their_positions",
     ),
     Mutant(
