@@ -51,6 +51,9 @@ QUICK_KEYWORD = {
     ),
     "one-forward-in-flight": "test_recompute",
     "un-undoable-driver-beside-a-bare-callable": "test_hf and qwen2_moe or test_r2",
+    "un-undoable-driver-beside-megatron": (
+        "test_replay and whatever_the_live_logits and (hf-qwen2_moe-fp32 or megatron-softmax)"
+    ),
     "splice-into-buffer": "test_splice",
     "splice-payload-tails": "test_splice",
 }

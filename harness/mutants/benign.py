@@ -30,6 +30,7 @@ from harness.subjects import Subject
 from harness.subjects.capabilities import LayoutsCapability, members
 from harness.subjects.reference import REFERENCE
 from harness.trace import RoutingTrace
+from harness.trainers.megatron.subject import HarnessMegatronDriver
 from reference_impl import MoELM, layouts, splice, training
 from reference_impl.layouts import LayoutError, MicroBatchPlan, Placed
 
@@ -442,6 +443,18 @@ BENIGN: tuple[Benign, ...] = (
             "un-undoable-driver-beside-a-bare-callable",
             install_replay=bare_install_replay,
             install_hf_replay=HooksWithoutUnpatch(),
+        ),
+        own_process=True,
+    ),
+    Benign(
+        "un-undoable-driver-beside-megatron",
+        "a transformers driver without unpatch() beside Megatron-core's own replay (a driver of its own, "
+        "which patches nothing): the Megatron kind of the replay suite must not be refused for a patch it "
+        "never made",
+        _variant(
+            "un-undoable-driver-beside-megatron",
+            install_hf_replay=HooksWithoutUnpatch(),
+            install_megatron_replay=HarnessMegatronDriver(),
         ),
         own_process=True,
     ),

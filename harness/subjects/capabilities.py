@@ -105,6 +105,16 @@ class ReplayDriver(Protocol):
 
 
 @runtime_checkable
+class PatchesNothing(Protocol):
+    """Optional: a driver whose ``patch()`` changes nothing global (``patches_nothing = True``:
+    Megatron-core ≥ 0.16 replays natively). It never takes part in patch isolation: another driver's
+    patch that cannot be undone does not refuse it, and it refuses nobody. A wrapper that presents a
+    subject's driver (the replay suite's Megatron kind) says what the wrapped driver says."""
+
+    patches_nothing: bool
+
+
+@runtime_checkable
 class Unpatchable(Protocol):
     """Optional: a driver that can undo its global patches (so one process can run several subjects)."""
 

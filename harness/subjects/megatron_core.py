@@ -56,6 +56,8 @@ class CoreController:
 class CoreDriver:
     """``MegatronReplayDriver``: nothing to patch, ``moe_enable_routing_replay=True``."""
 
+    patches_nothing = True  # PatchesNothing
+
     def patch(self) -> None:
         """Megatron-core ≥ 0.16 replays natively."""
 

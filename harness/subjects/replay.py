@@ -14,7 +14,8 @@ Isolation of global patches (DESIGN §4 "subject seam"):
 - a driver without ``unpatch()`` cannot be undone: once it has patched, patching *another* driver
   that patches in the same process is a ``PatchIsolationError`` — run such subjects one per process
   (``rrh check --subject`` and the Megatron suites, which spawn fresh rank processes, already do). A
-  bare ``model -> controller`` callable (``CallableDriver``) patches nothing and is never refused.
+  bare ``model -> controller`` callable (``CallableDriver``) patches nothing and is never refused,
+  nor is a driver that declares it patches nothing (``PatchesNothing``: Megatron-core's own replay).
 """
 
 from __future__ import annotations
@@ -44,12 +45,17 @@ _patched: list[Any] = []  # drivers whose patch() ran in this process, in order
 
 
 def patches(driver: Any) -> bool:
-    """Whether ``driver`` may patch the process: every driver object may; a bare callable never does."""
-    return not isinstance(driver, CallableDriver)
+    """Whether ``driver`` may patch the process: every driver object may, unless it declares it patches
+    nothing (``PatchesNothing``); a bare callable never does."""
+    return not isinstance(driver, CallableDriver) and not bool(getattr(driver, "patches_nothing", False))
 
 
 def ensure_patched(driver: Any) -> None:
-    """Run ``driver.patch()`` unless it already ran in this process (nothing for a bare callable)."""
+    """Run ``driver.patch()`` unless it already ran in this process (nothing for a bare callable; a
+    driver that patches nothing runs its no-op ``patch()`` and is not counted)."""
+    if not isinstance(driver, CallableDriver) and not patches(driver):
+        driver.patch()
+        return
     if not patches(driver) or any(d is driver or d == driver for d in _patched):
         return
     stuck = [d for d in _patched if not isinstance(d, Unpatchable)]

@@ -227,8 +227,11 @@ class MegatronKindController:
 
 class MegatronKindDriver:
     """The subject's ``install_megatron_replay`` + ``megatron_data`` as one ``ReplayDriver`` (equal to
-    another over the same two objects, so its patch runs once per process). ``unpatch`` undoes the
-    subject driver's patch where it has an ``unpatch`` (the reference's patches nothing)."""
+    another over the same two objects, so its patch runs once per process). Patch isolation counts
+    what the subject's driver patches, not the wrapper: ``patches_nothing`` is the subject driver's
+    (the reference's and Megatron-core's own patch nothing), and ``unpatch`` exists exactly when the
+    subject driver has one (a wrapper that always offered it would pass an un-undoable patch off as
+    undoable)."""
 
     def __init__(self, driver: Any, data: Any) -> None:
         self.driver, self.data = driver, data
@@ -242,13 +245,18 @@ class MegatronKindDriver:
     def __hash__(self) -> int:
         return hash((id(self.driver), id(self.data)))
 
+    @property
+    def patches_nothing(self) -> bool:
+        return bool(getattr(self.driver, "patches_nothing", False))
+
     def patch(self) -> None:
         self.driver.patch()
 
-    def unpatch(self) -> None:
-        undo = getattr(self.driver, "unpatch", None)
-        if undo is not None:
-            undo()
+    def __getattr__(self, name: str) -> Any:
+        undo = getattr(self.__dict__.get("driver"), "unpatch", None) if name == "unpatch" else None
+        if undo is None:
+            raise AttributeError(name)
+        return undo
 
     def config_overrides(self) -> Any:
         return self.driver.config_overrides()

@@ -125,6 +125,8 @@ def merge_rank_recordings(recorded: Sequence[torch.Tensor], layout: MegatronLayo
 class HarnessMegatronDriver:
     """``MegatronReplayDriver`` of the reference subject (Megatron-core's ``RouterReplay``, checked)."""
 
+    patches_nothing = True  # PatchesNothing: Megatron-core replays natively
+
     def patch(self) -> None:
         """Megatron-core ≥ 0.16 needs no patch."""
 
