@@ -32,6 +32,12 @@ Layouts (``RRH_MEGATRON_LAYOUT=name[,name…]`` selects; ``tox -e megatron-tp2ep
 - ``thd-tp2ep2``: the packed micro-batch under TP = 2 (each sample padded to a multiple of 2: filler
   rows, a shard boundary inside a sample), EP = 2: ``slow``.
 
+Gate-weight rules (``test_gate_weights_follow_every_router_rule``): on one rank, a model per rule
+megatron-core's ``TopKRouter`` offers (``harness.trainers.megatron.model.router_rules``: softmax after
+or before top-k, sigmoid, each with and without the top-k scaling factor, group-limited routing, the
+sigmoid expert bias, top-1), native and replayed; every router call's gate weights must follow the
+rule. All eighteen run by default (one rank, ~0.2 s a rule).
+
 A packed layout needs a data movement whose ``set_replay_data`` / ``merge_recordings`` take
 ``packed_seq_params``; a subject without it skips, naming it. A layout the subject's driver declares
 its release refuses at setup (``refusal``, e.g. SkyRL 0.4.0 with VPP) skips, naming the reason; so
@@ -52,7 +58,8 @@ from harness.testing.megatron_cpu import setup_rank
 from harness.testing.ranks import run_ranks
 from harness.testing.suite import require, subject_spec
 from harness.trainers.megatron.layout import MegatronLayout
-from suites.megatron_checks import run_checks
+from harness.trainers.megatron.model import router_rules
+from suites.megatron_checks import run_checks, run_router_checks
 
 TIMEOUT_S = 240
 
@@ -125,6 +132,28 @@ def _require_accepted(subject: Subject, layout: MegatronLayout) -> None:
     reason = refusal(layout) if callable(refusal) else None
     if reason:
         pytest.skip(f"subject {subject.name!r} refuses this layout at setup: {reason}")
+
+
+ROUTER_LAYOUT = MegatronLayout(**{**_COMMON, "num_experts": 8})
+
+
+def router_worker(rank: int, world_size: int, subject: str, seed: int) -> dict[str, object]:
+    return run_router_checks(ROUTER_LAYOUT, router_rules(), seed=seed, subject=subject)
+
+
+@pytest.mark.capability("install_megatron_replay", "megatron_data")
+@pytest.mark.megatron
+@pytest.mark.distributed
+def test_gate_weights_follow_every_router_rule(subject: Subject, request: pytest.FixtureRequest) -> None:
+    """Under each of megatron-core's gate-weight rules, natively and under replay (recompute included),
+    every router weights the experts it routed each token to by that rule, from its own logits, and
+    the replayed experts are the targets: replay moves ids, never the rule."""
+    require(subject, "install_megatron_replay")
+    require(subject, "megatron_data")
+    run = run_ranks(
+        router_worker, 1, args=(subject_spec(request.config), 0), setup=setup_rank, timeout=TIMEOUT_S
+    )
+    assert run.results[0]["rules"] == list(router_rules()), f"rules checked: {run.results[0]['rules']}"
 
 
 def _require_alignment(subject: Subject, layout: MegatronLayout) -> None:

@@ -44,6 +44,7 @@ from harness.subjects import Subject, load_subject
 from harness.subjects.capabilities import MissingMember, OneForwardInFlight, ReplayController, as_driver
 from harness.subjects.replay import controlled, patches, prepare, unpatched
 from harness.testing.asserts import assert_close_logprobs, assert_same_routes
+from harness.testing.megatron_kind import FAST_FAMILIES as MEGATRON_FAST_FAMILIES
 from harness.testing.megatron_kind import MegatronKindDriver, megatron_kind, megatron_session
 from harness.testing.ranks import run_ranks
 from harness.testing.suite import require, subject_spec
@@ -71,7 +72,13 @@ def _cases(dtypes: tuple[str, ...], hf_types: tuple[str, ...] = tuple(MODEL_TYPE
     ]
     cases += [pytest.param("hf", m, d, id=f"hf-{m}-{d}", marks=on_hf) for m in hf_types for d in dtypes]
     cases += [
-        pytest.param("megatron", f, "fp32", id=f"megatron-{f}-fp32", marks=MEGATRON_MARKS)
+        pytest.param(
+            "megatron",
+            f,
+            "fp32",
+            id=f"megatron-{f}-fp32",
+            marks=MEGATRON_MARKS + ([] if f in MEGATRON_FAST_FAMILIES else [pytest.mark.slow]),
+        )
         for f in KINDS["megatron"].families
     ]
     return cases
@@ -102,7 +109,9 @@ def _armed(
         session.__enter__()
         driver = prepare(capability, model_kind.capability)
         if model is None:
-            model = model_kind.build(family, dtype, fresh=patches(driver), deep=deep)
+            model = model_kind.build(
+                family, dtype, fresh=patches(driver), deep=deep, **_overrides(kind, driver)
+            )
         if negate:
             model_kind.negate_routers(model)
         with controlled(driver, model, model_kind.capability) as controller:
@@ -115,6 +124,13 @@ def _armed(
         pytest.skip(str(err))
     finally:
         session.__exit__(None, None, None)
+
+
+def _overrides(kind: str, driver: object) -> dict[str, object]:
+    """The Megatron kind builds its model with the subject driver's ``config_overrides()``."""
+    if kind != "megatron":
+        return {}
+    return {"overrides": dict(driver.config_overrides())}  # type: ignore[attr-defined]
 
 
 def _capability(subject: Subject, kind: str) -> object:

@@ -15,6 +15,7 @@ from harness.subjects import load_subject
 
 NAMES = [m.name for m in MUTANTS]
 SPAWNING = {
+    "megatron-replay-drops-scaling-factor",
     "megatron-batch-major",
     "megatron-forward-through-backward",
     "megatron-layer-shift",
@@ -55,6 +56,7 @@ QUICK_KEYWORD = {
         "test_replay and whatever_the_live_logits and (hf-qwen2_moe-fp32 or megatron-softmax)"
     ),
     "splice-into-buffer": "test_splice",
+    "megatron-logs-replayed-weights": "test_replay and megatron",
     "splice-payload-tails": "test_splice",
 }
 """Variants that take ~30 s each over every suite of their capabilities run, in the default run, the

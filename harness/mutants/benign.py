@@ -293,6 +293,31 @@ def one_forward_in_flight(model: MoELM) -> OneForwardInFlightThroughBackward:
     return OneForwardInFlightThroughBackward(model)
 
 
+class LogsReplayedWeightsDriver(HarnessMegatronDriver):
+    """The twin of ``megatron-replay-drops-scaling-factor``: a forward hook on every ``TopKRouter``
+    that, under replay, keeps a copy of the gate weights for its own logging and hands Megatron-core's
+    weights on untouched (scaling factor and all), as a framework that wraps the replayed routing."""
+
+    def install(self, model: Sequence[torch.nn.Module], config: Any) -> Any:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        from harness.mutants.megatron import replaying
+
+        self.logged: list[torch.Tensor] = []
+
+        def log(module: Any, args: Any, output: Any) -> Any:
+            probs, routing_map = output
+            if replaying(module):
+                self.logged = [*self.logged[-7:], probs.detach().clone()]
+            return probs, routing_map
+
+        for chunk in model:
+            for m in chunk.modules():
+                if isinstance(m, TopKRouter):
+                    m.register_forward_hook(log)
+        return super().install(model, config)
+
+
 class HooksWithoutUnpatch:
     """A transformers driver whose ``patch()`` sets a process-wide default and cannot be undone (no
     ``unpatch()``), as a framework that imports its patches for good."""
@@ -457,6 +482,12 @@ BENIGN: tuple[Benign, ...] = (
             install_megatron_replay=HarnessMegatronDriver(),
         ),
         own_process=True,
+    ),
+    Benign(
+        "megatron-logs-replayed-weights",
+        "a forward hook on Megatron-core's routers that copies the replayed gate weights for its own "
+        "logging and hands them on unchanged (a framework wrapping the replayed routing)",
+        _variant("megatron-logs-replayed-weights", install_megatron_replay=LogsReplayedWeightsDriver()),
     ),
     Benign(
         "namespace-capabilities",

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -33,10 +33,13 @@ from harness.probes import RouteProbe
 from harness.testing import megatron_cpu
 from harness.trainers.kinds import DEEP_LAYERS, ModelKind, Routing
 from harness.trainers.megatron.layout import MegatronLayout, MegatronReplayError
-from harness.trainers.megatron.model import VOCAB, build_gpt, tiny_config
+from harness.trainers.megatron.model import VOCAB, build_gpt, randomise_expert_bias, router_rules, tiny_config
 
-FAMILIES = {"softmax": "softmax", "sigmoid": "sigmoid"}
-"""Router families of the kind: Megatron-core's score functions (top-k 2 of 4 experts)."""
+FAMILIES = tuple(router_rules())
+"""Router families of the kind: every gate-weight rule of megatron-core's ``TopKRouter``
+(``harness.trainers.megatron.model.router_rules``, 4 experts); the suite runs ``softmax`` and
+``sigmoid`` by default, the others under ``slow``."""
+FAST_FAMILIES = ("softmax", "sigmoid")
 SEED = 7
 
 
@@ -63,31 +66,41 @@ def megatron_session() -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def _layout(deep: bool) -> MegatronLayout:
+def _layout(deep: bool, top_k: int = 2) -> MegatronLayout:
     layers = DEEP_LAYERS if deep else 3
     return MegatronLayout(
         num_layers=layers,
         moe_layers=tuple(range(1, layers)),
         num_experts=4,
-        top_k=2,
+        top_k=top_k,
         seq_len=64,
         micro_batch=1,
     )
 
 
-def build(family: str, dtype: str, *, fresh: bool = False, deep: bool = False) -> nn.Module:
-    """A fresh tiny ``GPTModel`` (always constructed now: a copy's ``RouterReplay`` objects would not be
-    the ones Megatron-core's class list holds). Call inside :func:`megatron_session`."""
+def build(
+    family: str,
+    dtype: str,
+    *,
+    fresh: bool = False,
+    deep: bool = False,
+    overrides: Mapping[str, Any] | None = None,
+) -> nn.Module:
+    """A fresh tiny ``GPTModel`` of router rule ``family`` with the subject driver's
+    ``config_overrides()`` on top (always constructed now: a copy's ``RouterReplay`` objects would not
+    be the ones Megatron-core's class list holds). Call inside :func:`megatron_session`."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     if dtype != "fp32":
         raise MegatronReplayError(f"the Megatron kind is built in fp32, got dtype {dtype!r}")
-    layout = _layout(deep)
+    rule = router_rules()[family]
+    layout = _layout(deep, int(rule["moe_router_topk"]))
     RouterReplay.clear_global_router_replay_instances()
     torch.manual_seed(SEED)
     model_parallel_cuda_manual_seed(SEED)
-    model = build_gpt(tiny_config(layout, score_function=FAMILIES[family]), layout)
+    model = build_gpt(tiny_config(layout, **rule, **dict(overrides or {})), layout)
+    randomise_expert_bias(model, SEED)
     model.harness_layout = layout  # type: ignore[assignment]
     return model
 
