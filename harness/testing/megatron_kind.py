@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -43,27 +44,130 @@ FAST_FAMILIES = ("softmax", "sigmoid")
 SEED = 7
 
 
+_BUILT: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""Models :func:`build` made in the current session (their process groups are released at its end)."""
+THREADS = 1
+"""torch's intra-op threads inside a session (the ranks of ``harness.testing.ranks`` run with one too)."""
+
+
+def _release_process_groups(models: list[nn.Module]) -> None:
+    """Drop every module's references to process groups (and Megatron's collections of them).
+
+    A failing example's traceback keeps its frames, hence the model, alive while hypothesis shrinks
+    (hundreds of examples); each model holds its session's gloo groups, and a gloo group's worker
+    threads end only when the group is freed: one process reached 5,777 threads. Hollowing the
+    references at the session's end frees the groups whatever still holds the model."""
+    seen: set[int] = set()
+    for model in models:
+        for module in model.modules():
+            _drop_groups(module, seen, depth=2)
+
+
+def _drop_groups(obj: object, seen: set[int], depth: int) -> None:
+    """Null ``obj``'s attributes that hold process groups, and those of the plain objects it holds
+    (Megatron's token dispatchers are not modules), ``depth`` levels down."""
+    if id(obj) in seen or not hasattr(obj, "__dict__"):
+        return
+    seen.add(id(obj))
+    for name, value in list(vars(obj).items()):
+        if _holds_groups(value):
+            obj.__dict__[name] = None
+        elif depth and not isinstance(value, (nn.Module, torch.Tensor, type)) and hasattr(value, "__dict__"):
+            _drop_groups(value, seen, depth - 1)
+
+
+def _holds_groups(value: object) -> bool:
+    if isinstance(value, dist.ProcessGroup):
+        return True
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, dist.ProcessGroup) for v in value):
+        return True
+    return type(value).__name__ == "ProcessGroupCollection"
+
+
+_HELD: list[bool] = []
+"""Non-empty while :func:`megatron_world` holds the one-rank world open across sessions."""
+
+
+@contextlib.contextmanager
+def megatron_world() -> Iterator[None]:
+    """Hold one one-rank world (gloo and Megatron's parallel state) open for the block: every
+    :func:`megatron_session` inside it uses that world instead of building and destroying its own.
+
+    Wrap a property test of the Megatron kind in it (the replay suite does, per test): its examples
+    then share one set of process groups, so however many examples hypothesis runs — and however many
+    failing ones it keeps while it shrinks, each holding its model and its autograd graph, whose
+    nodes keep the groups they communicated over — the process holds one world's threads, not one
+    per example. Closed (world destroyed) at the end of the block."""
+    if _HELD:
+        yield
+        return
+    with _cpu_patches():
+        _open_world()
+    _HELD.append(True)
+    try:
+        yield
+    finally:
+        _HELD.clear()
+        with _cpu_patches():
+            _close_world()
+
+
 @contextlib.contextmanager
 def megatron_session() -> Iterator[None]:
     """A one-rank gloo world with Megatron's parallel state and the CPU patches, for the duration of
-    the block (all undone after it: other tests in the process may build their own world)."""
+    the block (all undone after it, unless :func:`megatron_world` holds the world: other tests in
+    the process may build their own). torch's intra-op pool is held to :data:`THREADS` inside it,
+    and every model built in it lets go of its process groups at its end
+    (:func:`_release_process_groups`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        with _cpu_patches():
+            if _HELD:
+                yield
+            else:
+                _open_world()
+                try:
+                    yield
+                finally:
+                    _close_world()
+    finally:
+        models = list(_BUILT)
+        _BUILT.clear()
+        _release_process_groups(models)
+        del models
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _cpu_patches() -> Iterator[None]:
     with megatron_cpu.patched(), warnings.catch_warnings():
         # megatron-core warns per call about missing TE/Apex and deprecated arguments (none of it
         # about replay), as in the spawned ranks (``megatron_cpu.setup_rank``)
         warnings.simplefilter("ignore", UserWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.simplefilter("ignore", FutureWarning)
-        from megatron.core import parallel_state as ps
+        yield
 
-        if dist.is_initialized():
-            raise MegatronReplayError("the Megatron kind builds its own one-rank world; one is already up")
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        try:
-            ps.initialize_model_parallel()
-            yield
-        finally:
-            ps.destroy_model_parallel()
-            dist.destroy_process_group()
+
+def _open_world() -> None:
+    from megatron.core import parallel_state as ps
+
+    if dist.is_initialized():
+        raise MegatronReplayError("the Megatron kind builds its own one-rank world; one is already up")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ps.initialize_model_parallel()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+
+
+def _close_world() -> None:
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
 
 
 def _layout(deep: bool, top_k: int = 2) -> MegatronLayout:
@@ -102,6 +206,7 @@ def build(
     model = build_gpt(tiny_config(layout, **rule, **dict(overrides or {})), layout)
     randomise_expert_bias(model, SEED)
     model.harness_layout = layout  # type: ignore[assignment]
+    _BUILT.add(model)
     return model
 
 
