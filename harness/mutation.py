@@ -8,6 +8,7 @@ layer (DESIGN §4): the zoo itself (``harness.mutants``) is subjects and imports
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import time
 from collections.abc import Sequence
@@ -88,6 +89,7 @@ def run_benign(variant: Benign, *, extra: Sequence[str] = (), keyword: str | Non
     a part of those tests."""
     if variant.own_process:
         # A plain (non-daemonic) child, not a Pool worker: the suites it runs spawn ranks of their own.
+        gc.collect()  # no thread of a freed-but-uncollected process group may live on in the child
         fork = multiprocessing.get_context("fork")
         receive, send = fork.Pipe(duplex=False)
         child = fork.Process(target=_run_benign_by_name, args=(variant.name, tuple(extra), keyword, send))

@@ -11,6 +11,9 @@ thread sampler: the process stays within a thread and a time budget.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import os
 import threading
 import time
 
@@ -30,6 +33,14 @@ TIME_BUDGET_S = 120.0
 def _threads() -> int:
     with open("/proc/self/status") as status:
         return int(next(line for line in status if line.startswith("Threads:")).split()[1])
+
+
+def _gloo_threads() -> list[str]:
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as comm:
+            names.append(comm.read().strip())
+    return sorted(n for n in names if "gloo" in n)
 
 
 def test_a_failing_megatron_property_test_shrinks_within_a_thread_and_time_budget() -> None:
@@ -70,17 +81,21 @@ def test_a_failing_megatron_property_test_shrinks_within_a_thread_and_time_budge
 
     start = time.perf_counter()
     try:
-        with kind.megatron_world(), pytest.raises(AssertionError, match="deliberate failure"):
+        with kind.megatron_world(), pytest.raises(AssertionError, match="deliberate failure") as excinfo:
             fails_on_every_example()
     finally:
         done.set()
         sampler.join()
     elapsed = time.perf_counter() - start
+    del excinfo
+    gc.collect()
+    left = _gloo_threads()
     assert examples[0] > 5, f"only {examples[0]} examples ran: hypothesis did not shrink"
     assert peak[0] - one_session <= THREAD_BUDGET, (
         f"{examples[0]} examples (shrinking a kept failure) reached {peak[0]} threads, one session "
         f"{one_session}, budget +{THREAD_BUDGET}: a kept example's process groups were not released"
     )
+    assert not left, f"gloo threads outlive the world: {left} (a process forked now could deadlock on them)"
     assert elapsed <= TIME_BUDGET_S, (
         f"{examples[0]} examples took {elapsed:.0f} s, budget {TIME_BUDGET_S:.0f} s"
     )

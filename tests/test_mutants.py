@@ -56,7 +56,9 @@ QUICK_KEYWORD = {
         "test_replay and whatever_the_live_logits and (hf-qwen2_moe-fp32 or megatron-softmax)"
     ),
     "splice-into-buffer": "test_splice",
-    "megatron-logs-replayed-weights": "test_replay and megatron",
+    "megatron-logs-replayed-weights": (
+        "test_replay and megatron-softmax and (whatever_the_live_logits or bit_exact)"
+    ),
     "splice-payload-tails": "test_splice",
 }
 """Variants that take ~30 s each over every suite of their capabilities run, in the default run, the

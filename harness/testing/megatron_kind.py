@@ -21,6 +21,7 @@ The harness's probe reads the dispatch step: the all-gather dispatcher's ``local
 from __future__ import annotations
 
 import contextlib
+import gc
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
@@ -110,6 +111,7 @@ def megatron_world() -> Iterator[None]:
         _HELD.clear()
         with _cpu_patches():
             _close_world()
+        gc.collect()  # a group held in a reference cycle (a kept failure's frames) goes now, threads too
 
 
 @contextlib.contextmanager
@@ -164,9 +166,16 @@ def _open_world() -> None:
 
 
 def _close_world() -> None:
+    """Destroy the world, and every group megatron-core's parallel state still holds: 0.16.1's
+    ``destroy_model_parallel`` leaves ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` (and its gloo
+    twin) set, whose gloo threads then outlive the world — and a process forked afterwards (a subject
+    run in its own process) inherits a live gloo runtime it can deadlock on."""
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
+    for name, value in list(vars(ps).items()):
+        if _holds_groups(value):
+            setattr(ps, name, None)
     dist.destroy_process_group()
 
 
