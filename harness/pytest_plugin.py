@@ -50,6 +50,17 @@ _NO_SHRINK = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target]
 settings.register_profile("mutants", deadline=None, database=None, phases=_NO_SHRINK)
 settings.register_profile("mutants-ci", deadline=None, database=None, phases=_NO_SHRINK, derandomize=True)
 settings.register_profile(
+    "benign-quick",
+    max_examples=10,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+)
+"""The default run's false-alarm check of the benign variants (``tests/test_mutants.py``): 10 generated
+cases per property plus every ``@example`` pin (where the boundaries are); registered here, where a
+benign run in a process of its own (forked from the ranks' fork server) finds it too."""
+settings.register_profile(
     "thorough", max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 
 import pytest
-from hypothesis import Phase, settings
 
 from harness.mutants import benign
 from harness.mutants.registry import MUTANTS, get
@@ -29,16 +28,6 @@ SPAWNING = {
 probe-only one (RouterReplay actions on stale instances, whose own calls all succeed) proves the
 Megatron suite's kill in the default run."""
 
-settings.register_profile(
-    "benign-quick",
-    max_examples=10,
-    derandomize=True,
-    deadline=None,
-    database=None,
-    phases=[Phase.explicit, Phase.generate],
-)
-"""The default run's false-alarm check: 10 generated cases per property plus every ``@example`` pin
-(where the boundaries are); ``-m slow`` and ``rrh mutants`` run the full budget."""
 BENIGN_NAMES = [b.name for b in benign.BENIGN]
 QUICK_KEYWORD = {
     "errors-in-own-words": "bad_",
