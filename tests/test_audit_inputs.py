@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from harness.audit import inputs
-from harness.audit.importers import read_file
+from harness.audit.inputs import read_file
 from harness.audit.layout import LayoutError
 
 pytestmark = pytest.mark.timeout(60)
