@@ -313,6 +313,7 @@ def run_suites(
     ``--hypothesis-seed=N``). ``progress`` is called after each test. The hypothesis profile
     active before the run is restored after it, so a run inside a test session leaves the
     session's settings alone; so is torch's thread count (the run uses one: :func:`one_torch_thread`).
+    The outcomes are in the suites' collection order, also when ``RRH_ORDER_SEED`` shuffled the run.
     """
     collector = _Collector(progress)
     profile = settings.get_current_profile_name()
@@ -342,4 +343,7 @@ def run_suites(
             pytest.main(args, plugins=[collector, _FreezeImports()])
     finally:
         settings.load_profile(profile)
-    return collector.outcomes, log.getvalue()
+    # The report follows the suites' own order, whatever order they ran in (--rr-order-seed).
+    collected = {nodeid: i for i, nodeid in enumerate(collector.docs)}
+    outcomes = sorted(collector.outcomes, key=lambda o: collected.get(o.nodeid, len(collected)))
+    return outcomes, log.getvalue()
