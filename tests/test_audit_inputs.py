@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from harness.audit import inputs
-from harness.audit.importers import read_file
 from harness.audit.layout import LayoutError
 
 pytestmark = pytest.mark.timeout(60)
@@ -75,12 +74,12 @@ def test_a_file_past_its_time_budget_is_named_and_the_next_file_is_read(
     fast.write_bytes(b"y")
     errors: list[str] = []
     start = time.monotonic()
-    assert read_file(slow, errors, lambda: time.sleep(30)) is None
+    assert inputs.read_file(slow, errors, lambda: time.sleep(30)) is None
     assert time.monotonic() - start < 5
-    assert read_file(fast, errors, lambda: "read") == "read"
+    assert inputs.read_file(fast, errors, lambda: "read") == "read"
     assert len(errors) == 1 and errors[0].startswith(f"{slow}: still being read after 0.3 s")
     with pytest.raises(inputs.FileTimeout):  # without an error list the first such file raises
-        read_file(slow, None, lambda: time.sleep(30))
+        inputs.read_file(slow, None, lambda: time.sleep(30))
 
 
 def test_nested_budgets_keep_the_earliest_deadline_and_clean_up() -> None:

@@ -26,11 +26,13 @@ import signal
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from harness.audit.layout import LayoutError
+
+T = TypeVar("T")
 
 FILE_SECONDS_ENV = "RRH_FILE_SECONDS"
 """Environment variable: the base time budget of one input file, in seconds (default ``FILE_SECONDS``)."""
@@ -282,3 +284,20 @@ def time_budget(source: str | os.PathLike[str], seconds: float | None = None) ->
         else:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
+
+
+def read_file(file: str | os.PathLike[str], errors: list[str] | None, read: Callable[[], T]) -> T | None:
+    """``read()``, the work on one input ``file``, under the file's time budget.
+
+    A ``LayoutError`` (the file damaged, hostile, not a regular file, or past its budget) is raised
+    when ``errors`` is None, else appended to ``errors`` (one line naming the file) and ``None`` is
+    returned: the importer goes on with its other files, as the audit does with the run layout's.
+    """
+    try:
+        with time_budget(file):
+            return read()
+    except LayoutError as err:
+        if errors is None:
+            raise
+        errors.append(str(err))
+        return None

@@ -21,8 +21,8 @@ A module ``harness.audit.importers.<name>`` provides:
   options a dump does not record (``num_experts``, ``moe_layers``) are keyword arguments; an
   importer that infers them takes ``inferred: list[str]`` and appends what it inferred, in a line.
   With ``errors=`` a list, a file that cannot be read (damaged, hostile, not a regular file, past
-  its time budget) is one line in it and the other files are still read (``read_file``); without
-  it, the first such file raises.
+  its time budget) is one line in it and the other files are still read
+  (``harness.audit.inputs.read_file``); without it, the first such file raises.
 """
 
 from __future__ import annotations
@@ -30,16 +30,13 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any
 
-from harness.audit.inputs import time_budget
 from harness.audit.layout import LayoutError, SampleRecord
 from harness.audit.writer import RunWriter
-
-T = TypeVar("T")
 
 IMPORTERS = ("skyrl", "verl", "slime", "nemo_rl", "megatron_lm")
 """Every importer, by the name ``rrh audit --from`` takes."""
@@ -86,23 +83,6 @@ def detect(path: str | os.PathLike[str]) -> str | None:
         except ModuleNotFoundError:
             continue
     return None
-
-
-def read_file(file: str | os.PathLike[str], errors: list[str] | None, read: Callable[[], T]) -> T | None:
-    """``read()``, the work on one input ``file``, under the file's time budget.
-
-    A ``LayoutError`` (the file damaged, hostile, not a regular file, or past its budget) is raised
-    when ``errors`` is None, else appended to ``errors`` (one line naming the file) and ``None`` is
-    returned: the importer goes on with its other files, as the audit does with the run layout's.
-    """
-    try:
-        with time_budget(file):
-            return read()
-    except LayoutError as err:
-        if errors is None:
-            raise
-        errors.append(str(err))
-        return None
 
 
 SEARCH_DEPTH = 3

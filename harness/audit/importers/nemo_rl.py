@@ -38,8 +38,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit.importers import read_file
-from harness.audit.inputs import brief, check_step, glob, lines, parse_json
+from harness.audit.inputs import brief, check_step, glob, lines, parse_json, read_file
 from harness.audit.layout import LayoutError, SampleRecord
 
 DESCRIPTION = "NeMo-RL {log_dir}/train_data_step{N}.jsonl (tokens, masks, generation and prev log-probs)"

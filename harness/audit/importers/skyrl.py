@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit.importers import read_file, safe_pickle
+from harness.audit.importers import safe_pickle
 from harness.audit.importers.model_shape import (
     LayerVote,
     check_ids_fit,
@@ -50,7 +50,7 @@ from harness.audit.importers.model_shape import (
     payload_rows,
     step_layers,
 )
-from harness.audit.inputs import brief, check_ints, check_mask, check_step, entries
+from harness.audit.inputs import brief, check_ints, check_mask, check_step, entries, read_file
 from harness.audit.layout import LayoutError, SampleRecord
 from harness.trace import MAX_LAYERS, LayerAxis
 

@@ -50,9 +50,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit.importers import read_file, safe_pickle
+from harness.audit.importers import safe_pickle
 from harness.audit.importers.model_shape import ExpertVote, LayerVote, signature
-from harness.audit.inputs import brief, check_step, glob
+from harness.audit.inputs import brief, check_step, glob, read_file
 from harness.audit.layout import LayoutError, SampleRecord
 from harness.trace import MAX_LAYERS, LayerAxis, storage_dtype
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.audit.importers import read_file, safe_pickle
+from harness.audit.importers import safe_pickle
 from harness.audit.importers.model_shape import (
     LayerVote,
     check_ids_fit,
@@ -43,7 +43,7 @@ from harness.audit.importers.model_shape import (
     payload_rows,
     step_layers,
 )
-from harness.audit.inputs import brief, check_ints, check_mask, check_step, glob, read_json
+from harness.audit.inputs import brief, check_ints, check_mask, check_step, glob, read_file, read_json
 from harness.audit.layout import LayoutError, SampleRecord
 from harness.trace import MAX_LAYERS, LayerAxis
 
