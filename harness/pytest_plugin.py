@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,17 @@ settings.register_profile("dev", max_examples=50, deadline=None)
 _NO_SHRINK = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target]
 settings.register_profile("mutants", deadline=None, database=None, phases=_NO_SHRINK)
 settings.register_profile("mutants-ci", deadline=None, database=None, phases=_NO_SHRINK, derandomize=True)
+settings.register_profile(
+    "benign-quick",
+    max_examples=10,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+)
+"""The default run's false-alarm check of the benign variants (``tests/test_mutants.py``): 10 generated
+cases per property plus every ``@example`` pin (where the boundaries are); registered here, where a
+benign run in a process of its own (forked from the ranks' fork server) finds it too."""
 settings.register_profile(
     "thorough", max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -109,6 +121,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="NAME",
         help="run only the tests that declare this subject capability (repeatable)",
     )
+    group.addoption(
+        "--rr-order-seed",
+        default=None,
+        type=int,
+        metavar="N",
+        help="run the suites' tests (those that declare a capability) in a random order drawn from "
+        "seed N (modules shuffled, then the tests of each module): a verdict must not depend on what "
+        "ran before (default: $RRH_ORDER_SEED, or collection order)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -124,11 +145,49 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     subject = load_subject(subject_spec(config))
+    seed = order_seed(config)
     return [
         f"rrh subject: {subject.name} ({subject_spec(config)}); "
         f"capabilities: {', '.join(subject.capabilities()) or 'none'}",
         f"hypothesis profile: {settings.get_current_profile_name()}",
+        *([f"rrh test order: shuffled, --rr-order-seed {seed}"] if seed is not None else []),
     ]
+
+
+def order_seed(config: pytest.Config) -> int | None:
+    """The ``--rr-order-seed`` (or ``$RRH_ORDER_SEED``), or None: collection order."""
+    seed = config.getoption("--rr-order-seed", None)
+    if seed is None and os.environ.get("RRH_ORDER_SEED", "").strip():
+        try:
+            seed = int(os.environ["RRH_ORDER_SEED"])
+        except ValueError:
+            raise pytest.UsageError(
+                f"$RRH_ORDER_SEED = {os.environ['RRH_ORDER_SEED']!r}: not an integer"
+            ) from None
+    return seed
+
+
+def shuffled(
+    items: list[pytest.Item], seed: int, *, only: Callable[[pytest.Item], bool] | None = None
+) -> list[pytest.Item]:
+    """``items`` in an order drawn from ``seed``: the modules shuffled, then each module's tests (a
+    module's tests stay together, so module-scoped fixtures are set up once). With ``only``, the
+    items it accepts are permuted among their own places and the others keep theirs. The same seed
+    gives the same order on every machine and every xdist worker (collection order in, one order out)."""
+    chosen = [item for item in items if only is None or only(item)]
+    rng = random.Random(seed)
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in chosen:
+        modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    names = sorted(modules)
+    rng.shuffle(names)
+    order: list[pytest.Item] = []
+    for name in names:
+        group = list(modules[name])
+        rng.shuffle(group)
+        order += group
+    drawn = iter(order)
+    return [next(drawn) if only is None or only(item) else item for item in items]
 
 
 _availability: dict[str, bool] = {}
@@ -160,6 +219,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 _DECLARED = pytest.StashKey[tuple[str, ...]]()
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: the order is drawn over what runs
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Read each test's ``capability`` markers; with ``--rr-capability``, keep only the tests that
     declare one of the named capabilities."""
@@ -179,6 +239,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+    seed = order_seed(config)
+    if seed is not None:  # the suites' tests (they declare capabilities) among themselves
+        items[:] = shuffled(items, seed, only=lambda item: bool(item.stash.get(_DECLARED, ())))
 
 
 @pytest.hookimpl(hookwrapper=True)

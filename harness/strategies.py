@@ -11,6 +11,7 @@ one draw; the boundary values (extreme ids, which rows hold them) are explicit d
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -259,14 +260,23 @@ def attempt_schedules(
 
 @st.composite
 def route_tables(draw: st.DrawFn, max_layers: int = 2) -> RouteTable:
-    """Low-entropy routes for the simulated engine: two or three experts, top-1 or every expert, a
-    palette of one or two routes (constant rows, or runs of equal rows), weight updates that change
-    nothing or move the palette, and the same set in another id order.
+    """Low-entropy routes for the simulated engine, where rows repeat: half the tables are degenerate
+    (two or three experts, top-1 or every expert, a palette of one or two routes: constant rows, runs
+    of equal rows), half cycle through three to five distinct routes that each weight update moves
+    by one (:func:`cycling_route_tables`). Both may give the same set in another id order.
 
     Random routes over many experts never put two equal rows across a seam; these do, so a splice
     that treats an equal row as a duplicate, or finds rows by content, loses or moves them. Top-1
     routes avoid expert 0, so no row is an all-zero route (DESIGN §3.2).
     """
+    return draw(st.one_of(degenerate_route_tables(max_layers), cycling_route_tables(max_layers)))
+
+
+@st.composite
+def degenerate_route_tables(draw: st.DrawFn, max_layers: int = 2) -> RouteTable:
+    """Two or three experts, top-1 or every expert, a palette of one or two routes (constant rows, or
+    runs of equal rows), weight updates that change nothing or move the palette: nearly every row
+    equals its neighbours, across every seam."""
     experts = draw(st.sampled_from((2, 3)))
     top_k = draw(st.sampled_from((1, experts)))
     layers = draw(st.integers(1, max_layers))
@@ -281,6 +291,37 @@ def route_tables(draw: st.DrawFn, max_layers: int = 2) -> RouteTable:
 
     palette = tuple(entry() for _ in range(draw(st.integers(1, 2))))
     return RouteTable(palette, draw(st.integers(1, 4)), draw(st.sampled_from((0, 1))), draw(st.booleans()))
+
+
+@st.composite
+def cycling_route_tables(draw: st.DrawFn, max_layers: int = 2) -> RouteTable:
+    """Three to twenty-four distinct routes in turn (top-1 of up to 25 experts, or top-2 of 8), runs of
+    one or two, each weight update moving the palette by one entry (usually) or not at all.
+
+    The rows before and after a seam repeat, moved: the route of the last row an attempt kept
+    reappears in the next attempt's payload one position away when the weights changed, and nowhere
+    else when the palette is longer than the payload. A splice that finds the seam by looking for
+    that row's content — even only when it occurs once — puts the new rows at the wrong position;
+    degenerate tables (every row equal, so no content is unique) and the simulated engine's own
+    routes (distinct for every position and weight version) both hide that.
+    """
+    top_k = draw(st.sampled_from((1, 2)))
+    size = draw(st.one_of(st.integers(3, 5), st.integers(16, 24)))
+    layers = draw(st.integers(1, max_layers))
+    if top_k == 1:
+        sets = [(e,) for e in range(1, size + 1)]
+    else:
+        sets = list(itertools.combinations(range(8), 2))
+    firsts = draw(st.permutations(sets))[:size]
+
+    def route(ids: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(reversed(ids)) if draw(st.booleans()) else ids
+
+    palette = tuple(
+        (route(first), *(route(draw(st.sampled_from(sets))) for _ in range(layers - 1))) for first in firsts
+    )
+    shift = draw(st.sampled_from((1, 1, 1, 0)))
+    return RouteTable(palette, draw(st.integers(1, 2)), shift, draw(st.booleans()))
 
 
 @dataclass(frozen=True)

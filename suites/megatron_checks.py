@@ -31,7 +31,8 @@ subjects in the zoo (``harness.mutants.megatron``).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -51,7 +52,14 @@ from harness.trainers.megatron.layout import (
     random_traces,
     rank_targets,
 )
-from harness.trainers.megatron.model import HIDDEN, batch_tokens, build_gpt, slot_count, tiny_config
+from harness.trainers.megatron.model import (
+    HIDDEN,
+    batch_tokens,
+    build_gpt,
+    randomise_expert_bias,
+    slot_count,
+    tiny_config,
+)
 from reference_impl.config import axis_of_width
 from suites.megatron_pipeline import MicroBatchStep, StageLink, StageStep, stage_input
 
@@ -96,7 +104,9 @@ class _Rank:
     """One rank's model chunks (one per virtual pipeline stage), the subject's controller and data
     movement, the harness's probe, and data."""
 
-    def __init__(self, layout: MegatronLayout, seed: int, subject_spec: str) -> None:
+    def __init__(
+        self, layout: MegatronLayout, seed: int, subject_spec: str, router: Mapping[str, Any] | None = None
+    ) -> None:
         from megatron.core.transformer.moe.router import TopKRouter
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
@@ -111,9 +121,11 @@ class _Rank:
         self.coords = init_parallel(layout, seed)
         ensure_patched(driver)
         RouterReplay.clear_global_router_replay_instances()
-        self.config = tiny_config(layout, **dict(driver.config_overrides()))
+        self.config = tiny_config(layout, **dict(router or {}), **dict(driver.config_overrides()))
         virtual = layout.vpp > 1
         self.chunks = [build_gpt(self.config, layout, c if virtual else None) for c in range(layout.vpp)]
+        for chunk in self.chunks:
+            randomise_expert_bias(chunk, seed)
         self.control = driver.install(self.chunks, self.config)
         self.routers = [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
         self.layer_numbers = [int(r.layer_number) - 1 for r in self.routers]
@@ -184,7 +196,7 @@ class _Rank:
                 loss_mask=torch.ones_like(labels, dtype=torch.float32),
             )
         assert layout.lengths is not None
-        slots = thd.packed_slots(layout.lengths, layout.tp)
+        slots = thd.packed_slots(layout.lengths, layout.packing_align)
         real = slots[:, 0] >= 0
         pick = slots.clamp(min=0)
         position = torch.where(real, pick[:, 0] * layout.seq_len + pick[:, 1], slot_count(layout) - 1)
@@ -198,11 +210,13 @@ class _Rank:
         )
 
     def packed_seq_params(self) -> Any:
-        """The packed micro-batch's ``PackedSeqParams`` (THD; samples padded to a multiple of ``tp``)."""
+        """The packed micro-batch's ``PackedSeqParams`` (THD; samples padded to a multiple of the
+        layout's ``align``)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
         assert self.layout.lengths is not None
-        lengths, padded = self.layout.lengths, thd.padded_lengths(self.layout.lengths, self.layout.tp)
+        lengths = self.layout.lengths
+        padded = thd.padded_lengths(lengths, self.layout.packing_align)
         cu, cu_padded = thd.cu_seqlens(lengths).to(self.device), thd.cu_seqlens(padded).to(self.device)
         return PackedSeqParams(
             qkv_format="thd",
@@ -577,3 +591,30 @@ def run_checks(layout: MegatronLayout, *, seed: int = 0, subject: str) -> dict[s
     r.control.disarm()
     r.probe.remove()
     return report
+
+
+def run_router_checks(
+    layout: MegatronLayout, rules: Mapping[str, Mapping[str, Any]], *, seed: int = 0, subject: str
+) -> dict[str, Any]:
+    """For each gate-weight rule (``TransformerConfig`` fields, ``moe_router_topk`` included, merged
+    under the subject driver's ``config_overrides()``): a model of that router on this rank, native
+    routing, then foreign targets replayed through the subject with recompute; every router call's
+    gate weights must be the rule's (``expected_gate_weights``, from the router's own logits), and
+    the replay checks of :func:`run_checks` hold (dispatch, placement, FIFO). Returns the rules
+    checked, by name."""
+    checked = []
+    for name, rule in rules.items():
+        what = f"router rule {name!r}"
+        rule_layout = replace(layout, top_k=int(rule.get("moe_router_topk", layout.top_k)))
+        r = _Rank(rule_layout, seed, subject, router=rule)
+        r.control.disarm()
+        r.zero_grad()
+        r.probe.clear()
+        r.positions.clear()
+        step = r.forward(0)
+        r.backward(step)
+        r.check_gate_weights(f"{what}, native routing")
+        r.replay_step(random_traces(rule_layout, seed + 3), f"{what}, replay of foreign targets")
+        r.probe.remove()
+        checked.append(name)
+    return {"rules": checked}

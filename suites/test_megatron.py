@@ -25,12 +25,24 @@ Layouts (``RRH_MEGATRON_LAYOUT=name[,name…]`` selects; ``tox -e megatron-tp2ep
   2, rank 1 layers 1 and 3: a rank's routers span chunks), the packed micro-batch (default run);
 - ``pp2``: two pipeline stages, the padded ``[B, S]`` micro-batch: ``slow``;
 - ``pp2vpp2``: ``pp2vpp2thd``'s chunks with the padded ``[B, S]`` micro-batch: ``slow``;
+- ``thd-align4``: one rank, the packed micro-batch of two samples of 5 and 6 tokens each padded to
+  a multiple of 4 (the alignment ``tp·cp·2`` gives at TP = 1, CP = 2): ``cu_seqlens_padded``
+  ``[0, 8, 16]`` differs from ``cu_seqlens`` ``[0, 5, 11]``, so a data movement that packs at the
+  unpadded offsets while the rows follow the padded ones is caught without TP > 1 (default run);
 - ``thd-tp2ep2``: the packed micro-batch under TP = 2 (each sample padded to a multiple of 2: filler
   rows, a shard boundary inside a sample), EP = 2: ``slow``.
 
+Gate-weight rules (``test_gate_weights_follow_every_router_rule``): on one rank, a model per rule
+megatron-core's ``TopKRouter`` offers (``harness.trainers.megatron.model.router_rules``: softmax after
+or before top-k, sigmoid, each with and without the top-k scaling factor, group-limited routing, the
+sigmoid expert bias, top-1), native and replayed; every router call's gate weights must follow the
+rule. All eighteen run by default (one rank, ~0.2 s a rule).
+
 A packed layout needs a data movement whose ``set_replay_data`` / ``merge_recordings`` take
 ``packed_seq_params``; a subject without it skips, naming it. A layout the subject's driver declares
-its release refuses at setup (``refusal``, e.g. SkyRL 0.4.0 with VPP) skips, naming the reason.
+its release refuses at setup (``refusal``, e.g. SkyRL 0.4.0 with VPP) skips, naming the reason; so
+does a packed layout whose alignment a release that packs by itself (``packing_align``: verl,
+SkyRL) never builds at that TP.
 """
 
 from __future__ import annotations
@@ -46,7 +58,8 @@ from harness.testing.megatron_cpu import setup_rank
 from harness.testing.ranks import run_ranks
 from harness.testing.suite import require, subject_spec
 from harness.trainers.megatron.layout import MegatronLayout
-from suites.megatron_checks import run_checks
+from harness.trainers.megatron.model import router_rules
+from suites.megatron_checks import run_checks, run_router_checks
 
 TIMEOUT_S = 240
 
@@ -68,8 +81,12 @@ LAYOUTS: dict[str, MegatronLayout] = {
         **{**_COMMON, "num_layers": 4, "moe_layers": (1, 2, 3)}, pp=2, vpp=2, lengths=(5, 8)
     ),
     "thd-tp2ep2": MegatronLayout(**_COMMON, tp=2, ep=2, etp=1, lengths=(5, 8)),
+    # One rank, packed, each sample padded to a multiple of 4 with neither length a multiple: every
+    # sample after the first starts at another row padded than unpadded (at TP = 1 and align 1
+    # ``cu_seqlens`` equals ``cu_seqlens_padded`` and a data movement may confuse them unseen).
+    "thd-align4": MegatronLayout(**_COMMON, lengths=(5, 6), align=4),
 }
-DEFAULT = ("tp1ep1", "tp2ep2etp1", "pp2thd", "pp2vpp2thd")
+DEFAULT = ("tp1ep1", "tp2ep2etp1", "pp2thd", "pp2vpp2thd", "thd-align4")
 ENV = "RRH_MEGATRON_LAYOUT"
 
 
@@ -117,6 +134,41 @@ def _require_accepted(subject: Subject, layout: MegatronLayout) -> None:
         pytest.skip(f"subject {subject.name!r} refuses this layout at setup: {reason}")
 
 
+ROUTER_LAYOUT = MegatronLayout(**{**_COMMON, "num_experts": 8})
+
+
+def router_worker(rank: int, world_size: int, subject: str, seed: int) -> dict[str, object]:
+    return run_router_checks(ROUTER_LAYOUT, router_rules(), seed=seed, subject=subject)
+
+
+@pytest.mark.capability("install_megatron_replay", "megatron_data")
+@pytest.mark.megatron
+@pytest.mark.distributed
+def test_gate_weights_follow_every_router_rule(subject: Subject, request: pytest.FixtureRequest) -> None:
+    """Under each of megatron-core's gate-weight rules, natively and under replay (recompute included),
+    every router weights the experts it routed each token to by that rule, from its own logits, and
+    the replayed experts are the targets: replay moves ids, never the rule."""
+    require(subject, "install_megatron_replay")
+    require(subject, "megatron_data")
+    run = run_ranks(
+        router_worker, 1, args=(subject_spec(request.config), 0), setup=setup_rank, timeout=TIMEOUT_S
+    )
+    assert run.results[0]["rules"] == list(router_rules()), f"rules checked: {run.results[0]['rules']}"
+
+
+def _require_alignment(subject: Subject, layout: MegatronLayout) -> None:
+    """Skip, naming both, a packed layout padded to an alignment the subject's release never packs
+    to at this TP (``PacksAtOwnAlignment``): its own packing would put the rows elsewhere."""
+    data = subject.megatron_data
+    target = data.target if isinstance(data, CapabilityView) else data
+    own = getattr(target, "packing_align", None)
+    if callable(own) and own(layout.tp) != layout.packing_align:
+        pytest.skip(
+            f"subject {subject.name!r} packs each sample to a multiple of {own(layout.tp)} at TP = "
+            f"{layout.tp} (its own preprocess_packed_seqs); this layout pads to {layout.packing_align}"
+        )
+
+
 def megatron_worker(
     rank: int, world_size: int, layout: MegatronLayout, subject: str, seed: int
 ) -> dict[str, object]:
@@ -149,6 +201,7 @@ def test_router_replay_follows_canonical_targets(
     _require_accepted(subject, layout)
     if layout.packed:
         _require_packed(subject)
+        _require_alignment(subject, layout)
     reports = _run(layout, subject_spec(request.config), seed=0)
     assert len(reports) == layout.world_size, (
         f"{name}: {len(reports)} rank reports, expected {layout.world_size}"

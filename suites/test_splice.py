@@ -495,14 +495,18 @@ def test_bad_splice_and_truncate_input_is_refused(subject: Any, refused: Refusal
 
 
 @st.composite
-def truncation_cases(draw: st.DrawFn) -> tuple[int, int, int, int, torch.dtype]:
-    """``(prompt_len, response_len, budget, seed, dtype)``; the budget is often below the response."""
+def truncation_cases(draw: st.DrawFn) -> tuple[int, int, int, int, torch.dtype, RouteTable | None]:
+    """``(prompt_len, response_len, budget, seed, dtype, table)``; the budget is often below the
+    response. ``table`` (half the cases) draws the rows from the splice suite's low-entropy routes
+    (``route_tables``: constant rows, runs of equal rows, one set in two id orders), where rows
+    repeat; ``None`` codes each row with its own index."""
     prompt_len = draw(st.integers(1, 12))
     response_len = draw(st.integers(0, 12))
     budget = draw(st.one_of(st.integers(0, max(response_len - 1, 0)), st.just(0), st.integers(0, 16)))
     seed = draw(st.integers(0, 2**32 - 1))
     dtype = draw(st.sampled_from([torch.int64, torch.int32, torch.int16]))
-    return prompt_len, response_len, budget, seed, dtype
+    table = draw(st.one_of(st.none(), route_tables()))
+    return prompt_len, response_len, budget, seed, dtype, table
 
 
 def _coded_sample(length: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -519,27 +523,67 @@ def _coded_sample(length: int, seed: int, dtype: torch.dtype) -> tuple[torch.Ten
     return tokens, torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(dtype)
 
 
+def _table_sample(
+    length: int, seed: int, dtype: torch.dtype, table: RouteTable
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids, and ``length − 1`` rows of ``table``'s low-entropy routes (rows repeat)."""
+    tokens, _ = _coded_sample(length, seed, dtype)
+    shape = (0, table.layers, table.top_k)
+    rows = torch.stack([table(p, 0) for p in range(length - 1)]) if length > 1 else torch.zeros(shape)
+    return tokens, rows.to(dtype)
+
+
+def _row_count_message(got: int, keep: int, allowed: tuple[int, ...]) -> str:
+    """What a wrong row count after truncation means: rows counted, rows expected, and which way."""
+    expected = " or ".join(str(n) for n in allowed)
+    why = (
+        "the last kept token's row is real, either count is right"
+        if len(allowed) == 2
+        else "one row per token but the last"
+    )
+    if got > max(allowed):
+        return (
+            f"{got} rows after truncation for {keep} tokens, expected {expected} ({why}): "
+            f"{got - max(allowed)} more — a row for a cut token is a route for a position that no "
+            "longer exists"
+        )
+    return (
+        f"{got} rows after truncation for {keep} tokens, expected {expected} ({why}): "
+        f"{min(allowed) - got} fewer — rows of kept positions were lost (equal rows dropped as "
+        "duplicates, or cut one token too early)"
+    )
+
+
 @pytest.mark.capability("truncate")
 @given(case=truncation_cases())
-@example(case=(4, 6, 3, 0, torch.int64))
-@example(case=(1, 3, 0, 1, torch.int16))
-@example(case=(5, 2, 7, 2, torch.int32))
-@example(case=(3, 1, 1, 3, torch.int64))  # a one-token response, not cut
-@example(case=(2, 1, 0, 4, torch.int64))  # a one-token response cut to nothing
+@example(case=(4, 6, 3, 0, torch.int64, None))
+@example(case=(1, 3, 0, 1, torch.int16, None))
+@example(case=(5, 2, 7, 2, torch.int32, None))
+@example(case=(3, 1, 1, 3, torch.int64, None))  # a one-token response, not cut
+@example(case=(2, 1, 0, 4, torch.int64, None))  # a one-token response cut to nothing
 def test_truncation_cuts_tokens_and_rows_together(
-    subject: Any, case: tuple[int, int, int, int, torch.dtype]
+    subject: Any, case: tuple[int, int, int, int, torch.dtype, RouteTable | None]
 ) -> None:
     """Truncating the response to the budget keeps the first P + R′ tokens, each row still its token's row.
 
     After a cut the last kept token was forwarded (a later token was sampled from it), so its row is
     real: ``P + R′`` rows or ``P + R′ − 1`` are both correct (DESIGN §3.1); without a cut exactly
-    ``len(tokens) − 1`` rows exist. Any integer dtype and array type that hold the ids will do.
+    ``len(tokens) − 1`` rows exist. Any integer dtype and array type that hold the ids will do. Rows
+    drawn from low-entropy routes repeat: an equal row is still its own position's row, never a
+    duplicate to drop. Rows are judged as sets (kernels order top-k differently).
     """
-    note("counterexample: prompt of {} tokens, response of {}, budget {}, seed={}, dtype={}".format(*case))
+    prompt_len, response_len, budget, seed, dtype, table = case
+    rows_from = "coded rows" if table is None else table.describe()
+    note(
+        f"counterexample: prompt of {prompt_len} tokens, response of {response_len}, budget {budget}, "
+        f"seed={seed}, dtype={dtype}, {rows_from}"
+    )
     truncate = require(subject, "truncate")
-    prompt_len, response_len, budget, seed, dtype = case
-    tokens, routes = _coded_sample(prompt_len + response_len, seed, dtype)
-    where = f"prompt of {prompt_len} tokens, response of {response_len}, budget {budget}"
+    if table is None:
+        tokens, routes = _coded_sample(prompt_len + response_len, seed, dtype)
+    else:
+        tokens, routes = _table_sample(prompt_len + response_len, seed, dtype, table)
+    where = f"prompt of {prompt_len} tokens, response of {response_len}, budget {budget} ({rows_from})"
     cut_tokens, cut_routes = truncate(tokens.clone(), routes.clone(), prompt_len, budget)
     cut_tokens, cut_routes = as_ids(cut_tokens, "truncated tokens"), as_ids(cut_routes, "truncated routes")
     keep = prompt_len + min(response_len, budget)
@@ -551,14 +595,9 @@ def test_truncation_cuts_tokens_and_rows_together(
         f"{where}: truncated tokens are not the first {keep} tokens"
     )
     allowed = (keep - 1, keep) if keep < tokens.shape[0] else (keep - 1,)
-    assert cut_routes.shape[0] in allowed, (
-        f"{where}: {cut_routes.shape[0]} rows after truncation for {keep} tokens, expected "
-        + (
-            f"{keep - 1} or {keep} (the last kept token's row is real)"
-            if len(allowed) == 2
-            else f"{keep - 1}"
-        )
-        + " — a row for a cut token is a route for a position that no longer exists"
+    assert cut_routes.shape[0] in allowed, f"{where}: " + _row_count_message(
+        cut_routes.shape[0], keep, allowed
     )
-    moved = [i for i in range(cut_routes.shape[0]) if not torch.equal(cut_routes[i], routes[i].long())]
+    got_sets, want_sets = route_sets(cut_routes), route_sets(routes.long()[: cut_routes.shape[0]])
+    moved = [i for i in range(cut_routes.shape[0]) if not torch.equal(got_sets[i], want_sets[i])]
     assert not moved, f"{where}: rows {moved[:5]} changed by truncation; row i must stay the row of token i"

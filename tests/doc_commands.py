@@ -53,8 +53,14 @@ VERL_MCORE = ".ci/run, the verl 0.9.1 + megatron-core 0.19.2 step (RRH_DOC_ENV=v
 SKYRL = ".ci/run, the SkyRL 0.4.0 step (RRH_DOC_ENV=skyrl-0.4.0)"
 WHERES = (QUICK, CI, VLLM_RECIPE, VLLM, VERL_MCORE, SKYRL)
 
-LAB = (r"^mismatch lab: ", r"^(no replay|R3)  ", r"^per-layer disagreement without replay: ")
-"""The mismatch lab's lines in ``rrh check``'s output: bf16 figures."""
+LAB = (
+    r"^mismatch lab: ",
+    r"^(no replay|R3)  ",
+    r"^per-layer disagreement without replay: ",
+    r"mismatch lab \([^)]*\): \S+ of routes flipped without replay",
+)
+"""The mismatch lab's lines in ``rrh check``'s output (its table, and its line while it runs): bf16
+figures."""
 
 
 @dataclass(frozen=True)
@@ -288,6 +294,10 @@ def strip_comment(command: str) -> str:
 
 FENCE = re.compile(r"^```(\w*)\s*$")
 OUTPUT_MARK = re.compile(r"^<!-- output of: (.+) -->$")
+TRANSCRIPT_MARK = re.compile(r"^<!-- excerpt of: (tests/transcripts/\S+\.txt), <DUMP> = (\S+) -->$")
+"""A quoted audit excerpt of a committed golden transcript (tests/test_audit_transcripts.py compares
+the transcript with what the audit prints): every line of the block is a line of the transcript
+with ``<DUMP>`` spelled as on the page, a line ending in ``…`` a prefix of one."""
 
 
 def _fenced(page: Path) -> list[tuple[str, int, list[str], str]]:
@@ -344,8 +354,28 @@ def unmarked_text_blocks(page: Path) -> list[int]:
     return [
         first
         for language, first, _, above in _fenced(page)
-        if language == "text" and not OUTPUT_MARK.match(above)
+        if language == "text" and not OUTPUT_MARK.match(above) and not TRANSCRIPT_MARK.match(above)
     ]
+
+
+def transcript_excerpt_problems(page: Path, root: Path) -> list[str]:
+    """Lines of the page's transcript excerpts that their transcript does not hold (sizes and times
+    compared as the transcript's ``<SIZE>`` and ``<T>``)."""
+    problems = []
+    for language, first, lines, above in _fenced(page):
+        mark = TRANSCRIPT_MARK.match(above)
+        if language != "text" or not mark:
+            continue
+        text = (root / mark.group(1)).read_text().replace("<DUMP>", mark.group(2))
+        held = text.splitlines()
+        for offset, line in enumerate(lines):
+            want = re.sub(r"\d+(\.\d+)? (B|KiB|MiB|GiB)\b", "<SIZE>", line)
+            want = re.sub(r" in \d+(\.\d+)?s\b", " in <T>s", want)
+            cut = want.endswith(("…", "(…)"))  # cut there, as `…` or `(…)`
+            want = want.removesuffix("(…)").removesuffix("…").rstrip() if cut else want
+            if not any(h.startswith(want) if cut else h == want for h in held):
+                problems.append(f"{page.name}:{first + offset}: not in {mark.group(1)}: {line}")
+    return problems
 
 
 def page_python_subject(page: Path) -> str | None:

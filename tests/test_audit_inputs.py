@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from harness.audit import inputs
+from harness.audit.inputs import read_file
 from harness.audit.layout import LayoutError
 
 pytestmark = pytest.mark.timeout(60)
@@ -74,12 +75,12 @@ def test_a_file_past_its_time_budget_is_named_and_the_next_file_is_read(
     fast.write_bytes(b"y")
     errors: list[str] = []
     start = time.monotonic()
-    assert inputs.read_file(slow, errors, lambda: time.sleep(30)) is None
+    assert read_file(slow, errors, lambda: time.sleep(30)) is None
     assert time.monotonic() - start < 5
-    assert inputs.read_file(fast, errors, lambda: "read") == "read"
+    assert read_file(fast, errors, lambda: "read") == "read"
     assert len(errors) == 1 and errors[0].startswith(f"{slow}: still being read after 0.3 s")
     with pytest.raises(inputs.FileTimeout):  # without an error list the first such file raises
-        inputs.read_file(slow, None, lambda: time.sleep(30))
+        read_file(slow, None, lambda: time.sleep(30))
 
 
 def test_nested_budgets_keep_the_earliest_deadline_and_clean_up() -> None:

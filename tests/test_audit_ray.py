@@ -5,8 +5,8 @@ own raylet and object store) audit a generated run with every fault planted, one
 of work; the result must be exactly the serial audit's, floats and offenders' places included.
 Marked ``slow`` (starting two raylets is ~25 s of one core, an eighth of the default run);
 ``.ci/run`` runs it as its own step. Skipped when Ray (the ``ray`` extra) is not installed, unless
-``RRH_REQUIRE_RAY=1`` (``.ci/run``'s Ray step), which makes a missing Ray a failure. Every wait is bounded, so a node that does not
-come up or dies fails the test in minutes, never hangs it.
+``RRH_REQUIRE_RAY=1`` (``.ci/run``'s Ray step), which makes a missing Ray a failure. Every wait is
+bounded, so a node that does not come up or dies fails the test in minutes, never hangs it.
 """
 
 from __future__ import annotations

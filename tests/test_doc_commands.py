@@ -91,6 +91,18 @@ def test_quoted_output_blocks_belong_to_a_command_that_runs() -> None:
     assert not problems, "\n".join(problems)
 
 
+def test_transcript_excerpts_are_lines_of_their_transcript(tmp_path: Path) -> None:
+    """A quoted audit excerpt marked ``<!-- excerpt of: tests/transcripts/….txt, <DUMP> = … -->``
+    holds only lines of that golden transcript; a changed figure in it is caught."""
+    problems = [p for page in dc.PAGES for p in dc.transcript_excerpt_problems(page, dc.ROOT)]
+    assert not problems, "\n".join(problems)
+    audit = (dc.ROOT / "docs" / "audit.md").read_text()
+    assert "7 of 8 samples agree" in audit
+    broken = tmp_path / "audit.md"
+    broken.write_text(audit.replace("7 of 8 samples agree", "6 of 8 samples agree"))
+    assert dc.transcript_excerpt_problems(broken, dc.ROOT), "a changed figure went unnoticed"
+
+
 def test_the_output_comparison_catches_a_changed_figure() -> None:
     """The comparison itself: exact figures, loose ones within the factor, ``…`` as elision."""
     printed = (

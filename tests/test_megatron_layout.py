@@ -132,3 +132,35 @@ def test_traces_that_do_not_cover_every_input_position_are_rejected() -> None:
     wrong_moe = RoutingTrace(traces[0].experts, num_experts=8, moe_layers=(1,))
     with pytest.raises(MegatronReplayError, match="moe_layers"):
         batch_routes([wrong_moe, *traces[1:]], LAYOUT)
+
+
+def test_a_packed_alignment_is_read_off_cu_seqlens_padded() -> None:
+    """The rows follow ``cu_seqlens_padded``: its alignment is read off it (any multiple of ``tp``),
+    and padding that is not each sample rounded up to one multiple is refused."""
+    from harness.trainers.megatron import packed as thd
+
+    cu = thd.cu_seqlens([5, 6])
+    assert thd.check_cu_seqlens([5, 6], cu, thd.cu_seqlens([8, 8]), 1) == 8
+    assert thd.check_cu_seqlens([5, 6], cu, thd.cu_seqlens([6, 6]), 2) == 6
+    assert thd.check_cu_seqlens([5, 6], cu, cu, 1) == 1
+    layout = MegatronLayout(
+        num_layers=3,
+        moe_layers=(1, 2),
+        num_experts=4,
+        top_k=2,
+        seq_len=8,
+        micro_batch=2,
+        lengths=(5, 6),
+        align=4,
+    )
+    assert thd.packed_slots([5, 6], layout.packing_align)[5:8, 0].tolist() == [-1, -1, -1]
+    assert thd.packed_slots([5, 6], layout.packing_align)[8, 0] == 1
+    for bad in ([8, 7], [5, 8], [4, 8]):
+        with pytest.raises(MegatronReplayError, match="cu_seqlens_q_padded"):
+            thd.check_cu_seqlens([5, 6], cu, thd.cu_seqlens(bad), 1)
+    with pytest.raises(MegatronReplayError, match="multiple of tp"):
+        thd.check_cu_seqlens([5, 6], cu, thd.cu_seqlens([5, 6]), 2)
+    with pytest.raises(MegatronReplayError, match="align = 3"):
+        MegatronLayout(
+            num_layers=3, moe_layers=(1, 2), num_experts=4, top_k=2, seq_len=8, micro_batch=2, tp=2, align=3
+        )

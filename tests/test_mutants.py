@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 
 import pytest
-from hypothesis import Phase, settings
 
 from harness.mutants import benign
 from harness.mutants.registry import MUTANTS, get
@@ -15,6 +14,7 @@ from harness.subjects import load_subject
 
 NAMES = [m.name for m in MUTANTS]
 SPAWNING = {
+    "megatron-replay-drops-scaling-factor",
     "megatron-batch-major",
     "megatron-forward-through-backward",
     "megatron-layer-shift",
@@ -28,16 +28,6 @@ SPAWNING = {
 probe-only one (RouterReplay actions on stale instances, whose own calls all succeed) proves the
 Megatron suite's kill in the default run."""
 
-settings.register_profile(
-    "benign-quick",
-    max_examples=10,
-    derandomize=True,
-    deadline=None,
-    database=None,
-    phases=[Phase.explicit, Phase.generate],
-)
-"""The default run's false-alarm check: 10 generated cases per property plus every ``@example`` pin
-(where the boundaries are); ``-m slow`` and ``rrh mutants`` run the full budget."""
 BENIGN_NAMES = [b.name for b in benign.BENIGN]
 QUICK_KEYWORD = {
     "errors-in-own-words": "bad_",
@@ -45,9 +35,20 @@ QUICK_KEYWORD = {
         "test_replay and reference and not bf16 and (two_controlled or disarmed or part_built or deep_model"
         " or (softmax_topk and not softmax_topk_fp32))"
     ),
+    "constructor-patch-driver-by-tag": (
+        "test_replay and reference and not bf16 and (two_controlled or disarmed or part_built or deep_model"
+        " or (softmax_topk and not softmax_topk_fp32))"
+    ),
     "one-forward-in-flight": "test_recompute",
     "un-undoable-driver-beside-a-bare-callable": "test_hf and qwen2_moe or test_r2",
+    "un-undoable-driver-beside-megatron": (
+        "test_replay and whatever_the_live_logits and (hf-qwen2_moe-fp32 or megatron-softmax)"
+    ),
     "splice-into-buffer": "test_splice",
+    "megatron-logs-replayed-weights": (
+        "test_replay and megatron-softmax and (whatever_the_live_logits or bit_exact)"
+    ),
+    "splice-payload-tails": "test_splice",
 }
 """Variants that take ~30 s each over every suite of their capabilities run, in the default run, the
 part of those suites their choice meets: the bad-input cases, the reference replay cases that a

@@ -48,3 +48,19 @@ def test_only_skyrl_0_4_0_refuses_virtual_pipeline_stages() -> None:
     assert refused == {name: ["skyrl-0.4.0"] if LAYOUTS[name].vpp > 1 else [] for name in LAYOUTS}
     reason = SKYRL_0_4_0.install_megatron_replay.refusal(LAYOUTS["pp2vpp2thd"])
     assert "virtual_pipeline_model_parallel_size=2" in reason and "megatron_worker.py" in reason
+
+
+def test_releases_that_pack_by_themselves_skip_an_alignment_they_never_build() -> None:
+    """verl and SkyRL pad each packed sample to their own alignment (``tp`` at CP = 1): the
+    ``thd-align4`` layout (TP = 1, samples padded to 4) is one they never build, so the suite skips
+    it for them; the data movements that follow ``cu_seqlens_padded`` (the reference, Megatron-core
+    alone) run it."""
+    from harness.subjects.frameworks.verl import VERL_0_9_1
+    from harness.trainers.megatron.subject import MEGATRON_DATA
+
+    layout = LAYOUTS["thd-align4"]
+    assert layout.packing_align == 4 and layout.tp == 1 and layout.packed_rows == 16
+    for subject in (SKYRL_0_2_0, SKYRL_0_3_0, SKYRL_0_4_0, VERL_0_9_1):
+        assert subject.megatron_data.packing_align(layout.tp) == 1
+    for data in (MEGATRON_DATA, MEGATRON_CORE.megatron_data):
+        assert not hasattr(data, "packing_align")

@@ -39,6 +39,9 @@ WATCHED = [
 """The reviewed marks of the watch whose answer was recorded."""
 NEW_HERE = ("mcore-0.19.2.json", "skyrl-0.4.0.json", "verl-0.9.1-mcore-0.19.2.json")
 """Verdict files this work added (the watch that recorded the answer had none of them)."""
+BASELINES_THEN = {"hf.json": "5.23.0"}
+"""Gate baselines re-recorded since the answer was recorded, and the version each had then (the hf
+baseline moved to transformers 5.24.0 with issue 33)."""
 EXPECTED_LISTED = [
     ("skyrl", "0.4.0"),
     ("megatron-core", "0.19.0"),
@@ -63,6 +66,9 @@ def _fixtures(tmp_path: Path, reviewed: list[dict[str, str]], drop: tuple[str, .
     """The repository's verdicts (less ``drop``) and baselines, ``reviewed`` as the reviewed marks."""
     for folder in ("verdicts", "baselines"):
         shutil.copytree(FIXTURES / folder, tmp_path / folder)
+    for name, version in BASELINES_THEN.items():
+        baseline = tmp_path / "baselines" / name
+        baseline.write_text(json.dumps({**json.loads(baseline.read_text()), "version": version}))
     for name in drop:
         (tmp_path / "verdicts" / name).unlink(missing_ok=True)
     (tmp_path / "releases").mkdir()

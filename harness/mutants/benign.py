@@ -30,6 +30,7 @@ from harness.subjects import Subject
 from harness.subjects.capabilities import LayoutsCapability, members
 from harness.subjects.reference import REFERENCE
 from harness.trace import RoutingTrace
+from harness.trainers.megatron.subject import HarnessMegatronDriver
 from reference_impl import MoELM, layouts, splice, training
 from reference_impl.layouts import LayoutError, MicroBatchPlan, Placed
 
@@ -80,6 +81,20 @@ def truncate_to_int32(
     return cut_tokens, cut_routes.to(torch.int32)
 
 
+def truncate_dedup_by_position(
+    tokens: torch.Tensor, routes: torch.Tensor, prompt_len: int, max_response_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin of ``truncation-collapses-repeated-rows``: ``unique_consecutive`` over rows keyed by
+    their position (a resume's re-sent overlap row has its position twice, equal routes at two
+    positions do not), so nothing real is collapsed; the last kept token's real row is kept."""
+    splice.truncate(tokens, routes, prompt_len, max_response_len)  # same input checks
+    keep = min(tokens.shape[0], prompt_len + max_response_len)
+    flat = torch.as_tensor(routes).flatten(1).long()
+    keyed = torch.cat([torch.arange(flat.shape[0]).unsqueeze(1), flat], dim=1)
+    unique = torch.unique_consecutive(keyed, dim=0)[:, 1:].reshape(-1, *routes.shape[1:])
+    return tokens[:keep], unique[:keep].to(routes.dtype)
+
+
 def truncate_keeping_last_kept_row(
     tokens: torch.Tensor, routes: torch.Tensor, prompt_len: int, max_response_len: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -97,6 +112,21 @@ def truncate_keeping_last_kept_row(
 def splice_to_numpy(prompt_len: int, attempts: Sequence[splice.Attempt]) -> np.ndarray:
     """The correct splice, returned as a numpy int32 array with each route's ids sorted."""
     return np.sort(splice.splice(prompt_len, attempts).numpy().astype(np.int32), axis=-1)
+
+
+def splice_payload_tails(prompt_len: int, attempts: Sequence[splice.Attempt]) -> torch.Tensor:
+    """The twin of ``seam-found-by-content``: each later attempt's rows are the last ``new_tokens``
+    rows of its payload (the rows before them are the context it re-prefilled), found by the
+    payload's length, never by content (verl's ``FullyAsyncLLMServerClient`` with its ``[-0:]``
+    guard); the first contributing attempt's payload whole. Bad input: the reference's checks."""
+    checked = splice.splice(prompt_len, attempts)  # same input checks; the answer when nothing was fed
+    rows: list[torch.Tensor] = []
+    for attempt in attempts:
+        if not attempt.new_tokens or attempt.routes is None:
+            continue
+        payload = torch.as_tensor(attempt.routes)
+        rows.append(payload[-attempt.new_tokens :] if rows else payload)
+    return torch.cat(rows) if rows else checked
 
 
 def splice_into_buffer(prompt_len: int, attempts: Sequence[splice.Attempt]) -> torch.Tensor | None:
@@ -263,6 +293,31 @@ def one_forward_in_flight(model: MoELM) -> OneForwardInFlightThroughBackward:
     return OneForwardInFlightThroughBackward(model)
 
 
+class LogsReplayedWeightsDriver(HarnessMegatronDriver):
+    """The twin of ``megatron-replay-drops-scaling-factor``: a forward hook on every ``TopKRouter``
+    that, under replay, keeps a copy of the gate weights for its own logging and hands Megatron-core's
+    weights on untouched (scaling factor and all), as a framework that wraps the replayed routing."""
+
+    def install(self, model: Sequence[torch.nn.Module], config: Any) -> Any:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        from harness.mutants.megatron import replaying
+
+        self.logged: list[torch.Tensor] = []
+
+        def log(module: Any, args: Any, output: Any) -> Any:
+            probs, routing_map = output
+            if replaying(module):
+                self.logged = [*self.logged[-7:], probs.detach().clone()]
+            return probs, routing_map
+
+        for chunk in model:
+            for m in chunk.modules():
+                if isinstance(m, TopKRouter):
+                    m.register_forward_hook(log)
+        return super().install(model, config)
+
+
 class HooksWithoutUnpatch:
     """A transformers driver whose ``patch()`` sets a process-wide default and cannot be undone (no
     ``unpatch()``), as a framework that imports its patches for good."""
@@ -293,6 +348,12 @@ BENIGN: tuple[Benign, ...] = (
         _variant("truncate-int32", truncate=truncate_to_int32),
     ),
     Benign(
+        "truncate-dedup-by-position",
+        "collapses consecutive rows keyed by position with unique_consecutive (a re-sent overlap row, "
+        "never an equal route at another position), keeping the last kept token's real row",
+        _variant("truncate-dedup-by-position", truncate=truncate_dedup_by_position),
+    ),
+    Benign(
         "truncate-keeps-last-kept-row",
         "after cutting to R′ tokens, keeps the last kept token's real row (P + R′ rows, §3.1), numpy out",
         _variant("truncate-keeps-last-kept-row", truncate=truncate_keeping_last_kept_row),
@@ -301,6 +362,12 @@ BENIGN: tuple[Benign, ...] = (
         "splice-numpy-sorted",
         "the splice as a numpy int32 array, each route's ids sorted",
         _variant("splice-numpy-sorted", splice=splice_to_numpy),
+    ),
+    Benign(
+        "splice-payload-tails",
+        "each later attempt's rows are the last new_tokens rows of its payload (verl's resume splice, "
+        "with its [-0:] guard): the seam from the payload's length, never from its content",
+        _variant("splice-payload-tails", splice=splice_payload_tails),
     ),
     Benign(
         "splice-into-buffer",
@@ -382,6 +449,12 @@ BENIGN: tuple[Benign, ...] = (
         _variant("constructor-patch-driver", install_replay=ConstructorPatchDriver()),
     ),
     Benign(
+        "constructor-patch-driver-by-tag",
+        "the constructor-patch driver knowing its routers by a flag its patched constructor sets on each "
+        "(deep copies keep it), refusing an unflagged router loudly",
+        _variant("constructor-patch-driver-by-tag", install_replay=ConstructorPatchDriver(by_tag=True)),
+    ),
+    Benign(
         "one-forward-in-flight",
         "declares one forward in flight (OneForwardInFlight) and keeps REPLAY_FORWARD through backward: "
         "the recompute replays the one forward's own targets",
@@ -397,6 +470,24 @@ BENIGN: tuple[Benign, ...] = (
             install_hf_replay=HooksWithoutUnpatch(),
         ),
         own_process=True,
+    ),
+    Benign(
+        "un-undoable-driver-beside-megatron",
+        "a transformers driver without unpatch() beside Megatron-core's own replay (a driver of its own, "
+        "which patches nothing): the Megatron kind of the replay suite must not be refused for a patch it "
+        "never made",
+        _variant(
+            "un-undoable-driver-beside-megatron",
+            install_hf_replay=HooksWithoutUnpatch(),
+            install_megatron_replay=HarnessMegatronDriver(),
+        ),
+        own_process=True,
+    ),
+    Benign(
+        "megatron-logs-replayed-weights",
+        "a forward hook on Megatron-core's routers that copies the replayed gate weights for its own "
+        "logging and hands them on unchanged (a framework wrapping the replayed routing)",
+        _variant("megatron-logs-replayed-weights", install_megatron_replay=LogsReplayedWeightsDriver()),
     ),
     Benign(
         "namespace-capabilities",

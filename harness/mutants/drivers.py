@@ -114,12 +114,25 @@ class RegistryController:
                 router.replay = RouterReplay(old.where, old.num_experts, old.top_k)
 
 
-class ConstructorPatchDriver:
-    """Replay through a patched ``Router.__init__`` and a process-global registry (see the module)."""
+_TAG = "_rrh_built_under_patch"
+"""The attribute a tagging ``ConstructorPatchDriver``'s patched constructor sets on each router."""
 
-    def __init__(self, bug: Bug = Bug.NONE) -> None:
+
+class ConstructorPatchDriver:
+    """Replay through a patched ``Router.__init__`` and a process-global registry (see the module).
+
+    ``by_tag``: the patched constructor marks each router with an attribute and ``install`` knows the
+    routers by it (as a patch that sets a flag on ``self`` does); a deep copy keeps the mark, so a
+    part is "built before the patch" only when it was built while this process had no patch on.
+    """
+
+    def __init__(self, bug: Bug = Bug.NONE, *, by_tag: bool = False) -> None:
         self.bug = bug
+        self.by_tag = by_tag
         self._original: Callable[..., None] | None = None
+
+    def _seen(self, router: Router) -> bool:
+        return bool(getattr(router, _TAG, False)) if self.by_tag else router in _BUILT
 
     def patch(self) -> None:
         if self._original is not None:
@@ -130,6 +143,7 @@ class ConstructorPatchDriver:
         def registering_init(router: Router, *args: Any, **kwargs: Any) -> None:
             original(router, *args, **kwargs)
             _BUILT.add(router)
+            setattr(router, _TAG, True)
 
         Router.__init__ = registering_init  # type: ignore[method-assign,assignment]
 
@@ -144,13 +158,13 @@ class ConstructorPatchDriver:
             named.sort(key=lambda item: item[0])
         else:
             named.sort(key=lambda item: _layer_key(item[0]))
-        unseen = [m.layer for _, m in named if m not in _BUILT]
+        unseen = [m.layer for _, m in named if not self._seen(m)]
         if unseen and self.bug is not Bug.SKIPS_UNPATCHED_ROUTERS:
             raise ReplayError(
                 f"routers of decoder layers {unseen} were built before patch() (or copied from such a "
                 "model): they cannot replay; build the model after patch()"
             )
-        routers: list[Router | None] = [m if m in _BUILT else None for _, m in named]
+        routers: list[Router | None] = [m if self._seen(m) else None for _, m in named]
         if self.bug is Bug.GLOBAL_BY_LAYER:
             _BY_LAYER.update({r.layer: r for r in routers if r is not None})
         return RegistryController(model, routers, self.bug)

@@ -126,6 +126,38 @@ class UnnormalisedWeightsDriver(HarnessMegatronDriver):
         return super().install(model, config)
 
 
+def replaying(router: Any) -> bool:
+    """Whether a ``TopKRouter``'s ``RouterReplay`` is in a replay action now."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    replay = getattr(router, "router_replay", None)
+    action = getattr(replay, "router_replay_action", None)
+    return action in (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD)
+
+
+class DropsScalingUnderReplayDriver(HarnessMegatronDriver):
+    """A patched routing for replay that re-implements the gate weights and forgets
+    ``moe_router_topk_scaling_factor`` (the weights of a replayed token are its live router's, unscaled):
+    right for every router without a scaling factor, wrong by that factor under replay only."""
+
+    def install(self, model: Sequence[torch.nn.Module], config: Any) -> MegatronReplay:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        scale = getattr(config, "moe_router_topk_scaling_factor", None)
+
+        def unscale(module: Any, args: Any, output: Any) -> Any:
+            probs, routing_map = output
+            if scale and replaying(module):
+                return probs / scale, routing_map
+            return output
+
+        for chunk in model:
+            for m in chunk.modules():
+                if isinstance(m, TopKRouter):
+                    m.register_forward_hook(unscale)
+        return super().install(model, config)
+
+
 class StaleInstances:
     """An action switch over copies of the routers' ``RouterReplay`` objects taken at install: the live
     routers never leave native routing, while every action call succeeds (verl #7340 orphans)."""
@@ -196,9 +228,10 @@ MUTANTS = (
     Mutant(
         "megatron-thd-unpadded-boundaries",
         "token order",
-        "packed targets laid out at cu_seqlens while the model's rows follow cu_seqlens_padded (TP > 1)",
+        "packed targets laid out at cu_seqlens while the model's rows follow cu_seqlens_padded (verl "
+        "#7106's class; hides where no sample is padded: TP = 1 at alignment 1)",
         mutate("megatron-thd-unpadded-boundaries", megatron_data=UnpaddedBoundaries()),
-        killed_by="test_megatron.py::test_router_replay_follows_canonical_targets[thd-tp2ep2]",
+        killed_by="test_megatron.py::test_router_replay_follows_canonical_targets[thd-align4]",
     ),
     Mutant(
         "megatron-layer-shift",
@@ -213,6 +246,17 @@ MUTANTS = (
         "targets flattened b·S + s while Megatron's routers see s·B + b (hides when micro_batch = 1)",
         mutate("megatron-batch-major", megatron_data=BatchMajor()),
         killed_by="test_megatron.py::test_router_replay_follows_canonical_targets[tp1ep1]",
+    ),
+    Mutant(
+        "megatron-replay-drops-scaling-factor",
+        "wrong gate rule",
+        "a re-implemented replay routing (verl's patched TopKRouter.routing shape) that forgets "
+        "moe_router_topk_scaling_factor: replayed experts weighted unscaled (hides unless the router has a "
+        "scaling factor: DeepSeek-V3's 2.5)",
+        mutate(
+            "megatron-replay-drops-scaling-factor", install_megatron_replay=DropsScalingUnderReplayDriver()
+        ),
+        killed_by="test_megatron.py::test_gate_weights_follow_every_router_rule",
     ),
     Mutant(
         "megatron-actions-on-stale-instances",

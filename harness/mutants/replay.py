@@ -177,8 +177,8 @@ def structural_softmax_hook(model: torch.nn.Module) -> ReplayController:
     return install(model, rule=rule, self_check=False)
 
 
-def _driver_with(bug: Bug, name: str) -> Subject:
-    return mutate(name, install_replay=ConstructorPatchDriver(bug))
+def _driver_with(bug: Bug, name: str, *, by_tag: bool = False) -> Subject:
+    return mutate(name, install_replay=ConstructorPatchDriver(bug, by_tag=by_tag))
 
 
 MUTANTS = (
@@ -273,6 +273,17 @@ MUTANTS = (
         "TopKRouter.__init__) and replays only the routers it saw built: a part built before patch() (an "
         "MTP head, a critic) routes natively in silence while the rest replays",
         _driver_with(Bug.SKIPS_UNPATCHED_ROUTERS, "routers-built-before-patch-left-native"),
+        killed_by="test_replay.py::test_a_part_built_before_the_patch_is_replayed_or_refused[reference]",
+    ),
+    Mutant(
+        "tagged-routers-built-before-patch-left-native",
+        "silent no-op",
+        "the same driver knowing its routers by a flag its patched constructor sets on each (a deep copy "
+        "keeps it): a part built before patch() routes natively in silence; it hides wherever an earlier "
+        "test already patched the process before the 'early' part was built (test order)",
+        _driver_with(
+            Bug.SKIPS_UNPATCHED_ROUTERS, "tagged-routers-built-before-patch-left-native", by_tag=True
+        ),
         killed_by="test_replay.py::test_a_part_built_before_the_patch_is_replayed_or_refused[reference]",
     ),
     Mutant(

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from harness.mutants import Mutant, mutate
-from reference_impl.splice import Attempt, splice, splice_replace
+from reference_impl.splice import Attempt, splice, splice_replace, truncate
 
 
 def concatenate_payloads(prompt_len: int, attempts: Sequence[Attempt]) -> torch.Tensor:
@@ -56,11 +56,54 @@ def splice_dropping_repeated_seam_rows(prompt_len: int, attempts: Sequence[Attem
     return trace[keep]
 
 
+def splice_finding_seam_by_content(prompt_len: int, attempts: Sequence[Attempt]) -> torch.Tensor:
+    """The first contributing attempt's payload, then each later attempt's rows taken from just after
+    the last kept row's route, found by content in its payload when it occurs there exactly once (the
+    overlap row the engine sent again), else from the position the rows count gives.
+
+    Right while every route is distinct (it sits where the position says), and while routes repeat so
+    often that none is unique (it falls back to the position); wrong when a weight update moved the
+    routes, so the last kept route reappears once, one position away.
+    """
+    trace: torch.Tensor | None = None
+    context_len = prompt_len
+    for attempt in attempts:
+        context_len += attempt.new_tokens
+        if not attempt.new_tokens:
+            continue
+        if attempt.routes is None:
+            raise ValueError(f"an attempt added {attempt.new_tokens} tokens but returned no routes")
+        rows = torch.as_tensor(attempt.routes)
+        if trace is None:
+            trace = rows[: context_len - 1]
+            continue
+        start = trace.shape[0]
+        last = torch.sort(trace[-1], dim=-1).values
+        hits = [i for i in range(rows.shape[0]) if torch.equal(torch.sort(rows[i], dim=-1).values, last)]
+        if len(hits) == 1:
+            start = hits[0] + 1
+        trace = torch.cat([trace, rows[start : start + attempt.new_tokens]])
+    return splice(prompt_len, attempts) if trace is None else trace
+
+
 def truncate_tokens_only(
     tokens: torch.Tensor, routes: torch.Tensor, prompt_len: int, max_response_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cut the response to the budget but keep every row."""
     return tokens[: prompt_len + max_response_len], routes
+
+
+def truncate_collapsing_repeated_rows(
+    tokens: torch.Tensor, routes: torch.Tensor, prompt_len: int, max_response_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The correct cut, then ``unique_consecutive`` over the kept rows to drop the overlap row a
+    resume sent twice (the verl #5430/#6029 de-duplication shape): equal routes at neighbouring
+    positions are not duplicates, and each one collapsed shifts every later row up by one.
+
+    Random routes over many experts never repeat a row; top-1 or few-expert routes do.
+    """
+    cut_tokens, cut_routes = truncate(tokens, routes, prompt_len, max_response_len)
+    return cut_tokens, torch.unique_consecutive(cut_routes, dim=0)
 
 
 MUTANTS = (
@@ -111,10 +154,28 @@ MUTANTS = (
         killed_by="test_splice.py::test_rows_that_repeat_across_a_seam_keep_their_positions",
     ),
     Mutant(
+        "seam-found-by-content",
+        "repeated row at a seam",
+        "issue 34's blind spot (no framework release known): each later attempt's rows start after the "
+        "last kept route, found by content in the new payload when it occurs there once (hides unless a "
+        "weight update moves a repeating route one position: distinct or constant routes hide it)",
+        mutate("seam-found-by-content", splice=splice_finding_seam_by_content),
+        killed_by="test_splice.py::test_rows_that_repeat_across_a_seam_keep_their_positions",
+    ),
+    Mutant(
         "truncation",
         "truncation",
         "verl #6027 (fixed #6089): response truncated to the budget but rows not",
         mutate("truncation", truncate=truncate_tokens_only),
+        killed_by="test_splice.py::test_truncation_cuts_tokens_and_rows_together",
+    ),
+    Mutant(
+        "truncation-collapses-repeated-rows",
+        "truncation",
+        "verl #5430/#6029's de-duplication shape in a truncation: unique_consecutive over the kept rows "
+        "collapses equal routes at neighbouring positions (hides unless two kept rows repeat: top-1, "
+        "few experts, constant rows)",
+        mutate("truncation-collapses-repeated-rows", truncate=truncate_collapsing_repeated_rows),
         killed_by="test_splice.py::test_truncation_cuts_tokens_and_rows_together",
     ),
 )

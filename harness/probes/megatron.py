@@ -97,13 +97,10 @@ def expected_gate_weights(logits: torch.Tensor, routing_map: torch.Tensor, confi
     Megatron-core's ``topk_routing_with_score_function`` for its score functions: ``softmax`` over the
     chosen experts' logits (over all experts first with ``moe_router_pre_softmax``), ``sigmoid`` of
     each chosen logit normalised over the chosen ones when ``top_k > 1``; then
-    ``moe_router_topk_scaling_factor``. Other routers (group-limited, expert bias on the scores)
-    are refused rather than guessed.
+    ``moe_router_topk_scaling_factor``. Group-limited routing (``moe_router_num_groups``) and the
+    aux-loss-free expert bias change which experts are chosen, never the rule: the weights are
+    gathered from the unbiased scores at the chosen ids.
     """
-    if getattr(config, "moe_router_num_groups", None) or getattr(
-        config, "moe_router_enable_expert_bias", False
-    ):
-        raise MegatronReplayError("expected_gate_weights: group-limited routing / expert bias not modelled")
     chosen = routing_map.bool()
     masked = logits.float().masked_fill(~chosen, float("-inf"))
     function = getattr(config, "moe_router_score_function", "softmax")

@@ -10,9 +10,10 @@ One concept per module, bottom to top:
 - :mod:`~harness.report.build` — a :class:`CheckReport` from suite outcomes and mismatch-lab results;
 - :mod:`~harness.report.svg` — the grouped-bar SVG chart (why no plotting library: its docstring);
 - :mod:`~harness.report.charts` — the lab's charts drawn with it;
+- :mod:`~harness.report.markup` — the docstrings' inline reStructuredText, as plain text or HTML;
 - :mod:`~harness.report.html_page` — the self-contained HTML page;
 - :mod:`~harness.report.write` — the ``--html`` / ``--json`` files;
-- :mod:`~harness.report.terminal` — tables, the invariant table, the verdict, the progress line.
+- :mod:`~harness.report.terminal` — tables, the invariant table, the verdict, the progress lines.
 """
 
 from harness.report.build import HIST_EDGES, LabRun, SuiteRun, build_report, histogram

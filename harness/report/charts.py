@@ -8,6 +8,8 @@ from harness.report.model import LabSummary
 from harness.report.svg import svg_grouped_bars
 
 ARM_COLORS = {"no replay": "#d9822b", "R3": "#2b6cb0"}
+CHART_WIDTH = 520
+"""Every chart's width in pixels: the page's charts line up, two to a row of its 1064-pixel column."""
 
 
 def _color(arm_name: str) -> str:
@@ -23,6 +25,7 @@ def layer_chart(lab: LabSummary) -> str:
         y_label="routes that differ",
         x_label="decoder layer",
         percent=True,
+        width=CHART_WIDTH,
     )
 
 
@@ -59,5 +62,5 @@ def histogram_chart(lab: LabSummary, *, flipped: bool) -> str | None:
         ],
         y_label="tokens",
         x_label="|Δ log-prob| (upper bin edge; log scale)",
-        width=max(560, 26 * (hi - lo) + 90),
+        width=CHART_WIDTH,
     )

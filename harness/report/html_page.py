@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from harness.report.charts import histogram_chart, layer_chart
 from harness.report.document import FORMAT
 from harness.report.environment import Environment
+from harness.report.markup import html_text
 from harness.report.model import LEGEND, CheckReport, InvariantResult, LabSummary, Mark
 from harness.report.verdict import header, percent, scientific, verdict
 
@@ -75,7 +76,7 @@ def _invariant_rows(items: Sequence[InvariantResult], spec: str) -> str:
             detail += f'<div class="example">rerun: <code>{e(rerun)}</code></div>'
         rows.append(
             f'<tr class="{e(i.result)}"><td>{_badge(i.result)}</td><td>{e(i.suite)}</td>'
-            f'<td>{e(i.invariant)}</td><td>{detail}</td><td class="num">{i.seconds:.2f}s</td></tr>'
+            f'<td>{html_text(i.invariant)}</td><td>{detail}</td><td class="num">{i.seconds:.2f}s</td></tr>'
         )
     return "\n".join(rows)
 
@@ -176,9 +177,15 @@ def to_html(report: CheckReport) -> str:
         if report.runs
         else "<p class=sub>No suite ran (--no-suites): no invariant was checked.</p>"
     )
+    verified = len(report.verified)  # the verdict's count: passes that ran on the subject
+    without = (
+        f'<span class="sub">{c.passed - verified} passed without calling the subject</span>'
+        if c.passed > verified
+        else ""
+    )
     counts = (
-        f'<div class="counts"><span>{_badge("PASS")} {c.passed}</span>'
-        f"<span>{_badge('FAIL')} {c.failed}</span>\n<span>{_badge('skip')} {c.skipped}</span></div>"
+        f'<div class="counts"><span>{_badge("PASS")} {verified}</span>'
+        f"<span>{_badge('FAIL')} {c.failed}</span>\n<span>{_badge('skip')} {c.skipped}</span>{without}</div>"
         if report.runs
         else ""
     )

@@ -133,6 +133,16 @@ class CheckReport:
         return [i for i in self.invariants if i.result == mark]
 
     @property
+    def verified(self) -> list[InvariantResult]:
+        """The invariants that held on the subject: the passes that called one of its capabilities.
+
+        The one count of passes the verdict and the page's PASS badge both give; a pass that never
+        called the subject (a conformance test of the harness's own backends, a check of the
+        harness itself) verified nothing about it.
+        """
+        return [i for i in self.results("PASS") if i.capabilities]
+
+    @property
     def counts(self) -> Counts:
         outcome_of = {mark: outcome for outcome, mark in MARKS.items()}
         return count_outcomes(outcome_of[i.result] for i in self.invariants)

@@ -10,6 +10,7 @@ from typing import TextIO
 
 from harness.check import CheckOutcome
 from harness.outcomes import count_outcomes
+from harness.report.markup import plain_text
 from harness.report.model import MARKS, Mark
 from harness.report.verdict import Verdict
 from harness.table import format_table as format_table  # re-exported (callers of harness.report)
@@ -66,7 +67,8 @@ def _format_table(outcomes: Sequence[CheckOutcome], width: int, conformance: boo
     wrap = textwrap.TextWrapper(width=width, initial_indent=indent + "↳ ", subsequent_indent=indent + "  ")
 
     def row(o: CheckOutcome, mark: str) -> None:
-        invariant = o.invariant if len(o.invariant) <= inv_w else o.invariant[: inv_w - 1] + "…"
+        text = plain_text(o.invariant)
+        invariant = text if len(text) <= inv_w else text[: inv_w - 1] + "…"
         lines.append(f"{mark:<6}  {o.suite:<{suite_w}}  {invariant}")
 
     failed = [o for o in outcomes if o.outcome == "failed"]
@@ -125,34 +127,51 @@ def format_verdict(verdict: Verdict, width: int = 100) -> str:
 
 
 class Progress:
-    """One line per finished test on ``stream`` (stderr): updated in place on a TTY, plain lines otherwise.
+    """What ``rrh check`` says on ``stream`` (stderr) while one step (a suite run, a lab) runs.
 
-    The stream is fixed when the object is made, so pytest's output capture does not swallow it.
+    One line per step, when it ends (:meth:`finish`); on a TTY, meanwhile, a line updated in place
+    counts the step's finished tests. ``verbose`` (``rrh check -v``) adds one line per finished test:
+    ``[3/122] reference suites · splice PASS: invariant``. The stream is fixed when the object is
+    made, so pytest's output capture does not swallow it.
     """
 
-    def __init__(self, stream: TextIO | None = None, *, prefix: str = "") -> None:
+    def __init__(self, stream: TextIO | None = None, *, label: str = "", verbose: bool = False) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.prefix = prefix
+        self.label = label
+        self.verbose = verbose
         self._open = False
 
     def __call__(self, done: int, total: int, outcome: CheckOutcome) -> None:
-        mark = MARKS.get(outcome.outcome, outcome.outcome)
-        self.line(f"[{done}/{total}] {self.prefix}{outcome.suite} {mark}: {outcome.invariant}")
+        """One finished test: its line (verbose), or the in-place count (TTY)."""
+        if self.verbose:
+            mark = MARKS.get(outcome.outcome, outcome.outcome)
+            prefix = f"{self.label} · " if self.label else ""
+            self._clear()
+            self.stream.write(
+                f"[{done}/{total}] {prefix}{outcome.suite} {mark}: {plain_text(outcome.invariant)}\n"
+            )
+            self.stream.flush()
+        elif self.tty:
+            self.transient(f"{self.label}: {done}/{total} tests…")
 
-    def line(self, text: str) -> None:
-        if self.tty:
-            cols = shutil.get_terminal_size((100, 20)).columns - 1
-            shown = text if len(text) <= cols else text[: cols - 1] + "…"
-            self.stream.write("\r\x1b[2K" + shown)
-            self._open = True
-        else:
-            self.stream.write(text + "\n")
+    def transient(self, text: str) -> None:
+        """``text`` on a line updated in place (TTY only: a log gets each step's final line alone)."""
+        if not self.tty:
+            return
+        cols = shutil.get_terminal_size((100, 20)).columns - 1
+        shown = text if len(text) <= cols else text[: cols - 1] + "…"
+        self.stream.write("\r\x1b[2K" + shown)
+        self.stream.flush()
+        self._open = True
+
+    def finish(self, text: str) -> None:
+        """The step's one line (it replaces the in-place line on a TTY)."""
+        self._clear()
+        self.stream.write(text + "\n")
         self.stream.flush()
 
-    def done(self) -> None:
-        """End the in-place line (TTY) so the next output starts on a fresh line."""
+    def _clear(self) -> None:
         if self._open:
             self.stream.write("\r\x1b[2K")
-            self.stream.flush()
             self._open = False

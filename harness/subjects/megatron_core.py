@@ -56,6 +56,8 @@ class CoreController:
 class CoreDriver:
     """``MegatronReplayDriver``: nothing to patch, ``moe_enable_routing_replay=True``."""
 
+    patches_nothing = True  # PatchesNothing
+
     def patch(self) -> None:
         """Megatron-core ≥ 0.16 replays natively."""
 
@@ -69,8 +71,8 @@ class CoreDriver:
 class CoreData:
     """``MegatronDataMovement`` into and out of ``RouterReplay`` 's class list; a packed (THD)
     micro-batch (the forward's ``packed_seq_params``) is laid out the same canonical way
-    (``harness.trainers.megatron.packed``: each sample padded to a multiple of ``tp``, sharded
-    contiguously over TP)."""
+    (``harness.trainers.megatron.packed``: each sample at its ``cu_seqlens_q_padded`` offset,
+    sharded contiguously over TP)."""
 
     def set_replay_data(
         self,

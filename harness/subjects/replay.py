@@ -14,7 +14,8 @@ Isolation of global patches (DESIGN §4 "subject seam"):
 - a driver without ``unpatch()`` cannot be undone: once it has patched, patching *another* driver
   that patches in the same process is a ``PatchIsolationError`` — run such subjects one per process
   (``rrh check --subject`` and the Megatron suites, which spawn fresh rank processes, already do). A
-  bare ``model -> controller`` callable (``CallableDriver``) patches nothing and is never refused.
+  bare ``model -> controller`` callable (``CallableDriver``) patches nothing and is never refused,
+  nor is a driver that declares it patches nothing (``PatchesNothing``: Megatron-core's own replay).
 """
 
 from __future__ import annotations
@@ -44,12 +45,17 @@ _patched: list[Any] = []  # drivers whose patch() ran in this process, in order
 
 
 def patches(driver: Any) -> bool:
-    """Whether ``driver`` may patch the process: every driver object may; a bare callable never does."""
-    return not isinstance(driver, CallableDriver)
+    """Whether ``driver`` may patch the process: every driver object may, unless it declares it patches
+    nothing (``PatchesNothing``); a bare callable never does."""
+    return not isinstance(driver, CallableDriver) and not bool(getattr(driver, "patches_nothing", False))
 
 
 def ensure_patched(driver: Any) -> None:
-    """Run ``driver.patch()`` unless it already ran in this process (nothing for a bare callable)."""
+    """Run ``driver.patch()`` unless it already ran in this process (nothing for a bare callable; a
+    driver that patches nothing runs its no-op ``patch()`` and is not counted)."""
+    if not isinstance(driver, CallableDriver) and not patches(driver):
+        driver.patch()
+        return
     if not patches(driver) or any(d is driver or d == driver for d in _patched):
         return
     stuck = [d for d in _patched if not isinstance(d, Unpatchable)]
@@ -70,6 +76,32 @@ def unpatch_all() -> None:
             return  # cannot be undone: later drivers are refused by ensure_patched
         _patched.pop()
         driver.unpatch()
+
+
+@contextmanager
+def unpatched(driver: Any) -> Iterator[bool]:
+    """A block in which ``driver`` has not patched this process, so that what it builds is built as
+    before ``patch()`` (the next ``prepare`` / ``ensure_patched`` patches again).
+
+    Yields True when that holds: the driver never patched here, patches nothing (a bare callable),
+    or patched last and can undo it (``unpatch()`` runs now). Yields False when it cannot be undone
+    here (no ``unpatch()``, or another driver patched on top of it): the caller builds in a fresh
+    process instead. A check of "a part built before the patch" that builds in an already-patched
+    process would build a patched part and pass whatever the driver does with unpatched ones.
+    """
+    if not patches(driver):
+        yield True
+        return
+    mine = [i for i, d in enumerate(_patched) if d is driver or d == driver]
+    if not mine:
+        yield True
+        return
+    if mine != [len(_patched) - 1] or not isinstance(driver, Unpatchable):
+        yield False
+        return
+    _patched.pop()
+    driver.unpatch()
+    yield True
 
 
 def prepare(capability: object, name: str = "install_replay") -> ReplayDriver:

@@ -21,8 +21,10 @@ The harness's probe reads the dispatch step: the all-gather dispatcher's ``local
 from __future__ import annotations
 
 import contextlib
+import gc
 import warnings
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -33,62 +35,187 @@ from harness.probes import RouteProbe
 from harness.testing import megatron_cpu
 from harness.trainers.kinds import DEEP_LAYERS, ModelKind, Routing
 from harness.trainers.megatron.layout import MegatronLayout, MegatronReplayError
-from harness.trainers.megatron.model import VOCAB, build_gpt, tiny_config
+from harness.trainers.megatron.model import VOCAB, build_gpt, randomise_expert_bias, router_rules, tiny_config
 
-FAMILIES = {"softmax": "softmax", "sigmoid": "sigmoid"}
-"""Router families of the kind: Megatron-core's score functions (top-k 2 of 4 experts)."""
+FAMILIES = tuple(router_rules())
+"""Router families of the kind: every gate-weight rule of megatron-core's ``TopKRouter``
+(``harness.trainers.megatron.model.router_rules``, 4 experts); the suite runs ``softmax`` and
+``sigmoid`` by default, the others under ``slow``."""
+FAST_FAMILIES = ("softmax", "sigmoid")
 SEED = 7
+
+
+_BUILT: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""Models :func:`build` made in the current session (their process groups are released at its end)."""
+THREADS = 1
+"""torch's intra-op threads inside a session (the ranks of ``harness.testing.ranks`` run with one too)."""
+
+
+def _release_process_groups(models: list[nn.Module]) -> None:
+    """Drop every module's references to process groups (and Megatron's collections of them).
+
+    A failing example's traceback keeps its frames, hence the model, alive while hypothesis shrinks
+    (hundreds of examples); each model holds its session's gloo groups, and a gloo group's worker
+    threads end only when the group is freed: one process reached 5,777 threads. Hollowing the
+    references at the session's end frees the groups whatever still holds the model."""
+    seen: set[int] = set()
+    for model in models:
+        for module in model.modules():
+            _drop_groups(module, seen, depth=2)
+
+
+def _drop_groups(obj: object, seen: set[int], depth: int) -> None:
+    """Null ``obj``'s attributes that hold process groups, and those of the plain objects it holds
+    (Megatron's token dispatchers are not modules), ``depth`` levels down."""
+    if id(obj) in seen or not hasattr(obj, "__dict__"):
+        return
+    seen.add(id(obj))
+    for name, value in list(vars(obj).items()):
+        if _holds_groups(value):
+            obj.__dict__[name] = None
+        elif depth and not isinstance(value, (nn.Module, torch.Tensor, type)) and hasattr(value, "__dict__"):
+            _drop_groups(value, seen, depth - 1)
+
+
+def _holds_groups(value: object) -> bool:
+    if isinstance(value, dist.ProcessGroup):
+        return True
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, dist.ProcessGroup) for v in value):
+        return True
+    return type(value).__name__ == "ProcessGroupCollection"
+
+
+_HELD: list[bool] = []
+"""Non-empty while :func:`megatron_world` holds the one-rank world open across sessions."""
+
+
+@contextlib.contextmanager
+def megatron_world() -> Iterator[None]:
+    """Hold one one-rank world (gloo and Megatron's parallel state) open for the block: every
+    :func:`megatron_session` inside it uses that world instead of building and destroying its own.
+
+    Wrap a property test of the Megatron kind in it (the replay suite does, per test): its examples
+    then share one set of process groups, so however many examples hypothesis runs — and however many
+    failing ones it keeps while it shrinks, each holding its model and its autograd graph, whose
+    nodes keep the groups they communicated over — the process holds one world's threads, not one
+    per example. Closed (world destroyed) at the end of the block."""
+    if _HELD:
+        yield
+        return
+    with _cpu_patches():
+        _open_world()
+    _HELD.append(True)
+    try:
+        yield
+    finally:
+        _HELD.clear()
+        with _cpu_patches():
+            _close_world()
+        gc.collect()  # a group held in a reference cycle (a kept failure's frames) goes now, threads too
 
 
 @contextlib.contextmanager
 def megatron_session() -> Iterator[None]:
     """A one-rank gloo world with Megatron's parallel state and the CPU patches, for the duration of
-    the block (all undone after it: other tests in the process may build their own world)."""
+    the block (all undone after it, unless :func:`megatron_world` holds the world: other tests in
+    the process may build their own). torch's intra-op pool is held to :data:`THREADS` inside it,
+    and every model built in it lets go of its process groups at its end
+    (:func:`_release_process_groups`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        with _cpu_patches():
+            if _HELD:
+                yield
+            else:
+                _open_world()
+                try:
+                    yield
+                finally:
+                    _close_world()
+    finally:
+        models = list(_BUILT)
+        _BUILT.clear()
+        _release_process_groups(models)
+        del models
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _cpu_patches() -> Iterator[None]:
     with megatron_cpu.patched(), warnings.catch_warnings():
         # megatron-core warns per call about missing TE/Apex and deprecated arguments (none of it
         # about replay), as in the spawned ranks (``megatron_cpu.setup_rank``)
         warnings.simplefilter("ignore", UserWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.simplefilter("ignore", FutureWarning)
-        from megatron.core import parallel_state as ps
-
-        if dist.is_initialized():
-            raise MegatronReplayError("the Megatron kind builds its own one-rank world; one is already up")
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        try:
-            ps.initialize_model_parallel()
-            yield
-        finally:
-            ps.destroy_model_parallel()
-            dist.destroy_process_group()
+        yield
 
 
-def _layout(deep: bool) -> MegatronLayout:
+def _open_world() -> None:
+    from megatron.core import parallel_state as ps
+
+    if dist.is_initialized():
+        raise MegatronReplayError("the Megatron kind builds its own one-rank world; one is already up")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ps.initialize_model_parallel()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+
+
+def _close_world() -> None:
+    """Destroy the world, and every group megatron-core's parallel state still holds: 0.16.1's
+    ``destroy_model_parallel`` leaves ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` (and its gloo
+    twin) set, whose gloo threads then outlive the world — and a process forked afterwards (a subject
+    run in its own process) inherits a live gloo runtime it can deadlock on."""
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    for name, value in list(vars(ps).items()):
+        if _holds_groups(value):
+            setattr(ps, name, None)
+    dist.destroy_process_group()
+
+
+def _layout(deep: bool, top_k: int = 2) -> MegatronLayout:
     layers = DEEP_LAYERS if deep else 3
     return MegatronLayout(
         num_layers=layers,
         moe_layers=tuple(range(1, layers)),
         num_experts=4,
-        top_k=2,
+        top_k=top_k,
         seq_len=64,
         micro_batch=1,
     )
 
 
-def build(family: str, dtype: str, *, fresh: bool = False, deep: bool = False) -> nn.Module:
-    """A fresh tiny ``GPTModel`` (always constructed now: a copy's ``RouterReplay`` objects would not be
-    the ones Megatron-core's class list holds). Call inside :func:`megatron_session`."""
+def build(
+    family: str,
+    dtype: str,
+    *,
+    fresh: bool = False,
+    deep: bool = False,
+    overrides: Mapping[str, Any] | None = None,
+) -> nn.Module:
+    """A fresh tiny ``GPTModel`` of router rule ``family`` with the subject driver's
+    ``config_overrides()`` on top (always constructed now: a copy's ``RouterReplay`` objects would not
+    be the ones Megatron-core's class list holds). Call inside :func:`megatron_session`."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     if dtype != "fp32":
         raise MegatronReplayError(f"the Megatron kind is built in fp32, got dtype {dtype!r}")
-    layout = _layout(deep)
+    rule = router_rules()[family]
+    layout = _layout(deep, int(rule["moe_router_topk"]))
     RouterReplay.clear_global_router_replay_instances()
     torch.manual_seed(SEED)
     model_parallel_cuda_manual_seed(SEED)
-    model = build_gpt(tiny_config(layout, score_function=FAMILIES[family]), layout)
+    model = build_gpt(tiny_config(layout, **rule, **dict(overrides or {})), layout)
+    randomise_expert_bias(model, SEED)
     model.harness_layout = layout  # type: ignore[assignment]
+    _BUILT.add(model)
     return model
 
 
@@ -227,8 +354,11 @@ class MegatronKindController:
 
 class MegatronKindDriver:
     """The subject's ``install_megatron_replay`` + ``megatron_data`` as one ``ReplayDriver`` (equal to
-    another over the same two objects, so its patch runs once per process). ``unpatch`` undoes the
-    subject driver's patch where it has an ``unpatch`` (the reference's patches nothing)."""
+    another over the same two objects, so its patch runs once per process). Patch isolation counts
+    what the subject's driver patches, not the wrapper: ``patches_nothing`` is the subject driver's
+    (the reference's and Megatron-core's own patch nothing), and ``unpatch`` exists exactly when the
+    subject driver has one (a wrapper that always offered it would pass an un-undoable patch off as
+    undoable)."""
 
     def __init__(self, driver: Any, data: Any) -> None:
         self.driver, self.data = driver, data
@@ -242,13 +372,18 @@ class MegatronKindDriver:
     def __hash__(self) -> int:
         return hash((id(self.driver), id(self.data)))
 
+    @property
+    def patches_nothing(self) -> bool:
+        return bool(getattr(self.driver, "patches_nothing", False))
+
     def patch(self) -> None:
         self.driver.patch()
 
-    def unpatch(self) -> None:
-        undo = getattr(self.driver, "unpatch", None)
-        if undo is not None:
-            undo()
+    def __getattr__(self, name: str) -> Any:
+        undo = getattr(self.__dict__.get("driver"), "unpatch", None) if name == "unpatch" else None
+        if undo is None:
+            raise AttributeError(name)
+        return undo
 
     def config_overrides(self) -> Any:
         return self.driver.config_overrides()

@@ -132,7 +132,7 @@ _SERVER_PID: int | None = None
 """The fork server this process started with ``PRELOAD``, once it has."""
 
 
-def _ensure_rank_server(context: Any) -> None:
+def ensure_rank_server(context: Any) -> None:
     """Make the process's fork server one that imported ``PRELOAD``.
 
     The fork server is one per process, and its preload is whatever the first caller set: a server
@@ -186,7 +186,7 @@ def run_ranks(
         _check_importable("setup", setup)
     backend = default_backend(world_size)
     context = multiprocessing.get_context("forkserver")
-    _ensure_rank_server(context)
+    ensure_rank_server(context)
     environment = dict(os.environ)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rrh-ranks-") as scratch:

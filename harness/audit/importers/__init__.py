@@ -21,8 +21,8 @@ A module ``harness.audit.importers.<name>`` provides:
   options a dump does not record (``num_experts``, ``moe_layers``) are keyword arguments; an
   importer that infers them takes ``inferred: list[str]`` and appends what it inferred, in a line.
   With ``errors=`` a list, a file that cannot be read (damaged, hostile, not a regular file, past
-  its time budget) is one line in it and the other files are still read
-  (``harness.audit.inputs.read_file``); without it, the first such file raises.
+  its time budget) is one line in it and the other files are still read (``read_file``); without
+  it, the first such file raises.
 """
 
 from __future__ import annotations

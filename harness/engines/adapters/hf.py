@@ -98,7 +98,9 @@ class HFAdapter:
     builds), ``lab=False`` leaves out the mismatch lab (both for quick tests)."""
 
     name = "hf"
-    suites = Suites("hf and not slow", ("suites/test_hf.py", "conformance/test_hf_engine.py"))
+    suites = Suites(
+        "hf and not slow", ("suites/test_replay.py", "suites/test_hf.py", "conformance/test_hf_engine.py")
+    )
 
     def __init__(self, *, lab: bool = True, model_types: Sequence[str] | None = None) -> None:
         self.lab = lab

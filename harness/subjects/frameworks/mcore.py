@@ -40,6 +40,11 @@ class _ReleaseDriver:
     def _require(self) -> None:
         require_release("megatron-core", self.version, f"mcore-{self.version}")
 
+    @property
+    def patches_nothing(self) -> bool:
+        """``PatchesNothing`` as the wrapped driver says (``install`` still checks the release)."""
+        return bool(getattr(self.driver, "patches_nothing", False))
+
     def patch(self) -> None:
         self._require()
         self.driver.patch()

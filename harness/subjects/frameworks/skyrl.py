@@ -258,6 +258,11 @@ class SkyrlMegatronData:
     def __init__(self, version: str) -> None:
         self.version = version
 
+    def packing_align(self, tp: int) -> int:
+        """``PacksAtOwnAlignment``: SkyRL's ``preprocess_packed_seqs`` pads each sample to
+        ``get_packed_seq_align_size(tp, cp)``: ``tp`` at CP = 1 without FP8."""
+        return tp
+
     def set_replay_data(
         self,
         routes: torch.Tensor,

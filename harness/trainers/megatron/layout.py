@@ -47,7 +47,11 @@ class MegatronLayout:
 
     ``lengths`` (one per micro-batch sample, each in ``[1, seq_len]``) makes the micro-batch packed
     (THD, ``harness.trainers.megatron.packed``): sample ``b`` holds ``lengths[b]`` tokens, padded to a
-    multiple of ``tp`` in one ``[1, T]`` sequence. ``None``: the padded ``[B, S]`` (bshd) input.
+    multiple of ``align`` in one ``[1, T]`` sequence. ``None``: the padded ``[B, S]`` (bshd) input.
+    ``align`` (a multiple of ``tp``; ``tp`` when not given, what verl and SkyRL choose at CP = 1) is
+    the per-sample alignment of the packed buffer: ``tp·cp·2`` under context parallelism, larger
+    under FP8. Above 1, ``cu_seqlens_padded`` and ``cu_seqlens`` differ after every sample whose
+    length is not a multiple of it.
     """
 
     num_layers: int
@@ -63,6 +67,7 @@ class MegatronLayout:
     dp: int = 1
     etp: int | None = None
     lengths: tuple[int, ...] | None = None
+    align: int | None = None
     moe_layer_freq: list[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -102,6 +107,14 @@ class MegatronLayout:
                 f"tp·dp = {self.tp * self.dp} is not a multiple of etp·ep = {self.etp}·{self.ep} "
                 "(the experts regroup the tp·dp ranks of a stage)"
             )
+        if self.align is None:
+            object.__setattr__(self, "align", self.tp)
+        assert self.align is not None
+        if self.align < 1 or self.align % self.tp:
+            raise MegatronReplayError(
+                f"align = {self.align} is not a positive multiple of tp = {self.tp} (each TP rank holds "
+                "T/tp rows of the packed buffer)"
+            )
         if self.num_layers % (self.pp * self.vpp):
             raise MegatronReplayError(f"num_layers {self.num_layers} is not divisible by pp·vpp")
         if self.lengths is not None:
@@ -121,10 +134,16 @@ class MegatronLayout:
 
     @property
     def packed_rows(self) -> int:
-        """Rows of one packed micro-batch, ``T``: each sample padded to a multiple of ``tp``."""
+        """Rows of one packed micro-batch, ``T``: each sample padded to a multiple of ``align``."""
         if self.lengths is None:
             raise MegatronReplayError("packed_rows: the layout is not packed (no lengths)")
-        return sum(-(-n // self.tp) * self.tp for n in self.lengths)
+        return sum(-(-n // self.packing_align) * self.packing_align for n in self.lengths)
+
+    @property
+    def packing_align(self) -> int:
+        """The per-sample alignment of a packed micro-batch (``align``, resolved)."""
+        assert self.align is not None
+        return self.align
 
     @property
     def world_size(self) -> int:

@@ -19,6 +19,58 @@ MOE_FFN = 8
 VOCAB = 64
 
 
+SCALE = 2.5
+"""``moe_router_topk_scaling_factor`` of the scaled router rules."""
+
+
+def router_rules() -> dict[str, dict[str, Any]]:
+    """Every gate-weight rule megatron-core's ``TopKRouter`` offers (``topk_routing_with_score_function``),
+    by name: ``TransformerConfig`` fields, ``moe_router_topk`` included.
+
+    Score function ``softmax`` (after top-k, or over every expert first with ``pre_softmax``) or
+    ``sigmoid`` (normalised over the chosen experts when top-k > 1; ``pre_softmax`` changes nothing
+    for it), each with and without ``moe_router_topk_scaling_factor``, group-limited routing
+    (``moe_router_num_groups`` = 2, one group per token: it changes the choice, not the rule) and, for
+    sigmoid, the aux-loss-free expert bias (added to the scores for the choice only). Top-1 needs
+    ``pre_softmax`` with softmax (megatron-core refuses a softmax over one logit), and sigmoid top-1 is
+    not normalised. Names read ``<score>[-pre][-scaled][-grouped][-bias][-top1]``.
+    """
+    rules: dict[str, dict[str, Any]] = {}
+    for score in ("softmax", "sigmoid"):
+        for pre in (False, True) if score == "softmax" else (False,):
+            for scaled in (False, True):
+                for grouped in (False, True):
+                    for bias in (False, True) if score == "sigmoid" else (False,):
+                        name = (
+                            score + "-pre" * pre + "-scaled" * scaled + "-grouped" * grouped + "-bias" * bias
+                        )
+                        rules[name] = {
+                            "moe_router_score_function": score,
+                            "moe_router_topk": 2,
+                            "moe_router_pre_softmax": pre,
+                            "moe_router_topk_scaling_factor": SCALE if scaled else None,
+                            "moe_router_num_groups": 2 if grouped else None,
+                            "moe_router_group_topk": 1 if grouped else None,
+                            "moe_router_enable_expert_bias": bias,
+                        }
+    rules["softmax-pre-top1"] = {**rules["softmax-pre"], "moe_router_topk": 1}
+    rules["sigmoid-scaled-top1"] = {**rules["sigmoid-scaled"], "moe_router_topk": 1}
+    return rules
+
+
+def randomise_expert_bias(model: Any, seed: int) -> None:
+    """Give every router's aux-loss-free ``expert_bias`` (zeros at init) random values, so that it
+    moves the choice: a gate weight that wrongly includes it then differs."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    gen = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, TopKRouter) and getattr(module, "expert_bias", None) is not None:
+            bias = torch.rand(module.expert_bias.shape, generator=gen) * 0.5
+            with torch.no_grad():
+                module.expert_bias.copy_(bias.to(module.expert_bias.device))
+
+
 def tiny_config(
     layout: MegatronLayout,
     *,

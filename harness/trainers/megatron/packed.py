@@ -3,8 +3,9 @@
 Pure torch, no megatron import. verl's default Megatron path (``engine.use_remove_padding=True``,
 ``data_format='thd'``) and SkyRL's packed path hand Megatron-core one sequence per micro-batch
 (``[1, T]``, ``PackedSeqParams(qkv_format='thd')``): every token of sample 0, then of sample 1, …,
-each sample padded with filler rows to a multiple of the alignment (``tp``, FACTS §2:
-``preprocess_packed_seqs`` / ``preprocess_thd_engine``, ``cu_seqlens_padded``). With sequence
+each sample padded with filler rows to a multiple of the alignment (``tp`` at CP = 1, ``tp·cp·2``
+under context parallelism, FACTS §2: ``preprocess_packed_seqs`` / ``preprocess_thd_engine``,
+``cu_seqlens_padded``; ``MegatronLayout.align``). With sequence
 parallelism TP rank ``t`` holds the contiguous rows ``[t·T/tp, (t+1)·T/tp)`` of the packed buffer,
 so a shard boundary may fall inside a sample and a sample boundary inside a shard.
 
@@ -15,6 +16,7 @@ rows are dropped on merge) and are never judged. Targets for them are any valid 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -61,19 +63,25 @@ def lengths_of(attention_mask: torch.Tensor) -> list[int]:
     return [int(n) for n in lengths]
 
 
-def check_cu_seqlens(lengths: Sequence[int], cu: torch.Tensor, cu_padded: torch.Tensor, align: int) -> None:
-    """Raise unless ``cu`` / ``cu_padded`` are the offsets of ``lengths`` unpadded / padded to ``align``."""
-    want, want_padded = cu_seqlens(lengths), cu_seqlens(padded_lengths(lengths, align))
+def check_cu_seqlens(lengths: Sequence[int], cu: torch.Tensor, cu_padded: torch.Tensor, tp: int) -> int:
+    """The per-sample alignment of a packed micro-batch, read off ``cu_padded``: raise unless ``cu``
+    are the offsets of ``lengths`` and ``cu_padded`` their offsets with each sample rounded up to one
+    multiple of ``tp`` (the largest that explains them; any that does gives the same rows)."""
+    want = cu_seqlens(lengths)
     if not torch.equal(torch.as_tensor(cu).cpu().int(), want):
         raise MegatronReplayError(
             f"packed_seq_params.cu_seqlens_q = {torch.as_tensor(cu).tolist()}, the mask's lengths give "
             f"{want.tolist()}"
         )
-    if not torch.equal(torch.as_tensor(cu_padded).cpu().int(), want_padded):
+    padded = torch.as_tensor(cu_padded).cpu().long().diff().tolist()
+    align = math.gcd(*padded) if padded else tp
+    if len(padded) != len(lengths) or align % tp or padded != padded_lengths(lengths, align):
         raise MegatronReplayError(
-            f"packed_seq_params.cu_seqlens_q_padded = {torch.as_tensor(cu_padded).tolist()}, expected "
-            f"{want_padded.tolist()} (each sample padded to a multiple of {align})"
+            f"packed_seq_params.cu_seqlens_q_padded = {torch.as_tensor(cu_padded).tolist()}: not the "
+            f"samples {list(lengths)} each padded to one multiple of tp = {tp} (e.g. "
+            f"{cu_seqlens(padded_lengths(lengths, tp)).tolist()})"
         )
+    return align
 
 
 def filler(rows: int, num_layers: int, top_k: int) -> torch.Tensor:
@@ -116,7 +124,7 @@ def thd_rank_targets(
     if layout.lengths is None:
         raise MegatronReplayError("thd_rank_targets: the layout has no lengths (not a packed layout)")
     b = layout.micro_batch
-    packed = pack_routes(routes[dp_rank * b : (dp_rank + 1) * b], layout.lengths, layout.tp)
+    packed = pack_routes(routes[dp_rank * b : (dp_rank + 1) * b], layout.lengths, layout.packing_align)
     return stage_router_targets(layouts.sp_shard(packed, layout.tp, tp_rank), layout, pp_rank, vpp_chunk)
 
 
@@ -124,4 +132,4 @@ def rank_slots(layout: MegatronLayout, tp_rank: int) -> torch.Tensor:
     """``(sample, position)`` of each row TP rank ``tp_rank`` holds, ``[T/tp, 2]`` (``-1`` on filler)."""
     if layout.lengths is None:
         raise MegatronReplayError("rank_slots: the layout has no lengths (not a packed layout)")
-    return layouts.sp_shard(packed_slots(layout.lengths, layout.tp), layout.tp, tp_rank)
+    return layouts.sp_shard(packed_slots(layout.lengths, layout.packing_align), layout.tp, tp_rank)

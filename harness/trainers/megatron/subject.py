@@ -33,10 +33,11 @@ from harness.trainers.megatron.replay import MegatronReplay, model_routers
 
 
 def micro_batch_layout(
-    config: Any, batch: int, seq_len: int, lengths: Sequence[int] | None = None
+    config: Any, batch: int, seq_len: int, lengths: Sequence[int] | None = None, align: int | None = None
 ) -> MegatronLayout:
     """The layout of one DP rank's micro-batch ``[batch, seq_len]`` under ``config`` (dp = 1 view);
-    packed (THD) when ``lengths`` are given."""
+    packed (THD) when ``lengths`` are given, each sample padded to a multiple of ``align`` (``tp``
+    when not given)."""
     from megatron.core import parallel_state as ps
 
     freq = config.moe_layer_freq
@@ -56,11 +57,13 @@ def micro_batch_layout(
         ep=1,  # routing precedes dispatch: targets are global ids whatever EP is
         etp=1,
         lengths=None if lengths is None else tuple(lengths),
+        align=align,
     )
 
 
-def packed_lengths(attention_mask: torch.Tensor, packed_seq_params: Any) -> list[int]:
-    """The samples' lengths of a packed micro-batch, checked against its ``PackedSeqParams``."""
+def packed_lengths(attention_mask: torch.Tensor, packed_seq_params: Any) -> tuple[list[int], int]:
+    """The samples' lengths of a packed micro-batch, checked against its ``PackedSeqParams``, and the
+    alignment its ``cu_seqlens_q_padded`` pads each sample to (the rows follow the padded offsets)."""
     from megatron.core import parallel_state as ps
 
     if packed_seq_params.qkv_format != "thd":
@@ -69,13 +72,13 @@ def packed_lengths(attention_mask: torch.Tensor, packed_seq_params: Any) -> list
         )
     lengths = thd.lengths_of(attention_mask)
     cu_padded = packed_seq_params.cu_seqlens_q_padded
-    thd.check_cu_seqlens(
+    align = thd.check_cu_seqlens(
         lengths,
         packed_seq_params.cu_seqlens_q,
         packed_seq_params.cu_seqlens_q if cu_padded is None else cu_padded,
         ps.get_tensor_model_parallel_world_size(),
     )
-    return lengths
+    return lengths, align
 
 
 def _check_mask(attention_mask: torch.Tensor) -> None:
@@ -92,9 +95,9 @@ def data_layout(attention_mask: torch.Tensor, config: Any, packed_seq_params: An
     if packed_seq_params is None:
         _check_mask(attention_mask)
         return micro_batch_layout(config, *attention_mask.shape)
-    lengths = packed_lengths(attention_mask, packed_seq_params)
+    lengths, align = packed_lengths(attention_mask, packed_seq_params)
     batch, seq_len = attention_mask.shape
-    return micro_batch_layout(config, batch, seq_len, lengths=lengths)
+    return micro_batch_layout(config, batch, seq_len, lengths=lengths, align=align)
 
 
 def merge_rank_recordings(recorded: Sequence[torch.Tensor], layout: MegatronLayout) -> torch.Tensor:
@@ -116,11 +119,13 @@ def merge_rank_recordings(recorded: Sequence[torch.Tensor], layout: MegatronLayo
     assert layout.lengths is not None
     rows = replace(layout, seq_len=layout.packed_rows, micro_batch=1, lengths=None)
     merged = merge_recordings(own_dp, rows)[0]  # [T, n_moe, k]
-    return thd.unpack_routes(merged, layout.lengths, layout.tp, layout.seq_len)
+    return thd.unpack_routes(merged, layout.lengths, layout.packing_align, layout.seq_len)
 
 
 class HarnessMegatronDriver:
     """``MegatronReplayDriver`` of the reference subject (Megatron-core's ``RouterReplay``, checked)."""
+
+    patches_nothing = True  # PatchesNothing: Megatron-core replays natively
 
     def patch(self) -> None:
         """Megatron-core ≥ 0.16 needs no patch."""

@@ -118,6 +118,11 @@ class MegatronData:
     def __init__(self, version: str) -> None:
         self.version = version
 
+    def packing_align(self, tp: int) -> int:
+        """``PacksAtOwnAlignment``: verl's ``preprocess_packed_seqs`` / ``preprocess_thd_engine`` pad
+        each sample to ``tp`` at CP = 1 without FP8 (``tp·cp·2`` under CP)."""
+        return tp
+
     def _scoped(self, model: Sequence[torch.nn.Module], since: str) -> dict[str, Any]:
         """``model=`` for a function that takes it from release ``since`` on."""
         newer = [int(part) for part in self.version.split(".")] >= [int(part) for part in since.split(".")]
