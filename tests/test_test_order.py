@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from harness.check import run_suites, suites_dir
+from harness.check import CheckOutcome, run_suites, suites_dir
 from harness.mutants.drivers import Bug, ConstructorPatchDriver
 from harness.pytest_plugin import shuffled
 from harness.subjects.reference import REFERENCE
@@ -53,13 +53,15 @@ PART_BUILT = "test_a_part_built_before_the_patch_is_replayed_or_refused[referenc
 
 
 def _outcomes(spec: str, *extra: str) -> dict[str, str]:
-    outcomes, log = run_suites(
+    ran: list[CheckOutcome] = []  # in the order they ran (run_suites reports the suites' order)
+    _, log = run_suites(
         spec,
         paths=[str(suites_dir() / "test_replay.py")],
         keyword=PATCH_FIRST,
         extra=["--hypothesis-profile", "mutants-ci", *extra],
+        progress=lambda _done, _total, outcome: ran.append(outcome),
     )
-    got = {o.nodeid.split("::", 1)[-1]: o.outcome for o in outcomes}
+    got = {o.nodeid.split("::", 1)[-1]: o.outcome for o in ran}
     assert len(got) == 2, f"{spec}: expected the deep-model and part-built cases, ran {got}\n{log[-2000:]}"
     return got  # in the order they ran
 
