@@ -150,6 +150,10 @@ def array_metadata(state: dict[str, Any]) -> None:
     state["metadata"] = fz.fake_array((2,), np.dtype("i8"), b"\0" * 16)
 
 
+def newline_global(state: dict[str, Any]) -> None:
+    state["metadata"]["x"] = fz.Raw(b"\x8c\x06os\nx\nz\x8c\x06system\x93")  # a global named across lines
+
+
 def planted_call(state: dict[str, Any]) -> None:
     state["metadata"]["x"] = fz._Call(fz._named("os", "system", fz._planted), "touch /tmp/rrh-fuzz-ran")
 
@@ -160,7 +164,7 @@ SKYRL = "dumped_data/global_step_2_training_input.pkl"
 @pytest.mark.parametrize(
     "edit",
     [object_array_short, declared_terabyte, uninitialised_array, strided_view, colliding_keys, huge_shape,
-     array_metadata, planted_call],
+     array_metadata, planted_call, newline_global],
 )  # fmt: skip
 def test_hostile_file_skyrl_pickle(runner: fz.Runner, bases: Any, tmp_path: Path, edit: Any) -> None:
     """Each once crashed (SIGSEGV), took gigabytes or minutes, or printed a traceback."""

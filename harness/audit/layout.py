@@ -49,7 +49,13 @@ ATTEMPT_KINDS = ("start", "resume", "turn")
 
 
 class LayoutError(HarnessError, ValueError):
-    """A run-layout file or record is malformed; the message names file, column and row."""
+    """A run-layout file or record is malformed; the message names file, column and row.
+
+    The message is one line whatever it quotes from a file (a name holding a newline, say): line
+    breaks in it are shown escaped."""
+
+    def __str__(self) -> str:
+        return super().__str__().replace("\r", "\\r").replace("\n", "\\n")
 
 
 @cache

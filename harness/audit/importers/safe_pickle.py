@@ -464,8 +464,8 @@ class SafeUnpickler(pickle._Unpickler):
             return self.allowed[(module, name)]
         except (KeyError, TypeError):
             raise LayoutError(
-                f"{self.source}: refused global {str(module)[:100]}.{str(name)[:100]}: not in the allowlist "
-                "of this importer (untrusted pickle; nothing in it was run)"
+                f"{self.source}: refused global {_printable(module)}.{_printable(name)}: not in the "
+                "allowlist of this importer (untrusted pickle; nothing in it was run)"
             ) from None
 
     # BUILD applies a state only to a framework stand-in, a numpy array or a dtype (each checks it).
@@ -749,6 +749,11 @@ def _unpickle(unpickler: SafeUnpickler) -> Any:
         raise LayoutError(
             f"{unpickler.source}: not a readable pickle ({type(err).__name__}: {_first_line(err)})"
         ) from None
+
+
+def _printable(text: Any) -> str:
+    """A name from a file as printable text (escapes for anything else), at most 100 characters."""
+    return str(text)[:100].encode("unicode_escape").decode("ascii")
 
 
 def _first_line(err: BaseException) -> str:
