@@ -582,8 +582,8 @@ def fresh_venv(space: Workspace) -> None:
 def _in_process(text: str, space: Workspace) -> tuple[int, str]:
     """An ``rrh`` command run through ``harness.cli.main`` in this process, in the copy."""
     import contextlib
-    import io
     import shlex
+    import tempfile
 
     from harness.cli import main
 
@@ -593,19 +593,23 @@ def _in_process(text: str, space: Workspace) -> tuple[int, str]:
     if program != "rrh":
         link = (space.root / program).parent
         assert link.resolve() == env_bin.resolve(), f"{program}: not this environment's rrh ({env_bin})"
-    out = io.StringIO()
+    # A real file, not a StringIO: vLLM silences C libraries through sys.stdout.fileno().
+    out = tempfile.TemporaryFile("w+", encoding="utf-8")
     cwd, path = Path.cwd(), list(sys.path)
     os.chdir(space.root)
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        with out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             try:
                 status = main(words[1:])
             except SystemExit as stop:
                 status = stop.code if isinstance(stop.code, int) else 1
+            out.flush()
+            out.seek(0)
+            printed = out.read()
     finally:
         os.chdir(cwd)
         sys.path[:] = path  # rrh puts the current directory on it
-    return status, out.getvalue()
+    return status, printed
 
 
 def _available(requirement: str, space: Workspace) -> bool:
