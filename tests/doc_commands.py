@@ -172,8 +172,9 @@ WHERE: dict[str, Run | SameAs | NotRun] = {
         (TEST_COMMAND,),
         "the default suite step runs these tests with the same selection and profile (a superset)",
     ),
+    # Exit 1: verl fails the 18-rule gate-weight check's softmax rule, an open verdict (issue 34).
     "RRH_MEGATRON_LAYOUT=pp2thd,thd-tp2ep2,pp2vpp2thd python -m pytest suites/test_megatron.py "
-    f"--rr-subject {VERL} --hypothesis-profile ci": Run(VERL_MCORE),
+    f"--rr-subject {VERL} --hypothesis-profile ci": Run(VERL_MCORE, exit=1),
     "python -m pytest tests/test_verl_agent_truncation.py -rs": SameAs(
         ".ci/run",
         ("python -m pytest tests/test_verl_agent_truncation.py -p no:cacheprovider -rs",),
@@ -237,9 +238,8 @@ WHERE: dict[str, Run | SameAs | NotRun] = {
     SMALL_RUN.format("cp", "R3", 1) + " --ranks 2 --split cp": Run(VLLM, in_process=True),
     SMALL_RUN.format("halo", "R3", 1) + " --ranks 2 --split sp-halo": Run(VLLM, in_process=True),
     ".tox/vllm-cpu/bin/rrh audit runs/r3 --html runs/r3.html": Run(VLLM, in_process=True),
-    f".tox/verl-0.9.1/bin/rrh run runs/verl --replay R3 --engine-from runs/r3 --subject {VERL}": Run(
-        VLLM, in_process=True
-    ),
+    ".tox/verl-0.9.1/bin/rrh run runs/verl --replay R3 --steps 2 --engine-from runs/r3 "
+    f"--subject {VERL}": Run(VLLM, in_process=True),
     "rrh audit runs/verl": Run(VLLM, exit=1, in_process=True),
     "rrh bench tap": Run(CI),
 }
