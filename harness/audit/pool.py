@@ -11,7 +11,9 @@ workers are spawned.
 from __future__ import annotations
 
 import multiprocessing
+import os
 from multiprocessing import forkserver
+from pathlib import Path
 from typing import Any
 
 PRELOAD = ["harness.audit.executors", "harness.audit.warm"]
@@ -24,5 +26,28 @@ def pool_context() -> Any:
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
+    _forget_dead_server()
     forkserver.ensure_running()  # a server already running (started elsewhere) is kept as it is
     return context
+
+
+def _forget_dead_server() -> None:
+    """Forget a fork server that is dead or a zombie but not this process's child (one inherited from
+    the process this one was forked from): ``ensure_running`` notices only the death of its own child,
+    and would hand every new worker to the dead server's socket (connection refused)."""
+    server: Any = forkserver._forkserver  # type: ignore[attr-defined]
+    pid = server._forkserver_pid
+    if pid is None:
+        return
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        state, parent = fields[0], int(fields[1])
+    except (OSError, IndexError, ValueError):
+        state, parent = "gone", -1
+    if parent == os.getpid():
+        return  # this process's child: ensure_running reaps it and starts another when it died
+    if state in ("Z", "X", "gone"):
+        with server._lock:
+            if server._forkserver_alive_fd is not None:
+                os.close(server._forkserver_alive_fd)
+            server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
