@@ -32,7 +32,8 @@ Layouts (``RRH_MEGATRON_LAYOUT=name[,name…]`` selects; ``tox -e megatron-tp2ep
 - ``thd-tp2ep2``: the packed micro-batch under TP = 2 (each sample padded to a multiple of 2: filler
   rows, a shard boundary inside a sample), EP = 2: ``slow``.
 
-Gate-weight rules (``test_gate_weights_follow_every_router_rule``): on one rank, a model per rule
+Gate-weight rules (``test_gate_weights_follow_every_router_rule``): on one rank with one sample per
+micro-batch (the micro-batch layout is the layouts' question, not the rules'), a model per rule
 megatron-core's ``TopKRouter`` offers (``harness.trainers.megatron.model.router_rules``: softmax after
 or before top-k, sigmoid, each with and without the top-k scaling factor, group-limited routing, the
 sigmoid expert bias, top-1), native and replayed; every router call's gate weights must follow the
@@ -134,7 +135,11 @@ def _require_accepted(subject: Subject, layout: MegatronLayout) -> None:
         pytest.skip(f"subject {subject.name!r} refuses this layout at setup: {reason}")
 
 
-ROUTER_LAYOUT = MegatronLayout(**{**_COMMON, "num_experts": 8})
+# One sample per micro-batch: the padded [S, B] order the router reads and a packed, sample-major
+# order coincide, so a release whose data movement always packs (verl, SkyRL: their
+# preprocess_thd_engine) is judged on the gate-weight rules alone, not again on the micro-batch
+# layout that ``test_router_replay_follows_canonical_targets`` already judges. 16 positions, 8 experts.
+ROUTER_LAYOUT = MegatronLayout(**{**_COMMON, "num_experts": 8, "micro_batch": 1, "seq_len": 16})
 
 
 def router_worker(rank: int, world_size: int, subject: str, seed: int) -> dict[str, object]:

@@ -172,9 +172,8 @@ WHERE: dict[str, Run | SameAs | NotRun] = {
         (TEST_COMMAND,),
         "the default suite step runs these tests with the same selection and profile (a superset)",
     ),
-    # Exit 1: verl fails the 18-rule gate-weight check's softmax rule, an open verdict (issue 34).
     "RRH_MEGATRON_LAYOUT=pp2thd,thd-tp2ep2,pp2vpp2thd python -m pytest suites/test_megatron.py "
-    f"--rr-subject {VERL} --hypothesis-profile ci": Run(VERL_MCORE, exit=1),
+    f"--rr-subject {VERL} --hypothesis-profile ci": Run(VERL_MCORE),
     "python -m pytest tests/test_verl_agent_truncation.py -rs": SameAs(
         ".ci/run",
         ("python -m pytest tests/test_verl_agent_truncation.py -p no:cacheprovider -rs",),
