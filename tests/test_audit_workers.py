@@ -170,3 +170,64 @@ def test_ray_with_every_worker_dead_reports_the_units(run: Path) -> None:
     assert set(states) == set(units)
     for state in states.values():
         assert len(state.input_errors) == 1 and "not audited: the Ray task failed" in state.input_errors[0]
+
+
+@pytest.fixture
+def server_handle() -> Iterator[Any]:
+    """This process's fork-server handle, restored after the test pokes at it."""
+    server: Any = forkserver._forkserver  # type: ignore[attr-defined]
+    saved = (server._forkserver_pid, server._forkserver_address, server._forkserver_alive_fd)
+    yield server
+    server._forkserver_pid, server._forkserver_address, server._forkserver_alive_fd = saved
+
+
+def _pose_as_server(server: Any, pid: int) -> int:
+    """Make ``pid`` this process's fork server, with a fresh "alive" fd; returns the fd."""
+    read, write = os.pipe()
+    os.close(read)
+    server._forkserver_pid, server._forkserver_address, server._forkserver_alive_fd = pid, "\0bogus", write
+    return write
+
+
+def _fd_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def test_a_dead_inherited_fork_server_is_forgotten(server_handle: Any) -> None:
+    """A server that is gone and not this process's child (as after a fork of the process that
+    started it) is dropped: fd closed, pid and address cleared, so the pool starts its own."""
+    import subprocess
+    import sys
+
+    from harness.audit.pool import _forget_dead_server
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    fd = _pose_as_server(server_handle, int(gone.stdout))  # exited and reaped: no /proc entry
+    _forget_dead_server()
+    assert (server_handle._forkserver_pid, server_handle._forkserver_address) == (None, None)
+    assert server_handle._forkserver_alive_fd is None and not _fd_open(fd)
+
+
+@pytest.mark.parametrize("whose", ["own child", "alive, not a child"])
+def test_a_live_or_own_fork_server_is_kept(server_handle: Any, whose: str) -> None:
+    """This process's own child (``ensure_running`` reaps it if it died) and a live server that is not
+    its child are both left as they are."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        pid = child.pid if whose == "own child" else os.getppid()
+        fd = _pose_as_server(server_handle, pid)
+        from harness.audit.pool import _forget_dead_server
+
+        _forget_dead_server()
+        assert server_handle._forkserver_pid == pid and server_handle._forkserver_alive_fd == fd
+        os.close(fd)
+    finally:
+        child.communicate(b"")

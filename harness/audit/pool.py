@@ -47,7 +47,17 @@ def _forget_dead_server() -> None:
     if parent == os.getpid():
         return  # this process's child: ensure_running reaps it and starts another when it died
     if state in ("Z", "X", "gone"):
-        with server._lock:
-            if server._forkserver_alive_fd is not None:
-                os.close(server._forkserver_alive_fd)
-            server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+        forget_forkserver()
+
+
+def forget_forkserver() -> None:
+    """Drop this process's handle on its fork server (close its copy of the "alive" fd, clear its
+    pid and address) without stopping it, so the next ``ensure_running`` starts one of its own.
+
+    For a server this process cannot ``waitpid`` (not its child: inherited by a fork) that is dead,
+    or that another process still uses."""
+    server: Any = forkserver._forkserver  # type: ignore[attr-defined]
+    with server._lock:
+        if server._forkserver_alive_fd is not None:
+            os.close(server._forkserver_alive_fd)
+        server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None

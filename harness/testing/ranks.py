@@ -117,15 +117,11 @@ def forget_inherited_forkserver() -> None:
     server, so that this process starts one of its own on its next run.
 
     The inherited server is not this process's child, so ``multiprocessing`` cannot ``waitpid`` it
-    (``ChildProcessError``); closing this copy of its "alive" fd leaves it running for the parent.
+    (``ChildProcessError``); dropping this copy of its handle leaves it running for the parent.
     """
-    from multiprocessing import forkserver
+    from harness.audit.pool import forget_forkserver
 
-    server: Any = forkserver._forkserver  # type: ignore[attr-defined]
-    with server._lock:
-        if server._forkserver_alive_fd is not None:
-            os.close(server._forkserver_alive_fd)
-        server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+    forget_forkserver()
 
 
 _SERVER_PID: int | None = None
