@@ -35,6 +35,7 @@ import torch
 from harness.audit.executors import audit_run
 from harness.audit.importers import import_dump
 from harness.audit.importers.model_shape import MOE_LAYERS_ENV, NUM_EXPERTS_ENV
+from harness.audit.layout import LayoutError
 from harness.audit.result import AuditResult
 from harness.audit.state import OFFENDERS_PER_SAMPLE
 from tests.test_audit_import_frameworks import (
@@ -141,6 +142,13 @@ def _filler_row(s: Sample, framework: str) -> list[Cell]:
     return [Cell("ids_valid", row, 1)]
 
 
+def _trailing_filler(s: Sample, framework: str) -> list[Cell]:
+    """A zero row at the end of a zero-filled payload (verl, SkyRL 0.3.0): no dump tells it from a
+    row the engine never returned, so it is "no route captured", named by ``fallback``'s worst sample."""
+    s.routes[-1] = 0
+    return [Cell("fallback", len(s.routes) - 1, None)]
+
+
 def _id_past(s: Sample, framework: str) -> list[Cell]:
     """One id past the model's experts (stored: it fits the dump's dtype)."""
     row = len(s.prompt) + 2
@@ -150,13 +158,18 @@ def _id_past(s: Sample, framework: str) -> list[Cell]:
 
 def _wrapped(s: Sample, framework: str) -> list[Cell]:
     """The sample's ids stored modulo 256 (an int16 → uint8 cast); its siblings hold the ids at the
-    shared prompt rows. Named on each MoE layer at the first prompt row whose ids reach 256."""
+    shared prompt rows. Named on each MoE layer at the first prompt row whose ids reach 256; a route
+    whose two ids became one (``x`` and ``x + 256``) repeats an id, named by ``ids_valid`` too."""
     cells = []
     for layer in MOE:
         rows = np.flatnonzero((s.routes[: len(s.prompt), layer] >= 256).any(axis=1))
         assert rows.size >= 1, "the seed must give each MoE layer a prompt row with an id past 255"
         cells.append(Cell("wrapped_ids", int(rows[0]), layer))
     s.routes %= 256
+    repeated = np.argwhere(s.routes[:, :, 0] == s.routes[:, :, 1])
+    repeated = repeated[np.isin(repeated[:, 1], MOE)]
+    if repeated.size:
+        cells.append(Cell("ids_valid", int(repeated[0, 0]), int(repeated[0, 1])))
     return cells
 
 
@@ -192,6 +205,7 @@ FAULTS = [
     Fault("zero-moe-layer", _zero_layer, odd_layers=("verl", "skyrl", "slime")),
     Fault("dense-shift", _dense_shift, odd_layers=("verl", "skyrl", "slime")),
     Fault("filler-row", _filler_row, odd_layers=("slime",)),
+    Fault("filler-last-row", _trailing_filler, frameworks=("verl", "skyrl")),  # slime has no filler
     Fault("id-past-E", _id_past),
     Fault("wrapped-256", _wrapped, experts=WIDE),
     Fault("nan-logprob", _nan_logprob),
@@ -199,7 +213,7 @@ FAULTS = [
     Fault("gap-outlier", _gap_outlier, frameworks=("skyrl", "slime")),  # verl dumps no trainer log-probs
     Fault("prompt-row-differs", _prompt_row),
 ]
-METRICS = {"logprob_gap", "prefix_agreement"}
+METRICS = {"logprob_gap", "prefix_agreement", "fallback"}
 """Invariants of ``Cell`` that are metrics: named as their worst sample, never a strict violation."""
 
 
@@ -344,3 +358,18 @@ def test_a_planted_fault_in_the_releases_own_dump_is_named_at_its_place(
     framework: str, fault: Fault, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _case(framework, "release", fault, tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize("framework", ["verl", "skyrl"])
+def test_verl_and_skyrl_dumps_need_the_expert_count_given(
+    framework: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without it the import is one error naming it: inferred from the ids, an id wrapped into
+    ``[E, 256)`` would raise the bound and hide itself."""
+    monkeypatch.delenv(NUM_EXPERTS_ENV, raising=False)
+    WRITERS[framework, "synthetic"](tmp_path, {step: rollout(NARROW, step) for step in STEPS})
+    dump = tmp_path / {"verl": "rollout_dump", "skyrl": "export"}[framework]
+    with pytest.raises(
+        LayoutError, match=f"^num_experts: a {'SkyRL' if framework == 'skyrl' else 'verl'} dump"
+    ):
+        import_dump(framework, dump, tmp_path / "run")
