@@ -672,14 +672,20 @@ def test_num_experts_is_an_explicit_input(tmp_path: Path, monkeypatch: pytest.Mo
         next(skyrl_importer.records(tmp_path))
 
 
-def test_an_id_the_layout_cannot_store_is_named(tmp_path: Path) -> None:
+def test_an_id_the_layout_cannot_store_is_named_and_leaves_the_other_samples_audited(tmp_path: Path) -> None:
     samples = rollout(1)
     samples[2].routes[4, 1, 1] = -3  # an int16 wrap
     _verl_synthetic(tmp_path, {5: samples})
-    with pytest.raises(
-        LayoutError, match=r"gen_batch.dp step 5 sample 2 row 4 layer 1: expert id -3; expected"
-    ):
+    column = P_MAX - len(samples[2].prompt) + 4
+    message = (
+        rf"gen_batch.dp batch row 2, token column {column}: step 5 sample 2 row 4 layer 1: expert id -3; "
+        r"expected an id in \[0, 16\)"
+    )
+    with pytest.raises(LayoutError, match=message):
         list(verl_importer.records(tmp_path, num_experts=E))
+    errors: list[str] = []
+    kept = [r.sample_key for r in verl_importer.records(tmp_path, num_experts=E, errors=errors)]
+    assert kept == ["0", "1", "3"] and len(errors) == 1 and "expert id -3" in errors[0], (kept, errors)
 
 
 def test_each_importer_detects_only_its_own_dump(tmp_path: Path) -> None:

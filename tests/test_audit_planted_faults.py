@@ -3,7 +3,8 @@
 file and index (verl: the step's ``gen_batch.dp``, batch row and token column; SkyRL:
 ``global_step_N_training_input.pkl``, batch row and token column; slime: ``rollout_data/{id}.pt``
 and the sample's index) — with the model's facts given and without them, and nothing strict named on
-the clean dump.
+the clean dump. An id the run layout cannot store is the one fault that is no invariant's: one import
+error names its cell, and the other samples of its file are audited.
 
 The rollout: two steps of two GRPO groups of four samples (members share their prompt's tokens and
 routes), a model of 4 decoder layers (layer 0 dense), top-2, 16 experts — 384 for the wrap, which only
@@ -142,6 +143,14 @@ def _filler_row(s: Sample, framework: str) -> list[Cell]:
     return [Cell("ids_valid", row, 1)]
 
 
+def _id_past_dtype(s: Sample, framework: str) -> list[Cell]:
+    """An id the run layout cannot store (300 with 16 experts: past the uint8 ids it stores): an input
+    error naming the cell, the sample left out, the others of its file still audited."""
+    row = len(s.prompt) + 2
+    s.routes[row, 3, 0] = 300
+    return [Cell(INPUT, row, 3)]
+
+
 def _trailing_filler(s: Sample, framework: str) -> list[Cell]:
     """A zero row at the end of a zero-filled payload (verl, SkyRL 0.3.0): no dump tells it from a
     row the engine never returned, so it is "no route captured", named by ``fallback``'s worst sample."""
@@ -207,6 +216,7 @@ FAULTS = [
     Fault("filler-row", _filler_row, odd_layers=("slime",)),
     Fault("filler-last-row", _trailing_filler, frameworks=("verl", "skyrl")),  # slime has no filler
     Fault("id-past-E", _id_past),
+    Fault("id-past-dtype", _id_past_dtype),
     Fault("wrapped-256", _wrapped, experts=WIDE),
     Fault("nan-logprob", _nan_logprob),
     Fault("positive-logprob", _positive_logprob),
@@ -214,6 +224,8 @@ FAULTS = [
     Fault("prompt-row-differs", _prompt_row),
 ]
 METRICS = {"logprob_gap", "prefix_agreement", "fallback"}
+INPUT = "input error"
+"""A ``Cell`` that is no invariant's: the sample cannot be imported, and the error names the cell."""
 """Invariants of ``Cell`` that are metrics: named as their worst sample, never a strict violation."""
 
 
@@ -279,25 +291,40 @@ def _place(framework: str, root: Path, steps: dict[int, list[Sample]], row: int 
 
 
 def _audit(
-    framework: str, root: Path, run: Path, experts: int, facts: bool, inferred: list[str]
+    framework: str, root: Path, run: Path, experts: int, facts: bool, inferred: list[str], errors: list[str]
 ) -> AuditResult:
-    """Import the dump under ``root`` (the facts given, or left to the importer) and audit it, serially."""
+    """Import the dump under ``root`` (the facts given, or left to the importer; what could not be
+    imported a line in ``errors``) and audit it, serially."""
     dump = {"verl": "rollout_dump", "skyrl": "export", "slime": "dump"}[framework]
     given: dict[str, Any] = {"num_experts": experts if facts or framework != "slime" else None}
     given["moe_layers"] = MOE if facts else None
-    errors: list[str] = []
     import_dump(framework, root / dump, run, errors=errors, inferred=inferred, **given)
-    assert not errors, errors
     return audit_run(run, executor="serial")
 
 
 def _check(
-    result: AuditResult, cells: list[Cell], framework: str, root: Path, steps: dict[int, list[Sample]]
+    result: AuditResult,
+    errors: list[str],
+    cells: list[Cell],
+    framework: str,
+    root: Path,
+    steps: dict[int, list[Sample]],
 ) -> None:
     """The strict violations are exactly the planted cells' invariants, every offender in the planted
-    sample, each cell among its invariant's offenders (a metric's: its worst) at the framework's place."""
+    sample, each cell among its invariant's offenders (a metric's: its worst) at the framework's place.
+    An ``INPUT`` cell is the one import error, naming the place and cell, and every other sample is
+    audited."""
     by_name = {r.name: r for r in result.invariants}
     assert not result.input_errors, result.input_errors
+    unreadable = [c for c in cells if c.invariant == INPUT]
+    assert len(errors) == len(unreadable), errors
+    for cell, line in zip(unreadable, errors, strict=True):
+        cell_place = f"{_place(framework, root, steps, cell.row)}: step {STEP} sample {TARGET} row {cell.row}"
+        assert line.startswith(f"{cell_place} layer {cell.layer}: expert id "), line
+    audited = {(s.step, s.sample_key) for s in result.samples}
+    expected = {(step, str(i)) for step in STEPS for i in range(GROUPS * MEMBERS)}
+    assert audited == expected - ({(STEP, str(TARGET))} if unreadable else set()), audited
+    cells = [c for c in cells if c.invariant != INPUT]
     strict = {c.invariant for c in cells} - METRICS
     assert {r.name for r in result.violated} == strict, [r.line() for r in result.violated]
     for name in strict:
@@ -330,8 +357,9 @@ def _case(framework: str, writer: str, fault: Fault, tmp_path: Path, monkeypatch
     WRITERS[framework, writer](root, steps)
     for facts in (True, False):
         inferred: list[str] = []
-        result = _audit(framework, root, tmp_path / f"run-{facts}", fault.experts, facts, inferred)
-        _check(result, cells, framework, root, steps)
+        errors: list[str] = []
+        result = _audit(framework, root, tmp_path / f"run-{facts}", fault.experts, facts, inferred, errors)
+        _check(result, errors, cells, framework, root, steps)
         if facts:
             assert inferred == []
             continue
