@@ -146,14 +146,6 @@ def _filler_row(s: Sample, framework: str) -> list[Cell]:
     return [Cell("ids_valid", row, 1)]
 
 
-def _id_past_dtype(s: Sample, framework: str) -> list[Cell]:
-    """An id the run layout cannot store (300 with 16 experts: past the uint8 ids it stores): an input
-    error naming the cell, the sample left out, the others of its file still audited."""
-    row = len(s.prompt) + 2
-    s.routes[row, 3, 0] = 300
-    return [Cell(INPUT, row, 3)]
-
-
 def _trailing_filler(s: Sample, framework: str) -> list[Cell]:
     """A zero row at the end of a zero-filled payload (verl, SkyRL 0.3.0): no dump tells it from a
     row the engine never returned, so it is "no route captured", named by ``fallback``'s worst sample."""
@@ -168,17 +160,26 @@ def _id_past(s: Sample, framework: str) -> list[Cell]:
     return [Cell("ids_valid", row, 3)]
 
 
+def _id_past_dtype(s: Sample, framework: str) -> list[Cell]:
+    """An id the run layout cannot store (300 with 16 experts: past the uint8 ids it stores): an input
+    error naming the cell, the sample left out, the others of its file still audited."""
+    row = len(s.prompt) + 2
+    s.routes[row, 3, 0] = 300
+    return [Cell(INPUT, row, 3)]
+
+
 def _wrapped(s: Sample, framework: str) -> list[Cell]:
     """The sample's ids stored modulo 256 (an int16 → uint8 cast); its siblings hold the ids at the
     shared prompt rows. Named on each MoE layer at the first prompt row whose ids reach 256; a route
-    whose two ids became one (``x`` and ``x + 256``) repeats an id, named by ``ids_valid`` too."""
+    whose ids ``x`` and ``x + 256`` became one repeats an id, named by ``ids_valid`` too."""
     cells = []
     for layer in MOE:
         rows = np.flatnonzero((s.routes[: len(s.prompt), layer] >= 256).any(axis=1))
         assert rows.size >= 1, "the seed must give each MoE layer a prompt row with an id past 255"
         cells.append(Cell("wrapped_ids", int(rows[0]), layer))
     s.routes %= 256
-    repeated = np.argwhere(s.routes[:, :, 0] == s.routes[:, :, 1])
+    ids = np.sort(s.routes, axis=2)
+    repeated = np.argwhere((ids[:, :, 1:] == ids[:, :, :-1]).any(axis=2))
     repeated = repeated[np.isin(repeated[:, 1], MOE)]
     if repeated.size:
         cells.append(Cell("ids_valid", int(repeated[0, 0]), int(repeated[0, 1])))
@@ -227,9 +228,9 @@ FAULTS = [
     Fault("prompt-row-differs", _prompt_row),
 ]
 METRICS = {"logprob_gap", "prefix_agreement", "fallback"}
+"""Invariants of ``Cell`` that are metrics: named as their worst sample, never a strict violation."""
 INPUT = "input error"
 """A ``Cell`` that is no invariant's: the sample cannot be imported, and the error names the cell."""
-"""Invariants of ``Cell`` that are metrics: named as their worst sample, never a strict violation."""
 
 
 # --- the dumps ----------------------------------------------------------------------------------------
