@@ -121,8 +121,8 @@ def run_audit(args: argparse.Namespace) -> int:
     for line in result.lines():
         print(line)
     if result.input_errors:
-        print(f"incomplete: {len(result.input_errors)} input error(s), printed first on stderr; the other "
-              "files were audited")  # fmt: skip
+        print(f"incomplete: {len(result.input_errors)} input error(s), printed first on stderr; everything "
+              "else was audited")  # fmt: skip
     over = result.over(args.fail_on)
     for line in over:
         print(f"over threshold: {line}")

@@ -7,7 +7,8 @@ written as each framework writes it, then imported and audited (``audit_run``, s
 - a clean dump has no strict violation, and what the dump cannot support is "not checkable"
   (replay fidelity and live agreement for both, the log-prob gap for verl);
 - planted faults (an all-zero MoE layer, a wrapped id, a NaN log-prob, a payload one row off) are
-  named at their exact step, sample, row and layer.
+  named at their exact step, sample, row and layer (every fault class, one at a time, with and
+  without the model's facts: ``tests/test_audit_planted_faults.py``, on these writers).
 
 ``test_*_release_*`` build the dump with the release: SkyRL 0.3.0's
 ``convert_prompts_responses_to_batch_tensors``, ``TrainingInputBatch``, ``pad_training_input_batch``
@@ -62,10 +63,24 @@ class Sample:
     response: npt.NDArray[np.int64]
     routes: npt.NDArray[np.int32]
     logprobs: npt.NDArray[np.float32]
+    trainer_logprobs: npt.NDArray[np.float32] | None = None
+    """What the old-log-prob pass gives (SkyRL's ``action_log_probs``); ``None``: ``trainer()``'s default."""
 
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.response)
+
+    def trainer(self) -> npt.NDArray[np.float32]:
+        """The trainer's log-probs: ``trainer_logprobs``, else the engine's 1e-3 lower, at most 0."""
+        if self.trainer_logprobs is not None:
+            return self.trainer_logprobs
+        return np.minimum(self.logprobs - np.float32(1e-3), np.float32(0))
+
+
+def group_spans(samples: list[Sample]) -> list[tuple[int, int]]:
+    """``(start, end)`` of each run of consecutive samples of one group (SkyRL's prompt boundaries)."""
+    starts = [i for i, s in enumerate(samples) if i == 0 or s.group != samples[i - 1].group]
+    return list(zip(starts, [*starts[1:], len(samples)], strict=True))
 
 
 def _routes(rng: np.random.Generator, rows: int) -> npt.NDArray[np.int32]:
@@ -80,7 +95,7 @@ def rollout(step: int) -> list[Sample]:
     """The samples of one step. Sample 1's last two rows were never fed to the engine (a short
     payload); sample 2 was truncated, so its payload keeps the real row of its last token."""
     rng = np.random.default_rng(step)
-    samples = []
+    samples: list[Sample] = []
     for group in range(GROUPS):
         p = int(rng.integers(3, 7))
         prompt, prompt_routes = rng.integers(2, 1000, size=p), _routes(rng, p)
@@ -131,18 +146,20 @@ def _skyrl_fields(
     samples: list[Sample], shift: int | None, padding_mask: bool = False
 ) -> dict[str, npt.NDArray[Any]]:
     """The tensors ``convert_prompts_responses_to_batch_tensors`` makes, padded with one copy of
-    sample 0 (``pad_training_input_batch``), plus the old-log-prob pass's ``action_log_probs``.
+    sample 0 (``pad_training_input_batch``), plus the old-log-prob pass's ``action_log_probs``
+    (``Sample.trainer``). The routes are uint8 when every id is below 256, else int16 (as SkyRL casts).
 
     ``padding_mask``: SkyRL after 0.3.0's convention instead, rows without a captured route hold
     ``arange(K)`` and ``router_padding_mask [B, S]`` is True there (``make_router_padding_mask``)."""
     width, r_max, b = max(s.length for s in samples), max(len(s.response) for s in samples), len(samples)
-    f = {
+    f: dict[str, npt.NDArray[Any]] = {
         "sequences": np.zeros((b, width), np.int64),
         "attention_mask": np.zeros((b, width), np.int64),
         "response_mask": np.zeros((b, r_max), np.int64),
         "loss_mask": np.zeros((b, r_max), np.float32),
         "rollout_logprobs": np.zeros((b, r_max), np.float32),
-        "rollout_expert_indices": np.zeros((b, width, L, K), np.uint8),
+        "action_log_probs": np.zeros((b, r_max), np.float32),
+        "rollout_expert_indices": np.zeros((b, width, *samples[0].routes.shape[1:]), np.int32),
     }
     for i, s in enumerate(samples):
         left, r = width - s.length, len(s.response)
@@ -151,6 +168,7 @@ def _skyrl_fields(
         f["response_mask"][i, r_max - r :] = 1
         f["loss_mask"][i, r_max - r :] = 1
         f["rollout_logprobs"][i, r_max - r :] = s.logprobs
+        f["action_log_probs"][i, r_max - r :] = s.trainer()
         rows = min(len(s.routes), s.length)
         f["rollout_expert_indices"][i, left : left + rows] = s.routes[:rows]
     if padding_mask:
@@ -158,20 +176,22 @@ def _skyrl_fields(
         for i, s in enumerate(samples):
             left = width - s.length
             f["router_padding_mask"][i, left : left + min(len(s.routes), s.length)] = False
-        f["rollout_expert_indices"][f["router_padding_mask"]] = np.arange(K, dtype=np.uint8)
+        f["rollout_expert_indices"][f["router_padding_mask"]] = np.arange(
+            f["rollout_expert_indices"].shape[-1]
+        )
+    wide = f["rollout_expert_indices"].max() >= 2**8
+    f["rollout_expert_indices"] = f["rollout_expert_indices"].astype(np.int16 if wide else np.uint8)
     if shift is not None:
         routes = f["rollout_expert_indices"][shift]
         routes[:-1] = routes[1:].copy()
         routes[-1] = 0
     f = {k: np.concatenate([v, v[:1]]) for k, v in f.items()}
     f["loss_mask"][-1] = 0
-    shifted = f["rollout_logprobs"] - np.float32(1e-3) * f["response_mask"].astype(np.float32)
-    f["action_log_probs"] = np.minimum(shifted, np.float32(0))
     return f
 
 
 def _skyrl_metadata(samples: list[Sample]) -> dict[str, Any]:
-    bounds = [(g * N, (g + 1) * N) for g in range(GROUPS)]
+    bounds = group_spans(samples)
     return {"policy_mini_batch_boundaries": bounds, "policy_prompt_boundaries": bounds, "pad_size": 1}
 
 
@@ -237,21 +257,24 @@ def _skyrl_release(export: Path, steps: dict[int, list[Sample]], shift: dict[int
              "image_grid_thw": None}
         )  # fmt: skip
         uids = [f"g{s.group}" for s in samples]
+        groups = len(group_spans(samples))
         batch.metadata = {
             "uids": uids,
             "policy_mini_batch_boundaries": pre.compute_prompt_mini_batch_boundaries(
-                uids, GROUPS, GROUPS, False, N
+                uids, groups, groups, False, len(samples) // groups
             ),
             "policy_prompt_boundaries": pre.compute_prompt_boundaries(uids),
             "response_length": act.shape[1],
             "avg_response_length": float(np.mean([len(s.response) for s in samples])),
         }
         batch = tb.pad_training_input_batch(batch, 1)
-        # fwd_logprobs_values_reward, compute_advantages_and_returns (trainer.py:419-437)
+        # fwd_logprobs_values_reward, compute_advantages_and_returns (trainer.py:419-437): the
+        # old-log-prob pass's log-probs, right-aligned like every response tensor (the pad: sample 0's)
         batch["base_action_log_probs"] = None
-        batch["action_log_probs"] = torch.clamp(
-            batch["rollout_logprobs"] - 1e-3 * batch["response_mask"], max=0
-        )
+        trainer = torch.zeros_like(batch["rollout_logprobs"])
+        for i, s in enumerate([*samples, samples[0]]):
+            trainer[i, trainer.shape[1] - len(s.response) :] = torch.from_numpy(s.trainer())
+        batch["action_log_probs"] = trainer
         batch["values"] = None
         batch["advantages"] = torch.zeros_like(batch["loss_mask"])
         batch["returns"] = torch.zeros_like(batch["loss_mask"])
@@ -285,33 +308,66 @@ def _skyrl_modules() -> tuple[Any, Any]:
 # --- verl: RolloutSkip's gen_batch.dp -------------------------------------------------------------
 
 P_MAX, R_MAX = 8, 9
-DUMP_DIR = f"exp_proj/GBS{GROUPS}_N{N}_in{P_MAX}_out{R_MAX}"
 
 
-def _verl_fields(samples: list[Sample]) -> dict[str, npt.NDArray[Any]]:
+@dataclass(frozen=True)
+class VerlRun:
+    """What a verl run's config fixes for its dumps: the padded widths (``prompt_length``,
+    ``response_length``) and the group shape (``train_batch_size`` prompts, ``rollout.n`` each)."""
+
+    p_max: int
+    r_max: int
+    groups: int
+    n: int
+
+    @property
+    def directory(self) -> str:
+        """``RolloutSkip``'s directory of the run under its dump root."""
+        return f"exp_proj/GBS{self.groups}_N{self.n}_in{self.p_max}_out{self.r_max}"
+
+
+def verl_run(steps: dict[int, list[Sample]]) -> VerlRun:
+    """The config of a run whose widths fit every sample of ``steps`` (at least ``P_MAX``, ``R_MAX``)."""
+    samples = [s for batch in steps.values() for s in batch]
+    first = next(iter(steps.values()))
+    groups = len(group_spans(first))
+    return VerlRun(
+        max(P_MAX, *(len(s.prompt) for s in samples)),
+        max(R_MAX, *(len(s.response) for s in samples)),
+        groups,
+        len(first) // groups,
+    )
+
+
+DUMP_DIR = VerlRun(P_MAX, R_MAX, GROUPS, N).directory
+
+
+def _verl_fields(samples: list[Sample], run: VerlRun | None = None) -> dict[str, npt.NDArray[Any]]:
     """The agent loop's padded batch: prompts left-padded, responses right-padded, routes at
-    ``P_MAX − P`` in int16 zeros (verl/experimental/agent_loop/agent_loop.py:728-856)."""
-    b, width = len(samples), P_MAX + R_MAX
-    f = {
-        "prompts": np.zeros((b, P_MAX), np.int64),
-        "responses": np.zeros((b, R_MAX), np.int64),
-        "response_mask": np.zeros((b, R_MAX), np.int64),
+    ``p_max − P`` in int16 zeros (verl/experimental/agent_loop/agent_loop.py:728-856)."""
+    run = run or verl_run({0: samples})
+    p_max, r_max = run.p_max, run.r_max
+    b, width = len(samples), p_max + r_max
+    f: dict[str, npt.NDArray[Any]] = {
+        "prompts": np.zeros((b, p_max), np.int64),
+        "responses": np.zeros((b, r_max), np.int64),
+        "response_mask": np.zeros((b, r_max), np.int64),
         "input_ids": np.zeros((b, width), np.int64),
         "attention_mask": np.zeros((b, width), np.int64),
         "position_ids": np.zeros((b, width), np.int64),
-        "rollout_log_probs": np.zeros((b, R_MAX), np.float32),
-        "routed_experts": np.zeros((b, width, L, K), np.int16),
+        "rollout_log_probs": np.zeros((b, r_max), np.float32),
+        "routed_experts": np.zeros((b, width, *samples[0].routes.shape[1:]), np.int16),
     }
     for i, s in enumerate(samples):
         p, r = len(s.prompt), len(s.response)
-        f["prompts"][i, P_MAX - p :] = s.prompt
+        f["prompts"][i, p_max - p :] = s.prompt
         f["responses"][i, :r] = s.response
         f["response_mask"][i, :r] = 1
         f["input_ids"][i] = np.concatenate([f["prompts"][i], f["responses"][i]])
-        f["attention_mask"][i, P_MAX - p : P_MAX + r] = 1
-        f["position_ids"][i, P_MAX - p :] = np.arange(width - P_MAX + p)
+        f["attention_mask"][i, p_max - p : p_max + r] = 1
+        f["position_ids"][i, p_max - p :] = np.arange(width - p_max + p)
         f["rollout_log_probs"][i, :r] = s.logprobs
-        f["routed_experts"][i, P_MAX - p : P_MAX - p + len(s.routes)] = s.routes
+        f["routed_experts"][i, p_max - p : p_max - p + len(s.routes)] = s.routes
     return f
 
 
@@ -349,8 +405,9 @@ def _verl_synthetic(root: Path, steps: dict[int, list[Sample]], numpy_batch: boo
             return self.state
 
     named("verl.protocol", "DataProto", DataProto)
+    run = verl_run(steps)
     for step, samples in steps.items():
-        fields = _verl_fields(samples)
+        fields = _verl_fields(samples, run)
         if numpy_batch:  # VERL_DATAPROTO_SERIALIZATION_METHOD=numpy
             batch: Any = (
                 (len(samples),), None,
@@ -364,7 +421,7 @@ def _verl_synthetic(root: Path, steps: dict[int, list[Sample]], numpy_batch: boo
             "__num_turns__": np.full(len(samples), 2, dtype=np.int32),
         }
         meta = {"timing": {"agent_loop/generate_sequences/mean": np.float64(0.5)}}
-        directory = root / DUMP_DIR / str(step)
+        directory = root / run.directory / str(step)
         directory.mkdir(parents=True)
         (directory / "gen_batch.dp").write_bytes(dumps_named(DataProto((batch, non_tensor, meta))))
         (directory / "meta.json").write_text(json.dumps({"global_steps": step}))
@@ -387,11 +444,13 @@ def _verl_release(root: Path, steps: dict[int, list[Sample]]) -> None:
     worker.tokenizer = PreTrainedTokenizerFast(tokenizer_object=vocab, pad_token="<pad>")
     worker.processor = worker.mm_processor_kwargs = worker.reward_loop_worker_handles = None
     worker.distillation_enabled = False
-    worker.rollout_config = types.SimpleNamespace(prompt_length=P_MAX, response_length=R_MAX)
+    run = verl_run(steps)
+    worker.rollout_config = types.SimpleNamespace(prompt_length=run.p_max, response_length=run.r_max)
     config = OmegaConf.create(
         {"trainer": {"experiment_name": "exp", "project_name": "proj"},
-         "data": {"train_batch_size": GROUPS, "max_prompt_length": P_MAX, "max_response_length": R_MAX},
-         "actor_rollout_ref": {"rollout": {"n": N}}}
+         "data": {"train_batch_size": run.groups, "max_prompt_length": run.p_max,
+                  "max_response_length": run.r_max},
+         "actor_rollout_ref": {"rollout": {"n": run.n}}}
     )  # fmt: skip
     skip = RolloutSkip(RolloutSkipConfig(enable=True, dump_dir=str(root)), config)
     for step, samples in steps.items():
@@ -416,7 +475,7 @@ def _verl_release(root: Path, steps: dict[int, list[Sample]]) -> None:
             **output.meta_info,
         }
         skip.prepare_data(step, output)
-        assert (root / DUMP_DIR / str(step) / "gen_batch.dp").is_file(), (
+        assert (root / run.directory / str(step) / "gen_batch.dp").is_file(), (
             "RolloutSkip.prepare_data did not dump"
         )
 
@@ -613,14 +672,20 @@ def test_num_experts_is_an_explicit_input(tmp_path: Path, monkeypatch: pytest.Mo
         next(skyrl_importer.records(tmp_path))
 
 
-def test_an_id_the_layout_cannot_store_is_named(tmp_path: Path) -> None:
+def test_an_id_the_layout_cannot_store_is_named_and_leaves_the_other_samples_audited(tmp_path: Path) -> None:
     samples = rollout(1)
     samples[2].routes[4, 1, 1] = -3  # an int16 wrap
     _verl_synthetic(tmp_path, {5: samples})
-    with pytest.raises(
-        LayoutError, match=r"gen_batch.dp step 5 sample 2 row 4 layer 1: expert id -3; expected"
-    ):
+    column = P_MAX - len(samples[2].prompt) + 4
+    message = (
+        rf"gen_batch.dp batch row 2, token column {column}: step 5 sample 2 row 4 layer 1: expert id -3; "
+        r"expected an id in \[0, 16\)"
+    )
+    with pytest.raises(LayoutError, match=message):
         list(verl_importer.records(tmp_path, num_experts=E))
+    errors: list[str] = []
+    kept = [r.sample_key for r in verl_importer.records(tmp_path, num_experts=E, errors=errors)]
+    assert kept == ["0", "1", "3"] and len(errors) == 1 and "expert id -3" in errors[0], (kept, errors)
 
 
 def test_each_importer_detects_only_its_own_dump(tmp_path: Path) -> None:

@@ -74,15 +74,24 @@ def _one_line(err: pytest.ExceptionInfo[LayoutError], *parts: str) -> None:
 def _slime_sample(
     rng: np.random.Generator, position: int, prompt: int, response: int, numpy_routes: bool
 ) -> dict:
-    """A ``Sample.to_dict()`` as slime/utils/types.py writes it (miles: routes as a numpy array)."""
+    """A random sample of the small model; a trailing tool token (no loss, log-prob 0.0:
+    ``Sample.append_response_tokens``)."""
     tokens = rng.integers(10, 1000, size=prompt + response).tolist()
     mask = [1] * response
-    mask[-1] = 0  # a trailing tool token: no loss, log-prob 0.0 (Sample.append_response_tokens)
+    mask[-1] = 0
     logprobs = [float(-rng.uniform(0.01, 2.0)) for _ in range(response)]
     logprobs[-1] = 0.0
     routes = _routes(rng, prompt + response - 1, MOE, L)
+    return _sample_dict(tokens, response, mask, logprobs, routes, position // 2, 100 + position, numpy_routes)
+
+
+def _sample_dict(
+    tokens: list[int], response: int, mask: list[int], logprobs: list[float], routes: np.ndarray,
+    group: int, index: int, numpy_routes: bool = False,
+) -> dict:  # fmt: skip
+    """A ``Sample.to_dict()`` as slime/utils/types.py writes it (miles: routes as a numpy array)."""
     return {
-        "group_index": position // 2, "index": 100 + position, "rollout_id": None, "prompt": "q",
+        "group_index": group, "index": index, "rollout_id": None, "prompt": "q",
         "tokens": tokens, "multimodal_inputs": None, "multimodal_train_inputs": None,
         "multimodal_train_input_id": None, "apply_chat_template_kwargs": {}, "response": "a",
         "response_length": response, "label": None, "reward": 1.0, "loss_mask": mask,
@@ -94,12 +103,13 @@ def _slime_sample(
         "non_generation_time": 0.0,
         "spec_info": {"spec_accept_token_num": 0, "spec_draft_token_num": 0, "spec_verify_ct": 0,
                       "completion_token_num": 0},
-        "prefix_cache_info": {"cached_tokens": 0, "total_prompt_tokens": prompt},
+        "prefix_cache_info": {"cached_tokens": 0, "total_prompt_tokens": len(tokens) - response},
     }  # fmt: skip
 
 
 def _train_payload(rollout_id: int, samples: list[dict]) -> dict:
-    """slime/observability/train_data_utils.py ``_build_dump_payload``: format_version 2, rollout order."""
+    """slime/observability/train_data_utils.py ``_build_dump_payload``: format_version 2, rollout order;
+    the trainer's log-probs 0.01 below the rollout's."""
     rows = []
     for position, s in enumerate(samples):
         lp = torch.tensor(s["rollout_log_probs"], dtype=torch.float32)

@@ -286,21 +286,40 @@ def payload_rows(
     return payload, captured, lo
 
 
-def check_ids_fit(routes: npt.NDArray[Any], num_experts: int, source: str, sample: int, step: int) -> None:
-    """``LayoutError`` naming the cell when an id cannot be stored in the layout's dtype for ``num_experts``.
+def ids_fit(
+    routes: npt.NDArray[Any],
+    num_experts: int,
+    place: str,
+    step: int,
+    sample: int,
+    column: int | None,
+    errors: list[str] | None,
+) -> bool:
+    """Whether every id of one sample's ``routes [rows, L, K]`` can be stored in the run layout's dtype
+    for ``num_experts``.
 
-    Ids in ``[num_experts, 2**bits)`` are stored and reported by the audit (``ids_valid``); a
-    negative id or one past the dtype (an int16 wrap) has no representation there.
+    Ids in ``[num_experts, 2**bits)`` are stored and reported by the audit (``ids_valid``); a negative
+    id (an int16 wrap) or one past the dtype has no representation there. Such a sample is an input
+    error naming its cell: ``place`` (the framework's file and the sample's index in it), the token
+    column of the row where the file has a padded token axis (``column``: that of row 0), then step,
+    sample, row and layer. It is raised when ``errors`` is None; else it is a line there and the
+    sample is left out, so the other samples of its file are still imported and audited.
     """
     limit = int(np.iinfo(storage_dtype(num_experts)).max)
     bad = (routes < 0) | (routes > limit)
-    if bad.any():
-        row, layer, slot = (int(x) for x in np.argwhere(bad)[0])
-        raise LayoutError(
-            f"{source} step {step} sample {sample} row {row} layer {layer}: "
-            f"expert id {int(routes[row, layer, slot])}; "
-            f"expected an id in [0, {num_experts}) (num_experts={num_experts})"
-        )
+    if not bad.any():
+        return True
+    row, layer, slot = (int(x) for x in np.argwhere(bad)[0])
+    where = place if column is None else f"{place}, token column {column + row}"
+    message = (
+        f"{where}: step {step} sample {sample} row {row} layer {layer}: expert id "
+        f"{int(routes[row, layer, slot])}; expected an id in [0, {num_experts}) (num_experts={num_experts}; "
+        f"the run layout stores ids up to {limit})"
+    )
+    if errors is None:
+        raise LayoutError(message)
+    errors.append(message)
+    return False
 
 
 def step_layers(

@@ -43,8 +43,8 @@ import numpy.typing as npt
 from harness.audit.importers import safe_pickle
 from harness.audit.importers.model_shape import (
     LayerVote,
-    check_ids_fit,
     check_moe_layers,
+    ids_fit,
     moe_layers_input,
     num_experts_input,
     payload_rows,
@@ -233,10 +233,16 @@ def _groups(metadata: dict[str, Any], size: int, source: str) -> list[str | None
 
 
 def batch_records(
-    file: Path, step: int, num_experts: int, moe_layers: tuple[int, ...] | None, vote: LayerVote | None = None
+    file: Path,
+    step: int,
+    num_experts: int,
+    moe_layers: tuple[int, ...] | None,
+    vote: LayerVote | None = None,
+    errors: list[str] | None = None,
 ) -> tuple[list[SampleRecord], tuple[int, ...]]:
     """The records of one dump file, and the MoE layers used: ``moe_layers``, or with ``vote`` what
-    most samples agree on (``model_shape.step_layers``)."""
+    most samples agree on (``model_shape.step_layers``). ``errors``: a sample holding an id the run
+    layout cannot store is a line there and left out (``model_shape.ids_fit``), else it raises."""
     source = str(file)
     check_step(step, source)
     tensors, metadata = read_batch(file)
@@ -298,7 +304,8 @@ def batch_records(
         engine, captured, column = payload_rows(
             routes[i], first, total, None if padding is None else ~padding[i].astype(bool)
         )
-        check_ids_fit(engine, num_experts, source, i, step)
+        if not ids_fit(engine, num_experts, f"{source} batch row {i}", step, i, column, errors):
+            continue
         samples.append((i, prompt, resp, first, engine, captured, column))
     if vote is None and moe_layers is None:
         vote = LayerVote()
@@ -357,7 +364,7 @@ def records(
     layers = moe_layers_input(moe_layers)
     vote = LayerVote() if layers is None else None
     for step, file in files:
-        read = read_file(file, errors, partial(batch_records, file, step, experts, layers, vote))
+        read = read_file(file, errors, partial(batch_records, file, step, experts, layers, vote, errors))
         if read is not None:
             yield from read[0]
     if vote is not None and inferred is not None:

@@ -51,10 +51,10 @@ import numpy as np
 import numpy.typing as npt
 
 from harness.audit.importers import safe_pickle
-from harness.audit.importers.model_shape import ExpertVote, LayerVote, signature
+from harness.audit.importers.model_shape import ExpertVote, LayerVote, ids_fit, signature
 from harness.audit.inputs import brief, check_step, glob, read_file
 from harness.audit.layout import LayoutError, SampleRecord
-from harness.trace import MAX_LAYERS, LayerAxis, storage_dtype
+from harness.trace import MAX_LAYERS, LayerAxis
 
 DESCRIPTION = (
     "slime/miles debug dump: --save-debug-rollout-data (or --dump-details D: D/rollout_data/{id}.pt), "
@@ -159,20 +159,27 @@ def records(
         if rollout_path in bad:
             continue
         train_path = Path(template.format(rollout_id=step)) if template else None
-        read = read_file(rollout_path, errors, partial(_rollout, step, rollout_path, train_path, shape))
+        read = read_file(
+            rollout_path, errors, partial(_rollout, step, rollout_path, train_path, shape, errors)
+        )
         yield from read or ()
         del read  # one rollout in memory: free this one before the next is loaded
 
 
-def _rollout(step: int, rollout_path: Path, train_path: Path | None, shape: _Shape) -> list[SampleRecord]:
-    """The records of one rollout file joined with its train file (when there is one), all or none."""
+def _rollout(
+    step: int, rollout_path: Path, train_path: Path | None, shape: _Shape, errors: list[str] | None = None
+) -> list[SampleRecord]:
+    """The records of one rollout file joined with its train file (when there is one), all or none —
+    but a sample holding an id the run layout cannot store, which is a line in ``errors`` and left
+    out (``model_shape.ids_fit``; raised when ``errors`` is None)."""
     check_step(step, str(rollout_path))
     samples = _samples(_load(rollout_path), rollout_path, step)
     trained = _train_samples(train_path, step, samples) if train_path and _exists(train_path) else {}
-    return [
-        _record(step, position, sample, trained.get(position), shape, rollout_path, train_path)
+    records = (
+        _record(step, position, sample, trained.get(position), shape, rollout_path, train_path, errors)
         for position, sample in enumerate(samples)
-    ]
+    )
+    return [record for record in records if record is not None]
 
 
 def _exists(path: Path) -> bool:
@@ -484,8 +491,10 @@ def _record(
     shape: _Shape,
     path: Path,
     train_path: Path | None,
-) -> SampleRecord:
-    """One layout record from a rollout sample and, where it was trained, its train sample."""
+    errors: list[str] | None = None,
+) -> SampleRecord | None:
+    """One layout record from a rollout sample and, where it was trained, its train sample; ``None``
+    for a sample whose routes hold an id the layout cannot store (a line in ``errors``)."""
     where = f"{path}: samples[{position}]"
     tokens, response = _sequence(sample, "response_length", where)
     mask = _vector(sample, "loss_mask", where, "i", response)
@@ -498,7 +507,11 @@ def _record(
     engine_lp = _vector(sample, "rollout_log_probs", where, "f", response)
     routes = _routes(sample, where)
     if routes is not None:
-        _check_routes(routes, shape, where)
+        _check_shape(routes, shape, where)
+        if not ids_fit(
+            routes, shape.num_experts, f"{path} samples[{position}]", step, position, None, errors
+        ):
+            return None
     trainer_tokens = trainer_lp = None
     if trained is not None:
         twhere = f"{train_path}: samples[rollout_position={position}]"
@@ -537,25 +550,12 @@ def _record(
     )
 
 
-def _check_routes(routes: npt.NDArray[np.int64], shape: _Shape, where: str) -> None:
-    """Routes the layout can store: the run's layer and top-k widths, ids that fit its dtype.
-
-    An id in ``[num_experts, 2**bits)`` is stored and named by the audit (``ids_valid``); one the
-    dtype cannot hold (negative, or past it) would wrap, so it is refused here with its place.
-    """
+def _check_shape(routes: npt.NDArray[np.int64], shape: _Shape, where: str) -> None:
+    """Routes of the run's layer and top-k widths (the ids are checked by ``model_shape.ids_fit``)."""
     if routes.shape[1:] != (shape.num_layers, shape.top_k):
         raise LayoutError(
             f"{where}: field 'rollout_routed_experts' has shape {list(routes.shape)}; expected "
             f"[rows, {shape.num_layers}, {shape.top_k}] like the samples before it"
-        )
-    dtype = storage_dtype(shape.num_experts)
-    bad = (routes < 0) | (routes > np.iinfo(dtype).max)
-    if bad.any():
-        row, layer, slot = (int(x) for x in np.argwhere(bad)[0])
-        raise LayoutError(
-            f"{where}: field 'rollout_routed_experts' row {row} layer {layer} holds id "
-            f"{int(routes[row, layer, slot])}; expected ids in [0, {shape.num_experts}) that fit {dtype} "
-            "(slime has no missing-row sentinel)"
         )
 
 

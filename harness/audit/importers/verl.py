@@ -36,8 +36,8 @@ import numpy as np
 from harness.audit.importers import safe_pickle
 from harness.audit.importers.model_shape import (
     LayerVote,
-    check_ids_fit,
     check_moe_layers,
+    ids_fit,
     moe_layers_input,
     num_experts_input,
     payload_rows,
@@ -194,10 +194,15 @@ def _groups(
 
 
 def batch_records(
-    file: Path, num_experts: int, moe_layers: tuple[int, ...] | None, vote: LayerVote | None = None
+    file: Path,
+    num_experts: int,
+    moe_layers: tuple[int, ...] | None,
+    vote: LayerVote | None = None,
+    errors: list[str] | None = None,
 ) -> tuple[list[SampleRecord], tuple[int, ...]]:
     """The records of one ``gen_batch.dp``, and the MoE layers used: ``moe_layers``, or with ``vote``
-    what most samples agree on (``model_shape.step_layers``)."""
+    what most samples agree on (``model_shape.step_layers``). ``errors``: a sample holding an id the
+    run layout cannot store is a line there and left out (``model_shape.ids_fit``), else it raises."""
     source, step = str(file), step_of(file)
     tensors, non_tensor = read_batch(file)
     prompts = _field(tensors, "prompts", (None, None), source, "[B, P_max] left-padded prompt ids")
@@ -247,7 +252,8 @@ def batch_records(
             )
         first = p_max - prompt
         engine, captured, column = payload_rows(routes[i], first, prompt + resp)
-        check_ids_fit(engine, num_experts, source, i, step)
+        if not ids_fit(engine, num_experts, f"{source} batch row {i}", step, i, column, errors):
+            continue
         samples.append((i, prompt, resp, first, engine, captured, column))
     if vote is None and moe_layers is None:
         vote = LayerVote()
@@ -309,7 +315,7 @@ def records(
         if step is not None:
             ordered.append((step, file))
     for _, file in sorted(ordered):
-        read = read_file(file, errors, partial(batch_records, file, experts, layers, vote))
+        read = read_file(file, errors, partial(batch_records, file, experts, layers, vote, errors))
         if read is not None:
             yield from read[0]
     if vote is not None and inferred is not None:
