@@ -118,8 +118,8 @@ Packing = Callable[[int, int], StepPacking | None]
 
 
 @dataclass
-class _Call:
-    """One record: one router call of one layer."""
+class RouterCall:
+    """One record of a rank's trace: one router call of one layer (``rows``: its ``top_indices``)."""
 
     step: int
     block: str
@@ -147,8 +147,8 @@ def check_trace(
     within a row, not against the expert count.
     """
     found: list[RouterTraceViolation] = []
-    for rank, file in _files(Path(path)):
-        for _, _, violations in _steps(file, rank, num_experts):
+    for rank, file in rank_files(Path(path)):
+        for _, _, violations in rank_steps(file, rank, num_experts):
             found.extend(violations[: limit - len(found)])
             if len(found) >= limit:
                 return found
@@ -181,9 +181,9 @@ def records(
             "megatron_lm.check_trace validates the trace without them"
         )
     moe_layers: tuple[int, ...] | None = None
-    for rank, file in _files(Path(path)):
+    for rank, file in rank_files(Path(path)):
         seen: set[int] = set()
-        for step, calls, violations in _steps(file, rank, num_experts):
+        for step, calls, violations in rank_steps(file, rank, num_experts):
             if violations:
                 raise LayoutError(violations[0].line())
             if step in seen:
@@ -203,12 +203,12 @@ def records(
                 )
             if not layers:
                 continue
-            per_layer = [np.concatenate([_ids(c) for c in decoder if c.layer == layer]) for layer in layers]
+            per_layer = [np.concatenate([call_ids(c) for c in decoder if c.layer == layer]) for layer in layers]
             routes = np.stack(per_layer, axis=1)  # [rows, MoE layers, top_k]
             yield from _samples(step, rank, routes, packing(step, rank), moe_layers, num_experts, file)
 
 
-def _files(path: Path) -> list[tuple[int, Path]]:
+def rank_files(path: Path) -> list[tuple[int, Path]]:
     """``(rank, file)`` of every ``router_trace_rank{r}.jsonl`` at ``path``, in rank order."""
     files = [path] if path.is_file() else glob(path, "router_trace_rank*.jsonl")
     found = sorted((int(m.group(1)), p) for p in files if (m := _FILE.fullmatch(p.name)))
@@ -226,7 +226,7 @@ def _field(record: dict[str, Any], name: str, kind: type, where: str) -> Any:
     return value
 
 
-def _calls(file: Path) -> Iterator[_Call]:
+def _calls(file: Path) -> Iterator[RouterCall]:
     """Each record of ``file``; a line that is not a record of this format is one ``LayoutError``."""
     # A regular UTF-8 file, read line by line; JSON nested too deep or huge integers are one error.
     for line_no, line in lines(file):
@@ -241,7 +241,7 @@ def _calls(file: Path) -> Iterator[_Call]:
             block = f"mtp{_field(record, 'mtp_idx', int, where)}"
         elif block != "decoder":
             raise LayoutError(f"{where}: field 'block' is {brief(block)}; expected 'decoder' or 'mtp'")
-        yield _Call(
+        yield RouterCall(
             step=_field(record, "step", int, where),
             block=block,
             layer=_field(record, "layer", int, where),
@@ -253,11 +253,11 @@ def _calls(file: Path) -> Iterator[_Call]:
         )
 
 
-def _steps(
+def rank_steps(
     file: Path, rank: int, num_experts: int | None
-) -> Iterator[tuple[int, list[_Call], list[RouterTraceViolation]]]:
+) -> Iterator[tuple[int, list[RouterCall], list[RouterTraceViolation]]]:
     """``(step, its records, their violations)`` for each run of records of one step in ``file``."""
-    calls: list[_Call] = []
+    calls: list[RouterCall] = []
     top_k: int | None = None
     for call in _calls(file):
         if calls and call.step != calls[0].step:
@@ -270,7 +270,7 @@ def _steps(
 
 
 def _violations(
-    calls: list[_Call], rank: int, top_k: int | None, num_experts: int | None
+    calls: list[RouterCall], rank: int, top_k: int | None, num_experts: int | None
 ) -> list[RouterTraceViolation]:
     """Every rule broken by one step's records of one rank."""
     found: list[RouterTraceViolation] = []
@@ -282,7 +282,7 @@ def _violations(
         offset[key] += len(call.rows)
         counts[key].append(len(call.rows))
 
-        def violation(check: str, row: int | None, expected: str, actual: str, c: _Call = call) -> None:
+        def violation(check: str, row: int | None, expected: str, actual: str, c: RouterCall = call) -> None:
             found.append(
                 RouterTraceViolation(check, c.step, rank, c.layer, c.block, row, expected, actual, c.where)
             )
@@ -301,7 +301,7 @@ def _violations(
         if bad is not None:
             violation("shape", start + bad, f"{call.topk} ids (topk)", f"{call.rows[bad]!r}")
             continue
-        ids = _ids(call)
+        ids = call_ids(call)
         if ids.size == 0:
             continue
         out = (ids < 0).any(axis=1)
@@ -329,7 +329,7 @@ def _violations(
     return found
 
 
-def _ids(call: _Call) -> npt.NDArray[np.int64]:
+def call_ids(call: RouterCall) -> npt.NDArray[np.int64]:
     """``top_indices`` as ``[num_tokens, topk]`` integers (rows already of length ``topk``)."""
     array = np.asarray(call.rows)
     if array.size and array.dtype.kind not in "iu":

@@ -1,0 +1,311 @@
+"""The trainer side of a run without a tap: megatron-core's router trace joined with the engine's dump.
+
+megatron-core ≥ 0.19 traces every router call (``router_trace.py``; ``harness.audit.importers.
+megatron_lm`` reads it): per rank, one record per call with the top-k of each token in the rank's
+packed local order, and no sample id or position. This module places every traced row at its
+(sample, position, decoder layer) of the engine's dump, through
+
+- the framework's packing of the step, computed by its own functions (verl 0.9.1:
+  ``harness.audit.verl_packing``): which dump rows each DP rank's micro-batches hold, in what order,
+  at which offsets of the packed (THD) buffer;
+- what megatron-core does per rank (``TrainerLayout``): global rank ``tp_rank + tp·(dp_rank + dp·pp_rank)``
+  (its default order ``tp-cp-ep-dp-pp``, CP = 1); under sequence parallelism TP rank ``t`` routes the
+  contiguous rows ``[t·T/tp, (t+1)·T/tp)`` of the packed buffer (``reference_impl.layouts.sp_shard``);
+  PP rank ``p`` holds the decoder layers ``pp_layer_ranges(num_layers, pp)[p]`` and its trace numbers
+  them locally (``decoder.layers.<i>`` of its own module).
+
+Each layer's calls of a step come in micro-batch order; a step whose calls are a whole number of
+repetitions of the micro-batch sequence holds that many *passes* (an old-log-prob forward, then an
+update's, say), each judged on its own: a sample's record of pass ``j > 0`` is keyed ``<row>@pass<j>``.
+A record that cannot be placed (a token count that disagrees with the packing, a layer the stage
+does not hold, a rank or step missing, a cell no rank routed) is one ``LayoutError`` naming the
+rank, the record (``file:line``) and what disagreed: never a violation.
+
+The joined records carry the engine's routes and the trainer's dispatched routes on the dump's layer
+axis, with the replay mode given (``R3``: the audit's ``replay_fidelity`` then judges dispatched ==
+engine route on every captured row and MoE layer). A trace row at a sample's last token has no
+engine counterpart and is dropped (DESIGN §3.1). Activation recompute (a router firing again in
+backward, interleaved with the forwards) and MTP heads are not placed: the former is refused as a
+count that disagrees, the latter ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from harness.audit.importers import megatron_lm
+from harness.audit.importers import verl as verl_dump
+from harness.audit.importers.model_shape import LayerVote, moe_layers_input, num_experts_input
+from harness.audit.inputs import read_file
+from harness.audit.layout import LayoutError, SampleRecord
+from harness.audit.verl_packing import MicroBatch, VerlBatching, step_packing
+from harness.audit.writer import RunWriter
+from harness.trainers.megatron.packed import check_cu_seqlens, packed_slots
+from harness.trainers.megatron.layout import MegatronReplayError
+from reference_impl.layouts import pp_layer_ranges, sp_shard
+
+SOURCE = "verl RolloutSkip gen_batch.dp + megatron-core router trace (rrh audit --trainer-trace)"
+NOTES = (
+    "trainer routes read from megatron-core's router trace, placed through verl 0.9.1's own packing "
+    "(balance, micro-batches, THD) and megatron-core's SP slice and PP stages",
+)
+
+
+@dataclass(frozen=True)
+class TrainerLayout:
+    """How the traced run was parallelised and batched: megatron-core's sizes and verl's batching."""
+
+    batching: VerlBatching
+    pp: int = 1
+
+    @property
+    def tp(self) -> int:
+        return self.batching.tp
+
+    @property
+    def dp(self) -> int:
+        return self.batching.dp
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    def rank(self, dp_rank: int, tp_rank: int, pp_rank: int) -> int:
+        """The global rank at these coordinates (megatron-core's default order ``tp-cp-ep-dp-pp``)."""
+        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+
+def parse_layout(text: str) -> TrainerLayout:
+    """``tp=2,pp=2,dp=1,max_token_len=512`` (or ``micro_batch=2``), ``balance_batch=0`` to turn verl's
+    balancing off: the ``--trainer-layout`` of ``rrh audit``."""
+    known = {"tp", "pp", "dp", "max_token_len", "micro_batch", "balance_batch"}
+    values: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep or name not in known or not value.strip().isdigit():
+            raise LayoutError(
+                f"--trainer-layout {text!r}: {part!r}; expected NAME=INTEGER with NAME one of {sorted(known)}"
+            )
+        values[name] = int(value)
+    batching = VerlBatching(
+        dp=values.get("dp", 1),
+        tp=values.get("tp", 1),
+        balance_batch=bool(values.get("balance_batch", 1)),
+        max_token_len_per_gpu=values.get("max_token_len"),
+        micro_batch_size_per_gpu=values.get("micro_batch"),
+    )
+    pp = values.get("pp", 1)
+    if pp < 1:
+        raise LayoutError(f"--trainer-layout {text!r}: pp={pp}; expected an integer >= 1")
+    return TrainerLayout(batching, pp)
+
+
+def _slots(mb: MicroBatch, tp: int, tp_rank: int, where: str) -> npt.NDArray[np.int64]:
+    """``(sample index in mb, position)`` of each row TP rank ``tp_rank`` routes (``-1`` on filler)."""
+    import torch
+
+    try:
+        align = check_cu_seqlens(
+            mb.lengths, torch.tensor([0, *np.cumsum(mb.lengths)]), torch.tensor(mb.cu_seqlens_padded), tp
+        )
+    except MegatronReplayError as err:
+        raise LayoutError(f"{where}: {err}") from None
+    slots = packed_slots(mb.lengths, align)
+    return (sp_shard(slots, tp, tp_rank) if tp > 1 else slots).numpy()
+
+
+class _StepJoin:
+    """One step: the trainer's routes of every sample, pass by pass, filled from the ranks' calls."""
+
+    def __init__(self, step: int, engine: Sequence[SampleRecord], layout: TrainerLayout) -> None:
+        self.step, self.engine, self.layout = step, engine, layout
+        first = engine[0]
+        self.width, self.top_k = int(first.num_layers), int(first.top_k)
+        self.moe = tuple(int(x) for x in first.moe_layers)
+        self.lengths = np.array([len(r.tokens) for r in engine], dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
+        self.passes: int | None = None
+        self.routes: npt.NDArray[np.int32] | None = None
+        self.filled: npt.NDArray[np.bool_] | None = None
+
+    def _allocate(self, passes: int, where: str) -> None:
+        if self.passes is None:
+            self.passes = passes
+            total = int(self.offsets[-1])
+            self.routes = np.zeros((passes, total, self.width, self.top_k), dtype=np.int32)
+            self.filled = np.zeros((passes, total, self.width), dtype=bool)
+        elif passes != self.passes:
+            raise LayoutError(
+                f"{where}: step {self.step} holds {passes} passes over the micro-batches here, "
+                f"{self.passes} on the ranks read before; expected one count on every rank and layer"
+            )
+
+    def place(self, rank: int, calls: list[megatron_lm.RouterCall], plan: list[MicroBatch], tp_rank: int, pp_rank: int) -> None:
+        """Place one rank's decoder calls of the step (``plan``: its DP rank's micro-batches)."""
+        tp = self.layout.tp
+        stage = pp_layer_ranges(self.width, self.layout.pp)[pp_rank][0]
+        by_layer: dict[int, list[megatron_lm.RouterCall]] = defaultdict(list)
+        for call in calls:
+            if call.block == "decoder":
+                by_layer[call.layer].append(call)
+        held = [layer for layer in self.moe if layer in stage]
+        for local, layer_calls in sorted(by_layer.items()):
+            layer = stage.start + local
+            if layer not in held:
+                raise LayoutError(
+                    f"{layer_calls[0].where}: rank {rank} (pp rank {pp_rank}, decoder layers "
+                    f"{stage.start}-{stage.stop - 1}) traces local layer {local} = decoder layer {layer}; expected "
+                    f"one of the MoE layers {held} of the dump that stage holds"
+                )
+        missing = [layer for layer in held if layer - stage.start not in by_layer]
+        if missing:
+            raise LayoutError(
+                f"rank {rank}: step {self.step} has no record of decoder layer {missing[0]} (local "
+                f"{missing[0] - stage.start}); expected every MoE layer of pp rank {pp_rank}: {held}"
+            )
+        want = [mb.packed_rows // tp for mb in plan]
+        for local, layer_calls in sorted(by_layer.items()):
+            got = [c.num_tokens for c in layer_calls]
+            passes = len(got) // len(want)
+            if not passes or got != want * passes:
+                bad = next(
+                    (i for i, n in enumerate(got) if i >= len(want) * max(passes, 1) or n != want[i % len(want)]),
+                    len(got) - 1,
+                )
+                expected = want[bad % len(want)] if bad < len(want) * max(passes, 1) else "no further call"
+                raise LayoutError(
+                    f"{layer_calls[bad].where}: rank {rank} step {self.step} local layer {local}: record "
+                    f"{bad} routes {got[bad]} tokens; expected {expected} (micro-batch {bad % len(want)} of "
+                    f"{len(want)}: verl's packing of dump rows {list(plan[bad % len(want)].rows)[:8]}, T/tp "
+                    f"with tp={tp}; calls per pass {want})"
+                )
+            self._allocate(passes, layer_calls[0].where)
+            assert self.routes is not None and self.filled is not None
+            for i, call in enumerate(layer_calls):
+                mb = plan[i % len(want)]
+                slots = _slots(mb, tp, tp_rank, call.where)
+                real = slots[:, 0] >= 0
+                rows = np.asarray(mb.rows, dtype=np.int64)[slots[real, 0]]
+                flat = self.offsets[rows] + slots[real, 1]
+                j, layer = i // len(want), stage.start + local
+                self.routes[j, flat, layer] = megatron_lm.call_ids(call)[real]
+                self.filled[j, flat, layer] = True
+
+    def records(self, replay: str) -> Iterator[SampleRecord]:
+        """The engine's records with the trainer's routes of each pass (all cells checked placed)."""
+        if self.routes is None or self.filled is None:
+            raise LayoutError(f"step {self.step}: no rank traced any router call; expected the step's records")
+        moe = list(self.moe)
+        for j in range(self.routes.shape[0]):
+            for b, record in enumerate(self.engine):
+                lo, n = int(self.offsets[b]), int(self.lengths[b])
+                holes = ~self.filled[j, lo : lo + n][:, moe]
+                if holes.any():
+                    pos, slot = (int(x) for x in np.argwhere(holes)[0])
+                    raise LayoutError(
+                        f"step {self.step} pass {j}: no rank routed {record.origin} position {pos} decoder "
+                        f"layer {moe[slot]}; expected the trace of every TP and PP rank of its DP rank"
+                    )
+                yield dataclasses.replace(
+                    record,
+                    sample_key=record.sample_key if self.routes.shape[0] == 1 else f"{record.sample_key}@pass{j}",
+                    trainer_routes=self.routes[j, lo : lo + n - 1],
+                    replay=replay,
+                    source=SOURCE,
+                )
+
+
+def _engine_step(
+    file: Path, experts: int, layers: tuple[int, ...] | None, vote: LayerVote | None
+) -> tuple[list[SampleRecord], Any, Any]:
+    """One dump file's records, and its ``attention_mask`` and ``response_mask`` (the packing's input)."""
+    tensors, non_tensor = verl_dump.read_batch(file)
+    found, _ = verl_dump.batch_records(file, experts, layers, vote, read=(tensors, non_tensor))
+    return found, tensors["attention_mask"], tensors["response_mask"]
+
+
+def records(
+    dump: Path,
+    trace: Path,
+    layout: TrainerLayout,
+    *,
+    num_experts: int | None = None,
+    moe_layers: Sequence[int] | None = None,
+    replay: str = "R3",
+    inferred: list[str] | None = None,
+) -> Iterator[SampleRecord]:
+    """The verl dump's samples, step by step, each with the trainer's dispatched routes from the trace.
+
+    Every rank ``0 … tp·dp·pp − 1`` must have a trace file, and each file the dump's steps in order.
+    """
+    files = verl_dump.dump_files(Path(dump))
+    if not files:
+        raise LayoutError(f"{dump}: no verl RolloutSkip dump ({{step}}/{verl_dump.FILE_NAME})")
+    experts = num_experts_input(num_experts, "verl")
+    layers = moe_layers_input(moe_layers)
+    vote = LayerVote() if layers is None else None
+    ranks = dict(megatron_lm.rank_files(Path(trace)))
+    expected = set(range(layout.world_size))
+    if set(ranks) != expected:
+        odd = sorted(set(ranks) ^ expected)
+        raise LayoutError(
+            f"{trace}: trace files of ranks {sorted(ranks)}; expected router_trace_rank{{r}}.jsonl for r in "
+            f"0..{layout.world_size - 1} (tp·dp·pp = {layout.tp}·{layout.dp}·{layout.pp}), rank {odd[0]} differs"
+        )
+    streams = {r: megatron_lm.rank_steps(f, r, experts) for r, f in ranks.items()}
+    for step, file in sorted((verl_dump.step_of(f), f) for f in files):
+        engine, attention, response = read_file(file, None, partial(_engine_step, file, experts, layers, vote))
+        plans = step_packing(attention, response, layout.batching)
+        join = _StepJoin(step, engine, layout)
+        for pp_rank in range(layout.pp):
+            for dp_rank in range(layout.dp):
+                for tp_rank in range(layout.tp):
+                    rank = layout.rank(dp_rank, tp_rank, pp_rank)
+                    calls = _next_step(streams[rank], rank, step, ranks[rank])
+                    join.place(rank, calls, plans[dp_rank], tp_rank, pp_rank)
+        yield from join.records(replay)
+    for rank, stream in streams.items():
+        extra = next(stream, None)
+        if extra is not None:
+            raise LayoutError(
+                f"{extra[1][0].where}: rank {rank} traces step {extra[0]}, which the dump at {dump} does not hold; "
+                "expected the trace of the same run (its steps)"
+            )
+    if vote is not None and inferred is not None:
+        inferred.extend(vote.notes())
+
+
+def _next_step(stream: Iterator[Any], rank: int, step: int, file: Path) -> list[megatron_lm.RouterCall]:
+    """The calls of ``step`` from one rank's stream (its next step); a violation of the trace's own
+    rules, or another step, is one ``LayoutError``."""
+    found = next(stream, None)
+    if found is None:
+        raise LayoutError(f"{file}: rank {rank} has no records of step {step}; expected every step of the dump")
+    got, calls, violations = found
+    if violations:
+        raise LayoutError(violations[0].line())
+    if got != step:
+        raise LayoutError(
+            f"{calls[0].where}: rank {rank} traces step {got} where the dump's next step is {step}; expected "
+            "the dump's steps in order (advance_step(step) with verl's global step)"
+        )
+    return calls
+
+
+def import_joined(
+    dump: Path, trace: Path, directory: Path, layout: TrainerLayout, **options: Any
+) -> list[Path]:
+    """``records`` written as the run layout in ``directory``; the files written."""
+    with RunWriter(directory) as writer:
+        for record in records(dump, trace, layout, **options):
+            writer.write(record)
+    return writer.files
