@@ -57,6 +57,11 @@ def _import(
     from harness.audit import importers
 
     name, dump = importers.locate(args.run, args.source)
+    if args.trainer_trace and name != "verl":
+        raise LayoutError(
+            f"--trainer-trace: {args.run} is {'the run layout' if name is None else f'a {name} dump'}; expected a "
+            "verl RolloutSkip dump (the one framework whose packing the join computes)"
+        )
     if name is None:
         return str(dump), None, [], []
     if args.import_to:
@@ -65,6 +70,10 @@ def _import(
         tmp = tempfile.TemporaryDirectory(prefix="rrh-audit-")
         keep.append(tmp)
         target = tmp.name
+    if args.trainer_trace:
+        from harness.audit import trace_join
+
+        return target, name, *trace_join.import_for_cli(args, dump, target)
     module = importers.importer(name)
     found = "" if Path(dump) == Path(args.run) else f" (found below {args.run})"
     print(f"importing {dump}{found} as a {module.DESCRIPTION}", file=sys.stderr)

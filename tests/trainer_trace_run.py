@@ -84,6 +84,7 @@ def _micro_batches(file: str, max_token_len: int) -> list[Any]:
     from verl.workers.utils.padding import left_right_2_no_padding
 
     batch = DataProto.load_from_disk(file)
+    batch.batch["dump_row"] = torch.arange(len(batch))  # which dump row each sample is, observed
     batch.batch["position_ids"] = compute_position_id_with_mask(batch.batch["attention_mask"])
     trainer = SimpleNamespace(_get_dp_size=lambda _g, _r: 1, actor_rollout_wg=None, use_prefix_grouper=False)
     RayPPOTrainer._balance_batch(trainer, batch, metrics={})
@@ -101,9 +102,9 @@ def _shift(routes: torch.Tensor) -> torch.Tensor:
     return torch.nested.nested_tensor_from_jagged(values, offsets=routes.offsets())
 
 
-def traced_run(rank: int, world_size: int, cfg: dict[str, Any]) -> list[int]:
-    """Every dumped step through verl's R3 old-log-prob forward on this rank, traced; the number of
-    micro-batches of each step."""
+def traced_run(rank: int, world_size: int, cfg: dict[str, Any]) -> list[list[list[int]]]:
+    """Every dumped step through verl's R3 old-log-prob forward on this rank, traced; the dump rows
+    of each micro-batch of each step, in forward order."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from verl.models.mcore.util import preprocess_thd_engine
@@ -128,10 +129,10 @@ def traced_run(rank: int, world_size: int, cfg: dict[str, Any]) -> list[int]:
     model.eval()
     link = StageLink()
     start_router_trace(model, cfg["trace"])
-    counts = []
+    rows = []
     for step, file, mutant in cfg["steps"]:
         micro = _micro_batches(file, cfg["max_token_len"])
-        counts.append(len(micro))
+        rows.append([mb["dump_row"].tolist() for mb in micro])
         for index, mb in enumerate(micro):
             routes = mb["routed_experts"] if mutant != "shift" else _shift(mb["routed_experts"])
             targets = utils.align_r3_router_replay_data(routes, mb["input_ids"])
@@ -157,4 +158,4 @@ def traced_run(rank: int, world_size: int, cfg: dict[str, Any]) -> list[int]:
             RouterReplay.clear_global_router_replay_action()
         RouterReplay.clear_global_indices()
         mark_step(step)
-    return counts
+    return rows

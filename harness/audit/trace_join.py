@@ -309,3 +309,22 @@ def import_joined(
         for record in records(dump, trace, layout, **options):
             writer.write(record)
     return writer.files
+
+
+def import_for_cli(args: Any, dump: Path, directory: str) -> tuple[list[str], list[str]]:
+    """``rrh audit DUMP --trainer-trace DIR``: the joined run written to ``directory``; what was
+    inferred and the notes, as ``harness.run_audit`` prints them."""
+    import sys
+
+    layout = parse_layout(args.trainer_layout)
+    print(
+        f"importing {dump} as a verl RolloutSkip dump joined with megatron-core's router trace "
+        f"{args.trainer_trace} (tp={layout.tp}, pp={layout.pp}, dp={layout.dp})",
+        file=sys.stderr,
+    )
+    inferred: list[str] = []
+    import_joined(
+        Path(dump), Path(args.trainer_trace), Path(directory), layout,
+        num_experts=args.num_experts, moe_layers=args.moe_layers, inferred=inferred,
+    )  # fmt: skip
+    return inferred, [f"trainer trace: {note}" for note in NOTES]
