@@ -10,8 +10,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +46,7 @@ def _run(tmp: Path, tp: int, pp: int, steps: dict[int, str | None]) -> tuple[Pat
     from harness.testing.ranks import run_ranks
     from tests import trainer_trace_run as run
 
-    dump = tmp / "rollout_dump" / "exp_proj" / "GBS6_N2_in6_out5"
+    dump = tmp / "rollout_dump" / "exp_proj" / "GBS6_N1_in6_out5"
     plan = []
     for step, mutant in steps.items():
         file = run.write_dump(dump, step, EQUAL if mutant == "previous" else LENGTHS, seed=step)
@@ -174,20 +172,24 @@ def test_a_step_the_dump_does_not_hold_and_a_layer_out_of_stage_are_input_errors
         _joined(dump, trace, _layout())
 
 
-def test_rrh_audit_trainer_trace_prints_replay_fidelity_and_exits_1_on_a_mutant(
-    tp1: tuple[Path, Path, list[Any]], tmp_path: Path
+def test_rrh_audit_trainer_trace_prints_the_committed_transcript(
+    tp1: tuple[Path, Path, list[Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Step 1 correct, step 3 with decoder layer 3 unreplayed: exit 1, replay_fidelity names step 3's
+    samples at layer 3 (docs/audit.md quotes it)."""
+    from harness.cli import main
+    from tests.audit_transcript import check, transcript
+
     dump, trace, _ = tp1
-    base = [sys.executable, "-m", "harness", "audit", str(dump), "--trainer-trace", str(trace),
-            "--trainer-layout", f"max_token_len={MAX_TOKENS}", "--num-experts", "8", "--moe-layers", "1-3",
-            "--executor", "serial", "--no-progress"]  # fmt: skip
-    clean = subprocess.run([*base, "--steps", "1"], capture_output=True, text=True, timeout=300)
-    assert clean.returncode == 0, clean.stdout + clean.stderr
-    assert "replay_fidelity     checked: 6 samples, no violation" in clean.stdout, clean.stdout
-    bad = subprocess.run([*base, "--steps", "3"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 1, bad.stdout + bad.stderr
-    assert "replay_fidelity     VIOLATED in 6 of 6 samples; first at step 3 sample" in bad.stdout, bad.stdout
-    assert "layer 3: expected engine experts" in bad.stdout, bad.stdout
-    wrong = subprocess.run([*base, "--trainer-layout", "tp=2,max_token_len=24"], capture_output=True, text=True,
-                           timeout=300)  # fmt: skip
-    assert wrong.returncode == 2 and wrong.stderr.count("rrh audit: ") == 1, wrong.stdout + wrong.stderr
+    root = trace.parent
+    args = [str(root / "rollout_dump"), "--trainer-trace", str(trace), "--trainer-layout", f"max_token_len={MAX_TOKENS}",
+            "--num-experts", "8", "--moe-layers", "1-3", "--steps", "1,3"]  # fmt: skip
+    (tmp_path / "scratch").mkdir()
+    text = transcript(capsys, args, root, tmp_path / "scratch")
+    assert "exit 1" in text.splitlines()[1], text[:400]
+    assert "replay_fidelity     VIOLATED in 6 of 12 samples; first at step 3 sample" in text, text
+    check("verl_trainer_trace", text)
+    wrong = ["audit", *args[:4], "tp=2,max_token_len=24", *args[5:], "--executor", "serial", "--no-progress"]
+    assert main(wrong) == 2
+    err = capsys.readouterr().err
+    assert err.count("rrh audit: ") == 1 and "ranks [0]; expected" in err, err
