@@ -59,8 +59,8 @@ def _import(
     name, dump = importers.locate(args.run, args.source)
     if args.trainer_trace and name != "verl":
         raise LayoutError(
-            f"--trainer-trace: {args.run} is {'the run layout' if name is None else f'a {name} dump'}; expected a "
-            "verl RolloutSkip dump (the one framework whose packing the join computes)"
+            f"--trainer-trace: {args.run} is {'the run layout' if name is None else f'a {name} dump'}; "
+            "expected a verl RolloutSkip dump (the one framework whose packing the join computes)"
         )
     if name is None:
         return str(dump), None, [], []

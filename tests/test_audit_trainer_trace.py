@@ -70,7 +70,7 @@ def _joined(dump: Path, trace: Path, layout: Any) -> list[SampleRecord]:
 
 
 def _offenders(records: list[SampleRecord], tmp: Path) -> dict[int, list[dict[str, Any]]]:
-    """``replay_fidelity``'s offenders of each step (each step audited on its own: offender lists are bounded)."""
+    """``replay_fidelity``'s offenders of each step (each audited on its own: offender lists are bounded)."""
     run = tmp / "run"
     with RunWriter(run) as writer:
         for record in records:
@@ -163,7 +163,9 @@ def test_a_step_the_dump_does_not_hold_and_a_layer_out_of_stage_are_input_errors
     for line, text in enumerate(rank0.read_text().splitlines(), start=1):
         if json.loads(text)["layer"] == 1:  # every call of layer 1 relabelled 0, dense in the dump
             _edit(rank0, line, lambda r: r.update(layer=0))
-    with pytest.raises(LayoutError, match=r"router_trace_rank0\.jsonl:1: rank 0 .* decoder layer 0; expected one of"):
+    with pytest.raises(
+        LayoutError, match=r"router_trace_rank0\.jsonl:1: rank 0 .* decoder layer 0; expected one of"
+    ):
         _joined(dump, trace, _layout())
     shutil.copy(tp1[1] / "router_trace_rank0.jsonl", rank0)
     last = rank0.read_text().splitlines()[-1]
@@ -180,10 +182,21 @@ def test_rrh_audit_trainer_trace_prints_the_committed_transcript(
     from harness.cli import main
     from tests.audit_transcript import check, transcript
 
-    dump, trace, _ = tp1
+    trace = tp1[1]
     root = trace.parent
-    args = [str(root / "rollout_dump"), "--trainer-trace", str(trace), "--trainer-layout", f"max_token_len={MAX_TOKENS}",
-            "--num-experts", "8", "--moe-layers", "1-3", "--steps", "1,3"]  # fmt: skip
+    args = [
+        str(root / "rollout_dump"),
+        "--trainer-trace",
+        str(trace),
+        "--trainer-layout",
+        f"max_token_len={MAX_TOKENS}",
+        "--num-experts",
+        "8",
+        "--moe-layers",
+        "1-3",
+        "--steps",
+        "1,3",
+    ]
     (tmp_path / "scratch").mkdir()
     text = transcript(capsys, args, root, tmp_path / "scratch")
     assert "exit 1" in text.splitlines()[1], text[:400]

@@ -109,7 +109,11 @@ def traced_run(rank: int, world_size: int, cfg: dict[str, Any]) -> list[list[lis
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from verl.models.mcore.util import preprocess_thd_engine
     from verl.utils.megatron import router_replay_utils as utils
-    from verl.utils.megatron.router_replay_patch import RouterReplay, RouterReplayAction, apply_router_replay_patch
+    from verl.utils.megatron.router_replay_patch import (
+        RouterReplay,
+        RouterReplayAction,
+        apply_router_replay_patch,
+    )
 
     from harness.audit.router_tracer import mark_step, start_router_trace
     from harness.trainers.megatron.layout import MegatronLayout
@@ -148,7 +152,12 @@ def traced_run(rank: int, world_size: int, cfg: dict[str, Any]) -> list[list[lis
             ids, params, positions = preprocess_thd_engine(mb["input_ids"], pre_process=True)
             with torch.no_grad():
                 if not link.first_stage:
-                    stage_input(link, model, (params.cu_seqlens_q_padded[-1].item() // tp, 1, HIDDEN), torch.device("cpu"))
+                    stage_input(
+                        link,
+                        model,
+                        (params.cu_seqlens_q_padded[-1].item() // tp, 1, HIDDEN),
+                        torch.device("cpu"),
+                    )
                 out = model(
                     input_ids=ids.view(1, -1), position_ids=positions.view(1, -1), attention_mask=None,
                     packed_seq_params=params,

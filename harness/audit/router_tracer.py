@@ -70,5 +70,7 @@ def mark_step(step: int) -> None:
     """End a training step: its records are stamped ``step`` and written (``advance_step``)."""
     tracer = _tracer_module().get_moe_router_tracer()
     if tracer is None:
-        raise RouterTraceError("mark_step: no router tracer started; call start_router_trace(model, directory) first")
+        raise RouterTraceError(
+            "mark_step: no router tracer started; call start_router_trace(model, directory) first"
+        )
     tracer.advance_step(int(step))

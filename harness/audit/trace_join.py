@@ -35,7 +35,6 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +44,12 @@ import numpy.typing as npt
 from harness.audit.importers import megatron_lm
 from harness.audit.importers import verl as verl_dump
 from harness.audit.importers.model_shape import LayerVote, moe_layers_input, num_experts_input
-from harness.audit.inputs import read_file
+from harness.audit.inputs import time_budget
 from harness.audit.layout import LayoutError, SampleRecord
 from harness.audit.verl_packing import MicroBatch, VerlBatching, step_packing
 from harness.audit.writer import RunWriter
-from harness.trainers.megatron.packed import check_cu_seqlens, packed_slots
 from harness.trainers.megatron.layout import MegatronReplayError
+from harness.trainers.megatron.packed import check_cu_seqlens, packed_slots
 from reference_impl.layouts import pp_layer_ranges, sp_shard
 
 SOURCE = "verl RolloutSkip gen_batch.dp + megatron-core router trace (rrh audit --trainer-trace)"
@@ -149,7 +148,14 @@ class _StepJoin:
                 f"{self.passes} on the ranks read before; expected one count on every rank and layer"
             )
 
-    def place(self, rank: int, calls: list[megatron_lm.RouterCall], plan: list[MicroBatch], tp_rank: int, pp_rank: int) -> None:
+    def place(
+        self,
+        rank: int,
+        calls: list[megatron_lm.RouterCall],
+        plan: list[MicroBatch],
+        tp_rank: int,
+        pp_rank: int,
+    ) -> None:
         """Place one rank's decoder calls of the step (``plan``: its DP rank's micro-batches)."""
         tp = self.layout.tp
         stage = pp_layer_ranges(self.width, self.layout.pp)[pp_rank][0]
@@ -163,8 +169,8 @@ class _StepJoin:
             if layer not in held:
                 raise LayoutError(
                     f"{layer_calls[0].where}: rank {rank} (pp rank {pp_rank}, decoder layers "
-                    f"{stage.start}-{stage.stop - 1}) traces local layer {local} = decoder layer {layer}; expected "
-                    f"one of the MoE layers {held} of the dump that stage holds"
+                    f"{stage.start}-{stage.stop - 1}) traces local layer {local} = decoder layer {layer}; "
+                    f"expected one of the MoE layers {held} of the dump that stage holds"
                 )
         missing = [layer for layer in held if layer - stage.start not in by_layer]
         if missing:
@@ -178,7 +184,11 @@ class _StepJoin:
             passes = len(got) // len(want)
             if not passes or got != want * passes:
                 bad = next(
-                    (i for i, n in enumerate(got) if i >= len(want) * max(passes, 1) or n != want[i % len(want)]),
+                    (
+                        i
+                        for i, n in enumerate(got)
+                        if i >= len(want) * max(passes, 1) or n != want[i % len(want)]
+                    ),
                     len(got) - 1,
                 )
                 expected = want[bad % len(want)] if bad < len(want) * max(passes, 1) else "no further call"
@@ -203,7 +213,9 @@ class _StepJoin:
     def records(self, replay: str) -> Iterator[SampleRecord]:
         """The engine's records with the trainer's routes of each pass (all cells checked placed)."""
         if self.routes is None or self.filled is None:
-            raise LayoutError(f"step {self.step}: no rank traced any router call; expected the step's records")
+            raise LayoutError(
+                f"step {self.step}: no rank traced any router call; expected the step's records"
+            )
         moe = list(self.moe)
         for j in range(self.routes.shape[0]):
             for b, record in enumerate(self.engine):
@@ -217,7 +229,9 @@ class _StepJoin:
                     )
                 yield dataclasses.replace(
                     record,
-                    sample_key=record.sample_key if self.routes.shape[0] == 1 else f"{record.sample_key}@pass{j}",
+                    sample_key=record.sample_key
+                    if self.routes.shape[0] == 1
+                    else f"{record.sample_key}@pass{j}",
                     trainer_routes=self.routes[j, lo : lo + n - 1],
                     replay=replay,
                     source=SOURCE,
@@ -258,12 +272,14 @@ def records(
     if set(ranks) != expected:
         odd = sorted(set(ranks) ^ expected)
         raise LayoutError(
-            f"{trace}: trace files of ranks {sorted(ranks)}; expected router_trace_rank{{r}}.jsonl for r in "
-            f"0..{layout.world_size - 1} (tp·dp·pp = {layout.tp}·{layout.dp}·{layout.pp}), rank {odd[0]} differs"
+            f"{trace}: trace files of ranks {sorted(ranks)}; expected router_trace_rank{{r}}.jsonl for r "
+            f"in 0..{layout.world_size - 1} (tp·dp·pp = {layout.tp}·{layout.dp}·{layout.pp}), rank {odd[0]} "
+            "differs"
         )
     streams = {r: megatron_lm.rank_steps(f, r, experts) for r, f in ranks.items()}
     for step, file in sorted((verl_dump.step_of(f), f) for f in files):
-        engine, attention, response = read_file(file, None, partial(_engine_step, file, experts, layers, vote))
+        with time_budget(file):
+            engine, attention, response = _engine_step(file, experts, layers, vote)
         plans = step_packing(attention, response, layout.batching)
         join = _StepJoin(step, engine, layout)
         for pp_rank in range(layout.pp):
@@ -277,8 +293,8 @@ def records(
         extra = next(stream, None)
         if extra is not None:
             raise LayoutError(
-                f"{extra[1][0].where}: rank {rank} traces step {extra[0]}, which the dump at {dump} does not hold; "
-                "expected the trace of the same run (its steps)"
+                f"{extra[1][0].where}: rank {rank} traces step {extra[0]}, which the dump at {dump} does not "
+                "hold; expected the trace of the same run (its steps)"
             )
     if vote is not None and inferred is not None:
         inferred.extend(vote.notes())
@@ -289,7 +305,9 @@ def _next_step(stream: Iterator[Any], rank: int, step: int, file: Path) -> list[
     rules, or another step, is one ``LayoutError``."""
     found = next(stream, None)
     if found is None:
-        raise LayoutError(f"{file}: rank {rank} has no records of step {step}; expected every step of the dump")
+        raise LayoutError(
+            f"{file}: rank {rank} has no records of step {step}; expected every step of the dump"
+        )
     got, calls, violations = found
     if violations:
         raise LayoutError(violations[0].line())

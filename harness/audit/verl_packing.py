@@ -95,7 +95,8 @@ def _require_verl() -> None:
     if found != RELEASE:
         raise LayoutError(
             f"--trainer-trace with a verl dump: the packing is computed by verl {RELEASE}'s own functions, "
-            f"found {'no verl' if found is None else f'verl {found}'} installed (tox env verl-0.9.1-mcore-0.19.2)"
+            f"found {'no verl' if found is None else f'verl {found}'} installed "
+            "(tox env verl-0.9.1-mcore-0.19.2)"
         )
 
 
@@ -115,7 +116,9 @@ def _parallel_sizes(tp: int) -> Iterator[None]:
         yield
 
 
-def _dp_chunks(attention_mask: npt.NDArray[Any], response_mask: npt.NDArray[Any], batching: VerlBatching) -> list[Any]:
+def _dp_chunks(
+    attention_mask: npt.NDArray[Any], response_mask: npt.NDArray[Any], batching: VerlBatching
+) -> list[Any]:
     """Steps 1–3: the batch balanced, unpadded and split by DP rank (TensorDicts with ``rrh_row``)."""
     import torch
     from verl import DataProto
@@ -127,7 +130,9 @@ def _dp_chunks(attention_mask: npt.NDArray[Any], response_mask: npt.NDArray[Any]
     mask = torch.as_tensor(np.asarray(attention_mask) != 0).long()
     size = mask.shape[0]
     if size % batching.dp:
-        raise LayoutError(f"a batch of {size} samples: expected a multiple of dp={batching.dp} (verl splits it evenly)")
+        raise LayoutError(
+            f"a batch of {size} samples: expected a multiple of dp={batching.dp} (verl splits it evenly)"
+        )
     proto = DataProto.from_dict(
         tensors={
             "input_ids": torch.zeros_like(mask),
@@ -182,5 +187,7 @@ def step_packing(
                 )
             plans.append(plan)
     except (AssertionError, RuntimeError, ValueError) as err:
-        raise LayoutError(f"verl's micro-batching refused the batch ({err}); expected settings the run used") from None
+        raise LayoutError(
+            f"verl's micro-batching refused the batch ({err}); expected settings the run used"
+        ) from None
     return plans

@@ -203,7 +203,9 @@ def records(
                 )
             if not layers:
                 continue
-            per_layer = [np.concatenate([call_ids(c) for c in decoder if c.layer == layer]) for layer in layers]
+            per_layer = [
+                np.concatenate([call_ids(c) for c in decoder if c.layer == layer]) for layer in layers
+            ]
             routes = np.stack(per_layer, axis=1)  # [rows, MoE layers, top_k]
             yield from _samples(step, rank, routes, packing(step, rank), moe_layers, num_experts, file)
 
