@@ -119,7 +119,10 @@ Packing = Callable[[int, int], StepPacking | None]
 
 @dataclass
 class RouterCall:
-    """One record of a rank's trace: one router call of one layer (``rows``: its ``top_indices``)."""
+    """One record of a rank's trace: one router call of one layer.
+
+    ``rows`` is its ``top_indices``: an int32 array ``[num_tokens, k]`` as soon as it is one (a step of a
+    rank is held this compactly, not as JSON lists), else the list as read, for the rules to name."""
 
     step: int
     block: str
@@ -127,7 +130,7 @@ class RouterCall:
     rank: int
     topk: int
     num_tokens: int
-    rows: list[Any]
+    rows: npt.NDArray[Any] | list[Any]
     where: str
 
 
@@ -250,9 +253,23 @@ def _calls(file: Path) -> Iterator[RouterCall]:
             rank=_field(record, "rank", int, where),
             topk=_field(record, "topk", int, where),
             num_tokens=_field(record, "num_tokens", int, where),
-            rows=_field(record, "top_indices", list, where),
+            rows=_compact(_field(record, "top_indices", list, where)),
             where=where,
         )
+
+
+def _compact(rows: list[Any]) -> npt.NDArray[Any] | list[Any]:
+    """``rows`` as an array when they are a rectangle of integers (int32 when they fit: what
+    megatron-core writes), else as read (ragged rows, non-integers: the rules name the first)."""
+    try:
+        array = np.asarray(rows)
+    except (ValueError, OverflowError):  # ragged rows
+        return rows
+    if array.dtype.kind == "O" or array.ndim != 2:
+        return rows
+    if array.dtype.kind in "iu" and (not array.size or (array.min() >= -(2**31) and array.max() < 2**31)):
+        return array.astype(np.int32)
+    return array
 
 
 def rank_steps(
@@ -297,12 +314,15 @@ def _violations(
             )
         if call.topk != top_k:
             violation("top_k", None, f"topk {top_k} (this rank's first record)", f"topk {call.topk}")
-        bad = next(
-            (i for i, r in enumerate(call.rows) if not isinstance(r, list) or len(r) != call.topk), None
-        )
-        if bad is not None:
-            violation("shape", start + bad, f"{call.topk} ids (topk)", f"{call.rows[bad]!r}")
-            continue
+        regular = isinstance(call.rows, np.ndarray) and call.rows.shape[1] == call.topk
+        if not regular:
+            listed = call.rows if isinstance(call.rows, list) else call.rows.tolist()
+            bad = next(
+                (i for i, r in enumerate(listed) if not isinstance(r, list) or len(r) != call.topk), None
+            )
+            if bad is not None:
+                violation("shape", start + bad, f"{call.topk} ids (topk)", repr(listed[bad])[:80])
+                continue
         ids = call_ids(call)
         if ids.size == 0:
             continue
@@ -331,20 +351,22 @@ def _violations(
     return found
 
 
-def call_ids(call: RouterCall) -> npt.NDArray[np.int64]:
+def call_ids(call: RouterCall) -> npt.NDArray[np.integer[Any]]:
     """``top_indices`` as ``[num_tokens, topk]`` integers (rows already of length ``topk``)."""
-    array = np.asarray(call.rows)
+    array = call.rows if isinstance(call.rows, np.ndarray) else np.asarray(call.rows)
     if array.size and array.dtype.kind not in "iu":
         raise LayoutError(
             f"{call.where}: field 'top_indices' holds {array.dtype} values; expected integer ids"
         )
-    return array.astype(np.int64).reshape(-1, call.topk)
+    if not array.size:
+        return np.zeros((0, call.topk), dtype=np.int32)
+    return array
 
 
 def _samples(
     step: int,
     rank: int,
-    routes: npt.NDArray[np.int64],
+    routes: npt.NDArray[np.integer[Any]],
     pack: StepPacking | None,
     moe_layers: tuple[int, ...],
     num_experts: int,
