@@ -68,8 +68,16 @@ def _write(root: Path, samples: int, layers: int, seed: int = 0) -> tuple[Path, 
                 col = int(p_max - attention[b, :p_max].sum())
                 rows[start : start + n - 1] = routes[b, col : col + n - 1]
             for layer in range(layers):
-                record = {"step": 1, "stage": "pre_dispatch", "block": "decoder", "layer": layer, "rank": 0,
-                          "num_tokens": mb.packed_rows, "topk": K, "top_indices": rows[:, layer].tolist()}  # fmt: skip
+                record = {
+                    "step": 1,
+                    "stage": "pre_dispatch",
+                    "block": "decoder",
+                    "layer": layer,
+                    "rank": 0,
+                    "num_tokens": mb.packed_rows,
+                    "topk": K,
+                    "top_indices": rows[:, layer].tolist(),
+                }
                 out.write(json.dumps(record) + "\n")
     return step.parent, trace
 
