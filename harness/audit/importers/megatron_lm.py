@@ -158,6 +158,36 @@ def check_trace(
     return found
 
 
+SHOWN = 20
+"""Violations ``trace_report`` prints (``check_trace`` finds up to 1000)."""
+
+
+def trace_report(path: Path, *, num_experts: int | None = None) -> tuple[list[str], bool]:
+    """What ``rrh audit TRACE_DIR`` prints for a trace alone, and whether it broke a rule: the trace's
+    own rules checked (``check_trace``), and why nothing per sample is (no sample id, no position,
+    no engine routes)."""
+    found = check_trace(path, num_experts=num_experts)
+    experts = f"in [0, {num_experts})" if num_experts else "non-negative (--num-experts E checks the range)"
+    rules = (
+        f"ids distinct and {experts}, top-k and token count of every record, equal calls on every layer "
+        "of a step"
+    )
+    if found:
+        lines = [
+            f"check_trace         VIOLATED {len(found)}{'+' if len(found) >= 1000 else ''} times ({rules}):"
+        ]
+        lines += [f"  {v.line()}" for v in found[:SHOWN]]
+        lines += [f"  … {len(found) - SHOWN} more"] if len(found) > SHOWN else []
+    else:
+        lines = [f"check_trace         checked: no violation ({rules})"]
+    lines.append(
+        "per sample          not checkable from a trace alone — it has no sample id, no position and no "
+        "engine routes: give the verl RolloutSkip dump of the same run, "
+        "rrh audit DUMP --trainer-trace TRACE_DIR"
+    )
+    return lines, bool(found)
+
+
 def records(
     path: Path, *, packing: Packing | None = None, num_experts: int | None = None
 ) -> Iterator[SampleRecord]:
