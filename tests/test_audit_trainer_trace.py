@@ -40,8 +40,11 @@ MAX_TOKENS = 24
 STEPS = {1: None, 2: "native", 3: "one_layer", 4: "previous", 5: "shift"}
 
 
-def _run(tmp: Path, tp: int, pp: int, steps: dict[int, str | None]) -> tuple[Path, Path, list[Any]]:
-    """The dump and trace of a traced run on ``tp·pp`` gloo ranks; each step's micro-batch rows."""
+def _run(
+    tmp: Path, tp: int, pp: int, steps: dict[int, str | None], dp: int = 1
+) -> tuple[Path, Path, list[Any]]:
+    """The dump and trace of a traced run on ``tp·pp·dp`` gloo ranks; each step's micro-batch rows
+    (rank 0's)."""
     from harness.testing.megatron_cpu import setup_rank
     from harness.testing.ranks import run_ranks
     from tests import trainer_trace_run as run
@@ -52,15 +55,15 @@ def _run(tmp: Path, tp: int, pp: int, steps: dict[int, str | None]) -> tuple[Pat
         file = run.write_dump(dump, step, EQUAL if mutant == "previous" else LENGTHS, seed=step)
         plan.append((step, str(file), mutant))
     cfg = {"tp": tp, "pp": pp, "trace": str(tmp / "trace"), "steps": plan, "max_token_len": MAX_TOKENS}
-    ranks = run_ranks(run.traced_run, tp * pp, args=(cfg,), setup=setup_rank, timeout=400)
+    ranks = run_ranks(run.traced_run, tp * pp * dp, args=(cfg,), setup=setup_rank, timeout=400)
     return dump, tmp / "trace", ranks.results[0]
 
 
-def _layout(tp: int = 1, pp: int = 1) -> Any:
+def _layout(tp: int = 1, pp: int = 1, dp: int = 1) -> Any:
     from harness.audit.trace_join import TrainerLayout
     from harness.audit.verl_packing import VerlBatching
 
-    return TrainerLayout(VerlBatching(tp=tp, max_token_len_per_gpu=MAX_TOKENS), pp=pp)
+    return TrainerLayout(VerlBatching(dp=dp, tp=tp, max_token_len_per_gpu=MAX_TOKENS), pp=pp)
 
 
 def _joined(dump: Path, trace: Path, layout: Any) -> list[SampleRecord]:
@@ -110,10 +113,12 @@ def test_each_mutant_is_named_at_its_step_sample_row_and_layer_and_correct_repla
     assert stale and stale <= set(later) and not stale & set(first), (stale, micro_rows[3])
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2-sp", "pp2"])
-def test_tp2_with_sequence_parallel_and_pp2_place_every_row(tp: int, pp: int, tmp_path: Path) -> None:
-    dump, trace, _ = _run(tmp_path, tp, pp, {1: None, 2: "one_layer"})
-    offenders = _offenders(_joined(dump, trace, _layout(tp, pp)), tmp_path)
+@pytest.mark.parametrize("tp,pp,dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["tp2-sp", "pp2", "dp2"])
+def test_tp2_with_sequence_parallel_pp2_and_dp2_place_every_row(
+    tp: int, pp: int, dp: int, tmp_path: Path
+) -> None:
+    dump, trace, _ = _run(tmp_path, tp, pp, {1: None, 2: "one_layer"}, dp)
+    offenders = _offenders(_joined(dump, trace, _layout(tp, pp, dp)), tmp_path)
     assert offenders[1] == [], offenders[1][:3]
     assert offenders[2] and {o["layer"] for o in offenders[2]} == {3}, offenders[2][:3]
 

@@ -75,22 +75,31 @@ def write_dump(root: Path, step: int, lengths: list[tuple[int, int]], seed: int)
 
 
 def _micro_batches(file: str, max_token_len: int) -> list[Any]:
-    """The micro-batches verl's engine forwards for the dumped step (DP = 1)."""
+    """The micro-batches verl's engine forwards on this DP rank for the dumped step: the batch balanced
+    over the DP ranks, this rank's equal share, verl's dynamic batching with the micro-batch count
+    all-reduced (MAX) over the DP group by verl's own ``rearrange_micro_batches``."""
+    from megatron.core import parallel_state as ps
     from verl import DataProto
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.utils import seqlen_balancing
     from verl.utils import tensordict_utils as tu
     from verl.utils.model import compute_position_id_with_mask
     from verl.workers.engine.utils import prepare_micro_batches
     from verl.workers.utils.padding import left_right_2_no_padding
 
+    dp = ps.get_data_parallel_world_size()
+    seqlen_balancing.get_device_name = lambda: "cpu"  # "cuda" from 0.9.0 even on a CPU box (FACTS §6)
+
     batch = DataProto.load_from_disk(file)
     batch.batch["dump_row"] = torch.arange(len(batch))  # which dump row each sample is, observed
     batch.batch["position_ids"] = compute_position_id_with_mask(batch.batch["attention_mask"])
-    trainer = SimpleNamespace(_get_dp_size=lambda _g, _r: 1, actor_rollout_wg=None, use_prefix_grouper=False)
+    trainer = SimpleNamespace(_get_dp_size=lambda _g, _r: dp, actor_rollout_wg=None, use_prefix_grouper=False)
     RayPPOTrainer._balance_batch(trainer, batch, metrics={})
     data = left_right_2_no_padding(batch.to_tensordict())
+    if dp > 1:
+        data = tu.chunk_tensordict(data, dp)[ps.get_data_parallel_rank()]
     tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=max_token_len, sp_size=1)
-    micro, _ = prepare_micro_batches(data=data, dp_group=None)
+    micro, _ = prepare_micro_batches(data=data, dp_group=ps.get_data_parallel_group() if dp > 1 else None)
     return micro
 
 
