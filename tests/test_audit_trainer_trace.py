@@ -41,7 +41,7 @@ STEPS = {1: None, 2: "native", 3: "one_layer", 4: "previous", 5: "shift"}
 
 
 def _run(
-    tmp: Path, tp: int, pp: int, steps: dict[int, str | None], dp: int = 1
+    tmp: Path, tp: int, pp: int, steps: dict[int, str | None], dp: int = 1, reference: bool = False
 ) -> tuple[Path, Path, list[Any]]:
     """The dump and trace of a traced run on ``tp·pp·dp`` gloo ranks; each step's micro-batch rows
     (rank 0's)."""
@@ -54,7 +54,8 @@ def _run(
     for step, mutant in steps.items():
         file = run.write_dump(dump, step, EQUAL if mutant == "previous" else LENGTHS, seed=step)
         plan.append((step, str(file), mutant))
-    cfg = {"tp": tp, "pp": pp, "trace": str(tmp / "trace"), "steps": plan, "max_token_len": MAX_TOKENS}
+    cfg = {"tp": tp, "pp": pp, "trace": str(tmp / "trace"), "steps": plan, "max_token_len": MAX_TOKENS,
+           "reference": reference}  # fmt: skip
     ranks = run_ranks(run.traced_run, tp * pp * dp, args=(cfg,), setup=setup_rank, timeout=400)
     return dump, tmp / "trace", ranks.results[0]
 
@@ -90,7 +91,8 @@ def _offenders(records: list[SampleRecord], tmp: Path) -> dict[int, list[dict[st
 
 @pytest.fixture(scope="module")
 def tp1(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[Any]]:
-    return _run(tmp_path_factory.mktemp("tp1"), 1, 1, STEPS)
+    """Each step's old-log-prob forward, then a reference pass (native routing, its own micro-batches)."""
+    return _run(tmp_path_factory.mktemp("tp1"), 1, 1, STEPS, reference=True)
 
 
 def test_each_mutant_is_named_at_its_step_sample_row_and_layer_and_correct_replay_passes(
@@ -206,6 +208,7 @@ def test_rrh_audit_trainer_trace_prints_the_committed_transcript(
     text = transcript(capsys, args, root, tmp_path / "scratch")
     assert "exit 1" in text.splitlines()[1], text[:400]
     assert "replay_fidelity     VIOLATED in 6 of 12 samples; first at step 3 sample" in text, text
+    assert "router calls after each step's old-log-prob forward (reference log-probs" in text, text
     check("verl_trainer_trace", text)
     wrong = ["audit", *args[:4], "tp=2,max_token_len=24", *args[5:], "--executor", "serial", "--no-progress"]
     assert main(wrong) == 2

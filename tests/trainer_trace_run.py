@@ -111,12 +111,34 @@ def _shift(routes: torch.Tensor) -> torch.Tensor:
     return torch.nested.nested_tensor_from_jagged(values, offsets=routes.offsets())
 
 
+def _forward(model: Any, link: Any, mb: Any, tp: int) -> None:
+    """One micro-batch through this rank's stage as verl's ``model_forward`` feeds it (THD, no grad):
+    ``preprocess_thd_engine``'s packed ids, positions and ``PackedSeqParams``; activations to and from
+    the neighbouring pipeline stages."""
+    from verl.models.mcore.util import preprocess_thd_engine
+
+    from harness.trainers.megatron.model import HIDDEN
+    from suites.megatron_pipeline import stage_input
+
+    ids, params, positions = preprocess_thd_engine(mb["input_ids"], pre_process=True)
+    with torch.no_grad():
+        if not link.first_stage:
+            rows = params.cu_seqlens_q_padded[-1].item() // tp
+            stage_input(link, model, (rows, 1, HIDDEN), torch.device("cpu"))
+        out = model(
+            input_ids=ids.view(1, -1), position_ids=positions.view(1, -1), attention_mask=None,
+            packed_seq_params=params,
+        )  # fmt: skip
+        if not link.last_stage:
+            link.send(out)
+
+
 def traced_run(rank: int, world_size: int, cfg: dict[str, Any]) -> list[list[list[int]]]:
-    """Every dumped step through verl's R3 old-log-prob forward on this rank, traced; the dump rows
-    of each micro-batch of each step, in forward order."""
+    """Every dumped step through verl's R3 old-log-prob forward on this rank, traced (with
+    ``cfg["reference"]``, then a reference log-prob pass: its own micro-batching, native routing, as
+    verl runs it after the old log-probs); the dump rows of each old-log-prob micro-batch of each step."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from verl.models.mcore.util import preprocess_thd_engine
     from verl.utils.megatron import router_replay_utils as utils
     from verl.utils.megatron.router_replay_patch import (
         RouterReplay,
@@ -126,8 +148,8 @@ def traced_run(rank: int, world_size: int, cfg: dict[str, Any]) -> list[list[lis
 
     from harness.audit.router_tracer import mark_step, start_router_trace
     from harness.trainers.megatron.layout import MegatronLayout
-    from harness.trainers.megatron.model import HIDDEN, build_gpt, tiny_config
-    from suites.megatron_pipeline import StageLink, stage_input
+    from harness.trainers.megatron.model import build_gpt, tiny_config
+    from suites.megatron_pipeline import StageLink
 
     tp, pp = cfg["tp"], cfg["pp"]
     ps.destroy_model_parallel()
@@ -158,22 +180,11 @@ def traced_run(rank: int, world_size: int, cfg: dict[str, Any]) -> list[list[lis
                 for number, router in utils.iter_model_routers([model]):
                     if number - 1 == UNREPLAYED:
                         router.clear_router_replay_action()
-            ids, params, positions = preprocess_thd_engine(mb["input_ids"], pre_process=True)
-            with torch.no_grad():
-                if not link.first_stage:
-                    stage_input(
-                        link,
-                        model,
-                        (params.cu_seqlens_q_padded[-1].item() // tp, 1, HIDDEN),
-                        torch.device("cpu"),
-                    )
-                out = model(
-                    input_ids=ids.view(1, -1), position_ids=positions.view(1, -1), attention_mask=None,
-                    packed_seq_params=params,
-                )  # fmt: skip
-                if not link.last_stage:
-                    link.send(out)
+            _forward(model, link, mb, tp)
             RouterReplay.clear_global_router_replay_action()
         RouterReplay.clear_global_indices()
+        if cfg.get("reference"):
+            for mb in _micro_batches(file, cfg["max_token_len"] // 2):
+                _forward(model, link, mb, tp)
         mark_step(step)
     return rows

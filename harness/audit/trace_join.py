@@ -14,9 +14,11 @@ packed local order, and no sample id or position. This module places every trace
   PP rank ``p`` holds the decoder layers ``pp_layer_ranges(num_layers, pp)[p]`` and its trace numbers
   them locally (``decoder.layers.<i>`` of its own module).
 
-Each layer's calls of a step come in micro-batch order; a step whose calls are a whole number of
-repetitions of the micro-batch sequence holds that many *passes* (an old-log-prob forward, then an
-update's, say), each judged on its own: a sample's record of pass ``j > 0`` is keyed ``<row>@pass<j>``.
+Each layer's calls of a step come in call order. verl runs the old-log-prob forward first in a
+step (``RayPPOTrainer.fit``: before the reference log-probs and the update), so a layer's first calls
+are that pass's micro-batches, in order: those are placed and judged (R3 replays the rollout's routes
+there). Later calls of the step (reference log-probs, the update's mini-batches with their own
+micro-batching, activation recompute inside the backward) are counted, not placed, and said in a note.
 A record that cannot be placed (a token count that disagrees with the packing, a layer the stage
 does not hold, a rank or step missing, a cell no rank routed) is one ``LayoutError`` naming the
 rank, the record (``file:line``) and what disagreed: never a violation.
@@ -24,9 +26,7 @@ rank, the record (``file:line``) and what disagreed: never a violation.
 The joined records carry the engine's routes and the trainer's dispatched routes on the dump's layer
 axis, with the replay mode given (``R3``: the audit's ``replay_fidelity`` then judges dispatched ==
 engine route on every captured row and MoE layer). A trace row at a sample's last token has no
-engine counterpart and is dropped (DESIGN §3.1). Activation recompute (a router firing again in
-backward, interleaved with the forwards) and MTP heads are not placed: the former is refused as a
-count that disagrees, the latter ignored.
+engine counterpart and is dropped (DESIGN §3.1). MTP heads are not placed.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ from reference_impl.layouts import pp_layer_ranges, sp_shard
 SOURCE = "verl RolloutSkip gen_batch.dp + megatron-core router trace (rrh audit --trainer-trace)"
 NOTES = (
     "trainer routes read from megatron-core's router trace, placed through verl 0.9.1's own packing "
-    "(balance, micro-batches, THD) and megatron-core's SP slice and PP stages",
+    "(balance, micro-batches, THD) and megatron-core's SP slice and PP stages; each step's first pass (the "
+    "old-log-prob forward) is judged",
 )
 
 
@@ -123,7 +124,7 @@ def _slots(mb: MicroBatch, tp: int, tp_rank: int, where: str) -> npt.NDArray[np.
 
 
 class _StepJoin:
-    """One step: the trainer's routes of every sample, pass by pass, filled from the ranks' calls."""
+    """One step: the trainer's routes of every sample in its first pass, filled from the ranks' calls."""
 
     def __init__(self, step: int, engine: Sequence[SampleRecord], layout: TrainerLayout) -> None:
         self.step, self.engine, self.layout = step, engine, layout
@@ -132,21 +133,11 @@ class _StepJoin:
         self.moe = tuple(int(x) for x in first.moe_layers)
         self.lengths = np.array([len(r.tokens) for r in engine], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
-        self.passes: int | None = None
-        self.routes: npt.NDArray[np.int32] | None = None
-        self.filled: npt.NDArray[np.bool_] | None = None
-
-    def _allocate(self, passes: int, where: str) -> None:
-        if self.passes is None:
-            self.passes = passes
-            total = int(self.offsets[-1])
-            self.routes = np.zeros((passes, total, self.width, self.top_k), dtype=np.int32)
-            self.filled = np.zeros((passes, total, self.width), dtype=bool)
-        elif passes != self.passes:
-            raise LayoutError(
-                f"{where}: step {self.step} holds {passes} passes over the micro-batches here, "
-                f"{self.passes} on the ranks read before; expected one count on every rank and layer"
-            )
+        total = int(self.offsets[-1])
+        self.routes = np.zeros((total, self.width, self.top_k), dtype=np.int32)
+        self.filled = np.zeros((total, self.width), dtype=bool)
+        self.later = 0
+        """Calls after the first pass (reference log-probs, the update, activation recompute): not placed."""
 
     def place(
         self,
@@ -156,7 +147,7 @@ class _StepJoin:
         tp_rank: int,
         pp_rank: int,
     ) -> None:
-        """Place one rank's decoder calls of the step (``plan``: its DP rank's micro-batches)."""
+        """Place one rank's decoder calls of the step's first pass (``plan``: its DP rank's micro-batches)."""
         tp = self.layout.tp
         stage = pp_layer_ranges(self.width, self.layout.pp)[pp_rank][0]
         by_layer: dict[int, list[megatron_lm.RouterCall]] = defaultdict(list)
@@ -181,61 +172,43 @@ class _StepJoin:
         want = [mb.packed_rows // tp for mb in plan]
         for local, layer_calls in sorted(by_layer.items()):
             got = [c.num_tokens for c in layer_calls]
-            passes = len(got) // len(want)
-            if not passes or got != want * passes:
-                bad = next(
-                    (
-                        i
-                        for i, n in enumerate(got)
-                        if i >= len(want) * max(passes, 1) or n != want[i % len(want)]
-                    ),
-                    len(got) - 1,
-                )
-                expected = want[bad % len(want)] if bad < len(want) * max(passes, 1) else "no further call"
+            if got[: len(want)] != want:
+                bad = next((i for i, (g, w) in enumerate(zip(got, want, strict=False)) if g != w), len(got))
+                where = layer_calls[min(bad, len(got) - 1)].where
+                what = f"routes {got[bad]} tokens" if bad < len(got) else "is missing"
                 raise LayoutError(
-                    f"{layer_calls[bad].where}: rank {rank} step {self.step} local layer {local}: record "
-                    f"{bad} routes {got[bad]} tokens; expected {expected} (micro-batch {bad % len(want)} of "
-                    f"{len(want)}: verl's packing of dump rows {list(plan[bad % len(want)].rows)[:8]}, T/tp "
-                    f"with tp={tp}; calls per pass {want})"
+                    f"{where}: rank {rank} step {self.step} local layer {local}: record {bad} {what}; "
+                    f"expected {want[bad]} (micro-batch {bad} of {len(want)}: verl's packing of dump rows "
+                    f"{list(plan[bad].rows)[:8]}, T/tp with tp={tp}; the old-log-prob forward's calls {want})"
                 )
-            self._allocate(passes, layer_calls[0].where)
-            assert self.routes is not None and self.filled is not None
-            for i, call in enumerate(layer_calls):
-                mb = plan[i % len(want)]
+            self.later += len(got) - len(want)
+            layer = stage.start + local
+            for call, mb in zip(layer_calls, plan, strict=False):  # the first pass; later calls counted
                 slots = _slots(mb, tp, tp_rank, call.where)
                 real = slots[:, 0] >= 0
                 rows = np.asarray(mb.rows, dtype=np.int64)[slots[real, 0]]
                 flat = self.offsets[rows] + slots[real, 1]
-                j, layer = i // len(want), stage.start + local
-                self.routes[j, flat, layer] = megatron_lm.call_ids(call)[real]
-                self.filled[j, flat, layer] = True
+                self.routes[flat, layer] = megatron_lm.call_ids(call)[real]
+                self.filled[flat, layer] = True
 
     def records(self, replay: str) -> Iterator[SampleRecord]:
-        """The engine's records with the trainer's routes of each pass (all cells checked placed)."""
-        if self.routes is None or self.filled is None:
-            raise LayoutError(
-                f"step {self.step}: no rank traced any router call; expected the step's records"
-            )
+        """The engine's records with the trainer's routes (every cell checked placed)."""
         moe = list(self.moe)
-        for j in range(self.routes.shape[0]):
-            for b, record in enumerate(self.engine):
-                lo, n = int(self.offsets[b]), int(self.lengths[b])
-                holes = ~self.filled[j, lo : lo + n][:, moe]
-                if holes.any():
-                    pos, slot = (int(x) for x in np.argwhere(holes)[0])
-                    raise LayoutError(
-                        f"step {self.step} pass {j}: no rank routed {record.origin} position {pos} decoder "
-                        f"layer {moe[slot]}; expected the trace of every TP and PP rank of its DP rank"
-                    )
-                yield dataclasses.replace(
-                    record,
-                    sample_key=record.sample_key
-                    if self.routes.shape[0] == 1
-                    else f"{record.sample_key}@pass{j}",
-                    trainer_routes=self.routes[j, lo : lo + n - 1],
-                    replay=replay,
-                    source=SOURCE,
+        for b, record in enumerate(self.engine):
+            lo, n = int(self.offsets[b]), int(self.lengths[b])
+            holes = ~self.filled[lo : lo + n][:, moe]
+            if holes.any():
+                pos, slot = (int(x) for x in np.argwhere(holes)[0])
+                raise LayoutError(
+                    f"step {self.step}: no rank routed {record.origin} position {pos} decoder layer "
+                    f"{moe[slot]}; expected the trace of every TP and PP rank of its DP rank"
                 )
+            yield dataclasses.replace(
+                record,
+                trainer_routes=self.routes[lo : lo + n - 1],
+                replay=replay,
+                source=SOURCE,
+            )
 
 
 def _engine_step(
@@ -256,8 +229,10 @@ def records(
     moe_layers: Sequence[int] | None = None,
     replay: str = "R3",
     inferred: list[str] | None = None,
+    notes: list[str] | None = None,
 ) -> Iterator[SampleRecord]:
-    """The verl dump's samples, step by step, each with the trainer's dispatched routes from the trace.
+    """The verl dump's samples, step by step, each with the trainer's dispatched routes from the trace
+    (the old-log-prob forward's); how many later router calls were not placed goes to ``notes``.
 
     Every rank ``0 … tp·dp·pp − 1`` must have a trace file, and each file the dump's steps in order.
     """
@@ -277,6 +252,7 @@ def records(
             "differs"
         )
     streams = {r: megatron_lm.rank_steps(f, r, experts) for r, f in ranks.items()}
+    later: dict[int, int] = {}
     for step, file in sorted((verl_dump.step_of(f), f) for f in files):
         with time_budget(file):
             engine, attention, response = _engine_step(file, experts, layers, vote)
@@ -289,6 +265,7 @@ def records(
                     calls = _next_step(streams[rank], rank, step, ranks[rank])
                     join.place(rank, calls, plans[dp_rank], tp_rank, pp_rank)
         yield from join.records(replay)
+        later[step] = join.later
     for rank, stream in streams.items():
         extra = next(stream, None)
         if extra is not None:
@@ -298,6 +275,12 @@ def records(
             )
     if vote is not None and inferred is not None:
         inferred.extend(vote.notes())
+    if notes is not None and any(later.values()):
+        notes.append(
+            f"{sum(later.values())} router calls after each step's old-log-prob forward (reference "
+            f"log-probs, the update, activation recompute) in {sum(1 for n in later.values() if n)} of "
+            f"{len(later)} steps were not placed: only the old-log-prob forward is judged"
+        )
 
 
 def _next_step(stream: Iterator[Any], rank: int, step: int, file: Path) -> list[megatron_lm.RouterCall]:
@@ -341,8 +324,9 @@ def import_for_cli(args: Any, dump: Path, directory: str) -> tuple[list[str], li
         file=sys.stderr,
     )
     inferred: list[str] = []
+    notes = list(NOTES)
     import_joined(
         Path(dump), Path(args.trainer_trace), Path(directory), layout,
-        num_experts=args.num_experts, moe_layers=args.moe_layers, inferred=inferred,
+        num_experts=args.num_experts, moe_layers=args.moe_layers, inferred=inferred, notes=notes,
     )  # fmt: skip
-    return inferred, [f"trainer trace: {note}" for note in NOTES]
+    return inferred, [f"trainer trace: {note}" for note in notes]
