@@ -131,6 +131,11 @@ class _StepJoin:
         first = engine[0]
         self.width, self.top_k = int(first.num_layers), int(first.top_k)
         self.moe = tuple(int(x) for x in first.moe_layers)
+        if self.width % layout.pp:
+            raise LayoutError(
+                f"{first.origin}: {self.width} decoder layers (routed_experts); expected a multiple of pp="
+                f"{layout.pp} (megatron-core's even split of the layers over the pipeline stages)"
+            )
         self.lengths = np.array([len(r.tokens) for r in engine], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
         total = int(self.offsets[-1])

@@ -20,7 +20,8 @@ release's own code on the dumped batch, in the order verl's trainer and Megatron
 A row index rides along in the batch through every step (``rrh_row``), so the dump row of every
 packed sample is observed, not inferred. Nothing here is re-implemented; what megatron-core then
 does per rank (the TP rank's slice under sequence parallelism, the layers of a PP stage) is the
-join's (``harness.audit.trace_join``). CP, VPP and FP8 padding are not modelled (refused).
+join's (``harness.audit.trace_join``). CP, VPP and FP8 padding are not modelled: ``VerlBatching``
+has no setting for them, and ``--trainer-layout`` refuses one.
 """
 
 from __future__ import annotations
