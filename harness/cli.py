@@ -521,6 +521,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="decoder indices of the MoE layers (e.g. 1-47), for dumps that do not record them",
     )
     audit.add_argument(
+        "--trainer-trace",
+        metavar="DIR",
+        help="megatron-core's router trace of the same run (router_trace_rank{r}.jsonl): joined with a verl "
+        "dump through verl 0.9.1's own packing, it gives replay_fidelity per step, sample, row and layer",
+    )
+    audit.add_argument(
+        "--trainer-layout",
+        metavar="SPEC",
+        default="",
+        help="how the traced run was laid out: tp=2,pp=2,dp=1 and max_token_len=N (use_dynamic_bsz) or "
+        "micro_batch=N, balance_batch=0 if turned off (with --trainer-trace)",
+    )
+    audit.add_argument(
         "--import-to",
         metavar="DIR",
         help="keep the imported run layout here (default: a temporary directory)",

@@ -57,6 +57,11 @@ def _import(
     from harness.audit import importers
 
     name, dump = importers.locate(args.run, args.source)
+    if args.trainer_trace and name != "verl":
+        raise LayoutError(
+            f"--trainer-trace: {args.run} is {'the run layout' if name is None else f'a {name} dump'}; "
+            "expected a verl RolloutSkip dump (the one framework whose packing the join computes)"
+        )
     if name is None:
         return str(dump), None, [], []
     if args.import_to:
@@ -65,6 +70,10 @@ def _import(
         tmp = tempfile.TemporaryDirectory(prefix="rrh-audit-")
         keep.append(tmp)
         target = tmp.name
+    if args.trainer_trace:
+        from harness.audit import trace_join
+
+        return target, name, *trace_join.import_for_cli(args, dump, target)
     module = importers.importer(name)
     found = "" if Path(dump) == Path(args.run) else f" (found below {args.run})"
     print(f"importing {dump}{found} as a {module.DESCRIPTION}", file=sys.stderr)
@@ -80,11 +89,29 @@ def _import(
     return target, name, inferred, [f"{name}: {note}" for note in importers.notes(name)]
 
 
+def _trace_alone(args: argparse.Namespace) -> int | None:
+    """A megatron-core router trace given alone: its own rules checked and printed, the exit status
+    (``None``: not a trace alone)."""
+    from harness.audit import importers
+
+    name, dump = importers.locate(args.run, args.source)
+    if name != "megatron_lm" or args.trainer_trace:
+        return None
+    lines, violated = importers.importer(name).trace_report(Path(dump), num_experts=args.num_experts)
+    print(f"rrh audit {args.run}: megatron-core's router trace {dump}")
+    for line in lines:
+        print(line)
+    return 1 if violated else 0
+
+
 def run_audit(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     keep: list[Any] = []
     import_errors: list[str] = []
     try:
+        alone = _trace_alone(args)
+        if alone is not None:
+            return alone
         run, name, inferred, notes = _import(args, keep, import_errors)
         options = AuditOptions(steps=args.steps, every=max(1, args.every), samples=args.samples)
         result = audit_run(

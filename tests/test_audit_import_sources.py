@@ -562,8 +562,23 @@ def test_nemo_rl_audit_prints_the_committed_transcript(tmp_path: Path, capsys) -
 
 
 def test_megatron_lm_audit_prints_the_committed_transcript(tmp_path: Path, capsys) -> None:
-    """The trace alone cannot be placed (no sample, no position): one input error, exit 2."""
+    """The trace alone cannot be placed (no sample, no position): its own rules are checked, exit 0."""
     _megatron_trace(tmp_path / "experiment" / "trace")
     (tmp_path / "scratch").mkdir()
     args = [str(tmp_path / "experiment")]
     check("megatron_lm", transcript(capsys, args, tmp_path / "experiment", tmp_path / "scratch"))
+
+
+def test_megatron_lm_trace_alone_names_a_broken_rule_and_exits_1(tmp_path: Path, capsys) -> None:
+    from harness.cli import main
+
+    def edit(record: dict, micro: int) -> None:
+        if (record["step"], record["rank"], record["layer"], micro) == (11, 1, 3, 1):
+            record["top_indices"][4] = [E + 2, 0]
+
+    _megatron_trace(tmp_path / "trace", edit)
+    assert main(["audit", str(tmp_path / "trace"), "--num-experts", str(E)]) == 1
+    out = capsys.readouterr().out
+    assert "check_trace         VIOLATED 1 times" in out, out
+    assert "ids_valid: step 11 rank 1 decoder layer 3 row" in out and "router_trace_rank1.jsonl:" in out, out
+    assert "--trainer-trace" in out.splitlines()[-1], out

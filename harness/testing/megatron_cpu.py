@@ -20,6 +20,8 @@ What is patched, by upstream name (all reversible with ``Patches.undo``):
   them; upstream ``_set_cuda_rng_state`` defers through ``torch.cuda._lazy_call``, which never runs
   on CPU).
 - ``torch.cuda.current_stream`` / ``Stream`` / ``Event`` / ``synchronize`` → no-op stand-ins.
+- ``torch.cuda.is_current_stream_capturing`` → ``False`` (0.19's router tracer asks it on every
+  router call; a CPU build of torch raises instead of answering).
 
 ``setup_rank`` is the per-rank setup hook of ``harness.testing.ranks.run_ranks`` that applies them
 in every spawned rank (``suites/test_megatron.py``).
@@ -151,6 +153,7 @@ def _patch_cuda_to_cpu(patches: Patches) -> None:
     patches.set(cuda, "Event", _Event)
     patches.set(cuda, "stream", _stream_context)
     patches.set(cuda, "synchronize", lambda *a, **k: None)
+    patches.set(cuda, "is_current_stream_capturing", lambda: False)
     random = importlib.import_module("megatron.core.tensor_parallel.random")
     patches.set(random, "_get_cuda_rng_state", _cpu_get_rng_state)
     patches.set(random, "_set_cuda_rng_state", _cpu_set_rng_state)

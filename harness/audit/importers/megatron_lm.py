@@ -118,8 +118,11 @@ Packing = Callable[[int, int], StepPacking | None]
 
 
 @dataclass
-class _Call:
-    """One record: one router call of one layer."""
+class RouterCall:
+    """One record of a rank's trace: one router call of one layer.
+
+    ``rows`` is its ``top_indices``: an int32 array ``[num_tokens, k]`` as soon as it is one (a step of a
+    rank is held this compactly, not as JSON lists), else the list as read, for the rules to name."""
 
     step: int
     block: str
@@ -127,7 +130,7 @@ class _Call:
     rank: int
     topk: int
     num_tokens: int
-    rows: list[Any]
+    rows: npt.NDArray[Any] | list[Any]
     where: str
 
 
@@ -147,12 +150,42 @@ def check_trace(
     within a row, not against the expert count.
     """
     found: list[RouterTraceViolation] = []
-    for rank, file in _files(Path(path)):
-        for _, _, violations in _steps(file, rank, num_experts):
+    for rank, file in rank_files(Path(path)):
+        for _, _, violations in rank_steps(file, rank, num_experts):
             found.extend(violations[: limit - len(found)])
             if len(found) >= limit:
                 return found
     return found
+
+
+SHOWN = 20
+"""Violations ``trace_report`` prints (``check_trace`` finds up to 1000)."""
+
+
+def trace_report(path: Path, *, num_experts: int | None = None) -> tuple[list[str], bool]:
+    """What ``rrh audit TRACE_DIR`` prints for a trace alone, and whether it broke a rule: the trace's
+    own rules checked (``check_trace``), and why nothing per sample is (no sample id, no position,
+    no engine routes)."""
+    found = check_trace(path, num_experts=num_experts)
+    experts = f"in [0, {num_experts})" if num_experts else "non-negative (--num-experts E checks the range)"
+    rules = (
+        f"ids distinct and {experts}, top-k and token count of every record, equal calls on every layer "
+        "of a step"
+    )
+    if found:
+        lines = [
+            f"check_trace         VIOLATED {len(found)}{'+' if len(found) >= 1000 else ''} times ({rules}):"
+        ]
+        lines += [f"  {v.line()}" for v in found[:SHOWN]]
+        lines += [f"  … {len(found) - SHOWN} more"] if len(found) > SHOWN else []
+    else:
+        lines = [f"check_trace         checked: no violation ({rules})"]
+    lines.append(
+        "per sample          not checkable from a trace alone — it has no sample id, no position and no "
+        "engine routes: give the verl RolloutSkip dump of the same run, "
+        "rrh audit DUMP --trainer-trace TRACE_DIR"
+    )
+    return lines, bool(found)
 
 
 def records(
@@ -181,9 +214,9 @@ def records(
             "megatron_lm.check_trace validates the trace without them"
         )
     moe_layers: tuple[int, ...] | None = None
-    for rank, file in _files(Path(path)):
+    for rank, file in rank_files(Path(path)):
         seen: set[int] = set()
-        for step, calls, violations in _steps(file, rank, num_experts):
+        for step, calls, violations in rank_steps(file, rank, num_experts):
             if violations:
                 raise LayoutError(violations[0].line())
             if step in seen:
@@ -203,12 +236,14 @@ def records(
                 )
             if not layers:
                 continue
-            per_layer = [np.concatenate([_ids(c) for c in decoder if c.layer == layer]) for layer in layers]
+            per_layer = [
+                np.concatenate([call_ids(c) for c in decoder if c.layer == layer]) for layer in layers
+            ]
             routes = np.stack(per_layer, axis=1)  # [rows, MoE layers, top_k]
             yield from _samples(step, rank, routes, packing(step, rank), moe_layers, num_experts, file)
 
 
-def _files(path: Path) -> list[tuple[int, Path]]:
+def rank_files(path: Path) -> list[tuple[int, Path]]:
     """``(rank, file)`` of every ``router_trace_rank{r}.jsonl`` at ``path``, in rank order."""
     files = [path] if path.is_file() else glob(path, "router_trace_rank*.jsonl")
     found = sorted((int(m.group(1)), p) for p in files if (m := _FILE.fullmatch(p.name)))
@@ -226,7 +261,7 @@ def _field(record: dict[str, Any], name: str, kind: type, where: str) -> Any:
     return value
 
 
-def _calls(file: Path) -> Iterator[_Call]:
+def _calls(file: Path) -> Iterator[RouterCall]:
     """Each record of ``file``; a line that is not a record of this format is one ``LayoutError``."""
     # A regular UTF-8 file, read line by line; JSON nested too deep or huge integers are one error.
     for line_no, line in lines(file):
@@ -241,23 +276,37 @@ def _calls(file: Path) -> Iterator[_Call]:
             block = f"mtp{_field(record, 'mtp_idx', int, where)}"
         elif block != "decoder":
             raise LayoutError(f"{where}: field 'block' is {brief(block)}; expected 'decoder' or 'mtp'")
-        yield _Call(
+        yield RouterCall(
             step=_field(record, "step", int, where),
             block=block,
             layer=_field(record, "layer", int, where),
             rank=_field(record, "rank", int, where),
             topk=_field(record, "topk", int, where),
             num_tokens=_field(record, "num_tokens", int, where),
-            rows=_field(record, "top_indices", list, where),
+            rows=_compact(_field(record, "top_indices", list, where)),
             where=where,
         )
 
 
-def _steps(
+def _compact(rows: list[Any]) -> npt.NDArray[Any] | list[Any]:
+    """``rows`` as an array when they are a rectangle of integers (int32 when they fit: what
+    megatron-core writes), else as read (ragged rows, non-integers: the rules name the first)."""
+    try:
+        array = np.asarray(rows)
+    except (ValueError, OverflowError):  # ragged rows
+        return rows
+    if array.dtype.kind == "O" or array.ndim != 2:
+        return rows
+    if array.dtype.kind in "iu" and (not array.size or (array.min() >= -(2**31) and array.max() < 2**31)):
+        return array.astype(np.int32)
+    return array
+
+
+def rank_steps(
     file: Path, rank: int, num_experts: int | None
-) -> Iterator[tuple[int, list[_Call], list[RouterTraceViolation]]]:
+) -> Iterator[tuple[int, list[RouterCall], list[RouterTraceViolation]]]:
     """``(step, its records, their violations)`` for each run of records of one step in ``file``."""
-    calls: list[_Call] = []
+    calls: list[RouterCall] = []
     top_k: int | None = None
     for call in _calls(file):
         if calls and call.step != calls[0].step:
@@ -270,7 +319,7 @@ def _steps(
 
 
 def _violations(
-    calls: list[_Call], rank: int, top_k: int | None, num_experts: int | None
+    calls: list[RouterCall], rank: int, top_k: int | None, num_experts: int | None
 ) -> list[RouterTraceViolation]:
     """Every rule broken by one step's records of one rank."""
     found: list[RouterTraceViolation] = []
@@ -282,7 +331,7 @@ def _violations(
         offset[key] += len(call.rows)
         counts[key].append(len(call.rows))
 
-        def violation(check: str, row: int | None, expected: str, actual: str, c: _Call = call) -> None:
+        def violation(check: str, row: int | None, expected: str, actual: str, c: RouterCall = call) -> None:
             found.append(
                 RouterTraceViolation(check, c.step, rank, c.layer, c.block, row, expected, actual, c.where)
             )
@@ -295,13 +344,16 @@ def _violations(
             )
         if call.topk != top_k:
             violation("top_k", None, f"topk {top_k} (this rank's first record)", f"topk {call.topk}")
-        bad = next(
-            (i for i, r in enumerate(call.rows) if not isinstance(r, list) or len(r) != call.topk), None
-        )
-        if bad is not None:
-            violation("shape", start + bad, f"{call.topk} ids (topk)", f"{call.rows[bad]!r}")
-            continue
-        ids = _ids(call)
+        regular = isinstance(call.rows, np.ndarray) and call.rows.shape[1] == call.topk
+        if not regular:
+            listed = call.rows if isinstance(call.rows, list) else call.rows.tolist()
+            bad = next(
+                (i for i, r in enumerate(listed) if not isinstance(r, list) or len(r) != call.topk), None
+            )
+            if bad is not None:
+                violation("shape", start + bad, f"{call.topk} ids (topk)", repr(listed[bad])[:80])
+                continue
+        ids = call_ids(call)
         if ids.size == 0:
             continue
         out = (ids < 0).any(axis=1)
@@ -329,20 +381,22 @@ def _violations(
     return found
 
 
-def _ids(call: _Call) -> npt.NDArray[np.int64]:
+def call_ids(call: RouterCall) -> npt.NDArray[np.integer[Any]]:
     """``top_indices`` as ``[num_tokens, topk]`` integers (rows already of length ``topk``)."""
-    array = np.asarray(call.rows)
+    array = call.rows if isinstance(call.rows, np.ndarray) else np.asarray(call.rows)
     if array.size and array.dtype.kind not in "iu":
         raise LayoutError(
             f"{call.where}: field 'top_indices' holds {array.dtype} values; expected integer ids"
         )
-    return array.astype(np.int64).reshape(-1, call.topk)
+    if not array.size:
+        return np.zeros((0, call.topk), dtype=np.int32)
+    return array
 
 
 def _samples(
     step: int,
     rank: int,
-    routes: npt.NDArray[np.int64],
+    routes: npt.NDArray[np.integer[Any]],
     pack: StepPacking | None,
     moe_layers: tuple[int, ...],
     num_experts: int,

@@ -199,12 +199,15 @@ def batch_records(
     moe_layers: tuple[int, ...] | None,
     vote: LayerVote | None = None,
     errors: list[str] | None = None,
+    read: tuple[dict[str, Any], dict[str, Any]] | None = None,
 ) -> tuple[list[SampleRecord], tuple[int, ...]]:
     """The records of one ``gen_batch.dp``, and the MoE layers used: ``moe_layers``, or with ``vote``
     what most samples agree on (``model_shape.step_layers``). ``errors``: a sample holding an id the
-    run layout cannot store is a line there and left out (``model_shape.ids_fit``), else it raises."""
+    run layout cannot store is a line there and left out (``model_shape.ids_fit``), else it raises.
+    ``read``: its ``read_batch`` already done (a caller that needs the tensors too reads the file
+    once)."""
     source, step = str(file), step_of(file)
-    tensors, non_tensor = read_batch(file)
+    tensors, non_tensor = read_batch(file) if read is None else read
     prompts = _field(tensors, "prompts", (None, None), source, "[B, P_max] left-padded prompt ids")
     batch, p_max = prompts.shape
     responses = _field(tensors, "responses", (batch, None), source, "[B, R_max] right-padded response ids")

@@ -1,0 +1,216 @@
+"""``rrh audit DUMP --trainer-trace DIR`` on a real verl 0.9.1 R3 forward with megatron-core 0.19.2's
+router tracer on (``tests/trainer_trace_run.py``): correct replay raises no violation, each mutant is
+named at its step, sample, row and layer, and a trace that cannot be placed is one input error.
+
+Needs verl 0.9.1 on megatron-core 0.19.2: ``tox -e verl-0.9.1-mcore-0.19.2``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.audit import AuditOptions, LayoutError, RunWriter, audit_run
+from harness.audit.layout import SampleRecord
+
+
+def _release(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+pytestmark = pytest.mark.skipif(
+    (_release("verl"), _release("megatron-core")) != ("0.9.1", "0.19.2"),
+    reason="needs verl 0.9.1 on megatron-core 0.19.2 (tox -e verl-0.9.1-mcore-0.19.2)",
+)
+
+LENGTHS = [(3, 4), (6, 5), (2, 1), (5, 3), (4, 5), (1, 2)]
+"""(prompt, response) of each sample; verl's dynamic batching packs them into micro-batches of ≤ 24 tokens."""
+EQUAL = [(4, 3)] * 6
+"""Equal lengths, so that every micro-batch packs as many tokens (the ``previous`` mutant's stale
+targets then fit the next micro-batch)."""
+MAX_TOKENS = 24
+STEPS = {1: None, 2: "native", 3: "one_layer", 4: "previous", 5: "shift"}
+
+
+def _run(
+    tmp: Path, tp: int, pp: int, steps: dict[int, str | None], dp: int = 1, reference: bool = False
+) -> tuple[Path, Path, list[Any]]:
+    """The dump and trace of a traced run on ``tp·pp·dp`` gloo ranks; each step's micro-batch rows
+    (rank 0's)."""
+    from harness.testing.megatron_cpu import setup_rank
+    from harness.testing.ranks import run_ranks
+    from tests import trainer_trace_run as run
+
+    dump = tmp / "rollout_dump" / "exp_proj" / "GBS6_N1_in6_out5"
+    plan = []
+    for step, mutant in steps.items():
+        file = run.write_dump(dump, step, EQUAL if mutant == "previous" else LENGTHS, seed=step)
+        plan.append((step, str(file), mutant))
+    cfg = {"tp": tp, "pp": pp, "trace": str(tmp / "trace"), "steps": plan, "max_token_len": MAX_TOKENS,
+           "reference": reference}  # fmt: skip
+    ranks = run_ranks(run.traced_run, tp * pp * dp, args=(cfg,), setup=setup_rank, timeout=400)
+    return dump, tmp / "trace", ranks.results[0]
+
+
+def _layout(tp: int = 1, pp: int = 1, dp: int = 1) -> Any:
+    from harness.audit.trace_join import TrainerLayout
+    from harness.audit.verl_packing import VerlBatching
+
+    return TrainerLayout(VerlBatching(dp=dp, tp=tp, max_token_len_per_gpu=MAX_TOKENS), pp=pp)
+
+
+def _joined(dump: Path, trace: Path, layout: Any) -> list[SampleRecord]:
+    from harness.audit import trace_join
+
+    return list(trace_join.records(dump, trace, layout, num_experts=8, moe_layers=(1, 2, 3)))
+
+
+def _offenders(records: list[SampleRecord], tmp: Path) -> dict[int, list[dict[str, Any]]]:
+    """``replay_fidelity``'s offenders of each step (each audited on its own: offender lists are bounded)."""
+    run = tmp / "run"
+    with RunWriter(run) as writer:
+        for record in records:
+            writer.write(record)
+    found = {}
+    for step in sorted({r.step for r in records}):
+        result = audit_run(run, options=AuditOptions(steps=frozenset({step})), executor="serial")
+        (fidelity,) = [i for i in result.invariants if i.name == "replay_fidelity"]
+        assert fidelity.status in ("checked", "violated"), fidelity.line()
+        assert fidelity.checked == len(LENGTHS), fidelity.line()
+        found[step] = fidelity.offenders
+    return found
+
+
+@pytest.fixture(scope="module")
+def tp1(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[Any]]:
+    """Each step's old-log-prob forward, then a reference pass (native routing, its own micro-batches)."""
+    return _run(tmp_path_factory.mktemp("tp1"), 1, 1, STEPS, reference=True)
+
+
+def test_each_mutant_is_named_at_its_step_sample_row_and_layer_and_correct_replay_passes(
+    tp1: tuple[Path, Path, list[Any]], tmp_path: Path
+) -> None:
+    dump, trace, micro_rows = tp1
+    offenders = _offenders(_joined(dump, trace, _layout()), tmp_path)
+    assert offenders[1] == [], offenders[1][:3]
+    for step in (2, 3, 4, 5):
+        assert offenders[step], f"step {step} ({STEPS[step]}): no violation named"
+        for o in offenders[step]:
+            assert o["step"] == step and o["row"] is not None and o["layer"] in (1, 2, 3), o
+            assert "gen_batch.dp batch row" in o["where"], o
+    assert {o["layer"] for o in offenders[2]} == {1, 2, 3}, "native routing: every MoE layer"
+    assert {o["layer"] for o in offenders[3]} == {3}, "one layer unreplayed: that layer only"
+    assert {o["layer"] for o in offenders[5]} == {1, 2, 3}, "a layer shift: every MoE layer"
+    first, later = micro_rows[3][0], [r for mb in micro_rows[3][1:] for r in mb]
+    assert later, "the previous-micro-batch step needs two micro-batches"
+    stale = {int(o["sample_key"]) for o in offenders[4]}
+    assert stale and stale <= set(later) and not stale & set(first), (stale, micro_rows[3])
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["tp2-sp", "pp2", "dp2"])
+def test_tp2_with_sequence_parallel_pp2_and_dp2_place_every_row(
+    tp: int, pp: int, dp: int, tmp_path: Path
+) -> None:
+    dump, trace, _ = _run(tmp_path, tp, pp, {1: None, 2: "one_layer"}, dp)
+    offenders = _offenders(_joined(dump, trace, _layout(tp, pp, dp)), tmp_path)
+    assert offenders[1] == [], offenders[1][:3]
+    assert offenders[2] and {o["layer"] for o in offenders[2]} == {3}, offenders[2][:3]
+
+
+def _copy(tp1: tuple[Path, Path, list[Any]], tmp: Path) -> tuple[Path, Path]:
+    dump, trace, _ = tp1
+    shutil.copytree(trace, tmp / "trace")
+    return dump, tmp / "trace"
+
+
+def _edit(file: Path, line: int, change: Any) -> None:
+    lines = file.read_text().splitlines()
+    record = json.loads(lines[line - 1])
+    change(record)
+    lines[line - 1] = json.dumps(record)
+    file.write_text("\n".join(lines) + "\n")
+
+
+def test_a_trace_that_cannot_be_placed_is_one_input_error_naming_rank_record_and_what_disagreed(
+    tp1: tuple[Path, Path, list[Any]], tmp_path: Path
+) -> None:
+    dump, trace = _copy(tp1, tmp_path)
+    rank0 = trace / "router_trace_rank0.jsonl"
+
+    def fewer(record: dict[str, Any]) -> None:
+        record["top_indices"].pop()
+        record["num_tokens"] -= 1
+
+    for line in (1, 2, 3):  # micro-batch 0 on every MoE layer: the trace agrees with itself, not with verl
+        _edit(rank0, line, fewer)
+    layer = json.loads(rank0.read_text().splitlines()[0])["layer"]
+    with pytest.raises(LayoutError) as err:
+        _joined(dump, trace, _layout())
+    text = str(err.value)
+    assert f"{rank0}:1" in text and "rank 0" in text and f"local layer {layer}" in text, text
+    assert "tokens; expected" in text and "micro-batch 0" in text and "\n" not in text, text
+
+    with pytest.raises(LayoutError, match=r"ranks \[0\]; expected .* 0\.\.1"):
+        _joined(dump, trace, _layout(tp=2))  # a layout the trace was not taken with
+
+
+def test_a_step_the_dump_does_not_hold_and_a_layer_out_of_stage_are_input_errors(
+    tp1: tuple[Path, Path, list[Any]], tmp_path: Path
+) -> None:
+    dump, trace = _copy(tp1, tmp_path)
+    rank0 = trace / "router_trace_rank0.jsonl"
+    for line, text in enumerate(rank0.read_text().splitlines(), start=1):
+        if json.loads(text)["layer"] == 1:  # every call of layer 1 relabelled 0, dense in the dump
+            _edit(rank0, line, lambda r: r.update(layer=0))
+    with pytest.raises(
+        LayoutError, match=r"router_trace_rank0\.jsonl:1: rank 0 .* decoder layer 0; expected one of"
+    ):
+        _joined(dump, trace, _layout())
+    shutil.copy(tp1[1] / "router_trace_rank0.jsonl", rank0)
+    last = rank0.read_text().splitlines()[-1]
+    rank0.write_text(rank0.read_text() + json.dumps({**json.loads(last), "step": 9}) + "\n")
+    with pytest.raises(LayoutError, match=r"rank 0 traces step 9, which the dump .* does not hold"):
+        _joined(dump, trace, _layout())
+
+
+def test_rrh_audit_trainer_trace_prints_the_committed_transcript(
+    tp1: tuple[Path, Path, list[Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Step 1 correct, step 3 with decoder layer 3 unreplayed: exit 1, replay_fidelity names step 3's
+    samples at layer 3 (docs/audit.md quotes it)."""
+    from harness.cli import main
+    from tests.audit_transcript import check, transcript
+
+    trace = tp1[1]
+    root = trace.parent
+    args = [
+        str(root / "rollout_dump"),
+        "--trainer-trace",
+        str(trace),
+        "--trainer-layout",
+        f"max_token_len={MAX_TOKENS}",
+        "--num-experts",
+        "8",
+        "--moe-layers",
+        "1-3",
+        "--steps",
+        "1,3",
+    ]
+    (tmp_path / "scratch").mkdir()
+    text = transcript(capsys, args, root, tmp_path / "scratch")
+    assert "exit 1" in text.splitlines()[1], text[:400]
+    assert "replay_fidelity     VIOLATED in 6 of 12 samples; first at step 3 sample" in text, text
+    assert "router calls after each step's old-log-prob forward (reference log-probs" in text, text
+    check("verl_trainer_trace", text)
+    wrong = ["audit", *args[:4], "tp=2,max_token_len=24", *args[5:], "--executor", "serial", "--no-progress"]
+    assert main(wrong) == 2
+    err = capsys.readouterr().err
+    assert err.count("rrh audit: ") == 1 and "ranks [0]; expected" in err, err

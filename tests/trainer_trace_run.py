@@ -1,0 +1,190 @@
+"""A verl 0.9.1 R3 run on megatron-core 0.19.2 with megatron-core's router tracer on, for the join tests.
+
+The engine side is a verl batch as the agent loop builds it (left-padded prompts, right-padded
+responses, ``routed_experts [B, P_max+R_max, L, K]`` int16 with the engine's payload at
+``P_max − P``), written with verl's own ``DataProto.save_to_disk`` where ``RolloutSkip`` puts it.
+The trainer side runs on gloo ranks (``run_ranks``): each rank loads the dump with verl's own
+``DataProto.load_from_disk`` and does what verl's trainer and Megatron engine do for the
+old-log-prob forward (``_compute_old_log_prob`` → ``forward_backward_batch`` → ``forward_step``):
+``_balance_batch``, ``left_right_2_no_padding``, ``prepare_micro_batches``, and per micro-batch
+``align_r3_router_replay_data``, ``build_r3_replay_mask``, ``set_router_replay_data`` under
+REPLAY_FORWARD, ``preprocess_thd_engine`` and the model's forward; megatron-core's tracer is started
+with ``harness.audit.router_tracer`` and marked after each step.
+
+``MUTANTS`` name the bugs a step may carry: the audit of the join must name each at its step,
+sample, row and layer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from harness.trainers.megatron.model import VOCAB
+
+E, K, NUM_LAYERS, MOE = 8, 2, 4, (1, 2, 3)
+"""Experts, top-k, decoder layers and MoE layers (layer 0 dense) of the tiny model."""
+MUTANTS = ("native", "one_layer", "previous", "shift")
+"""``native``: replay data installed, REPLAY_FORWARD never set (routers route natively, verl #7340);
+``one_layer``: the router of decoder layer ``UNREPLAYED`` left without an action; ``previous``: micro-
+batches after the first keep the previous micro-batch's targets; ``shift``: MoE layer i replays MoE
+layer i−1's routes (the first gets the last's; verl #5037's class)."""
+UNREPLAYED = 3
+
+
+def write_dump(root: Path, step: int, lengths: list[tuple[int, int]], seed: int) -> Path:
+    """One step of a RolloutSkip dump: ``root/{step}/gen_batch.dp`` + ``meta.json``; its file."""
+    from verl import DataProto
+
+    rng = np.random.default_rng(seed)
+    size, p_max, r_max = len(lengths), max(p for p, _ in lengths), max(r for _, r in lengths)
+    width = p_max + r_max
+    prompts = np.zeros((size, p_max), dtype=np.int64)
+    responses = np.zeros((size, r_max), dtype=np.int64)
+    attention = np.zeros((size, width), dtype=np.int64)
+    response_mask = np.zeros((size, r_max), dtype=np.int64)
+    routes = np.zeros((size, width, NUM_LAYERS, K), dtype=np.int16)
+    for i, (p, r) in enumerate(lengths):
+        prompts[i, p_max - p :] = rng.integers(1, VOCAB, size=p)
+        responses[i, :r] = rng.integers(1, VOCAB, size=r)
+        attention[i, p_max - p : p_max + r] = 1
+        response_mask[i, :r] = 1
+        for layer in MOE:  # rows of positions [0, P + R − 1): the last token's row was never computed
+            rows = np.stack([rng.choice(E, size=K, replace=False) for _ in range(p + r - 1)])
+            routes[i, p_max - p : p_max - p + p + r - 1, layer] = rows
+    proto = DataProto.from_dict(
+        tensors={
+            "prompts": torch.as_tensor(prompts),
+            "responses": torch.as_tensor(responses),
+            "input_ids": torch.as_tensor(np.concatenate([prompts, responses], axis=1)),
+            "attention_mask": torch.as_tensor(attention),
+            "response_mask": torch.as_tensor(response_mask),
+            "routed_experts": torch.as_tensor(routes),
+        }
+    )
+    folder = root / str(step)
+    folder.mkdir(parents=True)
+    proto.save_to_disk(str(folder / "gen_batch.dp"))
+    (folder / "meta.json").write_text(json.dumps({"global_steps": step}))
+    return folder / "gen_batch.dp"
+
+
+def _micro_batches(file: str, max_token_len: int) -> list[Any]:
+    """The micro-batches verl's engine forwards on this DP rank for the dumped step: the batch balanced
+    over the DP ranks, this rank's equal share, verl's dynamic batching with the micro-batch count
+    all-reduced (MAX) over the DP group by verl's own ``rearrange_micro_batches``."""
+    from megatron.core import parallel_state as ps
+    from verl import DataProto
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.utils import seqlen_balancing
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.model import compute_position_id_with_mask
+    from verl.workers.engine.utils import prepare_micro_batches
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    dp = ps.get_data_parallel_world_size()
+    seqlen_balancing.get_device_name = lambda: "cpu"  # "cuda" from 0.9.0 even on a CPU box (FACTS §6)
+
+    batch = DataProto.load_from_disk(file)
+    batch.batch["dump_row"] = torch.arange(len(batch))  # which dump row each sample is, observed
+    batch.batch["position_ids"] = compute_position_id_with_mask(batch.batch["attention_mask"])
+    trainer = SimpleNamespace(_get_dp_size=lambda _g, _r: dp, actor_rollout_wg=None, use_prefix_grouper=False)
+    RayPPOTrainer._balance_batch(trainer, batch, metrics={})
+    data = left_right_2_no_padding(batch.to_tensordict())
+    if dp > 1:
+        data = tu.chunk_tensordict(data, dp)[ps.get_data_parallel_rank()]
+    tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=max_token_len, sp_size=1)
+    micro, _ = prepare_micro_batches(data=data, dp_group=ps.get_data_parallel_group() if dp > 1 else None)
+    return micro
+
+
+def _shift(routes: torch.Tensor) -> torch.Tensor:
+    """MoE layer i gets MoE layer i−1's routes (the first MoE layer the last's)."""
+    values = routes.values().clone()
+    moe = list(MOE)
+    values[:, moe] = routes.values()[:, moe[-1:] + moe[:-1]]
+    return torch.nested.nested_tensor_from_jagged(values, offsets=routes.offsets())
+
+
+def _forward(model: Any, link: Any, mb: Any, tp: int) -> None:
+    """One micro-batch through this rank's stage as verl's ``model_forward`` feeds it (THD, no grad):
+    ``preprocess_thd_engine``'s packed ids, positions and ``PackedSeqParams``; activations to and from
+    the neighbouring pipeline stages."""
+    from verl.models.mcore.util import preprocess_thd_engine
+
+    from harness.trainers.megatron.model import HIDDEN
+    from suites.megatron_pipeline import stage_input
+
+    ids, params, positions = preprocess_thd_engine(mb["input_ids"], pre_process=True)
+    with torch.no_grad():
+        if not link.first_stage:
+            rows = params.cu_seqlens_q_padded[-1].item() // tp
+            stage_input(link, model, (rows, 1, HIDDEN), torch.device("cpu"))
+        out = model(
+            input_ids=ids.view(1, -1), position_ids=positions.view(1, -1), attention_mask=None,
+            packed_seq_params=params,
+        )  # fmt: skip
+        if not link.last_stage:
+            link.send(out)
+
+
+def traced_run(rank: int, world_size: int, cfg: dict[str, Any]) -> list[list[list[int]]]:
+    """Every dumped step through verl's R3 old-log-prob forward on this rank, traced (with
+    ``cfg["reference"]``, then a reference log-prob pass: its own micro-batching, native routing, as
+    verl runs it after the old log-probs); the dump rows of each old-log-prob micro-batch of each step."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from verl.utils.megatron import router_replay_utils as utils
+    from verl.utils.megatron.router_replay_patch import (
+        RouterReplay,
+        RouterReplayAction,
+        apply_router_replay_patch,
+    )
+
+    from harness.audit.router_tracer import mark_step, start_router_trace
+    from harness.trainers.megatron.layout import MegatronLayout
+    from harness.trainers.megatron.model import build_gpt, tiny_config
+    from suites.megatron_pipeline import StageLink
+
+    tp, pp = cfg["tp"], cfg["pp"]
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model_parallel_cuda_manual_seed(7)
+    utils.device_name = "cpu"
+    apply_router_replay_patch()
+    RouterReplay.router_instances.clear()
+    layout = MegatronLayout(NUM_LAYERS, MOE, E, K, seq_len=64, micro_batch=1, tp=tp, pp=pp)
+    config = tiny_config(layout, recompute=False, moe_enable_routing_replay=True)
+    model = build_gpt(config, layout)
+    model.eval()
+    link = StageLink()
+    start_router_trace(model, cfg["trace"])
+    rows = []
+    for step, file, mutant in cfg["steps"]:
+        micro = _micro_batches(file, cfg["max_token_len"])
+        rows.append([mb["dump_row"].tolist() for mb in micro])
+        for index, mb in enumerate(micro):
+            routes = mb["routed_experts"] if mutant != "shift" else _shift(mb["routed_experts"])
+            targets = utils.align_r3_router_replay_data(routes, mb["input_ids"])
+            mask = utils.build_r3_replay_mask(mb["input_ids"], mb["response_mask"])
+            if mutant != "previous" or index == 0:
+                utils.set_router_replay_data(targets, None, config, 0, replay_mask=mask, model=[model])
+            if mutant != "native":
+                RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            if mutant == "one_layer":
+                for number, router in utils.iter_model_routers([model]):
+                    if number - 1 == UNREPLAYED:
+                        router.clear_router_replay_action()
+            _forward(model, link, mb, tp)
+            RouterReplay.clear_global_router_replay_action()
+        RouterReplay.clear_global_indices()
+        if cfg.get("reference"):
+            for mb in _micro_batches(file, cfg["max_token_len"] // 2):
+                _forward(model, link, mb, tp)
+        mark_step(step)
+    return rows
