@@ -25,8 +25,9 @@ integers, and (for the overlap) distinct ids in every route. Errors are the call
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import numba
@@ -53,13 +54,33 @@ def chunk_rows(row_bytes: int) -> int:
     return max(1, CHUNK_BYTES // max(1, row_bytes))
 
 
+_thread_limit: int | None = None
+
+
+@contextmanager
+def thread_limit(threads: int) -> Iterator[None]:
+    """Inside the block, the kernels run on at most ``threads`` threads.
+
+    For ``rrh bench trace --threads 1``: a per-core figure, which another process on the machine
+    slows no more than the numpy copy it is measured against (a threaded kernel loses a share of
+    the core that process takes; a single-threaded copy does not).
+    """
+    global _thread_limit
+    before, _thread_limit = _thread_limit, threads
+    try:
+        yield
+    finally:
+        _thread_limit = before
+
+
 def map_spans(fn: Callable[[int, int], _T], length: int, nbytes: int) -> list[_T]:
     """``fn(lo, hi)`` over contiguous spans covering ``[0, length)``, in order.
 
-    One span per CPU, each in its own thread, when the work is at least ``PARALLEL_MIN_BYTES``;
-    otherwise one span on the calling thread (threads would cost more than they save).
+    One span per CPU (at most ``thread_limit``'s), each in its own thread, when the work is at
+    least ``PARALLEL_MIN_BYTES``; otherwise one span on the calling thread (threads would cost
+    more than they save).
     """
-    spans = available_cpus() if nbytes >= PARALLEL_MIN_BYTES else 1
+    spans = min(available_cpus(), _thread_limit or available_cpus()) if nbytes >= PARALLEL_MIN_BYTES else 1
     bounds = [length * i // spans for i in range(spans + 1)]
     pairs = [(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
     if len(pairs) <= 1:
