@@ -151,15 +151,16 @@ def _cmd_bench_trace(args: argparse.Namespace) -> int:
         args.record.write_text(json.dumps(recorded_ratios(result), indent=2) + "\n")
     checks = check_against(result, recorded) if recorded is not None else []
     if args.json:
+        if recorded is not None:
+            result["against"] = [{"ratio": n, "dropped": d, "seen": seen} for n, d, seen in checks]
         print(json.dumps(result, indent=2))
     else:
         _print_bench_trace(result)
-    if recorded is not None:
-        print(
-            f"against {args.against} (recorded on {recorded['cpu']}, {recorded['repeats']} pairs a figure):"
-        )
-        for name, dropped, seen in checks:
-            print(f"  {'DROPPED' if dropped else 'ok':<8} {name}: {seen}")
+        if recorded is not None:
+            where = f"recorded on {recorded['cpu']}, {recorded['repeats']} pairs a ratio"
+            print(f"against {args.against} ({where}):")
+            for name, dropped, seen in checks:
+                print(f"  {'DROPPED' if dropped else 'ok':<8} {name}: {seen}")
     return 1 if any(dropped for _, dropped, _ in checks) else 0
 
 

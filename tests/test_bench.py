@@ -75,6 +75,12 @@ def test_record_then_against_compares_the_same_configuration_only(
     assert main([*args, "--threads", "1", "--dir", str(tmp_path), "--against", str(recorded)]) in (0, 1)
     out = capsys.readouterr().out
     assert all(f" {name}: " in out for name in CHECKED_RATIOS)
+    assert main([*args, "--threads", "1", "--dir", str(tmp_path), "--against", str(recorded), "--json"]) in (
+        0,
+        1,
+    )
+    checks = json.loads(capsys.readouterr().out)["against"]
+    assert [check["ratio"] for check in checks] == list(CHECKED_RATIOS)
     assert main([*args, "--threads", "2", "--dir", str(tmp_path), "--against", str(recorded)]) == 2
     assert capsys.readouterr().err.strip() == (
         "rrh bench: threads: this run 2, recorded 1; expected equal (run with the recorded options, "
