@@ -3,34 +3,91 @@
 ``rrh bench trace`` measures the trace core on a production-sized batch: validation, set
 disagreement against a perturbed copy (twice: lanes in the same order, and lanes in another
 order as another kernel would return them), and save + load, each as throughput and as a ratio to
-a plain numpy copy of the same bytes measured in the same run (so the figures travel across
-machines). Save + load is also set against its floor on the same file system: writing the same
-bytes with fsync and reading them back, with nothing else (no header, checksum or validation).
+a plain numpy copy of the same bytes (so the figures travel across machines). Save + load is also
+set against its floor on the same file system: writing the same bytes with fsync and reading them
+back, with nothing else (no header, checksum or validation).
+
+Each ratio is measured in pairs: the operation and its baseline timed one after the other,
+``repeats`` times, and the ratio of each pair kept (a load that comes and goes slows both halves
+of a pair alike); a figure is the median of its pairs, and the interquartile range of the pairs
+is the noise of this run. ``check_against`` compares a run's ratios with those recorded in a JSON
+file (``rrh bench trace --against``) and names each that dropped by more than the two runs'
+noise.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from harness.trace import RoutingTrace, compare, validate_routes
+from harness.errors import HarnessError
+from harness.trace import RoutingTrace, compare, kernels, validate_routes
+
+CHECKED_RATIOS = (
+    "validate_vs_copy",
+    "disagreement_vs_copy",
+    "disagreement_permuted_vs_copy",
+    "save_load_vs_file_floor",
+)
+"""The ratios ``--against`` checks: the project's code against the same work done plainly. Save +
+load is checked against its file system floor (the same bytes written with fsync and read back),
+not against the copy: it waits on the file system, which a busy machine slows apart from memory.
+``file_floor_vs_copy`` is the file system's own figure, with none of the project's code in it."""
+
+RECORDED_CONFIG = ("shape", "num_experts", "threads", "directory")
+"""What a recorded file and a run must share for their ratios to be compared."""
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+class RecordedRatiosError(HarnessError):
+    """A file of recorded ratios cannot be read, or was recorded with another configuration."""
+
+
+def _seconds(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _paired_rounds(
+    pairs: dict[str, tuple[Callable[[], object], Callable[[], object]]], repeats: int
+) -> dict[str, tuple[list[float], list[float]]]:
+    """Seconds of each pair's operation and baseline, timed one after the other, in ``repeats`` rounds.
+
+    Every round times one pair of each name, so a load that changes during the run spreads over
+    every figure's pairs (it shows in their quartiles) instead of shifting one figure; the order
+    within a pair alternates from round to round, so that neither half always runs first.
+    """
+    seconds: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in pairs}
+    for i in range(repeats):
+        for name, (op, baseline) in pairs.items():
+            ops, bases = seconds[name]
+            if i % 2:
+                ops.append(_seconds(op))
+                bases.append(_seconds(baseline))
+            else:
+                bases.append(_seconds(baseline))
+                ops.append(_seconds(op))
+    return seconds
+
+
+def _ratios(numerators: list[float], denominators: list[float]) -> tuple[float, list[float]]:
+    """The median of the pairs' ratios, and their quartiles ``[q1, q3]``."""
+    ratios = [n / d for n, d in zip(numerators, denominators, strict=True)]
+    if len(ratios) == 1:
+        return ratios[0], [ratios[0], ratios[0]]
+    q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return median, [q1, q3]
 
 
 def _write_read(path: Path, array: npt.NDArray[Any]) -> None:
@@ -47,10 +104,15 @@ def _write_read(path: Path, array: npt.NDArray[Any]) -> None:
 def synthetic_routes(
     rows: int, layers: int, top_k: int, num_experts: int, rng: np.random.Generator
 ) -> npt.NDArray[np.uint8]:
-    """Valid routes with uniformly random sets: ``(base + j) mod E`` for a random base, shuffled lanes."""
+    """Valid routes with uniformly random sets: ``(base + j) mod E`` for a random base, shuffled lanes.
+
+    Summed in bytes where ``base + j`` cannot pass 255 (the same ids, without a temporary of
+    eight bytes an id: 3.2 GB for the default batch).
+    """
     base = rng.integers(0, num_experts, size=(rows, layers, 1), dtype=np.int64)
     lanes = rng.permutation(top_k)
-    return ((base + lanes) % num_experts).astype(np.uint8)
+    wide = np.uint8 if num_experts + top_k <= 256 else np.int64
+    return ((base.astype(wide) + lanes.astype(wide)) % num_experts).astype(np.uint8)
 
 
 def perturb(
@@ -65,16 +127,24 @@ def perturb(
     return out
 
 
-def _time_disagreement(
-    trace: RoutingTrace, routes: npt.NDArray[np.uint8], repeats: int
-) -> tuple[float, float]:
-    """``compare(trace, other).disagreement`` for a trace of ``routes``, and its median seconds.
+def _disagreement(trace: RoutingTrace, routes: npt.NDArray[np.uint8]) -> tuple[float, Callable[[], object]]:
+    """``compare(trace, other).disagreement`` for a trace of ``routes``, and the call that measures it.
 
-    Measured after one untimed call, which loads the compiled kernel (``harness.trace.swar``).
+    The value comes from one untimed call, which also loads the compiled kernel (``harness.trace.swar``).
     """
     other = RoutingTrace(routes, num_experts=trace.num_experts)
-    disagreement = compare(trace, other).disagreement
-    return disagreement, _median_seconds(lambda: compare(trace, other).disagreement, repeats)
+    return compare(trace, other).disagreement, lambda: compare(trace, other).disagreement
+
+
+def _cpu_name() -> str:
+    """The CPU's model name where Linux says it, else the machine's architecture."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine() or "unknown"
 
 
 def bench_trace(
@@ -86,26 +156,42 @@ def bench_trace(
     repeats: int = 3,
     seed: int = 0,
     directory: Path | None = None,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """Measure validation, disagreement and save + load against a numpy copy of the same bytes.
 
-    ``directory`` holds save + load's file (default: the system's temporary directory).
+    ``directory`` holds save + load's file (default: the system's temporary directory);
+    ``threads`` caps the kernels' threads (default: one per available CPU). Every ``*_vs_*``
+    ratio is the median of ``repeats`` pairs, its ``*_quartiles`` the pairs' first and third quartiles.
     """
+    with kernels.thread_limit(threads) if threads else nullcontext():
+        return _bench_trace(
+            sequences, positions, layers, top_k, num_experts, repeats, seed, directory, threads
+        )
+
+
+def _bench_trace(
+    sequences: int,
+    positions: int,
+    layers: int,
+    top_k: int,
+    num_experts: int,
+    repeats: int,
+    seed: int,
+    directory: Path | None,
+    threads: int | None,
+) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     routes = synthetic_routes(sequences * positions, layers, top_k, num_experts, rng)
     nbytes = routes.nbytes
-    copy_s = _median_seconds(routes.copy, repeats)
     validate_routes(routes[:1], num_experts)  # loads the compiled kernel (harness.trace.swar)
-    validate_s = _median_seconds(lambda: validate_routes(routes, num_experts), repeats)
     trace = RoutingTrace(routes, num_experts=num_experts)
     perturbed = perturb(routes, 0.1, num_experts, rng)
-    disagreement, compare_s = _time_disagreement(trace, perturbed, repeats)
+    disagreement, measure = _disagreement(trace, perturbed)
     # The same sets, each route's lanes shuffled as another kernel might order them: no route
     # matches word for word, so this measures the set comparison itself.
-    shuffled = rng.permuted(perturbed, axis=-1)
+    disagreement_permuted, measure_permuted = _disagreement(trace, rng.permuted(perturbed, axis=-1))
     del perturbed
-    disagreement_permuted, compare_permuted_s = _time_disagreement(trace, shuffled, repeats)
-    del shuffled
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         path = Path(tmp) / "trace.safetensors"
 
@@ -113,30 +199,106 @@ def bench_trace(
             trace.save(path)
             RoutingTrace.load(path)
 
-        save_load_s = _median_seconds(round_trip, repeats)
+        def floor() -> None:
+            _write_read(Path(tmp) / "raw", routes)
+
+        figures = _paired_rounds(
+            {
+                "validate": (lambda: validate_routes(routes, num_experts), routes.copy),
+                "disagreement": (measure, routes.copy),
+                "disagreement_permuted": (measure_permuted, routes.copy),
+                "save_load": (round_trip, routes.copy),
+                "file_floor": (floor, routes.copy),
+                "save_load_vs_file_floor": (round_trip, floor),
+            },
+            repeats,
+        )
         file_bytes = path.stat().st_size
-        floor_s = _median_seconds(lambda: _write_read(Path(tmp) / "raw", routes), repeats)
-    gbps = lambda seconds: nbytes / seconds / 1e9  # noqa: E731
-    return {
+    save_load_s, floor_s = figures.pop("save_load_vs_file_floor")
+    copies = [seconds for _, bases in figures.values() for seconds in bases]
+    result: dict[str, Any] = {
         "shape": [sequences * positions, layers, top_k],
         "num_experts": num_experts,
         "dtype": str(trace.experts.dtype),
         "bytes": nbytes,
-        "copy_gbps": gbps(copy_s),
-        "validate_gbps": gbps(validate_s),
-        "validate_vs_copy": copy_s / validate_s,
-        "disagreement_gbps": gbps(compare_s),
-        "disagreement_vs_copy": copy_s / compare_s,
-        "disagreement_measured": disagreement,
-        "disagreement_permuted_gbps": gbps(compare_permuted_s),
-        "disagreement_permuted_vs_copy": copy_s / compare_permuted_s,
-        "disagreement_permuted_measured": disagreement_permuted,
-        "save_load_gbps": gbps(save_load_s),
-        "save_load_vs_copy": copy_s / save_load_s,
-        "file_floor_gbps": gbps(floor_s),
-        "file_floor_vs_copy": copy_s / floor_s,
-        "save_load_vs_file_floor": floor_s / save_load_s,
-        "directory": str(directory or tempfile.gettempdir()),
-        "stored_bytes_per_position_layer": trace.experts.nbytes / (routes.shape[0] * layers),
-        "file_bytes_per_position_layer": file_bytes / (routes.shape[0] * layers),
+        "threads": threads or kernels.available_cpus(),
+        "repeats": repeats,
+        "cpu": _cpu_name(),
+        "copy_gbps": nbytes / statistics.median(copies) / 1e9,
     }
+    for name, (op_s, copy_s) in figures.items():
+        result[f"{name}_gbps"] = nbytes / statistics.median(op_s) / 1e9
+        result[f"{name}_vs_copy"], result[f"{name}_vs_copy_quartiles"] = _ratios(copy_s, op_s)
+    result["save_load_vs_file_floor"], result["save_load_vs_file_floor_quartiles"] = _ratios(
+        floor_s, save_load_s
+    )
+    result.update(
+        disagreement_measured=disagreement,
+        disagreement_permuted_measured=disagreement_permuted,
+        directory=str(directory or tempfile.gettempdir()),
+        stored_bytes_per_position_layer=trace.experts.nbytes / (routes.shape[0] * layers),
+        file_bytes_per_position_layer=file_bytes / (routes.shape[0] * layers),
+    )
+    return result
+
+
+def recorded_ratios(result: dict[str, Any]) -> dict[str, Any]:
+    """What ``--record`` writes: the run's configuration and each checked ratio with its quartiles."""
+    return {
+        "cpu": result["cpu"],
+        "repeats": result["repeats"],
+        **{name: result[name] for name in RECORDED_CONFIG},
+        "ratios": {
+            name: {"median": result[name], "quartiles": result[f"{name}_quartiles"]}
+            for name in CHECKED_RATIOS
+        },
+    }
+
+
+def load_recorded(path: Path) -> dict[str, Any]:
+    """A file ``--record`` wrote; ``RecordedRatiosError`` naming the file when it is not one."""
+    try:
+        recorded = json.loads(path.read_text())
+        for name in CHECKED_RATIOS:
+            figure = recorded["ratios"][name]
+            float(figure["median"]), float(figure["quartiles"][0]), float(figure["quartiles"][1])
+        missing = [name for name in RECORDED_CONFIG if name not in recorded]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise RecordedRatiosError(
+            f"{path}: not a file of recorded ratios ({type(err).__name__}: {err})"
+        ) from err
+    if missing:
+        raise RecordedRatiosError(f"{path}: not a file of recorded ratios (no {', '.join(missing)})")
+    return dict(recorded)
+
+
+def check_against(result: dict[str, Any], recorded: dict[str, Any]) -> list[tuple[str, bool, str]]:
+    """Each checked ratio of ``result`` against ``recorded``: (name, dropped, what was seen).
+
+    A ratio dropped when its median is below the recorded median by more than the two runs'
+    noise: the interquartile ranges of their pairs, added. Nothing fixed: a noisy run (or
+    recording) widens the margin instead of failing, a pair that a busy moment hit lands outside
+    the quartiles, and a slower kernel moves the median down. ``RecordedRatiosError`` when the
+    two were measured on different configurations.
+    """
+    for name in RECORDED_CONFIG:
+        if result[name] != recorded[name]:
+            raise RecordedRatiosError(
+                f"{name}: this run {result[name]!r}, recorded {recorded[name]!r}; expected equal "
+                "(run with the recorded options, or record again with --record)"
+            )
+    checks = []
+    for name in CHECKED_RATIOS:
+        q1, q3 = result[f"{name}_quartiles"]
+        before = recorded["ratios"][name]
+        before_q1, before_q3 = (float(q) for q in before["quartiles"])
+        bound = float(before["median"]) - (q3 - q1) - (before_q3 - before_q1)
+        checks.append(
+            (
+                name,
+                result[name] < bound,
+                f"{result[name]:.2f} (quartiles {q1:.2f}–{q3:.2f}), recorded {float(before['median']):.2f} "
+                f"(quartiles {before_q1:.2f}–{before_q3:.2f}): the median must reach {bound:.2f}",
+            )
+        )
+    return checks

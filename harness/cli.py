@@ -128,11 +128,15 @@ def _cmd_bench_replay(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_trace(args: argparse.Namespace) -> int:
-    from harness.bench import bench_trace
+    from harness.bench import bench_trace, check_against, load_recorded, recorded_ratios
 
     if args.dir is not None and not args.dir.is_dir():
         print(f"rrh bench trace: --dir {args.dir}: expected an existing directory", file=sys.stderr)
         return 2
+    if args.threads is not None and args.threads < 1:
+        print(f"rrh bench trace: --threads {args.threads}: expected at least 1", file=sys.stderr)
+        return 2
+    recorded = load_recorded(args.against) if args.against is not None else None
     result = bench_trace(
         sequences=args.sequences,
         positions=args.positions,
@@ -141,14 +145,31 @@ def _cmd_bench_trace(args: argparse.Namespace) -> int:
         num_experts=args.num_experts,
         repeats=args.repeats,
         directory=args.dir,
+        threads=args.threads,
     )
+    if args.record is not None:
+        args.record.write_text(json.dumps(recorded_ratios(result), indent=2) + "\n")
+    checks = check_against(result, recorded) if recorded is not None else []
     if args.json:
+        if recorded is not None:
+            result["against"] = [{"ratio": n, "dropped": d, "seen": seen} for n, d, seen in checks]
         print(json.dumps(result, indent=2))
-        return 0
+    else:
+        _print_bench_trace(result)
+        if recorded is not None:
+            where = f"recorded on {recorded['cpu']}, {recorded['repeats']} pairs a ratio"
+            print(f"against {args.against} ({where}):")
+            for name, dropped, seen in checks:
+                print(f"  {'DROPPED' if dropped else 'ok':<8} {name}: {seen}")
+    return 1 if any(dropped for _, dropped, _ in checks) else 0
+
+
+def _print_bench_trace(result: dict[str, Any]) -> None:
     rows, layers, top_k = result["shape"]
     print(
         f"trace {rows} positions × {layers} layers × top-{top_k}, {result['num_experts']} experts, "
-        f"{result['dtype']}, {result['bytes'] / 1e6:.0f} MB"
+        f"{result['dtype']}, {result['bytes'] / 1e6:.0f} MB, {result['threads']} thread(s), "
+        f"{result['repeats']} pairs a ratio"
     )
     print(f"  numpy copy        {result['copy_gbps']:6.2f} GB/s")
     for key, label in (
@@ -157,7 +178,11 @@ def _cmd_bench_trace(args: argparse.Namespace) -> int:
         ("disagreement_permuted", "disagr. permuted"),
         ("save_load", "save + load"),
     ):
-        print(f"  {label:<17} {result[key + '_gbps']:6.2f} GB/s  ({result[key + '_vs_copy']:.2f}× copy)")
+        q1, q3 = result[key + "_vs_copy_quartiles"]
+        print(
+            f"  {label:<17} {result[key + '_gbps']:6.2f} GB/s  ({result[key + '_vs_copy']:.2f}× copy, "
+            f"quartiles {q1:.2f}–{q3:.2f})"
+        )
     floor = result["file_floor_gbps"], result["file_floor_vs_copy"], result["save_load_vs_file_floor"]
     print(
         f"  write+fsync+read  {floor[0]:6.2f} GB/s  ({floor[1]:.2f}× copy; the floor of the file system "
@@ -167,7 +192,6 @@ def _cmd_bench_trace(args: argparse.Namespace) -> int:
         f"  storage           {result['stored_bytes_per_position_layer']:.2f} B/(position, layer) in memory, "
         f"{result['file_bytes_per_position_layer']:.4f} on disk"
     )
-    return 0
 
 
 def _cmd_mutants(args: argparse.Namespace) -> int:
@@ -457,7 +481,11 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--top-k", type=int, default=8, help="experts per (position, layer)")
     trace.add_argument("--num-experts", type=int, default=128, help="experts per MoE layer (the ids' range)")
     trace.add_argument(
-        "--repeats", type=int, default=3, help="timed repetitions per figure (the median is kept)"
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed pairs per ratio (the operation and its baseline one after the other; the median "
+        "ratio is kept)",
     )
     trace.add_argument(
         "--dir",
@@ -465,6 +493,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="where save + load writes its file (default: the system's temporary directory; "
         "a memory-backed one such as /dev/shm takes the disk out of the figure)",
+    )
+    trace.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads the kernels may use (default: one per available CPU; 1 gives per-core figures, "
+        "which another busy process on the machine does not move)",
+    )
+    trace.add_argument(
+        "--record", type=Path, default=None, metavar="JSON", help="write the checked ratios to this file"
+    )
+    trace.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="compare each ratio with the ones --record wrote; exit 1 when one dropped by more than "
+        "both runs' noise (the interquartile ranges of their pairs, added)",
     )
     trace.set_defaults(func=_cmd_bench_trace)
     replay = benches.add_parser(

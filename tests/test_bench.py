@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from harness.bench import bench_trace
+from harness.bench import CHECKED_RATIOS, bench_trace, check_against, recorded_ratios
 from harness.bench_pairs import ForwardShape
 from harness.bench_replay import bench_replay, format_bench_replay
 from harness.bench_tap import bench_tap, format_bench_tap
@@ -32,6 +32,64 @@ def test_cli_prints_every_figure_as_json(tmp_path: Path, capsys: pytest.CaptureF
     figures = json.loads(capsys.readouterr().out)
     for name in ("validate", "disagreement", "disagreement_permuted", "save_load", "file_floor"):
         assert figures[f"{name}_vs_copy"] > 0, name
+
+
+def _figures(median: float, q1: float, q3: float) -> dict[str, Any]:
+    """A result of ``bench_trace`` as ``check_against`` reads it, every checked ratio alike."""
+    result: dict[str, Any] = {"shape": [8, 2, 8], "num_experts": 128, "threads": 1, "directory": "/d"}
+    result.update(cpu="cpu", repeats=9)
+    for name in CHECKED_RATIOS:
+        result[name], result[f"{name}_quartiles"] = median, [q1, q3]
+    return result
+
+
+@pytest.mark.parametrize(
+    ("now", "dropped"),
+    [
+        ((1.0, 0.9, 1.1), False),  # the same
+        ((0.7, 0.6, 0.8), False),  # lower, but within both runs' spread (0.2 + 0.2)
+        ((0.55, 0.5, 0.6), True),  # lower by more than the spread (0.1 + 0.2)
+        ((0.55, 0.3, 1.2), False),  # as low, in a run too noisy to tell
+        ((3.0, 2.0, 4.0), False),  # faster
+    ],
+)
+def test_a_ratio_dropped_when_its_median_fell_by_more_than_both_runs_spread(
+    now: tuple[float, float, float], dropped: bool
+) -> None:
+    recorded = recorded_ratios(_figures(1.0, 0.9, 1.1))
+    checks = check_against(_figures(*now), recorded)
+    assert [name for name, _, _ in checks] == list(CHECKED_RATIOS)
+    assert {flag for _, flag, _ in checks} == {dropped}
+
+
+def test_record_then_against_compares_the_same_configuration_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--record writes what --against reads; another shape, or a file that is not a record, is a
+    usage error (exit 2, one line), never a pass or a drop."""
+    recorded = tmp_path / "ratios.json"
+    args = ["bench", "trace", "--sequences", "2", "--positions", "64", "--layers", "2", "--repeats", "3"]
+    assert main([*args, "--threads", "1", "--dir", str(tmp_path), "--record", str(recorded)]) == 0
+    assert set(json.loads(recorded.read_text())["ratios"]) == set(CHECKED_RATIOS)
+    capsys.readouterr()
+    assert main([*args, "--threads", "1", "--dir", str(tmp_path), "--against", str(recorded)]) in (0, 1)
+    out = capsys.readouterr().out
+    assert all(f" {name}: " in out for name in CHECKED_RATIOS)
+    assert main([*args, "--threads", "1", "--dir", str(tmp_path), "--against", str(recorded), "--json"]) in (
+        0,
+        1,
+    )
+    checks = json.loads(capsys.readouterr().out)["against"]
+    assert [check["ratio"] for check in checks] == list(CHECKED_RATIOS)
+    assert main([*args, "--threads", "2", "--dir", str(tmp_path), "--against", str(recorded)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "rrh bench: threads: this run 2, recorded 1; expected equal (run with the recorded options, "
+        "or record again with --record)"
+    )
+    recorded.write_text("{}")
+    assert main([*args, "--against", str(recorded)]) == 2
+    assert capsys.readouterr().err.startswith(f"rrh bench: {recorded}: not a file of recorded ratios")
+    assert main([*args, "--threads", "0"]) == 2
 
 
 def test_a_dir_that_is_not_a_directory_is_a_usage_error(

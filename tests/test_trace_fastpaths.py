@@ -269,3 +269,24 @@ def test_disagreement_is_the_mean_of_differs(overlap: npt.NDArray[np.uint8], lay
     overlap = np.resize(overlap, (len(overlap), layers))
     result = tr.RoutingComparison(overlap, top_k=4)
     assert result.disagreement == float(result.differs.mean())
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    rows=st.integers(0, 70),
+    layers=st.integers(1, 6),
+    top_k=st.integers(1, 9),
+    workers=st.sampled_from([1, 2, 3]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_agreement_counts_are_numpys(rows: int, layers: int, top_k: int, workers: int, seed: int) -> None:
+    """The compiled counting pass gives numpy's counts, over any split into spans."""
+    overlap = np.random.default_rng(seed).integers(0, top_k + 1, (rows, layers)).astype(np.uint8)
+    with tiny_chunks(1 << 17, workers):
+        counts = tr.AgreementCounts.of(overlap[:, ::-1], top_k)  # a strided view, too
+    differs = overlap[:, ::-1] < top_k
+    np.testing.assert_array_equal(counts.differs_per_layer, np.count_nonzero(differs, axis=0))
+    assert counts.differs_per_layer.dtype == np.int64
+    assert counts.tokens_differ == np.count_nonzero(differs.any(axis=1))
+    assert counts.overlap_sum == int(overlap.sum())
+    assert (counts.positions, counts.top_k) == (rows, top_k)

@@ -44,12 +44,13 @@ BENCH_SHAPE = RunShape(prompts=16, group_size=8, prompt_len=512, response_len=10
 """Qwen3-30B-A3B routing (the default shape's model), with a realistic batch: 16 prompts × 8."""
 
 TARGETS = {
-    "serial_vs_floor": 0.5,
+    "serial_vs_floor": 0.8,
     "processes_vs_serial": 1.6,
     "ray_vs_serial": 1.3,
     "memory_growth": 0.10,
 }
-"""serial ≥ 0.5× the read floor; the pool ≥ 1.6× serial; Ray ≥ 1.3× serial; peak RSS within 10%."""
+"""serial ≥ 0.8× the read floor (issue 32: the checks are a scan, they can come close to the read);
+the pool ≥ 1.6× serial; Ray ≥ 1.3× serial; peak RSS within 10%."""
 
 CONFIGS = ("read_floor", "read_floor_threads", "serial", "processes", "ray")
 

@@ -36,14 +36,18 @@ class AgreementCounts:
 
     @classmethod
     def of(cls, overlap: npt.NDArray[np.uint8], top_k: int) -> AgreementCounts:
-        """The counts of one overlap array ``[positions, moe_layers]`` (``|A ∩ B|`` per cell)."""
-        differs = overlap < top_k
+        """The counts of one overlap array ``[positions, moe_layers]`` (``|A ∩ B|`` per cell).
+
+        One compiled pass over the array (``kernels.agreement``): the figures of every
+        comparison come from here, so this pass costs no more than a read of the overlap.
+        """
+        differs_per_layer, tokens_differ, overlap_sum = kernels.agreement(overlap, top_k)
         return cls(
             top_k=top_k,
             positions=int(overlap.shape[0]),
-            differs_per_layer=np.count_nonzero(differs, axis=0).astype(np.int64),
-            tokens_differ=int(np.count_nonzero(differs.any(axis=1))),
-            overlap_sum=int(overlap.sum(dtype=np.int64)),
+            differs_per_layer=differs_per_layer,
+            tokens_differ=tokens_differ,
+            overlap_sum=overlap_sum,
         )
 
     def merge(self, other: AgreementCounts) -> None:

@@ -14,6 +14,10 @@ their route's parity in a bit no id uses, and compared with the flat ids shifted
 vector operation that compares one pair of every route, and ids of neighbouring routes never
 compare equal.
 
+``agreement`` reduces an overlap array to the counts ``AgreementCounts`` holds, in one compiled
+pass over the array (numpy needed four: a comparison, two axis reductions and a widening sum,
+which together took longer than the overlap itself).
+
 These functions assume what their callers check: arrays of three dimensions, unsigned or signed
 integers, and (for the overlap) distinct ids in every route. Errors are the callers' to word.
 """
@@ -21,10 +25,12 @@ integers, and (for the overlap) distinct ids in every route. Errors are the call
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
+import numba
 import numpy as np
 import numpy.typing as npt
 
@@ -48,13 +54,33 @@ def chunk_rows(row_bytes: int) -> int:
     return max(1, CHUNK_BYTES // max(1, row_bytes))
 
 
+_thread_limit: int | None = None
+
+
+@contextmanager
+def thread_limit(threads: int) -> Iterator[None]:
+    """Inside the block, the kernels run on at most ``threads`` threads.
+
+    For ``rrh bench trace --threads 1``: a per-core figure, which another process on the machine
+    slows no more than the numpy copy it is measured against (a threaded kernel loses a share of
+    the core that process takes; a single-threaded copy does not).
+    """
+    global _thread_limit
+    before, _thread_limit = _thread_limit, threads
+    try:
+        yield
+    finally:
+        _thread_limit = before
+
+
 def map_spans(fn: Callable[[int, int], _T], length: int, nbytes: int) -> list[_T]:
     """``fn(lo, hi)`` over contiguous spans covering ``[0, length)``, in order.
 
-    One span per CPU, each in its own thread, when the work is at least ``PARALLEL_MIN_BYTES``;
-    otherwise one span on the calling thread (threads would cost more than they save).
+    One span per CPU (at most ``thread_limit``'s), each in its own thread, when the work is at
+    least ``PARALLEL_MIN_BYTES``; otherwise one span on the calling thread (threads would cost
+    more than they save).
     """
-    spans = available_cpus() if nbytes >= PARALLEL_MIN_BYTES else 1
+    spans = min(available_cpus(), _thread_limit or available_cpus()) if nbytes >= PARALLEL_MIN_BYTES else 1
     bounds = [length * i // spans for i in range(spans + 1)]
     pairs = [(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
     if len(pairs) <= 1:
@@ -241,3 +267,49 @@ def overlap(
 
     map_spans(scan, rows, a.nbytes + b.nbytes)
     return out
+
+
+# --- agreement counts -----------------------------------------------------------------------------
+
+
+@numba.njit(nogil=True, cache=True)
+def _count_rows(overlap, top_k, differs):  # type: ignore[no-untyped-def]
+    """Add to ``differs[l]`` the rows of ``overlap [rows, layers]`` whose layer l is below ``top_k``.
+
+    Returns (rows below ``top_k`` in some layer, the sum of ``overlap``).
+    """
+    tokens = 0
+    total = 0
+    for r in range(overlap.shape[0]):
+        row_differs = 0
+        row_sum = 0
+        for layer in range(overlap.shape[1]):
+            value = overlap[r, layer]
+            below = 1 if value < top_k else 0
+            differs[layer] += below
+            row_differs |= below
+            row_sum += value
+        tokens += row_differs
+        total += row_sum
+    return tokens, total
+
+
+def agreement(overlap: npt.NDArray[np.uint8], top_k: int) -> tuple[npt.NDArray[np.int64], int, int]:
+    """Counts of an overlap array ``[rows, layers]`` (``|A ∩ B|`` per cell) in one compiled pass.
+
+    Returns (rows whose layer l is below ``top_k``, for each l; rows below ``top_k`` in some
+    layer; the sum of every cell), spans of rows in parallel threads.
+    """
+    rows, layers = overlap.shape
+    source = np.ascontiguousarray(overlap)
+
+    def scan(lo: int, hi: int) -> tuple[npt.NDArray[np.int64], int, int]:
+        differs = np.zeros(layers, dtype=np.int64)
+        tokens, total = _count_rows(source[lo:hi], top_k, differs)
+        return differs, int(tokens), int(total)
+
+    parts = map_spans(scan, rows, source.nbytes)
+    differs = np.zeros(layers, dtype=np.int64)
+    for part, _, _ in parts:
+        differs += part
+    return differs, sum(p[1] for p in parts), sum(p[2] for p in parts)

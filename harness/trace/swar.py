@@ -17,9 +17,16 @@ sets every lane's bits but the top one: the sum never carries across lanes, so t
 clear exactly when some rotation matched it. Numba compiles the kernels (cached on disk after
 the first call) and LLVM vectorises the loop over routes; they release the GIL, so spans of a
 large array run in parallel threads. The numpy kernels in ``kernels`` stay for routes that fit
-no word (top-3, top-8 of uint16, …). Measured on ``rrh bench trace``'s top-8 uint8 routes, two
-threads: the overlap runs at 0.4–0.7× a numpy copy of the routes, against 0.13× for the numpy
-kernel on permuted routes.
+no word (top-3, top-8 of uint16, …).
+
+The overlap compares whole blocks of routes instead (``_overlap_block``): 64 bytes of ``a`` and
+of ``b`` as one vector of lanes (8 routes of top-8 uint8), ``b``'s lanes rotated within each route
+by a constant shuffle, and every lane compared at once, with no zero test: a lane comparison is
+one vector instruction where the SWAR test took four integer operations. It is written as LLVM
+vector IR (generic: LLVM lowers it to the widest vectors the CPU has, e.g. AVX-512's byte
+comparisons into mask registers), and the rotations above finish the last routes of an array
+that fill no block. Measured on one core of ``rrh bench trace``'s machine, routes in cache: 10.7
+GB/s against 5.4 GB/s for the SWAR rotations.
 """
 
 from __future__ import annotations
@@ -29,7 +36,11 @@ from typing import Any
 import numba
 import numpy as np
 import numpy.typing as npt
-from numba import uint64
+from llvmlite import ir
+from numba import types, uint64
+from numba.core.base import BaseContext
+from numba.core.typing.context import BaseContext as TypingContext
+from numba.extending import intrinsic
 
 WORD_BITS = (16, 32, 64)
 """Word widths a route may fill: the unsigned integer dtypes of 2, 4 and 8 bytes."""
@@ -75,36 +86,115 @@ def _lane_matches(words_a, words_b, out, k, lane_bits, first, last):  # type: ig
     return seen != 0
 
 
+BLOCK_BITS = 512
+"""Bits of ``a`` (and of ``b``) one ``_overlap_block`` compares: a 64-byte vector."""
+
+
+def _overlap_block(k: int, lane_bits: int) -> Any:
+    """A compiled ``block(a, b, out, i)``: ``out[i + r] = |A ∩ B|`` of the block's routes ``i + r``.
+
+    ``a, b`` are routes as words (``k`` lanes of ``lane_bits`` each), ``out`` one byte per route,
+    and the block the ``BLOCK_BITS // (k · lane_bits)`` routes from ``i`` (the caller keeps them in
+    bounds). The IR: the block's lanes as one vector of each; ``found`` ORs ``a == b`` over ``b``
+    rotated by ``s = 0 .. k − 1`` lanes within each route (a constant shuffle); the 0/1 lanes of
+    ``found`` are summed within each route in log2(k) rotate-and-add steps (k is 2, 4 or 8), and
+    each route's first lane, narrowed to a byte, is its count. Ids are distinct in a route, so
+    each lane of ``a`` is found at most once and the count is ``|A ∩ B|``.
+    """
+    lanes = BLOCK_BITS // lane_bits
+    routes = lanes // k
+    lane = ir.IntType(lane_bits)
+    vector = ir.VectorType(lane, lanes)
+    counts_type = ir.VectorType(ir.IntType(8), routes)
+    byte_pointer = ir.IntType(8).as_pointer()
+
+    def rotation(s: int) -> ir.Constant:
+        """Shuffle mask: lane j takes lane ``j + s`` of its own route (mod k)."""
+        return ir.Constant(
+            ir.VectorType(ir.IntType(32), lanes), [j - j % k + (j + s) % k for j in range(lanes)]
+        )
+
+    @intrinsic
+    def block(typing_context: TypingContext, a: Any, b: Any, out: Any, i: Any) -> Any:
+        def codegen(context: BaseContext, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
+            arr_a, arr_b, arr_out = (
+                context.make_array(t)(context, builder, v)
+                for t, v in zip(signature.args[:3], args[:3], strict=True)
+            )
+            first = args[3]
+            offset = builder.mul(first, ir.Constant(first.type, k * lane_bits // 8))
+
+            def load(array: Any) -> ir.Value:
+                at = builder.gep(builder.bitcast(array.data, byte_pointer), [offset])
+                return builder.load(builder.bitcast(at, vector.as_pointer()), align=1)
+
+            x, y = load(arr_a), load(arr_b)
+            found = builder.icmp_unsigned("==", x, y)
+            for s in range(1, k):
+                rotated = builder.shuffle_vector(y, y, rotation(s))
+                found = builder.or_(found, builder.icmp_unsigned("==", x, rotated))
+            total = builder.zext(found, vector)
+            step = 1
+            while step < k:
+                total = builder.add(total, builder.shuffle_vector(total, total, rotation(step)))
+                step *= 2
+            firsts = ir.Constant(ir.VectorType(ir.IntType(32), routes), [r * k for r in range(routes)])
+            counts = builder.shuffle_vector(total, total, firsts)
+            if lane_bits > 8:
+                counts = builder.trunc(counts, counts_type)
+            at = builder.gep(arr_out.data, [first])
+            builder.store(counts, builder.bitcast(at, counts_type.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return types.none(a, b, out, i), codegen
+
+    return block
+
+
+_BLOCK_2x8, _BLOCK_4x8, _BLOCK_8x8 = (_overlap_block(k, 8) for k in (2, 4, 8))
+_BLOCK_2x16, _BLOCK_4x16, _BLOCK_2x32 = _overlap_block(2, 16), _overlap_block(4, 16), _overlap_block(2, 32)
+
+
+@numba.njit(nogil=True, inline="always")
+def _overlap_blocks(a, b, out, block, routes, k, lane_bits):  # type: ignore[no-untyped-def]
+    """``out = |A ∩ B|`` per route: whole blocks of ``routes`` routes, the rest by rotations."""
+    full = a.size - a.size % routes
+    for i in range(0, full, routes):
+        block(a, b, out, i)
+    _lane_matches(a[full:], b[full:], out[full:], k, lane_bits, 0, k)
+
+
 # One compiled wrapper per route shape (numba caches module-level functions only, not closures).
-# Overlap: rotations 0 .. k−1. Repeats: rotations 1 .. k/2, of a word against itself.
+# Overlap: blocks of 64 bytes, rotations 0 .. k−1 for the tail. Repeats: rotations 1 .. k/2, of a
+# word against itself.
 @numba.njit(nogil=True, cache=True)
 def _overlap_2x8(a, b, out):  # type: ignore[no-untyped-def]
-    return _lane_matches(a, b, out, 2, 8, 0, 2)
+    _overlap_blocks(a, b, out, _BLOCK_2x8, 32, 2, 8)
 
 
 @numba.njit(nogil=True, cache=True)
 def _overlap_4x8(a, b, out):  # type: ignore[no-untyped-def]
-    return _lane_matches(a, b, out, 4, 8, 0, 4)
+    _overlap_blocks(a, b, out, _BLOCK_4x8, 16, 4, 8)
 
 
 @numba.njit(nogil=True, cache=True)
 def _overlap_8x8(a, b, out):  # type: ignore[no-untyped-def]
-    return _lane_matches(a, b, out, 8, 8, 0, 8)
+    _overlap_blocks(a, b, out, _BLOCK_8x8, 8, 8, 8)
 
 
 @numba.njit(nogil=True, cache=True)
 def _overlap_2x16(a, b, out):  # type: ignore[no-untyped-def]
-    return _lane_matches(a, b, out, 2, 16, 0, 2)
+    _overlap_blocks(a, b, out, _BLOCK_2x16, 16, 2, 16)
 
 
 @numba.njit(nogil=True, cache=True)
 def _overlap_4x16(a, b, out):  # type: ignore[no-untyped-def]
-    return _lane_matches(a, b, out, 4, 16, 0, 4)
+    _overlap_blocks(a, b, out, _BLOCK_4x16, 8, 4, 16)
 
 
 @numba.njit(nogil=True, cache=True)
 def _overlap_2x32(a, b, out):  # type: ignore[no-untyped-def]
-    return _lane_matches(a, b, out, 2, 32, 0, 2)
+    _overlap_blocks(a, b, out, _BLOCK_2x32, 8, 2, 32)
 
 
 @numba.njit(nogil=True, cache=True)
