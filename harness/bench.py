@@ -147,6 +147,24 @@ def _cpu_name() -> str:
     return platform.machine() or "unknown"
 
 
+VECTOR_ISAS = ("avx512bw", "avx2", "sse4_2")
+"""x86 vector extensions, widest first: the compiled kernels' speed against a numpy copy depends on
+which one the CPU has (LLVM vectorises the byte compares to its width)."""
+
+
+def vector_isa() -> str:
+    """The widest of ``VECTOR_ISAS`` the CPU's flags list (Linux), else the machine's architecture:
+    the one CPU property recorded ratios must share with a run to be compared."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                return next((isa for isa in VECTOR_ISAS if isa in flags), platform.machine() or "unknown")
+    except OSError:
+        pass
+    return platform.machine() or "unknown"
+
+
 def bench_trace(
     sequences: int = 256,
     positions: int = 4096,
@@ -224,6 +242,7 @@ def _bench_trace(
         "threads": threads or kernels.available_cpus(),
         "repeats": repeats,
         "cpu": _cpu_name(),
+        "vector_isa": vector_isa(),
         "copy_gbps": nbytes / statistics.median(copies) / 1e9,
     }
     for name, (op_s, copy_s) in figures.items():
@@ -246,6 +265,7 @@ def recorded_ratios(result: dict[str, Any]) -> dict[str, Any]:
     """What ``--record`` writes: the run's configuration and each checked ratio with its quartiles."""
     return {
         "cpu": result["cpu"],
+        "vector_isa": result["vector_isa"],
         "repeats": result["repeats"],
         **{name: result[name] for name in RECORDED_CONFIG},
         "ratios": {
@@ -270,6 +290,19 @@ def load_recorded(path: Path) -> dict[str, Any]:
     if missing:
         raise RecordedRatiosError(f"{path}: not a file of recorded ratios (no {', '.join(missing)})")
     return dict(recorded)
+
+
+def not_comparable(result: dict[str, Any], recorded: dict[str, Any]) -> str | None:
+    """Why ``result`` cannot be held to ``recorded``: a CPU with other vector instructions (a kernel's
+    ratio to a copy is a property of the CPU kind, so another kind's record is no baseline), or
+    ``None``. A file recorded before ``vector_isa`` existed is compared."""
+    before = recorded.get("vector_isa")
+    if before is not None and before != result["vector_isa"]:
+        return (
+            f"recorded on a CPU with {before}, this one's widest is {result['vector_isa']} (a kernel's "
+            "ratio to a copy depends on the vector width): not compared; record this kind with --record"
+        )
+    return None
 
 
 def check_against(result: dict[str, Any], recorded: dict[str, Any]) -> list[tuple[str, bool, str]]:

@@ -128,7 +128,7 @@ def _cmd_bench_replay(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_trace(args: argparse.Namespace) -> int:
-    from harness.bench import bench_trace, check_against, load_recorded, recorded_ratios
+    from harness.bench import bench_trace, check_against, load_recorded, not_comparable, recorded_ratios
 
     if args.dir is not None and not args.dir.is_dir():
         print(f"rrh bench trace: --dir {args.dir}: expected an existing directory", file=sys.stderr)
@@ -149,14 +149,19 @@ def _cmd_bench_trace(args: argparse.Namespace) -> int:
     )
     if args.record is not None:
         args.record.write_text(json.dumps(recorded_ratios(result), indent=2) + "\n")
-    checks = check_against(result, recorded) if recorded is not None else []
+    other_kind = not_comparable(result, recorded) if recorded is not None else None
+    checks = check_against(result, recorded) if recorded is not None and other_kind is None else []
     if args.json:
-        if recorded is not None:
+        if other_kind is not None:
+            result["against"] = {"not_compared": other_kind}
+        elif recorded is not None:
             result["against"] = [{"ratio": n, "dropped": d, "seen": seen} for n, d, seen in checks]
         print(json.dumps(result, indent=2))
     else:
         _print_bench_trace(result)
-        if recorded is not None:
+        if other_kind is not None:
+            print(f"against {args.against}: {other_kind}")
+        elif recorded is not None:
             where = f"recorded on {recorded['cpu']}, {recorded['repeats']} pairs a ratio"
             print(f"against {args.against} ({where}):")
             for name, dropped, seen in checks:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from harness.bench import CHECKED_RATIOS, bench_trace, check_against, recorded_ratios
+from harness.bench import CHECKED_RATIOS, bench_trace, check_against, not_comparable, recorded_ratios
 from harness.bench_pairs import ForwardShape
 from harness.bench_replay import bench_replay, format_bench_replay
 from harness.bench_tap import bench_tap, format_bench_tap
@@ -37,7 +37,7 @@ def test_cli_prints_every_figure_as_json(tmp_path: Path, capsys: pytest.CaptureF
 def _figures(median: float, q1: float, q3: float) -> dict[str, Any]:
     """A result of ``bench_trace`` as ``check_against`` reads it, every checked ratio alike."""
     result: dict[str, Any] = {"shape": [8, 2, 8], "num_experts": 128, "threads": 1, "directory": "/d"}
-    result.update(cpu="cpu", repeats=9)
+    result.update(cpu="cpu", vector_isa="avx512bw", repeats=9)
     for name in CHECKED_RATIOS:
         result[name], result[f"{name}_quartiles"] = median, [q1, q3]
     return result
@@ -60,6 +60,17 @@ def test_a_ratio_dropped_when_its_median_fell_by_more_than_both_runs_spread(
     checks = check_against(_figures(*now), recorded)
     assert [name for name, _, _ in checks] == list(CHECKED_RATIOS)
     assert {flag for _, flag, _ in checks} == {dropped}
+
+
+def test_ratios_recorded_on_another_vector_width_are_not_a_baseline() -> None:
+    """A kernel's ratio to a copy belongs to the CPU kind: a record from a CPU with other vector
+    instructions is named and not compared (never a drop); one from the same kind is compared."""
+    recorded = recorded_ratios(_figures(1.0, 0.9, 1.1))
+    slower_kind = dict(_figures(0.5, 0.45, 0.55), vector_isa="avx2")
+    reason = not_comparable(slower_kind, recorded)
+    assert reason is not None and "avx512bw" in reason and "avx2" in reason
+    assert not_comparable(_figures(0.5, 0.45, 0.55), recorded) is None
+    assert {dropped for _, dropped, _ in check_against(_figures(0.5, 0.45, 0.55), recorded)} == {True}
 
 
 def test_record_then_against_compares_the_same_configuration_only(
