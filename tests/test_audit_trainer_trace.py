@@ -178,14 +178,17 @@ def test_cp2_places_each_ranks_zigzag_chunks_and_names_routes_sharded_contiguous
 def test_the_joined_run_audits_the_same_with_serial_processes_and_ray(
     tp1: tuple[Path, Path, list[Any]], tmp_path: Path
 ) -> None:
-    """The joined run (every step, mutants included), one unit per row group, audited by the serial
-    executor, a process pool and, where Ray imports, a local Ray cluster: the same result, floats and
-    offenders' places included."""
-    from harness.audit import trace_join
+    """The joined run (every step, mutants included), written in small files and audited one unit per
+    row group by the serial executor, a process pool and, where Ray imports, a local Ray cluster: the
+    same result, floats and offenders' places included."""
+    from harness.audit.executors import plan_run
 
     dump, trace, _ = tp1
     run = tmp_path / "run"
-    trace_join.import_joined(dump, trace, run, _layout(), num_experts=8, moe_layers=(1, 2, 3))
+    with RunWriter(run, file_bytes=4_000) as writer:
+        for record in _joined(dump, trace, _layout()):
+            writer.write(record)
+    assert len(plan_run(run, unit_bytes=1).units) > 2, "several units, for the executors to merge"
     serial = audit_run(run, executor="serial", unit_bytes=1).as_dict()
     (fidelity,) = [r for r in serial["invariants"] if r["name"] == "replay_fidelity"]
     assert fidelity["status"] == "violated" and fidelity["offenders"], fidelity
