@@ -581,7 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--trainer-layout",
         metavar="SPEC",
         default="",
-        help="how the traced run was laid out: tp=2,pp=2,dp=1 and max_token_len=N (use_dynamic_bsz) or "
+        help="how the traced run was laid out: tp=2,cp=2,pp=2,dp=1 and max_token_len=N (use_dynamic_bsz) or "
         "micro_batch=N, balance_batch=0 if turned off (with --trainer-trace)",
     )
     audit.add_argument(

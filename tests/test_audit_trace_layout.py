@@ -17,6 +17,9 @@ def test_a_layout_spec_names_megatrons_sizes_and_verls_batching() -> None:
     assert layout.batching.max_token_len_per_gpu == 512 and not layout.batching.balance_batch
     assert layout.rank(dp_rank=1, tp_rank=1, pp_rank=1) == 1 + 2 * (1 + 4 * 1), "tp fastest, then dp, then pp"
     assert parse_layout("micro_batch=2").batching.micro_batch_size_per_gpu == 2
+    cp = parse_layout("tp=2,cp=2,dp=2,pp=2,micro_batch=1")
+    assert (cp.cp, cp.world_size) == (2, 16)
+    assert cp.rank(dp_rank=1, tp_rank=1, pp_rank=1, cp_rank=1) == 1 + 2 * (1 + 2 * (1 + 2)), "tp, cp, dp, pp"
 
 
 @pytest.mark.parametrize(
@@ -25,7 +28,8 @@ def test_a_layout_spec_names_megatrons_sizes_and_verls_batching() -> None:
         ("tp=2", "exactly one of max_token_len"),
         ("max_token_len=8,micro_batch=2", "exactly one of max_token_len"),
         ("tp=two,max_token_len=8", "'tp=two'; expected NAME=INTEGER"),
-        ("cp=2,max_token_len=8", "'cp=2'; expected NAME=INTEGER with NAME one of"),
+        ("vpp=2,max_token_len=8", "'vpp=2'; expected NAME=INTEGER with NAME one of"),
+        ("cp=0,max_token_len=8", "cp=0: expected an integer >= 1"),
         ("tp=0,max_token_len=8", "tp=0: expected an integer >= 1"),
     ],
 )

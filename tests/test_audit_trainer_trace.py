@@ -8,6 +8,7 @@ Needs verl 0.9.1 on megatron-core 0.19.2: ``tox -e verl-0.9.1-mcore-0.19.2``.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -41,9 +42,15 @@ STEPS = {1: None, 2: "native", 3: "one_layer", 4: "previous", 5: "shift"}
 
 
 def _run(
-    tmp: Path, tp: int, pp: int, steps: dict[int, str | None], dp: int = 1, reference: bool = False
+    tmp: Path,
+    tp: int,
+    pp: int,
+    steps: dict[int, str | None],
+    dp: int = 1,
+    reference: bool = False,
+    cp: int = 1,
 ) -> tuple[Path, Path, list[Any]]:
-    """The dump and trace of a traced run on ``tp·pp·dp`` gloo ranks; each step's micro-batch rows
+    """The dump and trace of a traced run on ``tp·cp·pp·dp`` gloo ranks; each step's micro-batch rows
     (rank 0's)."""
     from harness.testing.megatron_cpu import setup_rank
     from harness.testing.ranks import run_ranks
@@ -54,17 +61,17 @@ def _run(
     for step, mutant in steps.items():
         file = run.write_dump(dump, step, EQUAL if mutant == "previous" else LENGTHS, seed=step)
         plan.append((step, str(file), mutant))
-    cfg = {"tp": tp, "pp": pp, "trace": str(tmp / "trace"), "steps": plan, "max_token_len": MAX_TOKENS,
-           "reference": reference}  # fmt: skip
-    ranks = run_ranks(run.traced_run, tp * pp * dp, args=(cfg,), setup=setup_rank, timeout=400)
+    cfg = {"tp": tp, "pp": pp, "cp": cp, "trace": str(tmp / "trace"), "steps": plan,
+           "max_token_len": MAX_TOKENS, "reference": reference}  # fmt: skip
+    ranks = run_ranks(run.traced_run, tp * cp * pp * dp, args=(cfg,), setup=setup_rank, timeout=400)
     return dump, tmp / "trace", ranks.results[0]
 
 
-def _layout(tp: int = 1, pp: int = 1, dp: int = 1) -> Any:
+def _layout(tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1) -> Any:
     from harness.audit.trace_join import TrainerLayout
     from harness.audit.verl_packing import VerlBatching
 
-    return TrainerLayout(VerlBatching(dp=dp, tp=tp, max_token_len_per_gpu=MAX_TOKENS), pp=pp)
+    return TrainerLayout(VerlBatching(dp=dp, tp=tp, cp=cp, max_token_len_per_gpu=MAX_TOKENS), pp=pp)
 
 
 def _joined(dump: Path, trace: Path, layout: Any) -> list[SampleRecord]:
@@ -125,6 +132,71 @@ def test_tp2_with_sequence_parallel_pp2_and_dp2_place_every_row(
     assert offenders[2] and {o["layer"] for o in offenders[2]} == {3}, offenders[2][:3]
 
 
+def _moved_by_contiguous_cp(micro_rows: list[list[int]], tp: int, cp: int) -> set[tuple[int, int]]:
+    """``(dump row, position)`` of each token whose replay target a contiguous CP shard of the targets
+    takes from another row than a zig-zag shard (the token's own): every sample padded to ``tp·cp·2``,
+    CP rank ``c`` holding its chunks ``c`` and ``2cp−1−c`` (tokens) or the rows ``[c·T/cp, (c+1)·T/cp)``
+    of the packed buffer (targets). Worked out here from the micro-batches the run observed."""
+    moved = set()
+    align = 2 * tp * cp
+    for rows in micro_rows:
+        lengths = [sum(LENGTHS[r]) for r in rows]
+        padded = [-(-n // align) * align for n in lengths]
+        starts = [sum(padded[:i]) for i in range(len(rows))]
+        local = sum(padded) // cp
+        for c in range(cp):
+            zigzag = []
+            for start, size in zip(starts, padded, strict=True):
+                half = size // (2 * cp)
+                for chunk in (c, 2 * cp - 1 - c):
+                    zigzag.extend(range(start + chunk * half, start + (chunk + 1) * half))
+            for j, global_row in enumerate(zigzag):
+                if global_row != c * local + j:
+                    i = max(k for k, start in enumerate(starts) if start <= global_row)
+                    if global_row - starts[i] < lengths[i]:
+                        moved.add((rows[i], global_row - starts[i]))
+    return moved
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["cp2", "cp2-tp2-sp"])
+def test_cp2_places_each_ranks_zigzag_chunks_and_names_routes_sharded_contiguously(
+    tp: int, tmp_path: Path
+) -> None:
+    """Context parallel 2 (alone, and with TP2 + SP): correct replay passes, an unreplayed layer is
+    named at that layer, and replay targets sharded contiguously while the tokens are zig-zagged
+    (verl #7297's class) are named only at tokens whose target came from another row."""
+    steps = {1: None, 2: "one_layer", 3: "cp_contiguous"}
+    dump, trace, micro_rows = _run(tmp_path, tp, 1, steps, cp=2)
+    offenders = _offenders(_joined(dump, trace, _layout(tp, cp=2)), tmp_path)
+    assert offenders[1] == [], offenders[1][:3]
+    assert offenders[2] and {o["layer"] for o in offenders[2]} == {3}, offenders[2][:3]
+    moved = _moved_by_contiguous_cp(micro_rows[2], tp, cp=2)
+    named = {(int(o["sample_key"]), int(o["row"])) for o in offenders[3]}
+    assert named and named <= moved, (sorted(named - moved)[:5], len(moved))
+
+
+def test_the_joined_run_audits_the_same_with_serial_processes_and_ray(
+    tp1: tuple[Path, Path, list[Any]], tmp_path: Path
+) -> None:
+    """The joined run (every step, mutants included), written in small files and audited one unit per
+    row group by the serial executor, a process pool and, where Ray imports, a local Ray cluster: the
+    same result, floats and offenders' places included."""
+    from harness.audit.executors import plan_run
+
+    dump, trace, _ = tp1
+    run = tmp_path / "run"
+    with RunWriter(run, file_bytes=4_000) as writer:
+        for record in _joined(dump, trace, _layout()):
+            writer.write(record)
+    assert len(plan_run(run, unit_bytes=1).units) > 2, "several units, for the executors to merge"
+    serial = audit_run(run, executor="serial", unit_bytes=1).as_dict()
+    (fidelity,) = [r for r in serial["invariants"] if r["name"] == "replay_fidelity"]
+    assert fidelity["status"] == "violated" and fidelity["offenders"], fidelity
+    assert audit_run(run, executor="processes", workers=2, unit_bytes=1).as_dict() == serial
+    if importlib.util.find_spec("ray") is not None:
+        assert audit_run(run, executor="ray", unit_bytes=1).as_dict() == serial
+
+
 def _copy(tp1: tuple[Path, Path, list[Any]], tmp: Path) -> tuple[Path, Path]:
     dump, trace, _ = tp1
     shutil.copytree(trace, tmp / "trace")
@@ -160,6 +232,8 @@ def test_a_trace_that_cannot_be_placed_is_one_input_error_naming_rank_record_and
 
     with pytest.raises(LayoutError, match=r"ranks \[0\]; expected .* 0\.\.1"):
         _joined(dump, trace, _layout(tp=2))  # a layout the trace was not taken with
+    with pytest.raises(LayoutError, match=r"ranks \[0\]; expected .* 0\.\.1 \(tp·cp·dp·pp = 1·2·1·1\)"):
+        _joined(dump, trace, _layout(cp=2))
 
 
 def test_a_step_the_dump_does_not_hold_and_a_layer_out_of_stage_are_input_errors(

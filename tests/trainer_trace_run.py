@@ -17,10 +17,13 @@ sample, row and layer.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import torch
@@ -29,11 +32,13 @@ from harness.trainers.megatron.model import VOCAB
 
 E, K, NUM_LAYERS, MOE = 8, 2, 4, (1, 2, 3)
 """Experts, top-k, decoder layers and MoE layers (layer 0 dense) of the tiny model."""
-MUTANTS = ("native", "one_layer", "previous", "shift")
+MUTANTS = ("native", "one_layer", "previous", "shift", "cp_contiguous")
 """``native``: replay data installed, REPLAY_FORWARD never set (routers route natively, verl #7340);
 ``one_layer``: the router of decoder layer ``UNREPLAYED`` left without an action; ``previous``: micro-
 batches after the first keep the previous micro-batch's targets; ``shift``: MoE layer i replays MoE
-layer i−1's routes (the first gets the last's; verl #5037's class)."""
+layer i−1's routes (the first gets the last's; verl #5037's class); ``cp_contiguous``: under CP the replay
+targets are sharded contiguously (``_contiguous_targets``) while the tokens are zig-zagged (verl #7297's
+class)."""
 UNREPLAYED = 3
 
 
@@ -111,10 +116,38 @@ def _shift(routes: torch.Tensor) -> torch.Tensor:
     return torch.nested.nested_tensor_from_jagged(values, offsets=routes.offsets())
 
 
+@contextlib.contextmanager
+def _contiguous_targets(utils: Any) -> Iterator[None]:
+    """``set_router_replay_data`` packing the replay targets (and their mask) as the tokens, each sample
+    padded to ``tp·cp·2``, but giving CP rank ``c`` the contiguous rows ``[c·T/cp, (c+1)·T/cp)`` of the
+    packed buffer instead of its zig-zag chunks. (verl's own ``cp_layout="contiguous"`` cannot run on
+    megatron-core 0.19.2: it needs ``PackedSeqParams.cp_partition_mode``, and it pads to ``tp·cp`` only.)"""
+    from megatron.core import parallel_state as ps
+    from verl.models.mcore import util
+
+    original = utils.preprocess_thd_engine
+
+    def contiguous(values: Any, **kwargs: Any) -> Any:
+        cp, rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+        align = ps.get_tensor_model_parallel_world_size() * cp * 2
+        with (
+            mock.patch.object(util.mpu, "get_context_parallel_world_size", lambda: 1),
+            mock.patch.object(util.mpu, "get_context_parallel_rank", lambda: 0),
+            mock.patch.object(util.mpu, "get_tensor_model_parallel_world_size", lambda: align),
+        ):
+            packed, params, positions = original(values, **kwargs)
+        local = packed.shape[1] // cp  # [1, T, ...]
+        return packed[:, rank * local : (rank + 1) * local], params, positions
+
+    with mock.patch.object(utils, "preprocess_thd_engine", contiguous):
+        yield
+
+
 def _forward(model: Any, link: Any, mb: Any, tp: int) -> None:
     """One micro-batch through this rank's stage as verl's ``model_forward`` feeds it (THD, no grad):
     ``preprocess_thd_engine``'s packed ids, positions and ``PackedSeqParams``; activations to and from
     the neighbouring pipeline stages."""
+    from megatron.core import parallel_state as ps
     from verl.models.mcore.util import preprocess_thd_engine
 
     from harness.trainers.megatron.model import HIDDEN
@@ -123,7 +156,7 @@ def _forward(model: Any, link: Any, mb: Any, tp: int) -> None:
     ids, params, positions = preprocess_thd_engine(mb["input_ids"], pre_process=True)
     with torch.no_grad():
         if not link.first_stage:
-            rows = params.cu_seqlens_q_padded[-1].item() // tp
+            rows = params.cu_seqlens_q_padded[-1].item() // (tp * ps.get_context_parallel_world_size())
             stage_input(link, model, (rows, 1, HIDDEN), torch.device("cpu"))
         out = model(
             input_ids=ids.view(1, -1), position_ids=positions.view(1, -1), attention_mask=None,
@@ -151,9 +184,11 @@ def traced_run(rank: int, world_size: int, cfg: dict[str, Any]) -> list[list[lis
     from harness.trainers.megatron.model import build_gpt, tiny_config
     from suites.megatron_pipeline import StageLink
 
-    tp, pp = cfg["tp"], cfg["pp"]
+    tp, pp, cp = cfg["tp"], cfg["pp"], cfg.get("cp", 1)
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+    )
     model_parallel_cuda_manual_seed(7)
     utils.device_name = "cpu"
     apply_router_replay_patch()
@@ -173,7 +208,8 @@ def traced_run(rank: int, world_size: int, cfg: dict[str, Any]) -> list[list[lis
             targets = utils.align_r3_router_replay_data(routes, mb["input_ids"])
             mask = utils.build_r3_replay_mask(mb["input_ids"], mb["response_mask"])
             if mutant != "previous" or index == 0:
-                utils.set_router_replay_data(targets, None, config, 0, replay_mask=mask, model=[model])
+                with _contiguous_targets(utils) if mutant == "cp_contiguous" else contextlib.nullcontext():
+                    utils.set_router_replay_data(targets, None, config, 0, replay_mask=mask, model=[model])
             if mutant != "native":
                 RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             if mutant == "one_layer":

@@ -8,9 +8,13 @@ packed local order, and no sample id or position. This module places every trace
 - the framework's packing of the step, computed by its own functions (verl 0.9.1:
   ``harness.audit.verl_packing``): which dump rows each DP rank's micro-batches hold, in what order,
   at which offsets of the packed (THD) buffer;
-- what megatron-core does per rank (``TrainerLayout``): global rank ``tp_rank + tp·(dp_rank + dp·pp_rank)``
-  (its default order ``tp-cp-ep-dp-pp``, CP = 1); under sequence parallelism TP rank ``t`` routes the
-  contiguous rows ``[t·T/tp, (t+1)·T/tp)`` of the packed buffer (``reference_impl.layouts.sp_shard``);
+- what megatron-core does per rank (``TrainerLayout``): global rank
+  ``tp_rank + tp·(cp_rank + cp·(dp_rank + dp·pp_rank))`` (its default order ``tp-cp-ep-dp-pp``);
+  under context parallelism CP rank ``c`` holds, of each sample padded to ``tp·cp·2``, the zig-zag
+  chunks ``c`` and ``2·cp − 1 − c`` of ``2·cp`` (verl's ``preprocess_thd_engine``, the same for
+  tokens and replayed routes; ``reference_impl.layouts.cp_zigzag_indices``), samples in packed order;
+  under sequence parallelism TP rank ``t`` routes the contiguous rows ``[t·T/tp, (t+1)·T/tp)`` of
+  that rank-local buffer (``reference_impl.layouts.sp_shard``);
   PP rank ``p`` holds the decoder layers ``pp_layer_ranges(num_layers, pp)[p]`` and its trace numbers
   them locally (``decoder.layers.<i>`` of its own module).
 
@@ -50,13 +54,13 @@ from harness.audit.verl_packing import MicroBatch, VerlBatching, step_packing
 from harness.audit.writer import RunWriter
 from harness.trainers.megatron.layout import MegatronReplayError
 from harness.trainers.megatron.packed import check_cu_seqlens, packed_slots
-from reference_impl.layouts import pp_layer_ranges, sp_shard
+from reference_impl.layouts import cp_zigzag_indices, pp_layer_ranges, sp_shard
 
 SOURCE = "verl RolloutSkip gen_batch.dp + megatron-core router trace (rrh audit --trainer-trace)"
 NOTES = (
     "trainer routes read from megatron-core's router trace, placed through verl 0.9.1's own packing "
-    "(balance, micro-batches, THD) and megatron-core's SP slice and PP stages; each step's first pass (the "
-    "old-log-prob forward) is judged",
+    "(balance, micro-batches, THD) and megatron-core's CP zig-zag, SP slice and PP stages; each step's "
+    "first pass (the old-log-prob forward) is judged",
 )
 
 
@@ -76,18 +80,22 @@ class TrainerLayout:
         return self.batching.dp
 
     @property
-    def world_size(self) -> int:
-        return self.tp * self.dp * self.pp
+    def cp(self) -> int:
+        return self.batching.cp
 
-    def rank(self, dp_rank: int, tp_rank: int, pp_rank: int) -> int:
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    def rank(self, dp_rank: int, tp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
         """The global rank at these coordinates (megatron-core's default order ``tp-cp-ep-dp-pp``)."""
-        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+        return tp_rank + self.tp * (cp_rank + self.cp * (dp_rank + self.dp * pp_rank))
 
 
 def parse_layout(text: str) -> TrainerLayout:
-    """``tp=2,pp=2,dp=1,max_token_len=512`` (or ``micro_batch=2``), ``balance_batch=0`` to turn verl's
-    balancing off: the ``--trainer-layout`` of ``rrh audit``."""
-    known = {"tp", "pp", "dp", "max_token_len", "micro_batch", "balance_batch"}
+    """``tp=2,cp=2,pp=2,dp=1,max_token_len=512`` (or ``micro_batch=2``), ``balance_batch=0`` to turn
+    verl's balancing off: the ``--trainer-layout`` of ``rrh audit``."""
+    known = {"tp", "cp", "pp", "dp", "max_token_len", "micro_batch", "balance_batch"}
     values: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, sep, value = part.partition("=")
@@ -99,6 +107,7 @@ def parse_layout(text: str) -> TrainerLayout:
     batching = VerlBatching(
         dp=values.get("dp", 1),
         tp=values.get("tp", 1),
+        cp=values.get("cp", 1),
         balance_batch=bool(values.get("balance_batch", 1)),
         max_token_len_per_gpu=values.get("max_token_len"),
         micro_batch_size_per_gpu=values.get("micro_batch"),
@@ -109,10 +118,14 @@ def parse_layout(text: str) -> TrainerLayout:
     return TrainerLayout(batching, pp)
 
 
-def _slots(mb: MicroBatch, tp: int, tp_rank: int, where: str) -> npt.NDArray[np.int64]:
-    """``(sample index in mb, position)`` of each row TP rank ``tp_rank`` routes (``-1`` on filler)."""
+def _slots(
+    mb: MicroBatch, layout: TrainerLayout, tp_rank: int, cp_rank: int, where: str
+) -> npt.NDArray[np.int64]:
+    """``(sample index in mb, position)`` of each row that TP rank ``tp_rank`` of CP rank ``cp_rank``
+    routes (``-1`` on filler): each sample's zig-zag chunks of the CP rank, then its SP slice."""
     import torch
 
+    tp, cp = layout.tp, layout.cp
     try:
         align = check_cu_seqlens(
             mb.lengths, torch.tensor([0, *np.cumsum(mb.lengths)]), torch.tensor(mb.cu_seqlens_padded), tp
@@ -120,6 +133,18 @@ def _slots(mb: MicroBatch, tp: int, tp_rank: int, where: str) -> npt.NDArray[np.
     except MegatronReplayError as err:
         raise LayoutError(f"{where}: {err}") from None
     slots = packed_slots(mb.lengths, align)
+    if cp > 1:
+        if align % (2 * tp * cp):
+            raise LayoutError(
+                f"{where}: cu_seqlens_q_padded {list(mb.cu_seqlens_padded)}; expected each sample padded "
+                f"to a multiple of tp·cp·2 = {2 * tp * cp} (verl's zig-zag CP layout)"
+            )
+        starts, ends = mb.cu_seqlens_padded[:-1], mb.cu_seqlens_padded[1:]
+        held = [
+            start + cp_zigzag_indices(end - start, cp, cp_rank)
+            for start, end in zip(starts, ends, strict=True)
+        ]
+        slots = slots[torch.cat(held)]
     return (sp_shard(slots, tp, tp_rank) if tp > 1 else slots).numpy()
 
 
@@ -151,9 +176,10 @@ class _StepJoin:
         plan: list[MicroBatch],
         tp_rank: int,
         pp_rank: int,
+        cp_rank: int,
     ) -> None:
         """Place one rank's decoder calls of the step's first pass (``plan``: its DP rank's micro-batches)."""
-        tp = self.layout.tp
+        tp, cp = self.layout.tp, self.layout.cp
         stage = pp_layer_ranges(self.width, self.layout.pp)[pp_rank][0]
         by_layer: dict[int, list[megatron_lm.RouterCall]] = defaultdict(list)
         for call in calls:
@@ -174,7 +200,7 @@ class _StepJoin:
                 f"rank {rank}: step {self.step} has no record of decoder layer {missing[0]} (local "
                 f"{missing[0] - stage.start}); expected every MoE layer of pp rank {pp_rank}: {held}"
             )
-        want = [mb.packed_rows // tp for mb in plan]
+        want = [mb.packed_rows // (tp * cp) for mb in plan]
         for local, layer_calls in sorted(by_layer.items()):
             got = [c.num_tokens for c in layer_calls]
             if got[: len(want)] != want:
@@ -184,12 +210,13 @@ class _StepJoin:
                 raise LayoutError(
                     f"{where}: rank {rank} step {self.step} local layer {local}: record {bad} {what}; "
                     f"expected {want[bad]} (micro-batch {bad} of {len(want)}: verl's packing of dump rows "
-                    f"{list(plan[bad].rows)[:8]}, T/tp with tp={tp}; the old-log-prob forward's calls {want})"
+                    f"{list(plan[bad].rows)[:8]}, T/(tp·cp) with tp={tp}, cp={cp}; the old-log-prob "
+                    f"forward's calls {want})"
                 )
             self.later += len(got) - len(want)
             layer = stage.start + local
             for call, mb in zip(layer_calls, plan, strict=False):  # the first pass; later calls counted
-                slots = _slots(mb, tp, tp_rank, call.where)
+                slots = _slots(mb, self.layout, tp_rank, cp_rank, call.where)
                 real = slots[:, 0] >= 0
                 rows = np.asarray(mb.rows, dtype=np.int64)[slots[real, 0]]
                 flat = self.offsets[rows] + slots[real, 1]
@@ -206,7 +233,7 @@ class _StepJoin:
                 pos, slot = (int(x) for x in np.argwhere(holes)[0])
                 raise LayoutError(
                     f"step {self.step}: no rank routed {record.origin} position {pos} decoder layer "
-                    f"{moe[slot]}; expected the trace of every TP and PP rank of its DP rank"
+                    f"{moe[slot]}; expected the trace of every TP, CP and PP rank of its DP rank"
                 )
             yield dataclasses.replace(
                 record,
@@ -239,7 +266,7 @@ def records(
     """The verl dump's samples, step by step, each with the trainer's dispatched routes from the trace
     (the old-log-prob forward's); how many later router calls were not placed goes to ``notes``.
 
-    Every rank ``0 … tp·dp·pp − 1`` must have a trace file, and each file the dump's steps in order.
+    Every rank ``0 … tp·cp·dp·pp − 1`` must have a trace file, and each file the dump's steps in order.
     """
     files = verl_dump.dump_files(Path(dump))
     if not files:
@@ -253,7 +280,8 @@ def records(
         odd = sorted(set(ranks) ^ expected)
         raise LayoutError(
             f"{trace}: trace files of ranks {sorted(ranks)}; expected router_trace_rank{{r}}.jsonl for r "
-            f"in 0..{layout.world_size - 1} (tp·dp·pp = {layout.tp}·{layout.dp}·{layout.pp}), rank {odd[0]} "
+            f"in 0..{layout.world_size - 1} (tp·cp·dp·pp = {layout.tp}·{layout.cp}·{layout.dp}·{layout.pp}), "
+            f"rank {odd[0]} "
             "differs"
         )
     streams = {r: megatron_lm.rank_steps(f, r, experts) for r, f in ranks.items()}
@@ -265,10 +293,11 @@ def records(
         join = _StepJoin(step, engine, layout)
         for pp_rank in range(layout.pp):
             for dp_rank in range(layout.dp):
-                for tp_rank in range(layout.tp):
-                    rank = layout.rank(dp_rank, tp_rank, pp_rank)
-                    calls = _next_step(streams[rank], rank, step, ranks[rank])
-                    join.place(rank, calls, plans[dp_rank], tp_rank, pp_rank)
+                for cp_rank in range(layout.cp):
+                    for tp_rank in range(layout.tp):
+                        rank = layout.rank(dp_rank, tp_rank, pp_rank, cp_rank)
+                        calls = _next_step(streams[rank], rank, step, ranks[rank])
+                        join.place(rank, calls, plans[dp_rank], tp_rank, pp_rank, cp_rank)
         yield from join.records(replay)
         later[step] = join.later
     for rank, stream in streams.items():
@@ -325,7 +354,7 @@ def import_for_cli(args: Any, dump: Path, directory: str) -> tuple[list[str], li
     layout = parse_layout(args.trainer_layout)
     print(
         f"importing {dump} as a verl RolloutSkip dump joined with megatron-core's router trace "
-        f"{args.trainer_trace} (tp={layout.tp}, pp={layout.pp}, dp={layout.dp})",
+        f"{args.trainer_trace} (tp={layout.tp}, cp={layout.cp}, pp={layout.pp}, dp={layout.dp})",
         file=sys.stderr,
     )
     inferred: list[str] = []

@@ -15,13 +15,15 @@ release's own code on the dumped batch, in the order verl's trainer and Megatron
    ranks the micro-batch count is the largest of any rank (verl all-reduces it with MAX; here the
    count of every rank is computed first and passed back as ``min_num_micro_batch``);
 5. ``preprocess_thd_engine`` (``models/mcore/util.py``): each micro-batch packed into one THD
-   sequence, each sample padded to ``tp`` (``cu_seqlens_q_padded``).
+   sequence, each sample padded to ``tp`` (``cu_seqlens_q_padded``), to ``tp·cp·2`` under context
+   parallelism (its zig-zag layout; the offsets are the same on every CP rank).
 
 A row index rides along in the batch through every step (``rrh_row``), so the dump row of every
 packed sample is observed, not inferred. Nothing here is re-implemented; what megatron-core then
 does per rank (the TP rank's slice under sequence parallelism, the layers of a PP stage) is the
-join's (``harness.audit.trace_join``). CP, VPP and FP8 padding are not modelled: ``VerlBatching``
-has no setting for them, and ``--trainer-layout`` refuses one.
+join's (``harness.audit.trace_join``), and so is which zig-zag chunks of each sample a CP rank holds.
+VPP, FP8 padding and verl's ``contiguous`` CP layout (``dsv4_hybrid`` attention only) are not
+modelled: ``VerlBatching`` has no setting for them, and ``--trainer-layout`` refuses one.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class MicroBatch:
 
     @property
     def packed_rows(self) -> int:
-        """Rows of the packed buffer (all TP ranks together)."""
+        """Rows of the packed buffer (all TP and CP ranks together)."""
         return self.cu_seqlens_padded[-1]
 
 
@@ -63,6 +65,8 @@ class VerlBatching:
 
     dp: int = 1
     tp: int = 1
+    cp: int = 1
+    """Context-parallel size (verl's zig-zag layout: each sample padded to ``tp·cp·2``)."""
     balance_batch: bool = True
     """``trainer.balance_batch`` (verl's default: True)."""
     max_token_len_per_gpu: int | None = None
@@ -71,7 +75,7 @@ class VerlBatching:
     """``log_prob_micro_batch_size_per_gpu`` (fixed split, ``use_dynamic_bsz=False``)."""
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp"):
+        for name in ("dp", "tp", "cp"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"{name}={getattr(self, name)}: expected an integer >= 1")
         if (self.max_token_len_per_gpu is None) == (self.micro_batch_size_per_gpu is None):
@@ -102,15 +106,16 @@ def _require_verl() -> None:
 
 
 @contextlib.contextmanager
-def _parallel_sizes(tp: int) -> Iterator[None]:
+def _parallel_sizes(tp: int, cp: int) -> Iterator[None]:
     """Megatron's parallel-state getters that ``preprocess_thd_engine`` reads, answering the run's
-    sizes (TP ``tp``, CP 1) in a process that holds no model-parallel groups."""
+    sizes (TP ``tp``, CP ``cp``, as CP rank 0: the padded offsets do not depend on the rank) in a
+    process that holds no model-parallel groups."""
     from verl.models.mcore import util
 
     with contextlib.ExitStack() as stack:
         for name, value in (
             ("get_tensor_model_parallel_world_size", tp),
-            ("get_context_parallel_world_size", 1),
+            ("get_context_parallel_world_size", cp),
             ("get_context_parallel_rank", 0),
         ):
             stack.enter_context(mock.patch.object(util.mpu, name, lambda v=value: v))
@@ -177,7 +182,7 @@ def step_packing(
             micro, _ = prepare_micro_batches(data=chunk, dp_group=None, min_num_micro_batch=max(counts))
             plan = []
             for mb in micro:
-                with _parallel_sizes(batching.tp):
+                with _parallel_sizes(batching.tp, batching.cp):
                     _, params, _ = preprocess_thd_engine(mb["input_ids"], pre_process=False)
                 plan.append(
                     MicroBatch(
