@@ -127,11 +127,18 @@ def _cmd_bench_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dir_missing(bench: str, directory: Path | None) -> bool:
+    """Whether ``--dir`` names no existing directory, said in one line on stderr (a usage error)."""
+    if directory is not None and not directory.is_dir():
+        print(f"rrh bench {bench}: --dir {directory}: expected an existing directory", file=sys.stderr)
+        return True
+    return False
+
+
 def _cmd_bench_trace(args: argparse.Namespace) -> int:
     from harness.bench import bench_trace, check_against, load_recorded, not_comparable, recorded_ratios
 
-    if args.dir is not None and not args.dir.is_dir():
-        print(f"rrh bench trace: --dir {args.dir}: expected an existing directory", file=sys.stderr)
+    if _dir_missing("trace", args.dir):
         return 2
     if args.threads is not None and args.threads < 1:
         print(f"rrh bench trace: --threads {args.threads}: expected at least 1", file=sys.stderr)
@@ -378,6 +385,8 @@ def _cmd_bench_tap(args: argparse.Namespace) -> int:
 def _cmd_bench_audit(args: argparse.Namespace) -> int:
     from harness.audit.bench import bench_audit, format_bench_audit
 
+    if _dir_missing("audit", args.dir):
+        return 2
     result = bench_audit(size_bytes=args.size, directory=args.dir)
     print(json.dumps(result, indent=2) if args.json else format_bench_audit(result))
     return 0

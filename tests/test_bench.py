@@ -103,13 +103,14 @@ def test_record_then_against_compares_the_same_configuration_only(
     assert main([*args, "--threads", "0"]) == 2
 
 
+@pytest.mark.parametrize("bench", ["trace", "audit"])
 def test_a_dir_that_is_not_a_directory_is_a_usage_error(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], bench: str
 ) -> None:
-    assert main(["bench", "trace", "--dir", str(tmp_path / "missing")]) == 2
+    assert main(["bench", bench, "--dir", str(tmp_path / "missing")]) == 2
     assert (
         capsys.readouterr().err.strip()
-        == f"rrh bench trace: --dir {tmp_path / 'missing'}: expected an existing directory"
+        == f"rrh bench {bench}: --dir {tmp_path / 'missing'}: expected an existing directory"
     )
 
 
