@@ -328,13 +328,16 @@ def step_layers(
     step: int,
     samples: Sequence[tuple[str, npt.NDArray[Any], npt.NDArray[np.bool_] | None]],
     source: str,
+    num_layers: int,
 ) -> tuple[int, ...]:
-    """The MoE layers to write one step's records with: the given ones, or (``vote`` not ``None``)
-    the samples' votes — the first step with a captured route decides the run's layout, every step
-    after it votes too (for ``LayerVote.notes``). ``samples``: ``(place, routes, captured)`` of each."""
-    if vote is None:
-        assert moe_layers is not None
+    """The MoE layers to write one step's records with, checked against the ``num_layers`` decoder
+    layers of the routes: the given ones, or the samples' votes (``vote``, a fresh one when neither
+    is given) — the first step with a captured route decides the run's layout, every step after it
+    votes too (for ``LayerVote.notes``). ``samples``: ``(place, routes, captured)`` of each."""
+    if vote is None and moe_layers is not None:
+        check_moe_layers(moe_layers, num_layers, source)
         return moe_layers
+    vote = LayerVote() if vote is None else vote
     for place, routes, captured in samples:
         vote.add(step, signature(routes, captured), place)
     if vote.layers is None and vote.decide([step]) is None:
@@ -343,4 +346,5 @@ def step_layers(
             f"from it; expected {vote.flag} (or {MOE_LAYERS_ENV})"
         )
     assert vote.layers is not None
+    check_moe_layers(vote.layers, num_layers, source)
     return vote.layers

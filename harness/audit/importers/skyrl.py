@@ -43,7 +43,6 @@ import numpy.typing as npt
 from harness.audit.importers import safe_pickle
 from harness.audit.importers.model_shape import (
     LayerVote,
-    check_moe_layers,
     ids_fit,
     moe_layers_input,
     num_experts_input,
@@ -307,12 +306,8 @@ def batch_records(
         if not ids_fit(engine, num_experts, f"{source} batch row {i}", step, i, column, errors):
             continue
         samples.append((i, prompt, resp, first, engine, captured, column))
-    if vote is None and moe_layers is None:
-        vote = LayerVote()
-    moe_layers = step_layers(
-        vote, moe_layers, step, [(f"{source} batch row {s[0]}", s[4], s[5]) for s in samples], source
-    )
-    check_moe_layers(moe_layers, num_layers, source)
+    places = [(f"{source} batch row {s[0]}", s[4], s[5]) for s in samples]
+    moe_layers = step_layers(vote, moe_layers, step, places, source, num_layers)
     out = []
     for i, prompt, resp, first, engine, captured, column in samples:
         tail = (i, slice(r_max - resp, r_max))
