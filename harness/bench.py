@@ -11,8 +11,8 @@ Each ratio is measured in pairs: the operation and its baseline timed one after 
 ``repeats`` times, and the ratio of each pair kept (a load that comes and goes slows both halves
 of a pair alike); a figure is the median of its pairs, and the interquartile range of the pairs
 is the noise of this run. ``check_against`` compares a run's ratios with those recorded in a JSON
-file (``rrh bench trace --against``) and names each that dropped by more than the two runs'
-noise.
+file (``rrh bench trace --against``) and names each that dropped by more than the noise measured:
+the two runs' and the spread between the machines of this CPU kind the file holds runs of.
 """
 
 from __future__ import annotations
@@ -261,17 +261,30 @@ def _bench_trace(
     return result
 
 
-def recorded_ratios(result: dict[str, Any]) -> dict[str, Any]:
-    """What ``--record`` writes: the run's configuration and each checked ratio with its quartiles."""
-    return {
+def recorded_ratios(result: dict[str, Any], before: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What ``--record`` writes: the run's configuration and, per recorded run, each checked ratio
+    with its quartiles. ``before`` (a file ``--record`` wrote) keeps its runs and gains this one, so
+    the file holds every machine of this CPU kind measured so far; ``RecordedRatiosError`` when it
+    was recorded with another configuration or on another CPU kind."""
+    runs = []
+    if before is not None:
+        _same_configuration(result, before)
+        other_kind = not_comparable(result, before)
+        if other_kind is not None:
+            raise RecordedRatiosError(f"cannot add this run to the record: {other_kind}")
+        runs = list(before["runs"])
+    run = {
         "cpu": result["cpu"],
-        "vector_isa": result["vector_isa"],
-        "repeats": result["repeats"],
-        **{name: result[name] for name in RECORDED_CONFIG},
         "ratios": {
             name: {"median": result[name], "quartiles": result[f"{name}_quartiles"]}
             for name in CHECKED_RATIOS
         },
+    }
+    return {
+        "vector_isa": result["vector_isa"],
+        "repeats": result["repeats"],
+        **{name: result[name] for name in RECORDED_CONFIG},
+        "runs": [*runs, run],
     }
 
 
@@ -279,10 +292,13 @@ def load_recorded(path: Path) -> dict[str, Any]:
     """A file ``--record`` wrote; ``RecordedRatiosError`` naming the file when it is not one."""
     try:
         recorded = json.loads(path.read_text())
-        for name in CHECKED_RATIOS:
-            figure = recorded["ratios"][name]
-            float(figure["median"]), float(figure["quartiles"][0]), float(figure["quartiles"][1])
-        missing = [name for name in RECORDED_CONFIG if name not in recorded]
+        if not recorded["runs"]:
+            raise ValueError("runs: expected at least one recorded run")
+        for run in recorded["runs"]:
+            for name in CHECKED_RATIOS:
+                figure = run["ratios"][name]
+                float(figure["median"]), float(figure["quartiles"][0]), float(figure["quartiles"][1])
+        missing = [name for name in ("vector_isa", "repeats", *RECORDED_CONFIG) if name not in recorded]
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise RecordedRatiosError(
             f"{path}: not a file of recorded ratios ({type(err).__name__}: {err})"
@@ -305,33 +321,49 @@ def not_comparable(result: dict[str, Any], recorded: dict[str, Any]) -> str | No
     return None
 
 
-def check_against(result: dict[str, Any], recorded: dict[str, Any]) -> list[tuple[str, bool, str]]:
-    """Each checked ratio of ``result`` against ``recorded``: (name, dropped, what was seen).
-
-    A ratio dropped when its median is below the recorded median by more than the two runs'
-    noise: the interquartile ranges of their pairs, added. Nothing fixed: a noisy run (or
-    recording) widens the margin instead of failing, a pair that a busy moment hit lands outside
-    the quartiles, and a slower kernel moves the median down. ``RecordedRatiosError`` when the
-    two were measured on different configurations.
-    """
+def _same_configuration(result: dict[str, Any], recorded: dict[str, Any]) -> None:
     for name in RECORDED_CONFIG:
         if result[name] != recorded[name]:
             raise RecordedRatiosError(
                 f"{name}: this run {result[name]!r}, recorded {recorded[name]!r}; expected equal "
                 "(run with the recorded options, or record again with --record)"
             )
+
+
+def check_against(result: dict[str, Any], recorded: dict[str, Any]) -> list[tuple[str, bool, str]]:
+    """Each checked ratio of ``result`` against ``recorded``: (name, dropped, what was seen).
+
+    Two noises are measured, and a ratio dropped only when its median fell below both: the noise
+    of a run (the interquartile range of its pairs, this run's and the slowest recorded run's,
+    added) and the spread between machines of the same CPU kind (the recorded runs' highest median
+    over their lowest: a copy's speed moves with the machine's memory more than the kernels do, so
+    the same code has measured 1.42 and 1.17 on two hosts of one kind). The bound is the lowest
+    recorded median divided by that spread, less both runs' noise. Nothing fixed: a noisy run or a
+    record from far-apart hosts widens the margin, and a slower kernel moves the median down.
+    ``RecordedRatiosError`` when the two were measured on different configurations.
+    """
+    _same_configuration(result, recorded)
     checks = []
     for name in CHECKED_RATIOS:
         q1, q3 = result[f"{name}_quartiles"]
-        before = recorded["ratios"][name]
-        before_q1, before_q3 = (float(q) for q in before["quartiles"])
-        bound = float(before["median"]) - (q3 - q1) - (before_q3 - before_q1)
+        figures = [run["ratios"][name] for run in recorded["runs"]]
+        medians = [float(figure["median"]) for figure in figures]
+        lowest = figures[medians.index(min(medians))]
+        low_q1, low_q3 = (float(q) for q in lowest["quartiles"])
+        spread = max(medians) / min(medians)
+        bound = min(medians) / spread - (q3 - q1) - (low_q3 - low_q1)
+        recorded_as = (
+            f"recorded {medians[0]:.2f} (quartiles {low_q1:.2f}–{low_q3:.2f})"
+            if len(medians) == 1
+            else f"recorded {min(medians):.2f}–{max(medians):.2f} on {len(medians)} runs "
+            f"(the lowest's quartiles {low_q1:.2f}–{low_q3:.2f})"
+        )
         checks.append(
             (
                 name,
                 result[name] < bound,
-                f"{result[name]:.2f} (quartiles {q1:.2f}–{q3:.2f}), recorded {float(before['median']):.2f} "
-                f"(quartiles {before_q1:.2f}–{before_q3:.2f}): the median must reach {bound:.2f}",
+                f"{result[name]:.2f} (quartiles {q1:.2f}–{q3:.2f}), {recorded_as}: "
+                f"the median must reach {bound:.2f}",
             )
         )
     return checks

@@ -144,6 +144,7 @@ def _cmd_bench_trace(args: argparse.Namespace) -> int:
         print(f"rrh bench trace: --threads {args.threads}: expected at least 1", file=sys.stderr)
         return 2
     recorded = load_recorded(args.against) if args.against is not None else None
+    before = load_recorded(args.record) if args.record is not None and args.record.exists() else None
     result = bench_trace(
         sequences=args.sequences,
         positions=args.positions,
@@ -155,7 +156,7 @@ def _cmd_bench_trace(args: argparse.Namespace) -> int:
         threads=args.threads,
     )
     if args.record is not None:
-        args.record.write_text(json.dumps(recorded_ratios(result), indent=2) + "\n")
+        args.record.write_text(json.dumps(recorded_ratios(result, before), indent=2) + "\n")
     other_kind = not_comparable(result, recorded) if recorded is not None else None
     checks = check_against(result, recorded) if recorded is not None and other_kind is None else []
     if args.json:
@@ -169,7 +170,8 @@ def _cmd_bench_trace(args: argparse.Namespace) -> int:
         if other_kind is not None:
             print(f"against {args.against}: {other_kind}")
         elif recorded is not None:
-            where = f"recorded on {recorded['cpu']}, {recorded['repeats']} pairs a ratio"
+            cpus = sorted({run["cpu"] for run in recorded["runs"]})
+            where = f"{len(recorded['runs'])} run(s) recorded on {', '.join(cpus)}, {recorded['repeats']} pairs a ratio"
             print(f"against {args.against} ({where}):")
             for name, dropped, seen in checks:
                 print(f"  {'DROPPED' if dropped else 'ok':<8} {name}: {seen}")
@@ -516,15 +518,20 @@ def build_parser() -> argparse.ArgumentParser:
         "which another busy process on the machine does not move)",
     )
     trace.add_argument(
-        "--record", type=Path, default=None, metavar="JSON", help="write the checked ratios to this file"
+        "--record",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="add this run's checked ratios to this file (created if missing; its runs must share the "
+        "options and the CPU kind: the spread between them is part of the noise --against allows)",
     )
     trace.add_argument(
         "--against",
         type=Path,
         default=None,
         metavar="JSON",
-        help="compare each ratio with the ones --record wrote; exit 1 when one dropped by more than "
-        "both runs' noise (the interquartile ranges of their pairs, added)",
+        help="compare each ratio with the runs --record wrote; exit 1 when one dropped by more than "
+        "the noise measured: both runs' interquartile ranges and the spread between recorded machines",
     )
     trace.set_defaults(func=_cmd_bench_trace)
     replay = benches.add_parser(

@@ -10,7 +10,14 @@ from typing import Any
 
 import pytest
 
-from harness.bench import CHECKED_RATIOS, bench_trace, check_against, not_comparable, recorded_ratios
+from harness.bench import (
+    CHECKED_RATIOS,
+    RecordedRatiosError,
+    bench_trace,
+    check_against,
+    not_comparable,
+    recorded_ratios,
+)
 from harness.bench_pairs import ForwardShape
 from harness.bench_replay import bench_replay, format_bench_replay
 from harness.bench_tap import bench_tap, format_bench_tap
@@ -62,6 +69,24 @@ def test_a_ratio_dropped_when_its_median_fell_by_more_than_both_runs_spread(
     assert {flag for _, flag, _ in checks} == {dropped}
 
 
+def test_the_spread_between_recorded_machines_widens_the_margin_and_record_adds_runs() -> None:
+    """Two recorded hosts of one CPU kind at 1.0 and 1.25 (the same code; a copy's speed follows the
+    host's memory): a run may sit below the slower by the factor between them (bound 0.8 less the
+    noise), and no further. ``recorded_ratios`` with a record keeps its runs and adds this one."""
+    recorded = recorded_ratios(_figures(1.25, 1.2, 1.3), recorded_ratios(_figures(1.0, 0.95, 1.05)))
+    assert len(recorded["runs"]) == 2
+    # bound: 1.0 / 1.25 less this run's quartile range (0.02) and the slower run's (0.1): 0.68
+    assert {flag for _, flag, _ in check_against(_figures(0.75, 0.74, 0.76), recorded)} == {False}
+    assert {flag for _, flag, _ in check_against(_figures(0.66, 0.65, 0.67), recorded)} == {True}
+    # the slower host alone: 1.0 less the same noise, 0.88
+    alone = recorded_ratios(_figures(1.0, 0.95, 1.05))
+    assert {flag for _, flag, _ in check_against(_figures(0.75, 0.74, 0.76), alone)} == {True}
+    with pytest.raises(RecordedRatiosError, match="avx2"):
+        recorded_ratios(dict(_figures(1.0, 0.9, 1.1), vector_isa="avx2"), recorded)
+    with pytest.raises(RecordedRatiosError, match="threads: this run 2, recorded 1"):
+        recorded_ratios(dict(_figures(1.0, 0.9, 1.1), threads=2), recorded)
+
+
 def test_ratios_recorded_on_another_vector_width_are_not_a_baseline() -> None:
     """A kernel's ratio to a copy belongs to the CPU kind: a record from a CPU with other vector
     instructions is named and not compared (never a drop); one from the same kind is compared."""
@@ -81,7 +106,9 @@ def test_record_then_against_compares_the_same_configuration_only(
     recorded = tmp_path / "ratios.json"
     args = ["bench", "trace", "--sequences", "2", "--positions", "64", "--layers", "2", "--repeats", "3"]
     assert main([*args, "--threads", "1", "--dir", str(tmp_path), "--record", str(recorded)]) == 0
-    assert set(json.loads(recorded.read_text())["ratios"]) == set(CHECKED_RATIOS)
+    assert set(json.loads(recorded.read_text())["runs"][0]["ratios"]) == set(CHECKED_RATIOS)
+    assert main([*args, "--threads", "1", "--dir", str(tmp_path), "--record", str(recorded)]) == 0
+    assert len(json.loads(recorded.read_text())["runs"]) == 2
     capsys.readouterr()
     assert main([*args, "--threads", "1", "--dir", str(tmp_path), "--against", str(recorded)]) in (0, 1)
     out = capsys.readouterr().out
