@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from harness import gate
+from harness.gate import run as gate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 

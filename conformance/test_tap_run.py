@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from harness.audit import audit_run
-from harness.rl_run import RunConfig, run_loop
+from harness.run.loop import RunConfig, run_loop
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 

@@ -31,3 +31,7 @@ class MetricError(HarnessError, ValueError):
 
 class SubjectError(HarnessError, ValueError):
     """A subject (implementation under test) cannot be loaded or is not a subject."""
+
+
+class MegatronReplayError(HarnessError, ValueError):
+    """Replay targets cannot be fed to Megatron-core as asked, or a replay check failed."""

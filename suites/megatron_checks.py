@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness.errors import MegatronReplayError
 from harness.probes.megatron import DispatchProbe, expected_gate_weights
 from harness.subjects import load_subject
 from harness.subjects.replay import ensure_patched
@@ -45,7 +46,6 @@ from harness.trace import RoutingTrace
 from harness.trainers.megatron import packed as thd
 from harness.trainers.megatron.layout import (
     MegatronLayout,
-    MegatronReplayError,
     batch_routes,
     expected_local_map,
     ids_to_map,

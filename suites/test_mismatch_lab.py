@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.lab import run_mismatch_lab
-from harness.mismatch import LabResult
+from harness.lab.measure import LabResult
+from harness.lab.reference import run_mismatch_lab
 from harness.subjects import Subject
 from harness.testing.suite import require
 

@@ -19,7 +19,7 @@ prefix caching and chunked prefill on. Episodes are tiny (a few tokens per attem
 - **layouts**: a batch of real rollouts of different lengths placed by the subject: every token on
   its column in order, every row on its token's column, replay mask exactly on the rows, response
   mask on the response.
-- **install_hf_replay**: the real-engine mismatch lab (``harness.lab_engine``): with R3 through
+- **install_hf_replay**: the real-engine mismatch lab (``harness.lab.engine``): with R3 through
   the subject's driver the trainer's experts, probed by the harness, are exactly the engine's, and the
   mean |Δ log-prob| on flipped tokens shrinks; without replay some routes differ (the check can fail).
 
@@ -42,8 +42,8 @@ import torch
 from harness.conventions import resolve
 from harness.engines.checkpoint import EngineRollout, TinyCheckpoint, lab_checkpoint
 from harness.engines.weight_updates import weight_updates
-from harness.lab_engine import ENGINE_LAB, sample_lab_rollouts, score_engine_rollouts
-from harness.mismatch import LabResult, format_lab
+from harness.lab.engine import ENGINE_LAB, sample_lab_rollouts, score_engine_rollouts
+from harness.lab.measure import LabResult, format_lab
 from harness.subjects import Subject
 from harness.testing.asserts import assert_same_routes
 from harness.testing.judge import as_ids

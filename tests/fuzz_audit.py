@@ -839,7 +839,7 @@ def serve() -> None:
     import harness.audit.importers.slime
     import harness.audit.importers.verl
     import harness.cli
-    import harness.run_audit
+    import harness.cli.audit_run
     from harness.audit.generate import RunShape, generate_run
 
     with tempfile.TemporaryDirectory() as warm:  # the kernels compiled once, here, not in every child

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from harness.check import fresh_suite_modules
+from harness.check.suites import fresh_suite_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,7 +18,7 @@ from harness.audit import audit_run
 from harness.audit.layout import LayoutError, SampleRecord, arrow_schema
 from harness.audit.tap import BackgroundWriter, EngineTap, PackedRows, TapError, TrainerTap, attach_probe
 from harness.engines.checkpoint import EngineRollout
-from harness.mismatch import LabConfig, build_model
+from harness.lab.measure import LabConfig, build_model
 from harness.trace import LayerAxis, RoutingTrace
 from reference_impl import RoutingMode
 from reference_impl.splice import Attempt, splice, splice_replace
@@ -293,7 +293,7 @@ def test_a_shard_row_needs_its_positions() -> None:
 
 def test_a_tapped_runs_engine_side_reads_back_as_recorded(tmp_path: Path) -> None:
     """``rrh run --engine-from``: the attempts a tapped run recorded are what the engine tap saw."""
-    from harness.rl_run import recorded_samples
+    from harness.run.loop import recorded_samples
 
     model = _model()
     samples = _engine_samples((model, _model(seed=1)), ["a", "b"])

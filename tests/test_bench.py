@@ -10,7 +10,10 @@ from typing import Any
 
 import pytest
 
-from harness.bench import (
+from harness.bench.pairs import ForwardShape
+from harness.bench.replay import bench_replay, format_bench_replay
+from harness.bench.tap import bench_tap, format_bench_tap
+from harness.bench.trace import (
     CHECKED_RATIOS,
     RecordedRatiosError,
     bench_trace,
@@ -18,9 +21,6 @@ from harness.bench import (
     not_comparable,
     recorded_ratios,
 )
-from harness.bench_pairs import ForwardShape
-from harness.bench_replay import bench_replay, format_bench_replay
-from harness.bench_tap import bench_tap, format_bench_tap
 from harness.cli import main
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from hypothesis import settings
 
-from harness.check import run_suites, suites_dir
+from harness.check.suites import run_suites, suites_dir
 from harness.testing import coverage
 
 settings.register_profile("coverage", max_examples=1, derandomize=True, deadline=None, database=None)

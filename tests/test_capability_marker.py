@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.check import CheckOutcome, run_suites
+from harness.check.suites import CheckOutcome, run_suites
 
 SUBJECT = """
 from harness.subjects import Subject

@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 
-from harness import check_runner, cli
-from harness.check import CheckOutcome
-from harness.check_plan import LabStep, plan_check
+from harness import cli
+from harness.check import runner as check_runner
+from harness.check.plan import LabStep, plan_check
+from harness.check.suites import CheckOutcome
 from harness.report import Progress
 from tests.test_report_doc import fake_lab, schema_violations
 
@@ -262,7 +263,7 @@ def test_the_suites_run_on_one_torch_thread_with_the_imports_frozen(tmp_path: Pa
 
     import torch
 
-    from harness.check import run_suites
+    from harness.check.suites import run_suites
     from harness.subjects import DEFAULT_SUBJECT
 
     suite = tmp_path / "test_run_settings.py"  # outside the clone: its conftest.py does not apply
@@ -283,7 +284,7 @@ def test_the_suites_run_on_one_torch_thread_with_the_imports_frozen(tmp_path: Pa
 
 def test_rrh_check_runs_the_mismatch_lab_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The lab the mismatch-lab suite ran is the lab the report shows: one run of it, not two."""
-    from harness import lab
+    from harness.lab import reference as lab
 
     runs: list[Any] = []
     real = lab._run

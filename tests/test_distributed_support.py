@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.check import run_suites, suites_dir
+from harness.check.suites import run_suites, suites_dir
 from harness.testing.ranks import RankFailure, default_backend, run_ranks
 from reference_impl.distributed import ParallelSpec, TopologyError
 

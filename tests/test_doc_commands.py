@@ -197,7 +197,7 @@ def test_real_engine_documented_commands_run_as_shown(page: Path, tmp_path: Path
 def test_framework_documented_commands_run_as_shown(where: str, page: Path, tmp_path: Path) -> None:
     """Where the release is installed (.ci/run's framework steps set ``RRH_DOC_ENV`` to it: a
     missing release is then a failure, not a skip)."""
-    from harness.verdicts import RELEASES
+    from harness.verdicts.record import RELEASES
 
     name = RELEASE_ENVS[where]
     why = RELEASES[name].mismatch()

@@ -17,14 +17,14 @@ LAYERS_BLOCK = re.compile(r"(<!-- layers: [^\n]*-->\n)(.*?)(<!-- /layers -->)", 
 
 
 def test_cli_reference_is_generated_from_the_parsers() -> None:
-    from harness.cli_reference import PAGE, REGENERATE, render
+    from harness.cli.reference import PAGE, REGENERATE, render
 
     assert (ROOT / PAGE).read_text() == render(), f"{PAGE} is stale: run `{REGENERATE}`"
 
 
 def test_verdict_table_is_generated_from_the_fixtures() -> None:
     """The site's verdict table and summary come from ``fixtures/verdicts/``, never edited by hand."""
-    from harness.verdicts import SITE_PAGE, summary, table
+    from harness.verdicts.tables import SITE_PAGE, summary, table
 
     page = (ROOT / SITE_PAGE).read_text()
     assert table() in page, f"{SITE_PAGE}'s verdict table is stale: paste `python -m harness.verdicts table`"
@@ -75,7 +75,8 @@ def test_verdict_summary_counts_verdicts_and_findings(tmp_path: Path) -> None:
     """Two failures with one triage are one finding; a release without a recorded file is left out."""
     import json
 
-    from harness.verdicts import RELEASES, summary
+    from harness.verdicts.record import RELEASES
+    from harness.verdicts.tables import summary
 
     release = RELEASES["skyrl-0.3.0"]
     entries = {
@@ -97,7 +98,7 @@ def test_cli_reference_renders_each_kind_of_argument() -> None:
     list and a switch, and its subcommands under their own headings."""
     import argparse
 
-    from harness.cli_reference import _section
+    from harness.cli.reference import _section
 
     parser = argparse.ArgumentParser(prog="tool", description="Does things.")
     commands = parser.add_subparsers()
@@ -122,7 +123,7 @@ def test_cli_reference_renders_each_kind_of_argument() -> None:
 def _parsers() -> list[argparse.ArgumentParser]:
     """``rrh``, each of its subcommands at any depth, and ``python -m harness.verdicts``."""
     from harness.cli import build_parser
-    from harness.verdicts import build_parser as build_verdicts_parser
+    from harness.verdicts.command import build_parser as build_verdicts_parser
 
     found, todo = [], [build_parser(), build_verdicts_parser()]
     while todo:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness.check import conformance_dir, run_suites
+from harness.check.suites import conformance_dir, run_suites
 from harness.conventions import (
     SGLANG,
     VLLM_0_16,
@@ -74,7 +74,7 @@ def _vllm_output(prompt: list[int], tokens: list[int], routes: object, *, prompt
 
 ADAPTER_IMPORTS = (
     "harness.engines.vllm, harness.engines.sglang, harness.engines.http, "
-    "harness.engines.checkpoint, harness.engines.adapters, harness.gate, harness.baseline"
+    "harness.engines.checkpoint, harness.engines.adapters, harness.gate.run, harness.gate.baseline"
 )
 """The modules that talk to engines, imported at module import by the CLI and the plugin."""
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.verdicts import (
+from harness.verdicts.record import (
     RELEASES,
     UNTRIAGED,
     VERDICTS_DIR,
@@ -23,10 +23,9 @@ from harness.verdicts import (
     load,
     merged,
     observe,
-    summary,
-    table,
     with_recorded_rest,
 )
+from harness.verdicts.tables import summary, table
 
 SPEC = "pkg.mod:SUBJECT"
 
@@ -135,7 +134,7 @@ def test_release_verdicts_match(name: str) -> None:
     why = release.mismatch()
     if why is not None:
         pytest.skip(f"{release.pin} is not installed: {why}")
-    from harness.verdicts import observe
+    from harness.verdicts.record import observe
 
     changes = diff(load(release), observe(release))
     assert not changes, f"{name}: {len(changes)} verdict(s) changed:\n" + "\n".join(changes)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from harness import cli
-from harness.check import CheckOutcome, skip_reason
+from harness.check.suites import CheckOutcome, skip_reason
 from harness.report import format_outcomes
 
 MODULES = {

@@ -30,10 +30,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness import baseline as bl
 from harness.conventions import ModelSpec, encode_sglang_b64
 from harness.engines import http
 from harness.errors import HarnessError
+from harness.gate import baseline as bl
 from harness.subjects import Subject, load_subject
 from harness.trace import Provenance, RoutingTrace
 

@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 
-from harness import atomic, cli, gate
-from harness import baseline as bl
+from harness import atomic, cli
+from harness.cli import gate as gate_command
 from harness.engines.adapters import (
     ADAPTERS,
+    ENGINES,
     EngineAdapter,
     Observation,
     ObservationError,
@@ -24,6 +25,8 @@ from harness.engines.adapters import (
     adapter,
 )
 from harness.engines.adapters.hf import HFAdapter
+from harness.gate import baseline as bl
+from harness.gate import run as gate
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINES = ROOT / "fixtures" / "baselines"
@@ -247,14 +250,14 @@ def test_update_refuses_failing_invariants(tmp_path: Path) -> None:
 
 def test_add_parser_registers_rrh_gate() -> None:
     parser = argparse.ArgumentParser(prog="rrh")
-    gate.add_parser(parser.add_subparsers(dest="command", required=True))
+    gate_command.add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["gate", "--engine", "hf", "--baseline", "x.json", "--update", "--no-suites"])
     assert (args.engine, args.baseline, args.update, args.no_suites, args.func) == (
         "hf",
         "x.json",
         True,
         True,
-        gate._cmd_gate,
+        gate_command._cmd_gate,
     )
     with pytest.raises(SystemExit):
         parser.parse_args(["gate", "--engine", "tensorrt"])
@@ -395,7 +398,7 @@ def test_hf_weight_rule_change_fails_the_gate(hf_pair: tuple[dict[str, Any], dic
 
 
 def test_every_engine_has_an_adapter_implementing_the_protocol() -> None:
-    assert tuple(ADAPTERS) == gate.ENGINES == ("reference", "hf", "vllm", "sglang")
+    assert tuple(ADAPTERS) == ENGINES == ("reference", "hf", "vllm", "sglang")
     for name, engine in ADAPTERS.items():
         assert isinstance(engine, EngineAdapter) and engine.name == name
     assert ADAPTERS["vllm"].convention("0.30.0").name == "vllm-0.27"  # type: ignore[union-attr]

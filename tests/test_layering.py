@@ -29,11 +29,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "harness.metrics",
             "harness.outcomes",
             "harness.cpus",
-            "harness.mismatch",
+            "harness.lab.measure",  # the mismatch lab's measurement: any engine's rollouts scored
             "harness.table",
             "harness.strategies",
             "harness.schedules",
-            "harness.baseline",
+            "harness.gate.baseline",  # a baseline document and its comparison
         ),
     ),
     ("engines and trainers", ("harness.engines", "harness.trainers", "harness.probes")),
@@ -42,42 +42,27 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "harness.subjects",
             "harness.mutants",
-            "harness.lab",
-            "harness.rl_run",  # rrh run: a real RL loop (an engine, a subject's driver, the tap)
-            "harness.rl_ranks",  # rrh run --ranks: trainer ranks on gloo, CP/SP shards, the tap per rank
-            # the gate's view of each engine: the reference adapter runs the reference lab (harness.lab,
-            # with the reference subject's driver), so the adapters sit here, above the engines they wrap
+            "harness.lab",  # the lab run on the reference engine and on a real one, with a subject
+            "harness.run",  # rrh run: a real RL loop and its trainer ranks, written through the tap
+            # the gate's view of each engine: the reference adapter runs the reference lab (harness.lab),
+            # so the adapters sit here, above the engines they wrap
             "harness.engines.adapters",
             # the audit of real runs sits beside the subjects: it reads runs, it never runs suites
             "harness.audit",
         ),
     ),
     ("test support", ("harness.testing",)),
-    (
-        "suites and suite runner",
-        (
-            "suites",
-            "harness.check",
-            "harness.check_plan",
-            "harness.mutation",
-            "harness.verdicts",
-            "harness.releases",
-        ),
-    ),
+    ("suites and suite runner", ("suites", "harness.check", "harness.verdicts")),
     (
         "cli, pytest plugin, reports",
         (
-            "harness.cli",
-            "harness.run_audit",  # rrh audit: imports, audits, prints and writes the audit's report
-            "harness.check_runner",  # runs a check plan and reports it as it goes (harness.report)
+            "harness.cli",  # one module per command
+            "harness.check.runner",  # runs a check plan and reports it as it goes (harness.report)
             "harness.__main__",
             "harness.pytest_plugin",
             "harness.report",
-            "harness.gate",
-            "harness.bench",
-            "harness.bench_pairs",
-            "harness.bench_replay",
-            "harness.bench_tap",
+            "harness.gate",  # rrh gate: an engine observed and compared with its baseline
+            "harness.bench",  # every rrh bench target
             "conformance",  # the harness's own backends and tools checked: the gate included
         ),
     ),
@@ -212,17 +197,17 @@ def test_every_import_points_down_or_stays_in_its_layer() -> None:
 @pytest.mark.parametrize(
     "source",
     [
-        "from harness.check import run_suites\n",
-        "def f():\n    from harness import check\n",
-        "from ... import check\n",
+        "from harness.check.suites import run_suites\n",
+        "def f():\n    from harness.check import suites\n",
+        "from ...check import suites\n",
     ],
 )
 def test_an_upward_import_is_found_even_inside_a_function(source: str) -> None:
     """The check can fail: a trainer module importing the suite runner, at the top, lazily or relatively."""
     module = "harness.trainers.hf.example"
     names = [name for _, name in imports_in(source, module)]
-    assert "harness.check" in names and _is_module("harness.check")
-    assert layer_of(module) < layer_of("harness.check")  # type: ignore[operator]
+    assert "harness.check.suites" in names and _is_module("harness.check.suites")
+    assert layer_of(module) < layer_of("harness.check.suites")  # type: ignore[operator]
 
 
 def test_no_modules_import_each_other() -> None:
@@ -243,13 +228,13 @@ TYPES_ONLY = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
 @pytest.mark.parametrize(
     ("sources", "expected"),
     [
-        # a lazy import closing the loop, as harness/cli.py ↔ harness/gate.py had
+        # a lazy import closing the loop, as harness/cli.py ↔ harness/gate/run.py had
         (
             {
-                "harness.cli": "from harness.gate import add_parser\n",
-                "harness.gate": "def main():\n    from harness.cli import main\n",
+                "harness.cli": "from harness.gate.run import add_parser\n",
+                "harness.gate.run": "def main():\n    from harness.cli import main\n",
             },
-            [["harness.cli", "harness.gate"]],
+            [["harness.cli", "harness.gate.run"]],
         ),
         # an import for types only, as harness/report/document.py ↔ harness/report/verdict.py had
         (
@@ -263,14 +248,17 @@ TYPES_ONLY = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
         # round three modules, one relative
         (
             {
-                "harness.cli": "from harness import gate\n",
-                "harness.gate": "from harness.check import run_suites\n",
-                "harness.check": "from .cli import main\n",
+                "harness.cli.gate": "from harness.gate import run\n",
+                "harness.gate.run": "from harness.check.suites import run_suites\n",
+                "harness.check.suites": "from ..cli import gate\n",
             },
-            [["harness.check", "harness.cli", "harness.gate"]],
+            [["harness.check.suites", "harness.cli.gate", "harness.gate.run"]],
         ),
         # a name taken from a package whose __init__ imports nothing back: no circle
-        ({"harness.cli": "from harness import __version__\n", "harness.gate": "import harness.cli\n"}, []),
+        (
+            {"harness.cli": "from harness import __version__\n", "harness.gate.run": "import harness.cli\n"},
+            [],
+        ),
     ],
 )
 def test_a_circle_is_found_lazy_or_for_types_or_round_a_loop(
@@ -312,7 +300,7 @@ def test_every_module_imports_first_in_a_process() -> None:
     }
     names = import_first_candidates(graph)
     assert {"harness.probes.hf", "harness.trainers.hf.replay", "harness.trace"} <= set(names), names
-    assert "harness.cli" not in names  # imported by no module: nothing can lead back to it
+    assert "harness.cli.reference" not in names  # imported by no module: nothing can lead back to it
     script = (
         "import importlib, sys\n"
         f"for name in {names!r}:\n"

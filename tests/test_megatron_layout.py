@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.errors import MegatronReplayError
 from harness.trace import RoutingTrace
 from harness.trainers.megatron.layout import (
     MegatronLayout,
-    MegatronReplayError,
     batch_routes,
     expected_local_map,
     ids_to_map,

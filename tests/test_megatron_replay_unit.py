@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness.trainers.megatron.layout import MegatronReplayError
+from harness.errors import MegatronReplayError
 from harness.trainers.megatron.replay import check_no_bypass
 
 pytestmark = pytest.mark.megatron

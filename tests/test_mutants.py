@@ -7,9 +7,9 @@ import re
 
 import pytest
 
+from harness.check.mutation import kill_args, run_benign, run_mutant
 from harness.mutants import benign
 from harness.mutants.registry import MUTANTS, get
-from harness.mutation import kill_args, run_benign, run_mutant
 from harness.subjects import load_subject
 
 NAMES = [m.name for m in MUTANTS]

@@ -47,7 +47,7 @@ def test_readme_is_a_front_door() -> None:
 
 
 def test_readme_verdict_summary_is_generated_from_the_fixtures() -> None:
-    from harness.verdicts import summary
+    from harness.verdicts.tables import summary
 
     block = SUMMARY_BLOCK.search(README.read_text())
     assert block is not None, (
@@ -149,7 +149,7 @@ def _problem(command: str) -> str | None:
     """Why ``command`` is wrong, or ``None``: parsed by its own parser, or checked against the
     project (extras, tox envs, paths); a program nothing here knows is a problem too."""
     from harness.cli import build_parser
-    from harness.verdicts import build_parser as build_verdicts_parser
+    from harness.verdicts.command import build_parser as build_verdicts_parser
 
     words = shlex.split(command, comments=True)
     words = next((words[:i] for i, w in enumerate(words) if w in (">", "|", "2>&1")), words)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.check import CheckOutcome, run_suites, suites_dir
+from harness.check.suites import CheckOutcome, run_suites, suites_dir
 from harness.subjects import DEFAULT_SUBJECT
 
 

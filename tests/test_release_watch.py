@@ -1,4 +1,4 @@
-"""The release watch (``python -m harness.verdicts releases``, ``harness.releases``), never on the network.
+"""The release watch (``python -m harness.verdicts releases``, ``harness.verdicts.releases``), offline.
 
 ``fixtures/releases/index-answer.json`` is pip's answer recorded on this machine (``--save-answer``)
 for a watch that had recorded less than the repository does now (``WATCHED``: the verdicts and
@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from harness import releases
-from harness.releases import (
+from harness.verdicts import releases
+from harness.verdicts.command import main
+from harness.verdicts.record import RELEASES
+from harness.verdicts.releases import (
     FIXTURES,
     RecordedIndex,
     ReleaseWatchError,
@@ -25,7 +27,6 @@ from harness.releases import (
     recorded_versions,
     watch,
 )
-from harness.verdicts import RELEASES, main
 
 PINS = {r.name: r.pins for r in RELEASES.values()}
 

@@ -13,8 +13,8 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
-from harness.check import CheckOutcome, counterexample, failure_message
-from harness.lab import LabArm, LabConfig, LabResult
+from harness.check.suites import CheckOutcome, counterexample, failure_message
+from harness.lab.measure import LabArm, LabConfig, LabResult
 from harness.metrics import logprob_gap
 from harness.report import (
     HIST_EDGES,
@@ -96,7 +96,7 @@ def test_other_exceptions_keep_their_type_and_bare_asserts_stay_recognisable() -
 
 def test_run_suites_reports_a_mutants_counterexample_in_words() -> None:
     """End to end through pytest: one splice test against the duplication mutant."""
-    from harness.check import run_suites, suites_dir
+    from harness.check.suites import run_suites, suites_dir
 
     seen: list[tuple[int, int]] = []
     outcomes, _ = run_suites(
@@ -480,7 +480,7 @@ def test_the_hints_name_tox_in_a_clone_and_pip_for_a_wheel(
     """A clone has tox.ini beside the package and its tox envs; a wheel user has neither, so the
     verdict's next steps are the pip (and pytest) commands that install and run what it names."""
     import harness
-    from harness.check_plan import gpu_only_message
+    from harness.check.plan import gpu_only_message
     from harness.engines import hints
 
     assert hints.source_checkout() == Path(__file__).resolve().parents[1]  # this clone

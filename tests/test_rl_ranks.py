@@ -1,4 +1,4 @@
-"""``rrh run --ranks``'s plumbing without vLLM (``harness.rl_ranks``): the CP/SP splits hold every
+"""``rrh run --ranks``'s plumbing without vLLM (``harness.run.ranks``): the CP/SP splits hold every
 position of a sample exactly once (the broken ``sp-halo`` holds boundary rows twice), samples
 cross ranks as JSON unchanged, and two real gloo ranks broadcast rank 0's samples and sum their
 gradients. The real run with two ranks is ``conformance/test_tap_run.py`` (``tox -e vllm-cpu``)."""
@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness.audit.tap import EngineSample, TapAttempt, TapError
-from harness.rl_ranks import (
+from harness.run.ranks import (
     RankGroup,
     ranks_started,
     samples_from_json,
@@ -97,7 +97,7 @@ def test_two_gloo_ranks_get_rank_0s_bytes_and_the_summed_gradients(tmp_path: Pat
 
 
 def test_a_run_with_no_rank_or_an_unknown_split_is_refused_naming_the_option() -> None:
-    from harness.rl_run import RunConfig
+    from harness.run.loop import RunConfig
 
     with pytest.raises(TapError, match="--ranks: expected a positive integer, got 0"):
         RunConfig(ranks=0)

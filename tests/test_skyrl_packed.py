@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.check import CheckOutcome, run_suites, suites_dir
+from harness.check.suites import CheckOutcome, run_suites, suites_dir
 from harness.subjects.frameworks import installed_version
 
 CASE = "test_megatron.py::test_router_replay_follows_canonical_targets[{}]"

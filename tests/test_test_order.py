@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from harness.check import CheckOutcome, run_suites, suites_dir
+from harness.check.suites import CheckOutcome, run_suites, suites_dir
 from harness.mutants.drivers import Bug, ConstructorPatchDriver
 from harness.pytest_plugin import shuffled
 from harness.subjects.reference import REFERENCE

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.check import run_suites, suites_dir
+from harness.check.suites import run_suites, suites_dir
 from harness.subjects.frameworks import installed_version
 from harness.subjects.frameworks.verl.truncation import turns
 

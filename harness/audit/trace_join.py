@@ -52,7 +52,7 @@ from harness.audit.inputs import time_budget
 from harness.audit.layout import LayoutError, SampleRecord
 from harness.audit.verl_packing import MicroBatch, VerlBatching, step_packing
 from harness.audit.writer import RunWriter
-from harness.trainers.megatron.layout import MegatronReplayError
+from harness.errors import MegatronReplayError
 from harness.trainers.megatron.packed import check_cu_seqlens, packed_slots
 from reference_impl.layouts import cp_zigzag_indices, pp_layer_ranges, sp_shard
 
@@ -348,7 +348,7 @@ def import_joined(
 
 def import_for_cli(args: Any, dump: Path, directory: str) -> tuple[list[str], list[str]]:
     """``rrh audit DUMP --trainer-trace DIR``: the joined run written to ``directory``; what was
-    inferred and the notes, as ``harness.run_audit`` prints them."""
+    inferred and the notes, as ``harness.cli.audit_run`` prints them."""
     import sys
 
     layout = parse_layout(args.trainer_layout)

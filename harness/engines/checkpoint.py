@@ -35,7 +35,7 @@ import torch
 
 from harness.conventions import ModelSpec
 from harness.errors import HarnessError
-from harness.mismatch import LabConfig
+from harness.lab.measure import LabConfig
 from harness.trace import LayerAxis, Provenance, RoutingComparison, RoutingTrace, compare
 from reference_impl.episode import Episode
 from reference_impl.splice import SpliceError, splice

@@ -26,7 +26,7 @@ from torch import nn
 
 from harness.engines.checkpoint import EngineRollout, Generate
 from harness.errors import HarnessError
-from harness.mismatch import LabConfig, LabResult, lab_result
+from harness.lab.measure import LabConfig, LabResult, lab_result
 from harness.trace import LayerAxis, Provenance, RoutingTrace
 from harness.trainers.hf.replay import HFReplay, install_replay
 from reference_impl.engine import Rollout

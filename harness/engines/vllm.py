@@ -343,7 +343,7 @@ def run_vllm_mismatch_lab(cfg: Any = None) -> Any:
 
     from harness.engines.checkpoint import lab_checkpoint, load_checkpoint
     from harness.engines.hf import score_rollouts
-    from harness.mismatch import LabConfig
+    from harness.lab.measure import LabConfig
     from harness.trainers.hf import install_replay
 
     cfg = cfg or LabConfig(family="qwen3_moe")

@@ -4,7 +4,7 @@ prove the suites raise no false alarm.
 
 A mutant is the reference subject with exactly one capability replaced by a copy that carries one
 known bug, cited to the framework issue or PR where it shipped. ``rrh mutants``
-(``harness.mutation``) runs the tests that declare the replaced capability against every mutant;
+(``harness.check.mutation``) runs the tests that declare the replaced capability against every mutant;
 a mutant that survives is a hole in the suites.
 """
 

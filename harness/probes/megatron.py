@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from harness.trainers.megatron.layout import MegatronReplayError
+from harness.errors import MegatronReplayError
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from harness.check import CheckOutcome
+from harness.check.suites import CheckOutcome
 from harness.report.environment import Environment, environment
 from harness.report.model import (
     MARKS,
@@ -30,8 +30,8 @@ from harness.report.model import (
 )
 
 if TYPE_CHECKING:  # the lab runs models (torch); the report only reads its result
+    from harness.lab.measure import LabArm, LabResult
     from harness.metrics import LogprobGap
-    from harness.mismatch import LabArm, LabResult
 
 #: |Δ log-prob| histogram bins: four per decade from 1e-7 to 10; the first bin also holds exact zeros.
 HIST_EDGES: tuple[float, ...] = (0.0, *(10.0 ** (e / 4) for e in range(-28, 5)))

@@ -8,7 +8,7 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
-from harness.check import CheckOutcome
+from harness.check.suites import CheckOutcome
 from harness.outcomes import count_outcomes
 from harness.report.markup import plain_text
 from harness.report.model import MARKS, Mark
@@ -30,10 +30,10 @@ RULES: dict[str, str] = {
     "megatron": "rule: harness.trainers.megatron (RouterReplay targets), DESIGN §3.5 and §3.7",
     "training": "rule: reference_impl.training, DESIGN §3.9 modes (R2, R3, reference log-probs)",
     "r2": "rule: reference_impl.training, DESIGN §3.9 modes (R2: record in old-log-prob, replay in update)",
-    "mismatch_lab": "rule: harness.lab, DESIGN §3.10 effect on the gap",
+    "mismatch_lab": "rule: harness.lab.reference, DESIGN §3.10 effect on the gap",
     "vllm": "rule: the same invariants on real vLLM payloads and rollouts: DESIGN §3.4 splice (the "
     "first-computed row per position), §3.1–3.2 decoding, §3.5–3.6 placement, §3.10 the lab through "
-    "the subject's install_hf_replay (harness.lab_engine)",
+    "the subject's install_hf_replay (harness.lab.engine)",
 }
 """Where each suite's rule is written down: the reference function and the DESIGN section, with
 the symbols its messages use defined."""

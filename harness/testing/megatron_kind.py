@@ -31,10 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from harness.errors import MegatronReplayError
 from harness.probes import RouteProbe
 from harness.testing import megatron_cpu
 from harness.trainers.kinds import DEEP_LAYERS, ModelKind, Routing
-from harness.trainers.megatron.layout import MegatronLayout, MegatronReplayError
+from harness.trainers.megatron.layout import MegatronLayout
 from harness.trainers.megatron.model import VOCAB, build_gpt, randomise_expert_bias, router_rules, tiny_config
 
 FAMILIES = tuple(router_rules())

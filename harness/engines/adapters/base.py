@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from harness.baseline import metric
 from harness.errors import HarnessError
+from harness.gate.baseline import metric
 from reference_impl.config import axis_of_width
 
 if TYPE_CHECKING:  # the registry is read by `rrh --help`: keep numpy and torch out of its import

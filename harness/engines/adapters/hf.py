@@ -15,7 +15,6 @@ import importlib.metadata
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from harness.baseline import metric
 from harness.engines.adapters.base import (
     Observation,
     ObservationError,
@@ -25,6 +24,7 @@ from harness.engines.adapters.base import (
     observing,
     row_rule,
 )
+from harness.gate.baseline import metric
 
 if TYPE_CHECKING:
     import torch
@@ -140,7 +140,7 @@ class HFAdapter:
                 metrics[name] = metric(move, max(1e-6, 0.25 * move), "equal")
         if self.lab:
             from harness.engines.hf import run_hf_mismatch_lab
-            from harness.mismatch import LabConfig
+            from harness.lab.measure import LabConfig
 
             with observing(self.name, "mismatch lab metrics"):
                 result = run_hf_mismatch_lab(LabConfig(family="qwen3_moe", batch=4, response_len=32))

@@ -1,7 +1,7 @@
 """The reference engine (``reference_impl.RolloutEngine``) as the gate observes it.
 
 Convention: from one rollout of a model with a dense first layer; metrics: the bf16 mismatch lab
-(``harness.lab``); invariants: the CPU suites (the optional backends — transformers, Megatron-core,
+(``harness.lab.reference``); invariants: the CPU suites (the optional backends — transformers, Megatron-core,
 the engines — have their own gates).
 """
 
@@ -40,7 +40,7 @@ class ReferenceAdapter:
 
     def observe(self) -> Observation:
         """Convention from a rollout, metrics from the mismatch lab."""
-        from harness.lab import run_mismatch_lab
+        from harness.lab.reference import run_mismatch_lab
 
         with observing(self.name, "convention"):
             convention = self.observe_convention()

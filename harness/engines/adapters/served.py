@@ -14,8 +14,8 @@ import importlib
 import tempfile
 from typing import TYPE_CHECKING, Any
 
-from harness.baseline import metric
 from harness.engines.adapters.base import Observation, Suites, layer_axis, observing, row_rule
+from harness.gate.baseline import metric
 
 if TYPE_CHECKING:
     from harness.conventions import Convention

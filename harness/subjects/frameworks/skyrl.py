@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
+from harness.errors import MegatronReplayError
 from harness.subjects import Subject
 from harness.subjects.frameworks import check_placement_arguments, require_release
-from harness.trainers.megatron.layout import MegatronReplayError
 from reference_impl.layouts import Placed
 
 

@@ -18,7 +18,6 @@ library code never applies them.
 
 from harness.trainers.megatron.layout import (
     MegatronLayout,
-    MegatronReplayError,
     batch_routes,
     expected_local_map,
     ids_to_map,
@@ -30,7 +29,6 @@ from harness.trainers.megatron.replay import MegatronReplay, check_no_bypass, mo
 __all__ = [
     "MegatronLayout",
     "MegatronReplay",
-    "MegatronReplayError",
     "batch_routes",
     "check_no_bypass",
     "expected_local_map",

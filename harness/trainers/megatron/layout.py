@@ -26,14 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.errors import HarnessError
+from harness.errors import MegatronReplayError
 from harness.trace import RoutingTrace
 from reference_impl import layouts
 from reference_impl.config import check_moe_layers
-
-
-class MegatronReplayError(HarnessError, ValueError):
-    """Replay targets cannot be fed to Megatron-core as asked, or a replay check failed."""
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
-from harness.trainers.megatron.layout import MegatronLayout, MegatronReplayError, stage_router_targets
+from harness.errors import MegatronReplayError
+from harness.trainers.megatron.layout import MegatronLayout, stage_router_targets
 from reference_impl import layouts
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from harness.trainers.megatron.layout import MegatronReplayError
+from harness.errors import MegatronReplayError
 
 
 def _router_replay_module() -> Any:

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness.errors import MegatronReplayError
 from harness.trainers.megatron import packed as thd
 from harness.trainers.megatron.layout import (
     MegatronLayout,
-    MegatronReplayError,
     merge_recordings,
     rank_targets,
 )

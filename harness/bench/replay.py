@@ -4,7 +4,7 @@ A 4-layer, 64-expert top-8 Qwen3-MoE (random init) runs a forward of 2 × 512 to
 of the same weights: one bare, one with ``install_replay`` hooks armed with the model's own natural
 routing (so both copies run the same experts on the same tokens and only the hooks differ). The
 forwards alternate copy by copy, so drift in machine speed hits both alike; the figure is the median
-over repetitions of the per-pair time ratio, in fp32 and bf16 (``harness.bench_pairs``). The target
+over repetitions of the per-pair time ratio, in fp32 and bf16 (``harness.bench.pairs``). The target
 is ≤ 1.10×.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from harness.bench_pairs import BENCH_SHAPE, ForwardShape, bench_pairs, format_pairs, forward_seconds
+from harness.bench.pairs import BENCH_SHAPE, ForwardShape, bench_pairs, format_pairs, forward_seconds
 
 TARGET_RATIO = 1.10
 

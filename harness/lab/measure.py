@@ -16,7 +16,7 @@ R3 must make the disagreement exactly 0 and shrink the gap on the flipped tokens
 
 Here: the lab's configuration and model, the scoring of the trainer's two passes against a rollout
 (any engine, any model: the engines call :func:`lab_result`), and the terminal table. Running the
-lab on the reference engine with a subject's replay driver is ``harness.lab`` (it needs a subject).
+lab on the reference engine with a subject's replay driver is ``harness.lab.reference`` (it needs a subject).
 """
 
 from __future__ import annotations

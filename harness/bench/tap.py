@@ -5,7 +5,7 @@ The model of ``rrh bench replay`` (a 4-layer, 64-expert top-8 Qwen3-MoE, random 
 harness's probe on every MoE layer, each forward's dispatch assigned to its samples and positions
 from the packing metadata). Forwards alternate copy by copy, so drift in machine speed hits both
 alike; the figure is the median of the per-pair time ratio, in fp32 and bf16, in one run
-(``harness.bench_pairs``). The target is ≤ 1.05×. Writing happens on the tap's background thread,
+(``harness.bench.pairs``). The target is ≤ 1.05×. Writing happens on the tap's background thread,
 outside the forward.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from harness.audit.tap import BackgroundWriter, PackedRows, TrainerTap
-from harness.bench_pairs import BENCH_SHAPE, ForwardShape, bench_pairs, format_pairs
+from harness.bench.pairs import BENCH_SHAPE, ForwardShape, bench_pairs, format_pairs
 
 TARGET_RATIO = 1.05
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from harness.check import run_suites, suites_dir
+from harness.check.suites import run_suites, suites_dir
 from harness.mutants import Mutant, benign
 from harness.mutants.benign import Benign
 from harness.outcomes import count_outcomes

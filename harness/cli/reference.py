@@ -1,6 +1,6 @@
 """The CLI reference page (``docs/cli.md``), generated from the argument parsers themselves.
 
-The reference is never written twice: ``python -m harness.cli_reference`` renders every ``rrh``
+The reference is never written twice: ``python -m harness.cli.reference`` renders every ``rrh``
 subcommand (and ``python -m harness.verdicts``) from ``harness.cli.build_parser()`` — usage, the
 description, one table row per argument with its choices and default — and ``tests/test_docs.py``
 compares the committed page with this output. The page is rendered from the parser's actions, not
@@ -14,10 +14,10 @@ import sys
 from collections.abc import Iterator
 
 from harness.cli import build_parser
-from harness.verdicts import build_parser as build_verdicts_parser
+from harness.verdicts.command import build_parser as build_verdicts_parser
 
 PAGE = "docs/cli.md"
-REGENERATE = f"python -m harness.cli_reference > {PAGE}"
+REGENERATE = f"python -m harness.cli.reference > {PAGE}"
 
 HEADER = f"""# CLI reference
 

@@ -18,7 +18,7 @@
   sample run under different weights.
 - **Tap**: the engine side records every attempt's own payload, the trainer side what the
   harness's probe saw each router dispatch, per packed row; one file per step.
-- **Ranks** (``--ranks N --split cp|sp|sp-halo``, ``harness.rl_ranks``): N − 1 more trainer
+- **Ranks** (``--ranks N --split cp|sp|sp-halo``, ``harness.run.ranks``): N − 1 more trainer
   processes on the run's own gloo group, each tapping its CP/SP shard of every sample into its own
   per-rank files, so ``rrh audit`` checks ``shard_union`` on them.
 
@@ -41,7 +41,7 @@ import torch
 
 from harness.audit.layout import REPLAY_MODES
 from harness.audit.tap import BackgroundWriter, EngineSample, EngineTap, PackedRows, TapError, TrainerTap
-from harness.rl_ranks import SPLITS, RankGroup, ranks_started, samples_from_json, samples_to_json, shard_mask
+from harness.run.ranks import SPLITS, RankGroup, ranks_started, samples_from_json, samples_to_json, shard_mask
 
 SPLICES = ("correct", "latest")
 TOOL_TOKENS = (5, 6, 7)
@@ -64,7 +64,7 @@ class RunConfig:
     minibatches: int = 2
     """Update passes (and Adam steps) per step, each on its share of the samples (PPO mini-batches)."""
     ranks: int = 1
-    """Trainer ranks on gloo, each holding a ``split`` shard of every sample (``harness.rl_ranks``)."""
+    """Trainer ranks on gloo, each holding a ``split`` shard of every sample (``harness.run.ranks``)."""
     split: str = "cp"
     seed: int = 0
     engine_from: str | None = None

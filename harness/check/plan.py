@@ -3,7 +3,7 @@
 A ``CheckPlan`` lists the suite runs (``SuiteStep``: which suite files, which pytest marker and
 keyword expressions), the mismatch labs (``LabStep``), the pytest arguments passed through, and
 notes about what it leaves out. ``plan_check`` builds it and refuses a contradictory request with
-``PlanError`` (the command line prints it in one line and exits 2); ``harness.check_runner``
+``PlanError`` (the command line prints it in one line and exits 2); ``harness.check.runner``
 executes it.
 
 ``family`` picks a transformers model type (``-k`` on the hf suites) or a router family (the
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from harness.mismatch import LabConfig
+    from harness.lab.measure import LabConfig
 
 __all__ = [
     "DEFAULT_HF_FAMILY",
@@ -137,7 +137,7 @@ def _hf_families() -> list[str]:
 
 def lab_config(kind: LabKind, family: str | None) -> LabConfig:
     """The lab's configuration: the default lab, or its router family (reference) / Qwen3-MoE."""
-    from harness.mismatch import LabConfig
+    from harness.lab.measure import LabConfig
     from reference_impl import ROUTER_FAMILIES
 
     if kind in ("hf", "vllm"):
@@ -163,7 +163,7 @@ def plan_check(
     ``run_suites=False``: the labs only. ``PlanError`` when the request cannot be run here or
     contradicts itself (a family of the wrong kind, an engine that cannot start).
     """
-    from harness.check import conformance_dir, suites_dir
+    from harness.check.suites import conformance_dir, suites_dir
     from reference_impl import ROUTER_FAMILIES
 
     steps: list[SuiteStep] = []

@@ -1,21 +1,19 @@
 """The mismatch lab run on the reference engine (DESIGN §3.10, §6): rollouts through the reference
 model's KV cache, the trainer's full-forward recompute without replay and with R3 through a
 subject's ``install_replay``. The measurement itself (configuration, scoring, table) is
-``harness.mismatch``; its names are re-exported here.
+``harness.lab.measure``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from harness.mismatch import LabArm, LabConfig, LabResult, build_model, format_lab, lab_result
+from harness.lab.measure import LabConfig, LabResult, build_model, lab_result
 from harness.probes.reference import attach
 from harness.subjects.reference import install_replay as reference_install
 from harness.subjects.replay import controlled, prepare
 from reference_impl import RolloutEngine, training
 from reference_impl.layouts import place_left_padded
-
-__all__ = ["LabArm", "LabConfig", "LabResult", "build_model", "format_lab", "lab_result", "run_mismatch_lab"]
 
 _RESULTS: dict[tuple[LabConfig, int], tuple[object, LabResult]] = {}
 """Each lab run of this process by (configuration, ``id`` of the driver), with the driver itself: held,

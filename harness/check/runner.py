@@ -12,11 +12,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
-from harness.check_plan import CheckPlan, LabStep, SuiteStep
+from harness.check.plan import CheckPlan, LabStep, SuiteStep
 
 if TYPE_CHECKING:
-    from harness.check import CheckOutcome
-    from harness.mismatch import LabResult
+    from harness.check.suites import CheckOutcome
+    from harness.lab.measure import LabResult
     from harness.report import LabRun, SuiteRun
 
 __all__ = ["CheckRun", "run_lab", "run_plan"]
@@ -43,23 +43,23 @@ def run_lab(step: LabStep, subject: Any) -> LabResult:
     tiny as the suites': one torch thread, as in the suites (``harness.check.one_torch_thread``);
     vLLM sets its own threads."""
     if step.kind == "vllm":
-        from harness.lab_engine import run_engine_lab
+        from harness.lab.engine import run_engine_lab
 
         return run_engine_lab(subject.install_hf_replay, step.config)
-    from harness.check import one_torch_thread
+    from harness.check.suites import one_torch_thread
 
     with one_torch_thread():
         if step.kind == "hf":
             from harness.engines.hf import run_hf_mismatch_lab
 
             return run_hf_mismatch_lab(step.config)
-        from harness.lab import run_mismatch_lab
+        from harness.lab.reference import run_mismatch_lab
 
         return run_mismatch_lab(step.config, install_replay=subject.install_replay)
 
 
 def _run_suite(plan: CheckPlan, step: SuiteStep, stream: TextIO, verbose: bool) -> SuiteRun:
-    from harness.check import run_suites
+    from harness.check.suites import run_suites
     from harness.outcomes import count_outcomes
     from harness.report import Progress, SuiteRun
 
