@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from harness import cli
+from harness.cli import check as check_command
 from harness.check import runner as check_runner
 from harness.check.plan import LabStep, plan_check
 from harness.check.suites import CheckOutcome
@@ -76,7 +77,7 @@ def test_usage_errors_are_one_line_and_exit_2(
 
 def test_plan_of_the_default_run_and_of_family(quick_lab: Any) -> None:
     """No arguments: reference suites + transformers qwen3_moe cases + the reference lab."""
-    plan = cli._check_plan(cli.build_parser().parse_args(["check"]))
+    plan = check_command._check_plan(cli.build_parser().parse_args(["check"]))
     runs = plan.suites
     assert [r.name for r in runs] == ["reference suites", "transformers suites (qwen3_moe)"]
     assert runs[0].select == "not hf and (not slow and not gpu and not distributed)" and runs[0].paths is None
@@ -91,11 +92,11 @@ def test_plan_of_the_default_run_and_of_family(quick_lab: Any) -> None:
     )
     assert [lab.kind for lab in plan.labs] == ["reference"] and any("--distributed" in n for n in plan.notes)
     assert plan.titles()[-1] == "reference mismatch lab (softmax_topk)"
-    plan = cli._check_plan(cli.build_parser().parse_args(["check", "--engine", "hf", "--family", "mixtral"]))
+    plan = check_command._check_plan(cli.build_parser().parse_args(["check", "--engine", "hf", "--family", "mixtral"]))
     assert [(r.name, r.keyword) for r in plan.suites] == [("transformers suites (mixtral)", "mixtral")]
     assert [(lab.kind, lab.config.family) for lab in plan.labs] == [("hf", "qwen3_moe")]
     args = cli.build_parser().parse_args(["check", "--family", "sigmoid_grouped", "--distributed"])
-    plan = cli._check_plan(args)
+    plan = check_command._check_plan(args)
     assert plan.labs[0].config.family == "sigmoid_grouped"
     assert plan.suites[0].select == "not hf and (not slow and not gpu)" and not plan.notes
     plan = plan_check(subject="m:S", suites=["splice", "hf"], run_suites=False, pytest_args=["-x"])

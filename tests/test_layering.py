@@ -317,3 +317,60 @@ def test_every_module_imports_first_in_a_process() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert not done.stdout.strip(), f"modules that circle back when imported first:\n{done.stdout}"
+
+
+# --- the house: folders that show the architecture (issue 36) ------------------------------------
+
+TOP_LEVEL_LIMIT = 10
+"""Modules at ``harness/``'s top level: the shared leaves (errors, atomic writes, tables, outcomes,
+CPUs, strategies, the simulated engine), the package, ``python -m harness`` and the pytest plugin;
+every other concern is a package."""
+
+LINES_LIMIT = 450
+"""Lines of any one module of the library (``harness/``)."""
+
+
+def test_harness_top_level_holds_only_the_shared_leaves() -> None:
+    modules = sorted(p.name for p in (ROOT / "harness").glob("*.py"))
+    assert len(modules) <= TOP_LEVEL_LIMIT, (
+        f"{len(modules)} modules at harness/'s top level, at most {TOP_LEVEL_LIMIT} expected (a concern "
+        f"of its own is a package): {modules}"
+    )
+
+
+def test_no_module_is_longer_than_the_limit() -> None:
+    long = sorted(
+        (len(p.read_text().splitlines()), str(p.relative_to(ROOT)))
+        for p in (ROOT / "harness").rglob("*.py")
+        if len(p.read_text().splitlines()) > LINES_LIMIT
+    )
+    assert not long, f"modules over {LINES_LIMIT} lines (split along a seam): {long}"
+
+
+def test_every_package_says_what_it_is_for() -> None:
+    """Each package of ``harness/`` opens with a docstring naming its concern."""
+    silent = [
+        str(init.parent.relative_to(ROOT))
+        for init in sorted((ROOT / "harness").rglob("__init__.py"))
+        if not (ast.get_docstring(ast.parse(init.read_text())) or "").strip()
+    ]
+    assert not silent, f"packages without a docstring saying what they are for: {silent}"
+
+
+@pytest.mark.parametrize(
+    ("source", "upward"),
+    [
+        ("from harness.trainers.megatron.layout import MegatronLayout\n", False),  # same layer
+        ("from harness.cli.audit_run import run_audit\n", True),  # the top, from the engines
+        ("def f():\n    from harness.gate.run import run_gate\n", True),  # lazily, still upward
+        ("from harness.gate.baseline import metric\n", False),  # the core half of a split package
+    ],
+)
+def test_a_lower_layer_never_imports_a_higher_one_inside_split_packages(source: str, upward: bool) -> None:
+    """Packages whose modules sit on different floors (``gate``: its baseline is core, its run the
+    top) are judged module by module: a probe may import the baseline, never the gate's run."""
+    module = "harness.probes.megatron"
+    here = layer_of(module)
+    assert here is not None
+    targets = [layer_of(name) for _, name in imports_in(source, module) if _is_module(name)]
+    assert any(t is not None and t > here for t in targets) is upward
