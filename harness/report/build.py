@@ -30,7 +30,7 @@ from harness.report.model import (
 )
 
 if TYPE_CHECKING:  # the lab runs models (torch); the report only reads its result
-    from harness.metrics import LogprobGap
+    from harness.metrics.accumulator import LogprobGap
     from harness.mismatch import LabArm, LabResult
 
 #: |Δ log-prob| histogram bins: four per decade from 1e-7 to 10; the first bin also holds exact zeros.
