@@ -44,7 +44,7 @@ from harness.engines.checkpoint import (
     trainer_recompute,
     write_checkpoint,
 )
-from harness.metrics import gap_growth_bound
+from harness.metrics.batch import gap_growth_bound
 from harness.testing.asserts import differing_routes
 from harness.trace import RoutingTrace, compare
 from reference_impl.episode import AttemptPlan, Schedule, run_episode

@@ -373,7 +373,7 @@ def test_the_gap_of_segments_does_not_depend_on_how_they_are_split_into_calls(
     """One ``add_segments`` call, or one call per segment merged in reverse order: identical figures."""
     import math
 
-    from harness.metrics import GapAccumulator
+    from harness.metrics.accumulator import GapAccumulator
 
     rng = np.random.default_rng(seed)
     train = -rng.exponential(1.0, n)

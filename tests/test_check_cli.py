@@ -92,7 +92,9 @@ def test_plan_of_the_default_run_and_of_family(quick_lab: Any) -> None:
     )
     assert [lab.kind for lab in plan.labs] == ["reference"] and any("--distributed" in n for n in plan.notes)
     assert plan.titles()[-1] == "reference mismatch lab (softmax_topk)"
-    plan = check_command._check_plan(cli.build_parser().parse_args(["check", "--engine", "hf", "--family", "mixtral"]))
+    plan = check_command._check_plan(
+        cli.build_parser().parse_args(["check", "--engine", "hf", "--family", "mixtral"])
+    )
     assert [(r.name, r.keyword) for r in plan.suites] == [("transformers suites (mixtral)", "mixtral")]
     assert [(lab.kind, lab.config.family) for lab in plan.labs] == [("hf", "qwen3_moe")]
     args = cli.build_parser().parse_args(["check", "--family", "sigmoid_grouped", "--distributed"])

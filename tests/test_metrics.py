@@ -14,15 +14,14 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from harness.errors import MetricError
-from harness.metrics import (
-    LogprobGap,
+from harness.metrics.accumulator import LogprobGap, logprob_gap
+from harness.metrics.batch import (
     extreme_fraction,
     gap_growth_bound,
     icepop_mask_rate,
     k1,
     k2,
     k3,
-    logprob_gap,
     max_abs_diff,
     mean_abs_diff,
     prob_diff_stats,

@@ -15,7 +15,7 @@ import pytest
 
 from harness.check.suites import CheckOutcome, counterexample, failure_message
 from harness.lab.measure import LabArm, LabConfig, LabResult
-from harness.metrics import logprob_gap
+from harness.metrics.accumulator import logprob_gap
 from harness.report import (
     HIST_EDGES,
     CheckReport,

@@ -30,7 +30,8 @@ from harness.audit.state import (
     SampleFigure,
     ShardCover,
 )
-from harness.metrics import LOGPROB_TOLERANCE, GapTerms
+from harness.metrics.accumulator import GapTerms
+from harness.metrics.inputs import LOGPROB_TOLERANCE
 from harness.trace import AgreementCounts, LayerAxis
 from harness.trace import kernels as trace_kernels
 

@@ -272,7 +272,7 @@ def _metric_summaries(
     state: AuditState, layers: list[dict[str, Any]], prefix: dict[int, tuple[int, int, int]]
 ) -> dict[str, str]:
     """One line of figures per metric over the whole run (exact merges of every step's figures)."""
-    from harness.metrics import GapAccumulator
+    from harness.metrics.accumulator import GapAccumulator
     from harness.trace import AgreementCounts
 
     figures = list(state.steps.values())

@@ -1,6 +1,6 @@
 """The audit's mergeable state: every figure an accumulator (DESIGN §7).
 
-``AuditState`` holds counts, exact sums (``harness.metrics.ExactSum`` inside
+``AuditState`` holds counts, exact sums (``harness.metrics.accumulator.ExactSum`` inside
 ``GapAccumulator``), per-(step, layer) count arrays, per-group row digests and bounded lists of
 the first offenders. ``merge`` adds another state; the final figures are the same, to the last
 bit, for any split of a run into units, any order of merging and any executor, because:
@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from harness.metrics import DEFAULT_TAU, GapAccumulator
+from harness.metrics.accumulator import GapAccumulator
+from harness.metrics.inputs import DEFAULT_TAU
 from harness.trace import AgreementCounts
 
 OFFENDER_SAMPLES = 20

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from harness.metrics import LogprobGap, logprob_gap
+from harness.metrics.accumulator import LogprobGap, logprob_gap
 from harness.table import format_table
 from harness.trace import RoutingComparison, route_overlap
 from reference_impl import MoEConfig, MoELM

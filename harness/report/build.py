@@ -31,7 +31,7 @@ from harness.report.model import (
 
 if TYPE_CHECKING:  # the lab runs models (torch); the report only reads its result
     from harness.lab.measure import LabArm, LabResult
-    from harness.metrics import LogprobGap
+    from harness.metrics.accumulator import LogprobGap
 
 #: |Δ log-prob| histogram bins: four per decade from 1e-7 to 10; the first bin also holds exact zeros.
 HIST_EDGES: tuple[float, ...] = (0.0, *(10.0 ** (e / 4) for e in range(-28, 5)))

@@ -23,7 +23,7 @@ LEGEND: dict[Mark, str] = {
     "skip": "not checked: the subject lacks the capability, or this machine lacks the engine (reason shown)",
 }
 
-#: ``harness.metrics.LogprobGap.as_dict()`` with nan as ``None``.
+#: ``harness.metrics.accumulator.LogprobGap.as_dict()`` with nan as ``None``.
 Gap = dict[str, float | int | None]
 
 

@@ -15,7 +15,8 @@ import numpy.typing as npt
 
 from harness.errors import TraceError
 from harness.trace import kernels
-from harness.trace.routing_trace import MAX_EXPERTS, RoutingTrace
+from harness.trace.routing_trace import RoutingTrace
+from harness.trace.validation import MAX_EXPERTS
 
 
 @dataclass
