@@ -308,6 +308,7 @@ def cycling_route_tables(draw: st.DrawFn, max_layers: int = 2) -> RouteTable:
     top_k = draw(st.sampled_from((1, 2)))
     size = draw(st.one_of(st.integers(3, 5), st.integers(16, 24)))
     layers = draw(st.integers(1, max_layers))
+    sets: list[tuple[int, ...]]
     if top_k == 1:
         sets = [(e,) for e in range(1, size + 1)]
     else:
