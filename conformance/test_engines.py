@@ -471,7 +471,7 @@ def test_mismatch_lab_on_the_real_engine(engine_name: str, dtype: str) -> None:
     disagreement 0 and does not grow the gap; where routing flipped (bf16) it shrinks the gap there."""
     if engine_name != "vllm":
         pytest.skip(f"{engine_name}: the engine lab drives vLLM only")
-    from harness.engines.vllm import run_vllm_mismatch_lab
+    from harness.lab.engine import run_vllm_mismatch_lab
     from harness.lab.measure import LabConfig, format_lab
 
     result = run_vllm_mismatch_lab(LabConfig(family="qwen3_moe", dtype=dtype))

@@ -70,7 +70,7 @@ def test_kv_cache_rollout_covers_all_but_the_last_token(model_type: str) -> None
 )
 def test_mismatch_lab_on_a_real_qwen3_moe(size: dict[str, int]) -> None:
     """bf16 SDPA Qwen3-MoE, 64 experts top-8: routing flips without replay, none with R3, smaller gap."""
-    from harness.engines.hf import run_hf_mismatch_lab
+    from harness.lab.hf import run_hf_mismatch_lab
     from harness.lab.measure import LabConfig, format_lab
 
     result = run_hf_mismatch_lab(LabConfig(family="qwen3_moe", **size))

@@ -40,9 +40,9 @@ import pytest
 import torch
 
 from harness.conventions import resolve
-from harness.engines.checkpoint import EngineRollout, TinyCheckpoint, lab_checkpoint
+from harness.engines.checkpoint import EngineRollout, TinyCheckpoint
 from harness.engines.weight_updates import weight_updates
-from harness.lab.engine import ENGINE_LAB, sample_lab_rollouts, score_engine_rollouts
+from harness.lab.engine import ENGINE_LAB, lab_checkpoint, sample_lab_rollouts, score_engine_rollouts
 from harness.lab.measure import LabResult, format_lab
 from harness.subjects import Subject
 from harness.testing.asserts import assert_same_routes

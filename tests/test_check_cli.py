@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from harness import cli
-from harness.check import runner as check_runner
 from harness.check.plan import LabStep, plan_check
 from harness.check.suites import CheckOutcome
 from harness.cli import check as check_command
+from harness.cli import check_run as check_runner
 from harness.report import Progress
 from tests.test_report_doc import fake_lab, schema_violations
 

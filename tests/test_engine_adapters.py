@@ -74,7 +74,7 @@ def _vllm_output(prompt: list[int], tokens: list[int], routes: object, *, prompt
 
 ADAPTER_IMPORTS = (
     "harness.engines.vllm, harness.engines.sglang, harness.engines.http, "
-    "harness.engines.checkpoint, harness.engines.adapters, harness.gate.run, harness.gate.baseline"
+    "harness.engines.checkpoint, harness.gate.adapters, harness.gate.run, harness.gate.baseline"
 )
 """The modules that talk to engines, imported at module import by the CLI and the plugin."""
 

@@ -14,7 +14,9 @@ import pytest
 
 from harness import atomic, cli
 from harness.cli import gate as gate_command
-from harness.engines.adapters import (
+from harness.gate import baseline as bl
+from harness.gate import run as gate
+from harness.gate.adapters import (
     ADAPTERS,
     ENGINES,
     EngineAdapter,
@@ -24,9 +26,7 @@ from harness.engines.adapters import (
     UnknownEngine,
     adapter,
 )
-from harness.engines.adapters.hf import HFAdapter
-from harness.gate import baseline as bl
-from harness.gate import run as gate
+from harness.gate.adapters.hf import HFAdapter
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINES = ROOT / "fixtures" / "baselines"
@@ -423,7 +423,7 @@ class _FailingAdapter:
         return model
 
     def observe(self) -> Observation:
-        from harness.engines.adapters.base import observing
+        from harness.gate.adapters.base import observing
 
         with observing(self.name, "metric lab.r3.disagreement"):
             raise RuntimeError("the lab's model would not build")
@@ -449,7 +449,7 @@ def test_a_failing_hf_probe_is_an_error_not_a_nan(monkeypatch: pytest.MonkeyPatc
     """A candidate rule raising a real error (not ``RuleNotApplicable``) used to be skipped silently,
     and the SkyRL rule's logit move left NaN (stored as null): now the first failing probe is named."""
     pytest.importorskip("transformers")
-    from harness.trainers.hf import families
+    from harness.conventions import hf_families as families
 
     def broken_rule(router: Any, logits: Any, ids: Any) -> Any:
         raise RuntimeError("rule broke")
@@ -461,7 +461,7 @@ def test_a_failing_hf_probe_is_an_error_not_a_nan(monkeypatch: pytest.MonkeyPatc
 
 
 def test_a_lab_without_flipped_routes_reports_its_flipped_metrics_undefined() -> None:
-    from harness.engines.adapters.base import NO_FLIP, lab_metrics
+    from harness.gate.adapters.base import NO_FLIP, lab_metrics
     from tests.test_report_doc import fake_lab
 
     defined = lab_metrics("lab", fake_lab()[0])

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from harness.trainers.hf import FAMILIES, HFReplayError, install_replay, softmax_rule, tiny_model
-from harness.trainers.hf.families import ROUTER_PATHS
+from harness.conventions.hf_families import FAMILIES, ROUTER_PATHS, softmax_rule
+from harness.trainers.hf import HFReplayError, install_replay, tiny_model
 from harness.trainers.hf.models import MODEL_TYPES
 
 pytestmark = pytest.mark.hf

@@ -3,7 +3,7 @@
 A ``CheckPlan`` lists the suite runs (``SuiteStep``: which suite files, which pytest marker and
 keyword expressions), the mismatch labs (``LabStep``), the pytest arguments passed through, and
 notes about what it leaves out. ``plan_check`` builds it and refuses a contradictory request with
-``PlanError`` (the command line prints it in one line and exits 2); ``harness.check.runner``
+``PlanError`` (the command line prints it in one line and exits 2); ``harness.cli.check_run``
 executes it.
 
 ``family`` picks a transformers model type (``-k`` on the hf suites) or a router family (the

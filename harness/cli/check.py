@@ -18,7 +18,7 @@ from harness.check.plan import (
 from harness.subjects import DEFAULT_SUBJECT, load_subject
 
 if TYPE_CHECKING:
-    from harness.check.runner import CheckRun
+    from harness.cli.check_run import CheckRun
     from harness.report import CheckReport, Verdict
 
 
@@ -65,7 +65,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     """``rrh check``: plan, run, report; 0 pass, 1 a violation, 2 a usage error or nothing checked."""
     import time
 
-    from harness.check.runner import run_plan
+    from harness.cli.check_run import run_plan
     from harness.errors import SubjectError
     from harness.report import build_report, environment, header_line, write_report
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from harness.engines.adapters import ENGINES
+from harness.gate.adapters import ENGINES
 from harness.gate.run import DESCRIPTION
 
 

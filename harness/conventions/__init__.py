@@ -28,6 +28,12 @@ vllm-0.27         >=0.27,<0.31        uint8/16    decoder     P + R − 1 − ro
 vllm-0.31         >=0.31,<0.34        uint8/16    decoder     P + R − 1 − routed_experts_prompt_start
 sglang            >=0.5               int32 LE    decoder     P + R − 1 − routed_experts_start_len
 ================  ==================  ==========  ==========  =======================================
+
+The trainer side has conventions too: ``hf_families`` says, for each router family of the MoE
+models transformers ships, how its router's return value is read and rebuilt and its gate-weight
+rule, and ``hf_routers`` finds a model's routers by path and class. The replay hooks
+(``harness.trainers.hf``), the probe (``harness.probes.hf``) and the gate's adapter all read them
+here, below all three. Layer: core; torch and ``reference_impl`` only, never an engine.
 """
 
 from harness.conventions.convention import (

@@ -35,7 +35,6 @@ import torch
 
 from harness.conventions import ModelSpec
 from harness.errors import HarnessError
-from harness.lab.measure import LabConfig
 from harness.trace import LayerAxis, Provenance, RoutingComparison, RoutingTrace, compare
 from reference_impl.episode import Episode
 from reference_impl.splice import SpliceError, splice
@@ -165,20 +164,6 @@ def write_checkpoint(
     config["torch_dtype"] = dtype_name
     _atomic_write_text(config_file, json.dumps(config, indent=2, sort_keys=True) + "\n")
     return TinyCheckpoint(path, model_type, dtype_name, model_spec(config), config, seed)
-
-
-def lab_checkpoint(directory: str | os.PathLike[str], cfg: LabConfig, **overrides: Any) -> TinyCheckpoint:
-    """The mismatch lab's engine checkpoint: ``write_checkpoint``'s Qwen3-MoE with ``cfg``'s experts,
-    top-k, layers, dtype and seed (``overrides``: further config fields, e.g. ``mlp_only_layers``)."""
-    return write_checkpoint(
-        directory,
-        dtype=getattr(torch, cfg.dtype),
-        seed=cfg.seed,
-        num_experts=cfg.num_experts,
-        num_experts_per_tok=cfg.top_k,
-        num_hidden_layers=cfg.num_layers,
-        **overrides,
-    )
 
 
 def load_checkpoint(

@@ -12,7 +12,7 @@ writes the installed version's, and the gate compares the installed version with
 the newest release at or before it — so bumping vLLM shows what changed since the last release
 recorded (row rule, dtype, layer axis, prefix-cache behaviour, disagreement, gap) as a diff.
 
-The engines and what is observed of each are their adapters' (``harness.engines.adapters``:
+The engines and what is observed of each are their adapters' (``harness.gate.adapters``:
 ``reference``, ``hf`` — transformers, ``vllm`` and ``sglang``); the gate runs each adapter's
 invariant suites, builds the document, compares and writes it. A probe that fails is an error naming
 the engine, the probe and the cause (exit 2), never a silent NaN.
@@ -26,8 +26,8 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
-from harness.engines.adapters import EngineAdapter, ObservationError, Suites, adapter
 from harness.errors import HarnessError
+from harness.gate.adapters import EngineAdapter, ObservationError, Suites, adapter
 from harness.gate.baseline import (
     BaselineError,
     GateReport,

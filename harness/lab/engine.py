@@ -9,20 +9,21 @@ transformers recomputes them with one full forward, twice:
   routes handed to the subject's controller.
 
 Both passes' routes are what the harness's own probe (``harness.probes.hf``) saw the experts
-receive, never what the subject reports. ``harness.engines.vllm.run_vllm_mismatch_lab`` is the same
+receive, never what the subject reports. ``harness.lab.engine.run_vllm_mismatch_lab`` is the same
 lab through the harness's own hooks (a conformance check of the harness); this one answers whether
 *the subject's* driver removes the routing part of the gap against a real engine.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from harness.engines.checkpoint import EngineRollout, TinyCheckpoint, lab_checkpoint, load_checkpoint
+from harness.engines.checkpoint import EngineRollout, TinyCheckpoint, load_checkpoint, write_checkpoint
 from harness.lab.measure import LabConfig, LabResult, lab_result
 from harness.probes.hf import attach
 from harness.subjects.replay import controlled, prepare
@@ -125,3 +126,57 @@ def run_engine_lab(install_hf_replay: object, cfg: LabConfig = ENGINE_LAB) -> La
         finally:
             engine.close()
         return score_engine_rollouts(checkpoint, rollouts, install_hf_replay, cfg)
+
+
+def lab_checkpoint(directory: str | os.PathLike[str], cfg: LabConfig, **overrides: Any) -> TinyCheckpoint:
+    """The mismatch lab's engine checkpoint: ``write_checkpoint``'s Qwen3-MoE with ``cfg``'s experts,
+    top-k, layers, dtype and seed (``overrides``: further config fields, e.g. ``mlp_only_layers``)."""
+    return write_checkpoint(
+        directory,
+        dtype=getattr(torch, cfg.dtype),
+        seed=cfg.seed,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.top_k,
+        num_hidden_layers=cfg.num_layers,
+        **overrides,
+    )
+
+
+def run_vllm_mismatch_lab(cfg: LabConfig | None = None) -> LabResult:
+    """The mismatch lab on real vLLM: sampled vLLM rollouts vs the transformers trainer's recompute.
+
+    A ``write_checkpoint`` Qwen3-MoE sized by ``cfg`` (``LabConfig``: experts, top-k,
+    MoE layers, dtype, seed; every layer MoE) is served by the installed vLLM, which samples
+    ``cfg.batch`` rollouts of ``cfg.response_len`` tokens (temperature 1) and returns their routes
+    and log-probs; the same checkpoint in transformers (CPU) recomputes them without replay and
+    with R3 (``harness.lab.hf.score_rollouts``).
+    """
+    from harness.engines.vllm import VLLMEngine
+    from harness.lab.hf import score_rollouts
+    from harness.trainers.hf import install_replay
+
+    cfg = cfg or LabConfig(family="qwen3_moe")
+    with tempfile.TemporaryDirectory(prefix="rrh-vllm-lab-") as tmp:
+        ckpt = lab_checkpoint(tmp, cfg, mlp_only_layers=[])
+        gen = torch.Generator().manual_seed(cfg.seed)
+        prompts = torch.randint(3, ckpt.vocab_size, (cfg.batch, cfg.prompt_len), generator=gen).tolist()
+        engine = VLLMEngine(ckpt, seed=cfg.seed)
+        try:
+            rollouts = engine.generate(prompts, cfg.response_len, temperature=1.0, seed=cfg.seed)
+        finally:
+            engine.close()
+        trainer = load_checkpoint(ckpt, device="cpu")
+    handle = install_replay(trainer)
+    try:
+        return score_rollouts(
+            trainer,
+            handle,
+            cfg,
+            torch.tensor([list(r.sequence) for r in rollouts]),
+            torch.stack(
+                [torch.from_numpy(r.trace.to_moe_ordinal().experts.astype("int64")) for r in rollouts]
+            ),
+            torch.tensor([list(r.logprobs or ()) for r in rollouts], dtype=torch.float32),
+        )
+    finally:
+        handle.remove()

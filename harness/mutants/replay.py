@@ -171,8 +171,8 @@ def _installer(handle: type[ReferenceReplay]) -> Callable[[MoELM], ReferenceRepl
 
 def structural_softmax_hook(model: torch.nn.Module) -> ReplayController:
     """SkyRL's hook: softmax(logits, fp32).gather(ids), renormalised, whatever the router family."""
+    from harness.conventions.hf_families import softmax_rule as rule
     from harness.trainers.hf import install_replay as install
-    from harness.trainers.hf import softmax_rule as rule
 
     return install(model, rule=rule, self_check=False)
 

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from harness.conventions.hf_families import FAMILIES
+from harness.conventions.hf_routers import find_routers
 from harness.probes import RouteProbe
-from harness.trainers.hf.families import FAMILIES
-from harness.trainers.hf.routers import find_routers
 
 _IDS = ("top_k_index", "router_indices", "selected_experts")
 _WEIGHTS = ("top_k_weights", "routing_weights", "router_weights")

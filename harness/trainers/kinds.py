@@ -186,7 +186,7 @@ def _hf_run(
 
 
 def _hf_routers(model: nn.Module) -> list[object]:
-    from harness.trainers.hf import find_routers
+    from harness.conventions.hf_routers import find_routers
 
     return find_routers(model)  # type: ignore[return-value]
 

@@ -31,13 +31,13 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from harness.probes import ProbeError, RouteProbe
-from harness.probes.hf import attach
-from harness.trainers.hf.families import (
+from harness.conventions.hf_families import (
     FAMILIES,
     WeightRule,
 )
-from harness.trainers.hf.routers import HFReplayError, HookedRouter, find_routers, parent_module
+from harness.conventions.hf_routers import HFReplayError, HookedRouter, find_routers, parent_module
+from harness.probes import ProbeError, RouteProbe
+from harness.probes.hf import attach
 from reference_impl.routers import ReplayError, RoutingMode, pop_recording, set_replay_targets
 
 

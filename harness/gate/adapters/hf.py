@@ -15,7 +15,7 @@ import importlib.metadata
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from harness.engines.adapters.base import (
+from harness.gate.adapters.base import (
     Observation,
     ObservationError,
     Suites,
@@ -48,7 +48,7 @@ def _describe_return(output: Any) -> str:
 
 
 def _candidate_rules() -> dict[str, Any]:
-    from harness.trainers.hf import families
+    from harness.conventions import hf_families as families
 
     rules = {f.name: f.rule for f in families.FAMILIES.values()}
     rules["softmax (SkyRL)"] = families.softmax_rule
@@ -62,7 +62,7 @@ def _reproduces(
     router (``RuleNotApplicable``: a parameter it lacks, a k it does not route) does not."""
     import torch
 
-    from harness.trainers.hf.families import RuleNotApplicable
+    from harness.conventions.hf_families import RuleNotApplicable
 
     try:
         with torch.no_grad():
@@ -78,7 +78,7 @@ def _own_weights(router: HookedRouter, output: Any) -> tuple[torch.Tensor, torch
     ``route_tokens_to_experts`` to route them."""
     import torch
 
-    from harness.trainers.hf import families
+    from harness.conventions import hf_families as families
 
     with torch.no_grad():
         if isinstance(output, torch.Tensor):  # logits only: the block routes
@@ -139,7 +139,7 @@ class HFAdapter:
                 move = self.softmax_rule_logit_move(model_type)
                 metrics[name] = metric(move, max(1e-6, 0.25 * move), "equal")
         if self.lab:
-            from harness.engines.hf import run_hf_mismatch_lab
+            from harness.lab.hf import run_hf_mismatch_lab
             from harness.lab.measure import LabConfig
 
             with observing(self.name, "mismatch lab metrics"):
@@ -160,7 +160,8 @@ class HFAdapter:
         """
         import torch
 
-        from harness.trainers.hf import find_routers, install_replay, tiny_model
+        from harness.conventions.hf_routers import find_routers
+        from harness.trainers.hf import install_replay, tiny_model
         from harness.trainers.hf.replay import HFReplayError
 
         what = f"observations.families.{model_type}"
@@ -202,7 +203,8 @@ class HFAdapter:
         """The largest logit move of replaying a family's natural routing with SkyRL's softmax rule."""
         import torch
 
-        from harness.trainers.hf import families, install_replay, tiny_model
+        from harness.conventions import hf_families as families
+        from harness.trainers.hf import install_replay, tiny_model
 
         model = tiny_model(model_type, torch.float32, seed=seed)
         probe = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(seed))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from harness.engines.adapters.base import Observation, Suites, lab_metrics, layer_axis, observing, row_rule
+from harness.gate.adapters.base import Observation, Suites, lab_metrics, layer_axis, observing, row_rule
 
 if TYPE_CHECKING:
     from harness.conventions import Convention

@@ -14,7 +14,7 @@ import importlib
 import tempfile
 from typing import TYPE_CHECKING, Any
 
-from harness.engines.adapters.base import Observation, Suites, layer_axis, observing, row_rule
+from harness.gate.adapters.base import Observation, Suites, layer_axis, observing, row_rule
 from harness.gate.baseline import metric
 
 if TYPE_CHECKING:

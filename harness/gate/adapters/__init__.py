@@ -7,11 +7,11 @@
 
 from __future__ import annotations
 
-from harness.engines.adapters.base import EngineAdapter, Observation, ObservationError, Suites
-from harness.engines.adapters.hf import HFAdapter
-from harness.engines.adapters.reference import ReferenceAdapter
-from harness.engines.adapters.served import ServedAdapter
 from harness.errors import HarnessError
+from harness.gate.adapters.base import EngineAdapter, Observation, ObservationError, Suites
+from harness.gate.adapters.hf import HFAdapter
+from harness.gate.adapters.reference import ReferenceAdapter
+from harness.gate.adapters.served import ServedAdapter
 
 ADAPTERS: dict[str, EngineAdapter] = {
     adapter.name: adapter

@@ -93,7 +93,7 @@ class Observation:
 
 @runtime_checkable
 class EngineAdapter(Protocol):
-    """One engine as the gate sees it; ``harness.engines.adapters.ADAPTERS`` holds one per engine."""
+    """One engine as the gate sees it; ``harness.gate.adapters.ADAPTERS`` holds one per engine."""
 
     name: str
     """The engine's name (``rrh gate --engine NAME``)."""

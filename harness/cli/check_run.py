@@ -50,7 +50,7 @@ def run_lab(step: LabStep, subject: Any) -> LabResult:
 
     with one_torch_thread():
         if step.kind == "hf":
-            from harness.engines.hf import run_hf_mismatch_lab
+            from harness.lab.hf import run_hf_mismatch_lab
 
             return run_hf_mismatch_lab(step.config)
         from harness.lab.reference import run_mismatch_lab

@@ -16,8 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness.errors import HarnessError
-from harness.trainers.hf.families import (
+from harness.conventions.hf_families import (
     FAMILIES,
     ROUTER_PATHS,
     RouterFamily,
@@ -25,6 +24,7 @@ from harness.trainers.hf.families import (
     routing_param,
     supported,
 )
+from harness.errors import HarnessError
 from reference_impl.routers import RouterReplay
 
 
