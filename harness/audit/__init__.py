@@ -3,7 +3,7 @@
 - ``layout``: the run layout (versioned Parquet schema) and ``SampleRecord``;
 - ``writer``: ``RunWriter``, buffered and atomic per file;
 - ``reader``: a run's files, units of work and zero-copy decoding;
-- ``checks``: the strict invariants and metrics, folded batch by batch;
+- ``checks``: the strict invariants and metrics, a module per family, folded batch by batch;
 - ``state``: the mergeable accumulators; ``result``: the figures of a finished audit;
 - ``findings``: the prompt rows that differ within a group, named at the end (and ``wrapped_ids``);
 - ``executors``: serial, process pool and Ray;
@@ -12,7 +12,7 @@
 ``from harness.audit import RunWriter, SampleRecord, audit_run``.
 """
 
-from harness.audit.checks import AuditOptions
+from harness.audit.checks.fold import AuditOptions
 from harness.audit.executors import audit_run
 from harness.audit.layout import LayoutError, SampleRecord
 from harness.audit.result import AuditResult

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.audit.checks import AuditOptions, fold_batch, fold_shards
+from harness.audit.checks.fold import AuditOptions, fold_batch, fold_shards
 from harness.audit.layout import LayoutError
 from harness.audit.manifest import check_manifests
 from harness.audit.pool import pool_context
@@ -54,7 +54,7 @@ def _selected(table: Any, options: AuditOptions) -> tuple[Any, Any]:
     import numpy as np
     import pyarrow as pa
 
-    from harness.audit.checks import sample_hash
+    from harness.audit.checks.fold import sample_hash
     from harness.audit.reader import _array, _numpy
 
     step = _numpy(_array(table, "step")).astype(np.int64)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 
-from harness.audit.checks import fold_batch
+from harness.audit.checks.fold import fold_batch
 from harness.audit.generate import RunShape, _step_samples, _table
 from harness.audit.reader import decode
 from harness.audit.state import AuditState
