@@ -34,17 +34,19 @@ from typing import Any
 import numpy as np
 
 from harness.audit.importers import safe_pickle
-from harness.audit.importers.model_shape import (
-    LayerVote,
-    ids_fit,
-    moe_layers_input,
-    num_experts_input,
-    payload_rows,
-    step_layers,
+from harness.audit.importers.base import (
+    RoutingShape,
+    check_logprobs,
+    check_route_ids,
+    dump_records,
+    model_inputs,
+    padded_layers,
+    padded_samples,
+    route_widths,
 )
+from harness.audit.importers.model_shape import LayerVote
 from harness.audit.inputs import brief, check_ints, check_mask, check_step, glob, read_file, read_json
 from harness.audit.layout import LayoutError, SampleRecord
-from harness.trace import MAX_LAYERS, LayerAxis
 
 DESCRIPTION = (
     "verl 0.9.1 RolloutSkip (skip.rollout.enable=True): {dump_dir}/{exp}_{project}/GBS{g}_N{n}_in{p}_out{r}/"
@@ -192,6 +194,17 @@ def _groups(
     return [None] * size
 
 
+def _spans(attention: Any, p_max: int, source: str) -> Iterator[tuple[int, int, int, int, None]]:
+    """Each sample's ``(batch row, prompt, response, first token column, None)``, checked as it comes."""
+    for i in range(attention.shape[0]):
+        prompt, resp = int(attention[i, :p_max].sum()), int(attention[i, p_max:].sum())
+        if prompt < 1:
+            raise LayoutError(
+                f"{source} sample {i}: attention_mask has no prompt token; expected at least one"
+            )
+        yield i, prompt, resp, p_max - prompt, None
+
+
 def batch_records(
     file: Path,
     num_experts: int,
@@ -228,59 +241,28 @@ def batch_records(
         logprobs = _field(
             tensors, "rollout_log_probs", (batch, r_max), source, f"[B, R_max] = [{batch}, {r_max}]"
         )
-    if routes.dtype.kind not in "iu":
-        raise LayoutError(f"{source}: field 'routed_experts' is {routes.dtype}; expected integer ids")
+    check_route_ids(routes, source, "routed_experts")
     check_ints(input_ids, 32, source, "input_ids")
     check_mask(attention, source, "attention_mask")
     check_mask(response_mask, source, "response_mask")
-    if logprobs is not None and logprobs.dtype.kind not in "iuf":
-        raise LayoutError(
-            f"{source}: field 'rollout_log_probs' is {logprobs.dtype}; expected log-probabilities"
-        )
-    num_layers, top_k = int(routes.shape[2]), int(routes.shape[3])
-    if not 1 <= num_layers <= MAX_LAYERS:
-        raise LayoutError(
-            f"{source}: field 'routed_experts' has {num_layers} layers; expected 1..{MAX_LAYERS}"
-        )
-    if not 1 <= top_k <= num_experts:
-        raise LayoutError(f"{source}: top_k={top_k} (routed_experts); expected 1..num_experts={num_experts}")
+    check_logprobs(logprobs, source, "rollout_log_probs")
+    num_layers, top_k = route_widths(routes, num_experts, source, "routed_experts")
     groups = _groups(non_tensor, batch, group_size_of(file), source)
-    samples = []
-    for i in range(batch):
-        prompt, resp = int(attention[i, :p_max].sum()), int(attention[i, p_max:].sum())
-        if prompt < 1:
-            raise LayoutError(
-                f"{source} sample {i}: attention_mask has no prompt token; expected at least one"
-            )
-        first = p_max - prompt
-        engine, captured, column = payload_rows(routes[i], first, prompt + resp)
-        if not ids_fit(engine, num_experts, f"{source} batch row {i}", step, i, column, errors):
-            continue
-        samples.append((i, prompt, resp, first, engine, captured, column))
-    places = [(f"{source} batch row {s[0]}", s[4], s[5]) for s in samples]
-    moe_layers = step_layers(vote, moe_layers, step, places, source, num_layers)
+    samples = padded_samples(routes, _spans(attention, p_max, source), num_experts, source, step, errors)
+    moe_layers = padded_layers(vote, moe_layers, step, samples, source, num_layers)
+    shape = RoutingShape(num_experts, top_k, num_layers, moe_layers)
     out = [
-        SampleRecord(
-            step=step,
-            sample_key=str(i),
-            group_key=groups[i],
-            prompt_len=prompt,
-            response_len=resp,
-            tokens=input_ids[i, first : p_max + resp],
-            num_experts=num_experts,
-            top_k=top_k,
-            num_layers=num_layers,
-            moe_layers=moe_layers,
-            layer_axis=LayerAxis.DECODER.value,
-            source=SOURCE,
-            loss_mask=response_mask[i, :resp] != 0,
-            engine_logprobs=None if logprobs is None else logprobs[i, :resp].astype(np.float32),
-            engine_routes=engine,
-            engine_captured=captured,
-            origin=f"{source} batch row {i}",
-            origin_column=column,
+        s.record(
+            source,
+            step,
+            shape,
+            SOURCE,
+            group_key=groups[s.index],
+            tokens=input_ids[s.index, s.first : p_max + s.response],
+            loss_mask=response_mask[s.index, : s.response] != 0,
+            engine_logprobs=None if logprobs is None else logprobs[s.index, : s.response].astype(np.float32),
         )
-        for i, prompt, resp, first, engine, captured, column in samples
+        for s in samples
     ]
     return out, moe_layers
 
@@ -304,17 +286,13 @@ def records(
     files = dump_files(Path(path))
     if not files:
         raise LayoutError(f"{path}: no verl RolloutSkip dump ({{step}}/{FILE_NAME})")
-    experts = num_experts_input(num_experts, "verl")
-    layers: tuple[int, ...] | None = moe_layers_input(moe_layers)
-    vote = LayerVote() if layers is None else None
+    experts, layers, vote = model_inputs(num_experts, moe_layers, "verl")
     ordered: list[tuple[int, Path]] = []
     for file in files:
         step = read_file(file.parent / "meta.json", errors, partial(step_of, file))
         if step is not None:
             ordered.append((step, file))
-    for _, file in sorted(ordered):
-        read = read_file(file, errors, partial(batch_records, file, experts, layers, vote, errors))
-        if read is not None:
-            yield from read[0]
-    if vote is not None and inferred is not None:
-        inferred.extend(vote.notes())
+    reads = (
+        (file, partial(batch_records, file, experts, layers, vote, errors)) for _, file in sorted(ordered)
+    )
+    yield from dump_records(reads, errors, vote, inferred)
