@@ -1,5 +1,6 @@
-"""What the importers share: the model's routing shape, the checks of a padded route tensor, the
-samples cut out of it, and the loop that streams a dump's files into records.
+"""What the importers share: the model's routing shape (and the placeholder of a dump without
+routes), the checks of a padded route tensor, the samples cut out of it, and the loop that streams
+a dump's files into records.
 
 A padded batch dump (SkyRL's ``rollout_expert_indices``, verl's ``routed_experts``) holds one
 ``[B, S, layers, top_k]`` tensor, zero-filled outside each sample's payload: ``padded_samples`` cuts
@@ -51,6 +52,10 @@ class RoutingShape:
             "num_layers": self.num_layers,
             "moe_layers": self.moe_layers,
         }
+
+
+NO_ROUTES = RoutingShape(num_experts=1, top_k=1, num_layers=1, moe_layers=(0,))
+"""A dump without routes (R3 off) has no routing shape; the layout needs one, so this placeholder."""
 
 
 def model_inputs(

@@ -42,7 +42,6 @@ import re
 import string
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -51,6 +50,7 @@ import numpy as np
 import numpy.typing as npt
 
 from harness.audit.importers import safe_pickle
+from harness.audit.importers.base import NO_ROUTES, RoutingShape
 from harness.audit.importers.model_shape import ExpertVote, LayerVote, ids_fit, signature
 from harness.audit.inputs import brief, check_step, glob, read_file
 from harness.audit.layout import LayoutError, SampleRecord
@@ -93,20 +93,6 @@ SOURCE_PREFIXES = ("slime",)
 """The ``source`` of the records this importer writes (``hints_for`` tells a re-audited import by it)."""
 TRAIN_FORMAT_VERSION = 2
 _ID = re.compile(r"(\d+)$")
-
-
-@dataclass(frozen=True)
-class _Shape:
-    """The model's routing shape, the same for every record of the run."""
-
-    num_experts: int
-    top_k: int
-    num_layers: int
-    moe_layers: tuple[int, ...]
-
-
-_NO_ROUTES = _Shape(num_experts=1, top_k=1, num_layers=1, moe_layers=(0,))
-"""A dump without routes (R3 off) has no routing shape; the layout needs one, so this placeholder."""
 
 
 def detect(path: Path) -> bool:
@@ -167,7 +153,11 @@ def records(
 
 
 def _rollout(
-    step: int, rollout_path: Path, train_path: Path | None, shape: _Shape, errors: list[str] | None = None
+    step: int,
+    rollout_path: Path,
+    train_path: Path | None,
+    shape: RoutingShape,
+    errors: list[str] | None = None,
 ) -> list[SampleRecord]:
     """The records of one rollout file joined with its train file (when there is one), all or none —
     but a sample holding an id the run layout cannot store, which is a line in ``errors`` and left
@@ -366,7 +356,7 @@ def _model_shape(
     inferred: list[str] | None = None,
     errors: list[str] | None = None,
     bad: set[Path] | None = None,
-) -> _Shape:
+) -> RoutingShape:
     """The routing shape: layers and top-k those of most rollout files (a damaged file cannot impose
     its own on the others); the rest given, or inferred in a full pass from what most samples agree
     on (``model_shape.LayerVote``, ``ExpertVote``), noted in ``inferred``. A file that cannot be
@@ -382,7 +372,7 @@ def _model_shape(
         elif scanned[0] is not None:
             scans[path] = scanned  # type: ignore[assignment]
     if not scans:
-        return _NO_ROUTES
+        return NO_ROUTES
     widths = Counter(width for width, _, _ in scans.values())  # insertion-ordered: ties go to the first
     layers, top_k = max(widths, key=lambda w: widths[w])
     vote, experts = LayerVote(), ExpertVote()
@@ -418,7 +408,7 @@ def _model_shape(
         )
     if not top_k <= num_experts <= 65536:
         raise LayoutError(f"num_experts: {num_experts}; expected an integer in [top_k={top_k}, 65536]")
-    return _Shape(int(num_experts), top_k, layers, chosen)
+    return RoutingShape(int(num_experts), top_k, layers, chosen)
 
 
 def _scan(step: int, path: Path, first_only: bool) -> tuple[tuple[int, int] | None, LayerVote, ExpertVote]:
@@ -488,7 +478,7 @@ def _record(
     position: int,
     sample: dict[str, Any],
     trained: dict[str, Any] | None,
-    shape: _Shape,
+    shape: RoutingShape,
     path: Path,
     train_path: Path | None,
     errors: list[str] | None = None,
@@ -539,10 +529,7 @@ def _record(
         loss_mask=mask,
         engine_logprobs=engine_lp,
         trainer_logprobs=trainer_lp,
-        num_experts=shape.num_experts,
-        top_k=shape.top_k,
-        num_layers=shape.num_layers,
-        moe_layers=shape.moe_layers,
+        **shape.fields(),
         layer_axis=LayerAxis.DECODER.value,
         engine_routes=routes,
         source=SOURCE if trained is None else f"{SOURCE} + --save-debug-train-data",
@@ -550,7 +537,7 @@ def _record(
     )
 
 
-def _check_shape(routes: npt.NDArray[np.int64], shape: _Shape, where: str) -> None:
+def _check_shape(routes: npt.NDArray[np.int64], shape: RoutingShape, where: str) -> None:
     """Routes of the run's layer and top-k widths (the ids are checked by ``model_shape.ids_fit``)."""
     if routes.shape[1:] != (shape.num_layers, shape.top_k):
         raise LayoutError(
@@ -595,10 +582,7 @@ def _train_records(step: int, path: Path) -> Iterator[SampleRecord]:
             loss_mask=None if mask is None else mask != 0,
             engine_logprobs=_vector(sample, "rollout_log_probs", where, "f", response),
             trainer_logprobs=_vector(sample, "log_probs", where, "f", response),
-            num_experts=_NO_ROUTES.num_experts,
-            top_k=_NO_ROUTES.top_k,
-            num_layers=_NO_ROUTES.num_layers,
-            moe_layers=_NO_ROUTES.moe_layers,
+            **NO_ROUTES.fields(),
             source="slime --save-debug-train-data",
             origin=f"{path} samples[{i}]",
         )
