@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit.importers import safe_pickle
+from harness.audit.importers import pickle_values, safe_pickle
 from harness.audit.importers.base import (
     RoutingShape,
     check_logprobs,
@@ -93,8 +93,8 @@ BATCH_CLASS = f"{MODULE}.TrainingInputBatch"
 
 _STAND_INS = dict(
     [
-        safe_pickle.stand_in(MODULE, "TrainingInputBatch"),
-        safe_pickle.stand_in_function(MODULE, "_rebuild_tensor_batch"),
+        pickle_values.stand_in(MODULE, "TrainingInputBatch"),
+        pickle_values.stand_in_function(MODULE, "_rebuild_tensor_batch"),
     ]
 )
 
@@ -143,7 +143,7 @@ def _tensor(entry: Any, source: str, field: str) -> npt.NDArray[Any]:
     if (
         dtype is None
         or dtype.kind not in "biuf"
-        or len(shape) > safe_pickle.MAX_DIMS
+        or len(shape) > pickle_values.MAX_DIMS
         or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**63 for n in shape)
     ):
         raise LayoutError(
@@ -161,7 +161,7 @@ def read_batch(file: Path) -> tuple[dict[str, npt.NDArray[Any] | None], dict[str
     """The tensors (numpy arrays, ``None`` where the batch holds ``None``) and metadata of one dump."""
     source = str(file)
     batch = safe_pickle.load(file, _STAND_INS)
-    if not isinstance(batch, safe_pickle.Pickled) or batch.qualname != BATCH_CLASS:
+    if not isinstance(batch, pickle_values.Pickled) or batch.qualname != BATCH_CLASS:
         raise LayoutError(
             f"{source}: the pickle holds {getattr(batch, 'qualname', type(batch).__name__)}; "
             "expected a TrainingInputBatch written by TrainingInputBatch.save"

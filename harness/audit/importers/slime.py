@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit.importers import safe_pickle
+from harness.audit.importers import pickle_values, safe_pickle
 from harness.audit.importers.base import NO_ROUTES, RoutingShape
 from harness.audit.importers.model_shape import ExpertVote, LayerVote, ids_fit, signature
 from harness.audit.inputs import brief, check_step, glob, read_file
@@ -291,8 +291,8 @@ def _from_lists(value: list[Any] | tuple[Any, ...], where: str, field: str) -> n
                 raise LayoutError(f"{where}: field {field!r} repeats one list; expected distinct rows")
             seen.add(id(item))
         shape.append(width)
-        if len(shape) > safe_pickle.MAX_DIMS:
-            raise LayoutError(f"{where}: field {field!r} is nested past {safe_pickle.MAX_DIMS} levels")
+        if len(shape) > pickle_values.MAX_DIMS:
+            raise LayoutError(f"{where}: field {field!r} is nested past {pickle_values.MAX_DIMS} levels")
         level = [x for item in level for x in item]
     for x in level:
         if isinstance(x, (list, tuple)):

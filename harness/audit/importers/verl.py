@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.audit.importers import safe_pickle
+from harness.audit.importers import pickle_values, safe_pickle, torch_format
 from harness.audit.importers.base import (
     RoutingShape,
     check_logprobs,
@@ -84,7 +84,7 @@ SOURCE_PREFIXES = ("verl ",)
 """The ``source`` of the records this importer writes (``hints_for`` tells a re-audited import by it)."""
 FILE_NAME = "gen_batch.dp"
 DATAPROTO = "verl.protocol.DataProto"
-_STAND_INS = dict([safe_pickle.stand_in("verl.protocol", "DataProto")])
+_STAND_INS = dict([pickle_values.stand_in("verl.protocol", "DataProto")])
 _GROUP_SIZE = re.compile(r"^GBS\d+_N(\d+)_in\d+_out\d+$")
 
 
@@ -131,7 +131,7 @@ def read_batch(file: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """The tensors (numpy arrays) and the ``non_tensor_batch`` of one ``gen_batch.dp``."""
     source = str(file)
     proto = safe_pickle.load(file, _STAND_INS)
-    if not isinstance(proto, safe_pickle.Pickled) or proto.qualname != DATAPROTO:
+    if not isinstance(proto, pickle_values.Pickled) or proto.qualname != DATAPROTO:
         raise LayoutError(
             f"{source}: the pickle holds {getattr(proto, 'qualname', type(proto).__name__)}; "
             "expected a DataProto written by DataProto.save_to_disk"
@@ -152,7 +152,7 @@ def read_batch(file: Path) -> tuple[dict[str, Any], dict[str, Any]]:
                     f"{source}: batch field {brief(key)} is {brief(entry)}; expected (dtype, shape, bytes)"
                 )
             shape = tuple(entry[1]) if isinstance(entry[1], (tuple, list)) else entry[1]
-            tensors[key] = safe_pickle.view_bytes(entry[2], entry[0], shape, source, brief(key))
+            tensors[key] = torch_format.view_bytes(entry[2], entry[0], shape, source, brief(key))
     else:
         raise LayoutError(
             f"{source}: field 'batch' is {type(batch).__name__}; expected torch.save bytes of a TensorDict "
@@ -183,7 +183,7 @@ def _groups(
     """Each sample's GRPO group: its ``uid`` when the dump kept it, else ``i // rollout.n`` (samples of
     a prompt are consecutive: ``gen_batch.repeat(interleave=True)``), else unknown."""
     uids = non_tensor.get("uid")
-    if isinstance(uids, (np.ndarray, safe_pickle.ObjectArray)) and uids.shape == (size,):
+    if isinstance(uids, (np.ndarray, pickle_values.ObjectArray)) and uids.shape == (size,):
         values = uids.tolist()
         if all(isinstance(u, (str, int)) and not isinstance(u, bool) for u in values):
             return [str(u)[:256] for u in values]
