@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from harness.audit import kernels as audit_kernels
-from harness.audit.reader import Batch, ListColumn
+from harness.audit.batch import Batch, ListColumn
 from harness.audit.state import OFFENDER_SAMPLES, OFFENDERS_PER_SAMPLE, WORST, AuditState, Offender
 
 

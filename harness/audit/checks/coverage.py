@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from harness.audit import kernels as audit_kernels
+from harness.audit.batch import Batch
 from harness.audit.checks.context import BatchContext, Offenders
-from harness.audit.reader import Batch
 from harness.audit.state import AuditState, ShardCover
 
 

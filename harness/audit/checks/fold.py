@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.audit.batch import Batch
 from harness.audit.checks import coverage, ids, load, logprobs, prefix, repeats, replay, tokens
 from harness.audit.checks.context import BatchContext
-from harness.audit.reader import Batch
 from harness.audit.state import AuditState, SampleFigure
 
 

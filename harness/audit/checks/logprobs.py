@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from harness.audit.batch import ListColumn
 from harness.audit.checks.context import BatchContext, Offenders, expand, offsets
-from harness.audit.reader import ListColumn
 from harness.audit.state import Offender
 from harness.metrics import LOGPROB_TOLERANCE, GapTerms
 

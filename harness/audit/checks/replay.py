@@ -11,8 +11,8 @@ import numpy as np
 import numpy.typing as npt
 
 from harness.audit import kernels as audit_kernels
+from harness.audit.batch import RouteColumn
 from harness.audit.checks.context import BatchContext, Offenders
-from harness.audit.reader import RouteColumn
 from harness.audit.state import Offender
 from harness.trace import AgreementCounts
 
