@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from harness.audit import kernels as audit_kernels
+from harness.audit import repeat_kernels
 from harness.audit.checks.context import BatchContext, Offenders
 
 REPEAT_ALPHA = 1e-6
@@ -28,7 +28,7 @@ def repeated_rows(ctx: BatchContext) -> None:
         ctx.state.note_missing("repeated_rows", "engine_routes")
     lo = ctx.engine.row_offsets[:-1]
     cover = np.where(ctx.engine.valid, np.clip(ctx.expected_rows, 0, ctx.engine_rows), 0)
-    start, length, pairs = audit_kernels.repeated_runs(ctx.engine.routes, ctx.captured, lo, lo + cover)
+    start, length, pairs = repeat_kernels.repeated_runs(ctx.engine.routes, ctx.captured, lo, lo + cover)
     for s in np.flatnonzero(length >= 2).tolist():
         a, m = int(start[s]), int(length[s])
         rows = ctx.engine.routes[lo[s] : lo[s] + cover[s]]
