@@ -18,7 +18,7 @@ failed the fast check. Rows and layers in offenders: ``row`` is the index in the
 - ``replay``: ``replay_fidelity`` and the ``agreement`` metric;
 - ``load``: the ``fallback`` and ``expert_load`` metrics; ``prefix``: ``prefix_agreement``.
 
-The modules import ``harness.audit``'s batch, state and kernels (``repeat_kernels`` too), ``harness.trace`` and
-``harness.metrics``; a family imports ``context`` and no other family (``fold`` imports them all).
-This package's ``__init__`` imports nothing.
+The modules import ``harness.audit``'s batch, state and kernels (``repeat_kernels`` too),
+``harness.trace`` and ``harness.metrics``; a family imports ``context`` and no other family (``fold``
+imports them all). This package's ``__init__`` imports nothing.
 """
