@@ -39,17 +39,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit.importers import pickle_values, safe_pickle
-from harness.audit.importers.base import (
-    RoutingShape,
-    check_logprobs,
-    check_route_ids,
-    dump_records,
-    model_inputs,
-    padded_layers,
-    padded_samples,
-    route_widths,
-)
+from harness.audit.importers import base, pickle_values, safe_pickle
 from harness.audit.importers.model_shape import LayerVote
 from harness.audit.inputs import brief, check_ints, check_mask, check_step, entries
 from harness.audit.layout import LayoutError, SampleRecord
@@ -287,12 +277,12 @@ def batch_records(
     for name in ("loss_mask", "rollout_logprobs", "action_log_probs"):
         _shape_check(tensors[name], (batch, r_max), source, name, "[B, R_max] =")
     _shape_check(tensors["router_padding_mask"], (batch, width), source, "router_padding_mask", "[B, S] =")
-    check_route_ids(routes, source, "rollout_expert_indices")
+    base.check_route_ids(routes, source, "rollout_expert_indices")
     for name, mask in (("attention_mask", attention), ("response_mask", response)):
         check_mask(mask, source, name)
     for name in ("rollout_logprobs", "action_log_probs"):
-        check_logprobs(tensors[name], source, name)
-    num_layers, top_k = route_widths(routes, num_experts, source, "rollout_expert_indices")
+        base.check_logprobs(tensors[name], source, name)
+    num_layers, top_k = base.route_widths(routes, num_experts, source, "rollout_expert_indices")
     pad = metadata.get("pad_size", 0)
     if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < batch:
         raise LayoutError(
@@ -302,9 +292,9 @@ def batch_records(
     padding = tensors["router_padding_mask"]
     groups = _groups(metadata, real, source)
     spans = _spans(attention, response, padding, real, source)
-    samples = padded_samples(routes, spans, num_experts, source, step, errors)
-    moe_layers = padded_layers(vote, moe_layers, step, samples, source, num_layers)
-    shape = RoutingShape(num_experts, top_k, num_layers, moe_layers)
+    samples = base.padded_samples(routes, spans, num_experts, source, step, errors)
+    moe_layers = base.padded_layers(vote, moe_layers, step, samples, source, num_layers)
+    shape = base.RoutingShape(num_experts, top_k, num_layers, moe_layers)
     out = []
     for s in samples:
         tail = (s.index, slice(r_max - s.response, r_max))
@@ -342,8 +332,8 @@ def records(
     files = dump_files(Path(path))
     if not files:
         raise LayoutError(f"{path}: no SkyRL dump (dumped_data/global_step_<N>_training_input.pkl)")
-    experts, layers, vote = model_inputs(num_experts, moe_layers, "SkyRL")
+    experts, layers, vote = base.model_inputs(num_experts, moe_layers, "SkyRL")
     reads = (
         (file, partial(batch_records, file, step, experts, layers, vote, errors)) for step, file in files
     )
-    yield from dump_records(reads, errors, vote, inferred)
+    yield from base.dump_records(reads, errors, vote, inferred)

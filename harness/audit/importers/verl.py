@@ -33,17 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.audit.importers import pickle_values, safe_pickle, torch_format
-from harness.audit.importers.base import (
-    RoutingShape,
-    check_logprobs,
-    check_route_ids,
-    dump_records,
-    model_inputs,
-    padded_layers,
-    padded_samples,
-    route_widths,
-)
+from harness.audit.importers import base, pickle_values, safe_pickle, torch_format
 from harness.audit.importers.model_shape import LayerVote
 from harness.audit.inputs import brief, check_ints, check_mask, check_step, glob, read_file, read_json
 from harness.audit.layout import LayoutError, SampleRecord
@@ -241,16 +231,16 @@ def batch_records(
         logprobs = _field(
             tensors, "rollout_log_probs", (batch, r_max), source, f"[B, R_max] = [{batch}, {r_max}]"
         )
-    check_route_ids(routes, source, "routed_experts")
+    base.check_route_ids(routes, source, "routed_experts")
     check_ints(input_ids, 32, source, "input_ids")
     check_mask(attention, source, "attention_mask")
     check_mask(response_mask, source, "response_mask")
-    check_logprobs(logprobs, source, "rollout_log_probs")
-    num_layers, top_k = route_widths(routes, num_experts, source, "routed_experts")
+    base.check_logprobs(logprobs, source, "rollout_log_probs")
+    num_layers, top_k = base.route_widths(routes, num_experts, source, "routed_experts")
     groups = _groups(non_tensor, batch, group_size_of(file), source)
-    samples = padded_samples(routes, _spans(attention, p_max, source), num_experts, source, step, errors)
-    moe_layers = padded_layers(vote, moe_layers, step, samples, source, num_layers)
-    shape = RoutingShape(num_experts, top_k, num_layers, moe_layers)
+    samples = base.padded_samples(routes, _spans(attention, p_max, source), num_experts, source, step, errors)
+    moe_layers = base.padded_layers(vote, moe_layers, step, samples, source, num_layers)
+    shape = base.RoutingShape(num_experts, top_k, num_layers, moe_layers)
     out = [
         s.record(
             source,
@@ -286,7 +276,7 @@ def records(
     files = dump_files(Path(path))
     if not files:
         raise LayoutError(f"{path}: no verl RolloutSkip dump ({{step}}/{FILE_NAME})")
-    experts, layers, vote = model_inputs(num_experts, moe_layers, "verl")
+    experts, layers, vote = base.model_inputs(num_experts, moe_layers, "verl")
     ordered: list[tuple[int, Path]] = []
     for file in files:
         step = read_file(file.parent / "meta.json", errors, partial(step_of, file))
@@ -295,4 +285,4 @@ def records(
     reads = (
         (file, partial(batch_records, file, experts, layers, vote, errors)) for _, file in sorted(ordered)
     )
-    yield from dump_records(reads, errors, vote, inferred)
+    yield from base.dump_records(reads, errors, vote, inferred)
