@@ -58,6 +58,7 @@ class Offenders:
             )  # fmt: skip
 
     def one(self, s: int, expected: str, actual: str, row: int = -1, layer: int = -1) -> None:
+        """Record one violation of sample ``s`` (at ``row`` and ``layer`` where it has them)."""
         self.samples.add(s)
         b = self.batch
         self.items.append(

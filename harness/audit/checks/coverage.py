@@ -15,6 +15,7 @@ from harness.audit.state import AuditState, ShardCover
 
 
 def coverage(ctx: BatchContext) -> None:
+    """``coverage`` (DESIGN §3.1): each route column has ``P + R − 1 − routes_start`` rows."""
     b = ctx.b
     found = Offenders(b, ctx.order)
     checked = 0

@@ -47,6 +47,7 @@ def logprobs_valid(ctx: BatchContext) -> None:
 
 
 def logprob_gap(ctx: BatchContext) -> None:
+    """``logprob_gap`` per step, split by whether the token's routes agreed; each sample's mean |Δ|."""
     b = ctx.b
     engine, trainer = ctx.flat["engine_logprobs"], ctx.flat["trainer_logprobs"]
     both = b.engine_logprobs.valid & b.trainer_logprobs.valid

@@ -9,6 +9,7 @@ from harness.audit.state import GroupDigests
 
 
 def prefix_agreement(ctx: BatchContext) -> None:
+    """Each grouped sample's prompt-row digests, merged into its (step, group) for ``prefix_agreement``."""
     b = ctx.b
     starts = ctx.engine.row_offsets
     for s in np.flatnonzero(ctx.engine.valid).tolist():

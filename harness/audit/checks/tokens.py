@@ -8,6 +8,7 @@ from harness.audit.checks.context import BatchContext, Offenders, offsets, owned
 
 
 def tokens_match(ctx: BatchContext) -> None:
+    """``tokens_match``: each sample's first token where the trainer's tokens differ from the engine's."""
     b = ctx.b
     found = Offenders(b, ctx.order)
     trainer = b.trainer_tokens
