@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from harness.audit import audit_run
-from harness.audit.checks import STRICT
+from harness.audit.checks.invariants import STRICT
 from harness.audit.executors import audit_unit, plan_run
 from harness.audit.generate import FAULTS, PlantedFault, RunShape, generate_run
 from harness.audit.reader import run_files
@@ -400,10 +400,10 @@ def test_offenders_are_located_the_same_in_spans_of_any_size(
     ``LOCATE_ROWS`` rows (bounded memory): any span size finds the same offenders."""
     from unittest import mock
 
-    from harness.audit import checks
+    from harness.audit.checks import ids
 
     varied_run(tmp_path, 5, "decoder")
     whole = audit_run(tmp_path, executor="serial").as_dict()
-    with mock.patch.object(checks, "LOCATE_ROWS", span):
+    with mock.patch.object(ids, "LOCATE_ROWS", span):
         assert audit_run(faulty[0], executor="serial").as_dict() == reference
         assert str(audit_run(tmp_path, executor="serial").as_dict()) == str(whole)

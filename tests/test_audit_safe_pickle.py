@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness.audit.importers import safe_pickle, skyrl
+from harness.audit.importers import pickle_values, safe_pickle, skyrl
 from harness.audit.layout import LayoutError
 
 
@@ -144,7 +144,7 @@ def test_framework_classes_become_stand_ins_and_their_code_never_runs(tmp_path: 
     path.write_bytes(dumps_named(DataProto()))
     with pytest.raises(LayoutError, match=r"refused global verl\.protocol\.DataProto"):
         safe_pickle.load(path)
-    key, cls = safe_pickle.stand_in("verl.protocol", "DataProto")
+    key, cls = pickle_values.stand_in("verl.protocol", "DataProto")
     obj = safe_pickle.load(path, {key: cls})
     assert isinstance(obj, cls) and obj.qualname == "verl.protocol.DataProto"
     batch, non_tensor, meta = obj.state

@@ -16,7 +16,8 @@ import torch
 
 from harness.audit import audit_run
 from harness.audit.layout import LayoutError, SampleRecord, arrow_schema
-from harness.audit.tap import BackgroundWriter, EngineTap, PackedRows, TapError, TrainerTap, attach_probe
+from harness.audit.tap import BackgroundWriter, PackedRows, TrainerTap, attach_probe
+from harness.audit.tap_engine import EngineTap, TapError
 from harness.engines.checkpoint import EngineRollout
 from harness.lab.measure import LabConfig, build_model
 from harness.trace import LayerAxis, RoutingTrace

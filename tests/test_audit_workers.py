@@ -26,7 +26,7 @@ import pytest
 pytest.importorskip("pyarrow")
 
 from harness.audit import audit_run
-from harness.audit.checks import AuditOptions
+from harness.audit.checks.fold import AuditOptions
 from harness.audit.executors import _processes, audit_unit, plan_run
 from harness.audit.generate import RunShape, generate_run
 from harness.audit.reader import Unit

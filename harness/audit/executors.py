@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.audit.checks import AuditOptions, fold_batch, fold_shards
+from harness.audit.checks.fold import AuditOptions, fold_batch, fold_shards
+from harness.audit.decode import decode
 from harness.audit.layout import LayoutError
 from harness.audit.manifest import check_manifests
 from harness.audit.pool import pool_context
@@ -31,7 +32,6 @@ from harness.audit.reader import (
     Model,
     Unit,
     check_model,
-    decode,
     first_model,
     plan_units,
     read_unit,
@@ -54,10 +54,10 @@ def _selected(table: Any, options: AuditOptions) -> tuple[Any, Any]:
     import numpy as np
     import pyarrow as pa
 
-    from harness.audit.checks import sample_hash
-    from harness.audit.reader import _array, _numpy
+    from harness.audit.checks.fold import sample_hash
+    from harness.audit.decode import arrow_column, arrow_numpy
 
-    step = _numpy(_array(table, "step")).astype(np.int64)
+    step = arrow_numpy(arrow_column(table, "step")).astype(np.int64)
     keep = np.ones(table.num_rows, dtype=bool)
     if options.steps is not None:
         keep &= np.isin(step, list(options.steps))

@@ -119,7 +119,8 @@ class _Reader:
     def sample(self, member: Member) -> _Sample | None:
         import pyarrow.parquet as pq
 
-        from harness.audit.reader import AUDIT_COLUMNS, decode
+        from harness.audit.decode import decode
+        from harness.audit.reader import AUDIT_COLUMNS
 
         try:
             handle = pq.ParquetFile(member.file)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit.checks import METRICS, NEEDS, STRICT
+from harness.audit.checks.invariants import METRICS, NEEDS, STRICT
 from harness.audit.state import WORST, AuditState, SampleFigure, nan_if_empty
 
 HINTS: dict[str, str] = {

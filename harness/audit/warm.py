@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import io
 
-from harness.audit.checks import fold_batch
+from harness.audit.checks.fold import fold_batch
+from harness.audit.decode import decode
 from harness.audit.generate import RunShape, _step_samples, _table
-from harness.audit.reader import decode
 from harness.audit.state import AuditState
 
 

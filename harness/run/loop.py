@@ -40,7 +40,8 @@ import numpy as np
 import torch
 
 from harness.audit.layout import REPLAY_MODES
-from harness.audit.tap import BackgroundWriter, EngineSample, EngineTap, PackedRows, TapError, TrainerTap
+from harness.audit.tap import BackgroundWriter, PackedRows, TrainerTap
+from harness.audit.tap_engine import EngineSample, EngineTap, TapError
 from harness.run.ranks import SPLITS, RankGroup, ranks_started, samples_from_json, samples_to_json, shard_mask
 
 SPLICES = ("correct", "latest")
@@ -410,7 +411,7 @@ def recorded_samples(run: str | Path) -> dict[int, list[EngineSample]]:
     import pyarrow.parquet as pq
 
     from harness.audit.reader import run_files
-    from harness.audit.tap import TapAttempt
+    from harness.audit.tap_engine import TapAttempt
     from harness.trace import storage_dtype
 
     out: dict[int, list[EngineSample]] = {}

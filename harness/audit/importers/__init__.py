@@ -23,6 +23,12 @@ A module ``harness.audit.importers.<name>`` provides:
   With ``errors=`` a list, a file that cannot be read (damaged, hostile, not a regular file, past
   its time budget) is one line in it and the other files are still read (``read_file``); without
   it, the first such file raises.
+
+What importers share is in ``base`` (the routing shape, a padded route tensor's samples, the file
+loop) and ``model_shape`` (the expert count and MoE layers given or inferred); pickles are read by
+``safe_pickle`` (values rebuilt by ``pickle_values``, torch's format in ``torch_format``). This
+package imports ``harness.audit``'s layout, inputs and writer and ``harness.trace``; an importer
+imports these shared modules, never another importer.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from harness.audit.importers.base import NO_ROUTES
 from harness.audit.inputs import brief, check_step, glob, lines, parse_json, read_file
 from harness.audit.layout import LayoutError, SampleRecord
 
@@ -78,9 +79,6 @@ FETCH_STAGES = ("prev_lp", "train")
 REPLAY_STAGES = ("prev-logprob", "train")
 """The stages whose routers must be assigned replay targets and replay forward."""
 _STEP_FILE = re.compile(r"train_data_step(\d+)\.jsonl")
-
-# A dump without routes has no routing shape; the layout needs one, so this placeholder.
-_NUM_EXPERTS, _TOP_K, _NUM_LAYERS, _MOE_LAYERS = 1, 1, 1, (0,)
 
 
 def detect(path: Path) -> bool:
@@ -216,10 +214,7 @@ def _record(step: int, row: dict[str, Any], where: str) -> SampleRecord:
         loss_mask=(token_mask[prompt:] != 0) & (sample_mask != 0),
         engine_logprobs=None if engine is None else engine[prompt:],
         trainer_logprobs=None if trainer is None else trainer[prompt:],
-        num_experts=_NUM_EXPERTS,
-        top_k=_TOP_K,
-        num_layers=_NUM_LAYERS,
-        moe_layers=_MOE_LAYERS,
+        **NO_ROUTES.fields(),
         source=SOURCE,
         origin=where,
     )

@@ -23,9 +23,8 @@ after 0.3.0: True where no route was captured) is used instead when the dump has
 ``metadata["pad_size"]`` samples are copies of sample 0 added for DP divisibility
 (``pad_training_input_batch``) and are dropped.
 
-The helpers of ``model_shape`` (``num_experts_input``, ``moe_layers_input``, ``payload_rows``, …)
-are shared with the verl importer, whose dump uses the same zero-filled
-padded route tensor.
+What it shares with the verl importer, whose dump uses the same zero-filled padded route tensor,
+is in ``base`` (``padded_samples``, ``model_inputs``, ``dump_records``, …) and ``model_shape``.
 """
 
 from __future__ import annotations
@@ -40,18 +39,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit.importers import safe_pickle
-from harness.audit.importers.model_shape import (
-    LayerVote,
-    ids_fit,
-    moe_layers_input,
-    num_experts_input,
-    payload_rows,
-    step_layers,
-)
-from harness.audit.inputs import brief, check_ints, check_mask, check_step, entries, read_file
+from harness.audit.importers import base, pickle_values, safe_pickle
+from harness.audit.importers.model_shape import LayerVote
+from harness.audit.inputs import brief, check_ints, check_mask, check_step, entries
 from harness.audit.layout import LayoutError, SampleRecord
-from harness.trace import MAX_LAYERS, LayerAxis
 
 DESCRIPTION = (
     "SkyRL 0.3.0 trainer.dump_data_batch=true: {export_path}/dumped_data/"
@@ -92,8 +83,8 @@ BATCH_CLASS = f"{MODULE}.TrainingInputBatch"
 
 _STAND_INS = dict(
     [
-        safe_pickle.stand_in(MODULE, "TrainingInputBatch"),
-        safe_pickle.stand_in_function(MODULE, "_rebuild_tensor_batch"),
+        pickle_values.stand_in(MODULE, "TrainingInputBatch"),
+        pickle_values.stand_in_function(MODULE, "_rebuild_tensor_batch"),
     ]
 )
 
@@ -142,7 +133,7 @@ def _tensor(entry: Any, source: str, field: str) -> npt.NDArray[Any]:
     if (
         dtype is None
         or dtype.kind not in "biuf"
-        or len(shape) > safe_pickle.MAX_DIMS
+        or len(shape) > pickle_values.MAX_DIMS
         or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**63 for n in shape)
     ):
         raise LayoutError(
@@ -160,7 +151,7 @@ def read_batch(file: Path) -> tuple[dict[str, npt.NDArray[Any] | None], dict[str
     """The tensors (numpy arrays, ``None`` where the batch holds ``None``) and metadata of one dump."""
     source = str(file)
     batch = safe_pickle.load(file, _STAND_INS)
-    if not isinstance(batch, safe_pickle.Pickled) or batch.qualname != BATCH_CLASS:
+    if not isinstance(batch, pickle_values.Pickled) or batch.qualname != BATCH_CLASS:
         raise LayoutError(
             f"{source}: the pickle holds {getattr(batch, 'qualname', type(batch).__name__)}; "
             "expected a TrainingInputBatch written by TrainingInputBatch.save"
@@ -231,6 +222,27 @@ def _groups(metadata: dict[str, Any], size: int, source: str) -> list[str | None
     return keys
 
 
+def _spans(
+    attention: npt.NDArray[Any],
+    response: npt.NDArray[Any],
+    padding: npt.NDArray[Any] | None,
+    real: int,
+    source: str,
+) -> Iterator[tuple[int, int, int, int, npt.NDArray[np.bool_] | None]]:
+    """Each real sample's ``(batch row, prompt, response, first token column, rows with a route)``,
+    checked as it comes."""
+    width, r_max = attention.shape[1], response.shape[1]
+    for i in range(real):
+        total, resp = int(attention[i].sum()), int(response[i].sum())
+        prompt = total - resp
+        if prompt < 1 or resp > r_max or total > width:
+            raise LayoutError(
+                f"{source} sample {i}: attention_mask sums to {total}, response_mask to {resp}; expected "
+                "1 <= response tokens < tokens"
+            )
+        yield i, prompt, resp, width - total, None if padding is None else ~padding[i].astype(bool)
+
+
 def batch_records(
     file: Path,
     step: int,
@@ -265,23 +277,12 @@ def batch_records(
     for name in ("loss_mask", "rollout_logprobs", "action_log_probs"):
         _shape_check(tensors[name], (batch, r_max), source, name, "[B, R_max] =")
     _shape_check(tensors["router_padding_mask"], (batch, width), source, "router_padding_mask", "[B, S] =")
-    if routes.dtype.kind not in "iu":
-        raise LayoutError(f"{source}: field 'rollout_expert_indices' is {routes.dtype}; expected integer ids")
+    base.check_route_ids(routes, source, "rollout_expert_indices")
     for name, mask in (("attention_mask", attention), ("response_mask", response)):
         check_mask(mask, source, name)
     for name in ("rollout_logprobs", "action_log_probs"):
-        values = tensors[name]
-        if values is not None and values.dtype.kind not in "iuf":
-            raise LayoutError(f"{source}: field {name!r} is {values.dtype}; expected log-probabilities")
-    num_layers, top_k = int(routes.shape[2]), int(routes.shape[3])
-    if not 1 <= num_layers <= MAX_LAYERS:
-        raise LayoutError(
-            f"{source}: field 'rollout_expert_indices' has {num_layers} layers; expected 1..{MAX_LAYERS}"
-        )
-    if not 1 <= top_k <= num_experts:
-        raise LayoutError(
-            f"{source}: top_k={top_k} (rollout_expert_indices); expected 1..num_experts={num_experts}"
-        )
+        base.check_logprobs(tensors[name], source, name)
+    num_layers, top_k = base.route_widths(routes, num_experts, source, "rollout_expert_indices")
     pad = metadata.get("pad_size", 0)
     if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < batch:
         raise LayoutError(
@@ -290,48 +291,24 @@ def batch_records(
     real = batch - pad
     padding = tensors["router_padding_mask"]
     groups = _groups(metadata, real, source)
-    samples = []
-    for i in range(real):
-        total, resp = int(attention[i].sum()), int(response[i].sum())
-        prompt = total - resp
-        if prompt < 1 or resp > r_max or total > width:
-            raise LayoutError(
-                f"{source} sample {i}: attention_mask sums to {total}, response_mask to {resp}; expected "
-                "1 <= response tokens < tokens"
-            )
-        first = width - total
-        engine, captured, column = payload_rows(
-            routes[i], first, total, None if padding is None else ~padding[i].astype(bool)
-        )
-        if not ids_fit(engine, num_experts, f"{source} batch row {i}", step, i, column, errors):
-            continue
-        samples.append((i, prompt, resp, first, engine, captured, column))
-    places = [(f"{source} batch row {s[0]}", s[4], s[5]) for s in samples]
-    moe_layers = step_layers(vote, moe_layers, step, places, source, num_layers)
+    spans = _spans(attention, response, padding, real, source)
+    samples = base.padded_samples(routes, spans, num_experts, source, step, errors)
+    moe_layers = base.padded_layers(vote, moe_layers, step, samples, source, num_layers)
+    shape = base.RoutingShape(num_experts, top_k, num_layers, moe_layers)
     out = []
-    for i, prompt, resp, first, engine, captured, column in samples:
-        tail = (i, slice(r_max - resp, r_max))
+    for s in samples:
+        tail = (s.index, slice(r_max - s.response, r_max))
         out.append(
-            SampleRecord(
-                step=step,
-                sample_key=str(i),
-                group_key=groups[i],
-                prompt_len=prompt,
-                response_len=resp,
-                tokens=sequences[i, first:],
-                num_experts=num_experts,
-                top_k=top_k,
-                num_layers=num_layers,
-                moe_layers=moe_layers,
-                layer_axis=LayerAxis.DECODER.value,
-                source=SOURCE,
+            s.record(
+                source,
+                step,
+                shape,
+                SOURCE,
+                group_key=groups[s.index],
+                tokens=sequences[s.index, s.first :],
                 loss_mask=_row(tensors["loss_mask"], tail, bool),
                 engine_logprobs=_row(tensors["rollout_logprobs"], tail, np.float32),
                 trainer_logprobs=_row(tensors["action_log_probs"], tail, np.float32),
-                engine_routes=engine,
-                engine_captured=captured,
-                origin=f"{source} batch row {i}",
-                origin_column=column,
             )
         )
     return out, moe_layers
@@ -355,12 +332,8 @@ def records(
     files = dump_files(Path(path))
     if not files:
         raise LayoutError(f"{path}: no SkyRL dump (dumped_data/global_step_<N>_training_input.pkl)")
-    experts = num_experts_input(num_experts, "SkyRL")
-    layers = moe_layers_input(moe_layers)
-    vote = LayerVote() if layers is None else None
-    for step, file in files:
-        read = read_file(file, errors, partial(batch_records, file, step, experts, layers, vote, errors))
-        if read is not None:
-            yield from read[0]
-    if vote is not None and inferred is not None:
-        inferred.extend(vote.notes())
+    experts, layers, vote = base.model_inputs(num_experts, moe_layers, "SkyRL")
+    reads = (
+        (file, partial(batch_records, file, step, experts, layers, vote, errors)) for step, file in files
+    )
+    yield from base.dump_records(reads, errors, vote, inferred)

@@ -27,7 +27,8 @@ share. Files are read one rollout at a time (its rollout file and its train file
 ``safe_pickle.load_torch``: the archive's pickle read by the harness's own allowlist unpickler
 (plain containers, tensors decoded into numpy, numeric numpy arrays such as miles' routes; object
 arrays are never rebuilt), never by torch. A file that cannot be read is one error naming it; with
-``errors=`` the other rollouts are still read.
+``errors=`` the other rollouts are still read. Reading a file's dict and its fields, and the first
+pass that finds the run's routing shape, are in ``slime_dump``; the join of the two dumps is here.
 
 Missing rows: slime pads the last position (which has no route) and the packing remainder with
 ``arange % num_experts`` *at replay* (``_pad_routed_experts`` in
@@ -40,9 +41,7 @@ from __future__ import annotations
 
 import re
 import string
-from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -50,11 +49,22 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit.importers import safe_pickle
-from harness.audit.importers.model_shape import ExpertVote, LayerVote, ids_fit, signature
+from harness.audit.importers.base import NO_ROUTES, RoutingShape
+from harness.audit.importers.model_shape import ids_fit
+from harness.audit.importers.slime_dump import (
+    dump_samples,
+    is_int,
+    load_dump,
+    nonnegative,
+    routing_shape,
+    sample_routes,
+    scalar,
+    sequence,
+    vector,
+)
 from harness.audit.inputs import brief, check_step, glob, read_file
 from harness.audit.layout import LayoutError, SampleRecord
-from harness.trace import MAX_LAYERS, LayerAxis
+from harness.trace import LayerAxis
 
 DESCRIPTION = (
     "slime/miles debug dump: --save-debug-rollout-data (or --dump-details D: D/rollout_data/{id}.pt), "
@@ -93,20 +103,6 @@ SOURCE_PREFIXES = ("slime",)
 """The ``source`` of the records this importer writes (``hints_for`` tells a re-audited import by it)."""
 TRAIN_FORMAT_VERSION = 2
 _ID = re.compile(r"(\d+)$")
-
-
-@dataclass(frozen=True)
-class _Shape:
-    """The model's routing shape, the same for every record of the run."""
-
-    num_experts: int
-    top_k: int
-    num_layers: int
-    moe_layers: tuple[int, ...]
-
-
-_NO_ROUTES = _Shape(num_experts=1, top_k=1, num_layers=1, moe_layers=(0,))
-"""A dump without routes (R3 off) has no routing shape; the layout needs one, so this placeholder."""
 
 
 def detect(path: Path) -> bool:
@@ -154,7 +150,7 @@ def records(
         yield from _train_only(train_files, errors)
         return
     bad: set[Path] = set()
-    shape = _model_shape(rollout_files, num_experts, moe_layers, inferred, errors, bad)
+    shape = routing_shape(rollout_files, num_experts, moe_layers, inferred, errors, bad)
     for step, rollout_path in rollout_files:
         if rollout_path in bad:
             continue
@@ -167,13 +163,17 @@ def records(
 
 
 def _rollout(
-    step: int, rollout_path: Path, train_path: Path | None, shape: _Shape, errors: list[str] | None = None
+    step: int,
+    rollout_path: Path,
+    train_path: Path | None,
+    shape: RoutingShape,
+    errors: list[str] | None = None,
 ) -> list[SampleRecord]:
     """The records of one rollout file joined with its train file (when there is one), all or none —
     but a sample holding an id the run layout cannot store, which is a line in ``errors`` and left
     out (``model_shape.ids_fit``; raised when ``errors`` is None)."""
     check_step(step, str(rollout_path))
-    samples = _samples(_load(rollout_path), rollout_path, step)
+    samples = dump_samples(load_dump(rollout_path), rollout_path, step)
     trained = _train_samples(train_path, step, samples) if train_path and _exists(train_path) else {}
     records = (
         _record(step, position, sample, trained.get(position), shape, rollout_path, train_path, errors)
@@ -236,220 +236,11 @@ def _files(
     return sorted(files), template
 
 
-def _load(path: Path) -> dict[str, Any]:
-    """The dict ``torch.save`` wrote to ``path``, read by ``safe_pickle.load_torch`` (never by torch)."""
-    payload = safe_pickle.load_torch(path)
-    if not isinstance(payload, dict):
-        raise LayoutError(f"{path}: holds a {type(payload).__name__}; expected a dict with 'samples'")
-    return payload
-
-
-def _samples(payload: dict[str, Any], path: Path, step: int | None) -> list[dict[str, Any]]:
-    """The ``samples`` list of a dump, its ``rollout_id`` checked against the file name."""
-    samples = payload.get("samples")
-    if not isinstance(samples, list) or not all(isinstance(s, dict) for s in samples):
-        raise LayoutError(f"{path}: field 'samples' is {type(samples).__name__}; expected a list of dicts")
-    rollout_id = _scalar(payload.get("rollout_id"))
-    if step is not None and (not _is_int(rollout_id) or rollout_id != step):
-        raise LayoutError(
-            f"{path}: field 'rollout_id' is {brief(rollout_id)}; expected {step} (from the file name)"
-        )
-    return samples
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _scalar(value: Any) -> Any:
-    """A one-element array (a 0-d tensor) as its Python value; anything else as it is."""
-    if isinstance(value, np.ndarray) and value.size == 1 and value.dtype.kind in "biuf":
-        return value.reshape(()).item()
-    return value
-
-
-def _array(value: Any, where: str, field: str, kind: str) -> npt.NDArray[Any]:
-    """``value`` (a tensor or numpy array, read as numpy, or nested lists of numbers) as int64
-    (``kind`` ``"i"``) or float64 (``"f"``)."""
-    allowed, what = ("iub", "integers") if kind == "i" else ("iuf", "numbers")
-    if isinstance(value, np.ndarray):
-        array = value
-    elif isinstance(value, (list, tuple)):
-        array = _from_lists(value, where, field)
-    elif isinstance(value, (int, float)) and not (isinstance(value, int) and not -(2**63) <= value < 2**63):
-        array = np.asarray(value)
-    else:
-        raise LayoutError(f"{where}: field {field!r} is {brief(value)}; expected {what} (a tensor or a list)")
-    if array.dtype.kind not in allowed:
-        raise LayoutError(f"{where}: field {field!r} holds {array.dtype} values; expected {what}")
-    return array.astype(np.int64 if kind == "i" else np.float64, copy=False)
-
-
-def _from_lists(value: list[Any] | tuple[Any, ...], where: str, field: str) -> npt.NDArray[Any]:
-    """Nested lists of numbers as an array, checked level by level before anything is allocated:
-    rectangular, at most ``MAX_DIMS`` deep, numbers that fit 64 bits, and no list appearing twice (a
-    pickle can repeat one list a million times in a few bytes; a dump's lists are all distinct)."""
-    seen: set[int] = set()
-    shape: list[int] = []
-    level: list[Any] = [value]
-    while level and isinstance(level[0], (list, tuple)):
-        width = len(level[0])
-        for item in level:
-            if not isinstance(item, (list, tuple)) or len(item) != width:
-                raise LayoutError(f"{where}: field {field!r} is ragged; expected a rectangular array")
-            if id(item) in seen:
-                raise LayoutError(f"{where}: field {field!r} repeats one list; expected distinct rows")
-            seen.add(id(item))
-        shape.append(width)
-        if len(shape) > safe_pickle.MAX_DIMS:
-            raise LayoutError(f"{where}: field {field!r} is nested past {safe_pickle.MAX_DIMS} levels")
-        level = [x for item in level for x in item]
-    for x in level:
-        if isinstance(x, (list, tuple)):
-            raise LayoutError(f"{where}: field {field!r} is ragged; expected a rectangular array")
-        if not isinstance(x, (int, float)) or (isinstance(x, int) and not -(2**63) <= x < 2**63):
-            raise LayoutError(f"{where}: field {field!r} holds {brief(x)}; expected numbers")
-    return np.asarray(level).reshape(shape)
-
-
-def _vector(sample: dict[str, Any], field: str, where: str, kind: str, length: int | None) -> Any:
-    """A 1-D field of ``length`` entries, ``None`` where the dump has none."""
-    value = sample.get(field)
-    if value is None:
-        return None
-    array = _array(value, where, field, kind)
-    if array.ndim != 1 or (length is not None and array.size != length):
-        expected = "n" if length is None else length
-        raise LayoutError(f"{where}: field {field!r} has shape {list(array.shape)}; expected [{expected}]")
-    return array
-
-
-def _count(sample: dict[str, Any], field: str, where: str) -> int:
-    value: Any = _scalar(sample.get(field))
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
-        raise LayoutError(f"{where}: field {field!r} is {brief(value)}; expected a non-negative integer")
-    return value
-
-
-def _sequence(sample: dict[str, Any], response_field: str, where: str) -> tuple[npt.NDArray[np.int64], int]:
-    """``tokens`` (prompt ⊕ response) and the response length, with a prompt of at least one token."""
-    tokens = _vector(sample, "tokens", where, "i", None)
-    if tokens is None:
-        raise LayoutError(f"{where}: field 'tokens' is missing; expected prompt ⊕ response token ids")
-    if tokens.size and (int(tokens.min()) < -(2**31) or int(tokens.max()) >= 2**31):
-        raise LayoutError(f"{where}: field 'tokens' holds an id outside int32; expected token ids")
-    response = _count(sample, response_field, where)
-    if response >= tokens.size:
-        raise LayoutError(
-            f"{where}: field {response_field!r} is {response}; expected less than len(tokens) = {tokens.size}"
-        )
-    return tokens, response
-
-
-def _routes(sample: dict[str, Any], where: str) -> npt.NDArray[np.int64] | None:
-    value = sample.get("rollout_routed_experts")
-    if value is None:
-        return None
-    routes = _array(value, where, "rollout_routed_experts", "i")
-    if routes.ndim != 3 or not 1 <= routes.shape[1] <= MAX_LAYERS or routes.shape[2] > 65536:
-        raise LayoutError(
-            f"{where}: field 'rollout_routed_experts' has shape {list(routes.shape)}; "
-            "expected [len(tokens) − 1, num_layers, top_k]"
-        )
-    return routes
-
-
-def _model_shape(
-    files: list[tuple[int, Path]],
-    num_experts: int | None,
-    moe_layers: Sequence[int] | None,
-    inferred: list[str] | None = None,
-    errors: list[str] | None = None,
-    bad: set[Path] | None = None,
-) -> _Shape:
-    """The routing shape: layers and top-k those of most rollout files (a damaged file cannot impose
-    its own on the others); the rest given, or inferred in a full pass from what most samples agree
-    on (``model_shape.LayerVote``, ``ExpertVote``), noted in ``inferred``. A file that cannot be
-    read, or whose routes have another shape, goes to ``errors`` and ``bad`` (when given) and is left
-    out."""
-    known = num_experts is not None and moe_layers is not None
-    scans: dict[Path, tuple[tuple[int, int], LayerVote, ExpertVote]] = {}
-    for step, path in files:
-        scanned = read_file(path, errors, partial(_scan, step, path, known))
-        if scanned is None:
-            if bad is not None:
-                bad.add(path)
-        elif scanned[0] is not None:
-            scans[path] = scanned  # type: ignore[assignment]
-    if not scans:
-        return _NO_ROUTES
-    widths = Counter(width for width, _, _ in scans.values())  # insertion-ordered: ties go to the first
-    layers, top_k = max(widths, key=lambda w: widths[w])
-    vote, experts = LayerVote(), ExpertVote()
-    for path, (width, file_vote, file_experts) in scans.items():
-        if width != (layers, top_k):
-            message = (
-                f"{path}: field 'rollout_routed_experts' has [rows, {width[0]}, {width[1]}]; expected "
-                f"[rows, {layers}, {top_k}] like most rollout files"
-            )
-            if errors is None:
-                raise LayoutError(message)
-            errors.append(message)
-            if bad is not None:
-                bad.add(path)
-            continue
-        vote.merge(file_vote)
-        experts.merge(file_experts)
-    notes: list[str] = []
-    if moe_layers is None:
-        chosen = vote.decide() if vote.steps else None
-        chosen = chosen or tuple(range(layers))  # every layer all-zero: moe_layer_nonzero names them
-        notes += vote.notes()
-    else:
-        chosen = tuple(int(x) for x in moe_layers)
-    if num_experts is None:
-        num_experts = experts.decide(top_k)
-        notes += experts.notes(num_experts)
-    if inferred is not None:
-        inferred.extend(notes)
-    if list(chosen) != sorted(set(chosen)) or chosen[0] < 0 or chosen[-1] >= layers:
-        raise LayoutError(
-            f"moe_layers: {list(chosen)}; expected distinct increasing decoder indices in [0, {layers})"
-        )
-    if not top_k <= num_experts <= 65536:
-        raise LayoutError(f"num_experts: {num_experts}; expected an integer in [top_k={top_k}, 65536]")
-    return _Shape(int(num_experts), top_k, layers, chosen)
-
-
-def _scan(step: int, path: Path, first_only: bool) -> tuple[tuple[int, int] | None, LayerVote, ExpertVote]:
-    """One rollout file's routes: their ``(layers, top_k)``, the same for all its samples, and its
-    samples' votes on the MoE layers and the expert count (``first_only``: the shape alone)."""
-    width = None
-    vote, experts = LayerVote(), ExpertVote()
-    for i, sample in enumerate(_samples(_load(path), path, None)):
-        routes = _routes(sample, f"{path}: samples[{i}]")
-        if routes is None:
-            continue
-        if width is None:
-            width = (int(routes.shape[1]), int(routes.shape[2]))
-            if first_only:
-                break
-        if routes.shape[1:] != width:
-            raise LayoutError(
-                f"{path}: samples[{i}] field 'rollout_routed_experts' has shape {list(routes.shape)}; "
-                f"expected [rows, {width[0]}, {width[1]}] like the samples before it"
-            )
-        place = f"{path} samples[{i}]"
-        vote.add(step, signature(routes), place)
-        experts.add(routes, place)
-    return width, vote, experts
-
-
 def _train_payload(path: Path) -> dict[str, Any]:
     """A train dump of format_version 2, the only one whose samples are whole and in rollout order."""
-    payload = _load(path)
-    version = _scalar(payload.get("format_version"))
-    if not _is_int(version) or version != TRAIN_FORMAT_VERSION:
+    payload = load_dump(path)
+    version = scalar(payload.get("format_version"))
+    if not is_int(version) or version != TRAIN_FORMAT_VERSION:
         raise LayoutError(
             f"{path}: field 'format_version' is {brief(version)}; expected {TRAIN_FORMAT_VERSION} "
             "(slime ≥ #2266; per-rank train dumps of older slime and of miles hold CP-sliced shards and are "
@@ -460,14 +251,14 @@ def _train_payload(path: Path) -> dict[str, Any]:
 
 def _train_samples(path: Path, step: int, rollout: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """The train dump's samples by their position in the rollout dump (``rollout_position``)."""
-    samples = _samples(_train_payload(path), path, step)
-    by_index = {index: i for i, s in enumerate(rollout) if _is_int(index := _scalar(s.get("index")))}
+    samples = dump_samples(_train_payload(path), path, step)
+    by_index = {index: i for i, s in enumerate(rollout) if is_int(index := scalar(s.get("index")))}
     out: dict[int, dict[str, Any]] = {}
     for i, sample in enumerate(samples):
         where = f"{path}: samples[{i}]"
         if sample.get("rollout_position") is not None:
-            position = _count(sample, "rollout_position", where)
-        elif _is_int(index := _scalar(sample.get("sample_index"))) and index in by_index:
+            position = nonnegative(sample, "rollout_position", where)
+        elif is_int(index := scalar(sample.get("sample_index"))) and index in by_index:
             position = by_index[index]
         else:
             raise LayoutError(
@@ -488,7 +279,7 @@ def _record(
     position: int,
     sample: dict[str, Any],
     trained: dict[str, Any] | None,
-    shape: _Shape,
+    shape: RoutingShape,
     path: Path,
     train_path: Path | None,
     errors: list[str] | None = None,
@@ -496,16 +287,16 @@ def _record(
     """One layout record from a rollout sample and, where it was trained, its train sample; ``None``
     for a sample whose routes hold an id the layout cannot store (a line in ``errors``)."""
     where = f"{path}: samples[{position}]"
-    tokens, response = _sequence(sample, "response_length", where)
-    mask = _vector(sample, "loss_mask", where, "i", response)
+    tokens, response = sequence(sample, "response_length", where)
+    mask = vector(sample, "loss_mask", where, "i", response)
     mask = np.ones(response, dtype=bool) if mask is None else mask != 0
-    removed = _scalar(sample.get("remove_sample"))
+    removed = scalar(sample.get("remove_sample"))
     if not isinstance(removed, (bool, int, type(None))):
         raise LayoutError(f"{where}: field 'remove_sample' is {brief(removed)}; expected a boolean")
     if removed:
         mask[:] = False  # slime/ray/rollout.py zeroes a removed sample's loss mask
-    engine_lp = _vector(sample, "rollout_log_probs", where, "f", response)
-    routes = _routes(sample, where)
+    engine_lp = vector(sample, "rollout_log_probs", where, "f", response)
+    routes = sample_routes(sample, where)
     if routes is not None:
         _check_shape(routes, shape, where)
         if not ids_fit(
@@ -515,18 +306,18 @@ def _record(
     trainer_tokens = trainer_lp = None
     if trained is not None:
         twhere = f"{train_path}: samples[rollout_position={position}]"
-        trainer_tokens, trained_response = _sequence(trained, "response_lengths", twhere)
+        trainer_tokens, trained_response = sequence(trained, "response_lengths", twhere)
         if trainer_tokens.size != tokens.size or trained_response != response:
             raise LayoutError(
                 f"{twhere}: fields 'tokens', 'response_lengths' describe {trainer_tokens.size} tokens with "
                 f"{trained_response} in the response; expected {tokens.size} with {response} (the rollout "
                 "dump's sample)"
             )
-        trained_mask = _vector(trained, "loss_masks", twhere, "i", response)
+        trained_mask = vector(trained, "loss_masks", twhere, "i", response)
         mask = mask if trained_mask is None else trained_mask != 0
-        trainer_lp = _vector(trained, "log_probs", twhere, "f", response)
-    group = _scalar(sample.get("group_index"))
-    if not (group is None or _is_int(group) or (isinstance(group, str) and len(group) <= 256)):
+        trainer_lp = vector(trained, "log_probs", twhere, "f", response)
+    group = scalar(sample.get("group_index"))
+    if not (group is None or is_int(group) or (isinstance(group, str) and len(group) <= 256)):
         raise LayoutError(f"{where}: field 'group_index' is {brief(group)}; expected an integer")
     return SampleRecord(
         step=step,
@@ -539,10 +330,7 @@ def _record(
         loss_mask=mask,
         engine_logprobs=engine_lp,
         trainer_logprobs=trainer_lp,
-        num_experts=shape.num_experts,
-        top_k=shape.top_k,
-        num_layers=shape.num_layers,
-        moe_layers=shape.moe_layers,
+        **shape.fields(),
         layer_axis=LayerAxis.DECODER.value,
         engine_routes=routes,
         source=SOURCE if trained is None else f"{SOURCE} + --save-debug-train-data",
@@ -550,7 +338,7 @@ def _record(
     )
 
 
-def _check_shape(routes: npt.NDArray[np.int64], shape: _Shape, where: str) -> None:
+def _check_shape(routes: npt.NDArray[np.int64], shape: RoutingShape, where: str) -> None:
     """Routes of the run's layer and top-k widths (the ids are checked by ``model_shape.ids_fit``)."""
     if routes.shape[1:] != (shape.num_layers, shape.top_k):
         raise LayoutError(
@@ -579,12 +367,12 @@ def _train_file(step: int, path: Path) -> list[SampleRecord]:
 
 
 def _train_records(step: int, path: Path) -> Iterator[SampleRecord]:
-    for i, sample in enumerate(_samples(_train_payload(path), path, step)):
+    for i, sample in enumerate(dump_samples(_train_payload(path), path, step)):
         where = f"{path}: samples[{i}]"
-        tokens, response = _sequence(sample, "response_lengths", where)
-        mask = _vector(sample, "loss_masks", where, "i", response)
+        tokens, response = sequence(sample, "response_lengths", where)
+        mask = vector(sample, "loss_masks", where, "i", response)
         position = (
-            None if sample.get("rollout_position") is None else _count(sample, "rollout_position", where)
+            None if sample.get("rollout_position") is None else nonnegative(sample, "rollout_position", where)
         )
         yield SampleRecord(
             step=step,
@@ -593,12 +381,9 @@ def _train_records(step: int, path: Path) -> Iterator[SampleRecord]:
             response_len=response,
             tokens=tokens,
             loss_mask=None if mask is None else mask != 0,
-            engine_logprobs=_vector(sample, "rollout_log_probs", where, "f", response),
-            trainer_logprobs=_vector(sample, "log_probs", where, "f", response),
-            num_experts=_NO_ROUTES.num_experts,
-            top_k=_NO_ROUTES.top_k,
-            num_layers=_NO_ROUTES.num_layers,
-            moe_layers=_NO_ROUTES.moe_layers,
+            engine_logprobs=vector(sample, "rollout_log_probs", where, "f", response),
+            trainer_logprobs=vector(sample, "log_probs", where, "f", response),
+            **NO_ROUTES.fields(),
             source="slime --save-debug-train-data",
             origin=f"{path} samples[{i}]",
         )

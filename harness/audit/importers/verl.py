@@ -33,18 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from harness.audit.importers import safe_pickle
-from harness.audit.importers.model_shape import (
-    LayerVote,
-    ids_fit,
-    moe_layers_input,
-    num_experts_input,
-    payload_rows,
-    step_layers,
-)
+from harness.audit.importers import base, pickle_values, safe_pickle, torch_format
+from harness.audit.importers.model_shape import LayerVote
 from harness.audit.inputs import brief, check_ints, check_mask, check_step, glob, read_file, read_json
 from harness.audit.layout import LayoutError, SampleRecord
-from harness.trace import MAX_LAYERS, LayerAxis
 
 DESCRIPTION = (
     "verl 0.9.1 RolloutSkip (skip.rollout.enable=True): {dump_dir}/{exp}_{project}/GBS{g}_N{n}_in{p}_out{r}/"
@@ -82,7 +74,7 @@ SOURCE_PREFIXES = ("verl ",)
 """The ``source`` of the records this importer writes (``hints_for`` tells a re-audited import by it)."""
 FILE_NAME = "gen_batch.dp"
 DATAPROTO = "verl.protocol.DataProto"
-_STAND_INS = dict([safe_pickle.stand_in("verl.protocol", "DataProto")])
+_STAND_INS = dict([pickle_values.stand_in("verl.protocol", "DataProto")])
 _GROUP_SIZE = re.compile(r"^GBS\d+_N(\d+)_in\d+_out\d+$")
 
 
@@ -129,7 +121,7 @@ def read_batch(file: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """The tensors (numpy arrays) and the ``non_tensor_batch`` of one ``gen_batch.dp``."""
     source = str(file)
     proto = safe_pickle.load(file, _STAND_INS)
-    if not isinstance(proto, safe_pickle.Pickled) or proto.qualname != DATAPROTO:
+    if not isinstance(proto, pickle_values.Pickled) or proto.qualname != DATAPROTO:
         raise LayoutError(
             f"{source}: the pickle holds {getattr(proto, 'qualname', type(proto).__name__)}; "
             "expected a DataProto written by DataProto.save_to_disk"
@@ -150,7 +142,7 @@ def read_batch(file: Path) -> tuple[dict[str, Any], dict[str, Any]]:
                     f"{source}: batch field {brief(key)} is {brief(entry)}; expected (dtype, shape, bytes)"
                 )
             shape = tuple(entry[1]) if isinstance(entry[1], (tuple, list)) else entry[1]
-            tensors[key] = safe_pickle.view_bytes(entry[2], entry[0], shape, source, brief(key))
+            tensors[key] = torch_format.view_bytes(entry[2], entry[0], shape, source, brief(key))
     else:
         raise LayoutError(
             f"{source}: field 'batch' is {type(batch).__name__}; expected torch.save bytes of a TensorDict "
@@ -181,7 +173,7 @@ def _groups(
     """Each sample's GRPO group: its ``uid`` when the dump kept it, else ``i // rollout.n`` (samples of
     a prompt are consecutive: ``gen_batch.repeat(interleave=True)``), else unknown."""
     uids = non_tensor.get("uid")
-    if isinstance(uids, (np.ndarray, safe_pickle.ObjectArray)) and uids.shape == (size,):
+    if isinstance(uids, (np.ndarray, pickle_values.ObjectArray)) and uids.shape == (size,):
         values = uids.tolist()
         if all(isinstance(u, (str, int)) and not isinstance(u, bool) for u in values):
             return [str(u)[:256] for u in values]
@@ -190,6 +182,17 @@ def _groups(
     if group_size:
         return [f"p{i // group_size}" for i in range(size)]
     return [None] * size
+
+
+def _spans(attention: Any, p_max: int, source: str) -> Iterator[tuple[int, int, int, int, None]]:
+    """Each sample's ``(batch row, prompt, response, first token column, None)``, checked as it comes."""
+    for i in range(attention.shape[0]):
+        prompt, resp = int(attention[i, :p_max].sum()), int(attention[i, p_max:].sum())
+        if prompt < 1:
+            raise LayoutError(
+                f"{source} sample {i}: attention_mask has no prompt token; expected at least one"
+            )
+        yield i, prompt, resp, p_max - prompt, None
 
 
 def batch_records(
@@ -228,59 +231,28 @@ def batch_records(
         logprobs = _field(
             tensors, "rollout_log_probs", (batch, r_max), source, f"[B, R_max] = [{batch}, {r_max}]"
         )
-    if routes.dtype.kind not in "iu":
-        raise LayoutError(f"{source}: field 'routed_experts' is {routes.dtype}; expected integer ids")
+    base.check_route_ids(routes, source, "routed_experts")
     check_ints(input_ids, 32, source, "input_ids")
     check_mask(attention, source, "attention_mask")
     check_mask(response_mask, source, "response_mask")
-    if logprobs is not None and logprobs.dtype.kind not in "iuf":
-        raise LayoutError(
-            f"{source}: field 'rollout_log_probs' is {logprobs.dtype}; expected log-probabilities"
-        )
-    num_layers, top_k = int(routes.shape[2]), int(routes.shape[3])
-    if not 1 <= num_layers <= MAX_LAYERS:
-        raise LayoutError(
-            f"{source}: field 'routed_experts' has {num_layers} layers; expected 1..{MAX_LAYERS}"
-        )
-    if not 1 <= top_k <= num_experts:
-        raise LayoutError(f"{source}: top_k={top_k} (routed_experts); expected 1..num_experts={num_experts}")
+    base.check_logprobs(logprobs, source, "rollout_log_probs")
+    num_layers, top_k = base.route_widths(routes, num_experts, source, "routed_experts")
     groups = _groups(non_tensor, batch, group_size_of(file), source)
-    samples = []
-    for i in range(batch):
-        prompt, resp = int(attention[i, :p_max].sum()), int(attention[i, p_max:].sum())
-        if prompt < 1:
-            raise LayoutError(
-                f"{source} sample {i}: attention_mask has no prompt token; expected at least one"
-            )
-        first = p_max - prompt
-        engine, captured, column = payload_rows(routes[i], first, prompt + resp)
-        if not ids_fit(engine, num_experts, f"{source} batch row {i}", step, i, column, errors):
-            continue
-        samples.append((i, prompt, resp, first, engine, captured, column))
-    places = [(f"{source} batch row {s[0]}", s[4], s[5]) for s in samples]
-    moe_layers = step_layers(vote, moe_layers, step, places, source, num_layers)
+    samples = base.padded_samples(routes, _spans(attention, p_max, source), num_experts, source, step, errors)
+    moe_layers = base.padded_layers(vote, moe_layers, step, samples, source, num_layers)
+    shape = base.RoutingShape(num_experts, top_k, num_layers, moe_layers)
     out = [
-        SampleRecord(
-            step=step,
-            sample_key=str(i),
-            group_key=groups[i],
-            prompt_len=prompt,
-            response_len=resp,
-            tokens=input_ids[i, first : p_max + resp],
-            num_experts=num_experts,
-            top_k=top_k,
-            num_layers=num_layers,
-            moe_layers=moe_layers,
-            layer_axis=LayerAxis.DECODER.value,
-            source=SOURCE,
-            loss_mask=response_mask[i, :resp] != 0,
-            engine_logprobs=None if logprobs is None else logprobs[i, :resp].astype(np.float32),
-            engine_routes=engine,
-            engine_captured=captured,
-            origin=f"{source} batch row {i}",
-            origin_column=column,
+        s.record(
+            source,
+            step,
+            shape,
+            SOURCE,
+            group_key=groups[s.index],
+            tokens=input_ids[s.index, s.first : p_max + s.response],
+            loss_mask=response_mask[s.index, : s.response] != 0,
+            engine_logprobs=None if logprobs is None else logprobs[s.index, : s.response].astype(np.float32),
         )
-        for i, prompt, resp, first, engine, captured, column in samples
+        for s in samples
     ]
     return out, moe_layers
 
@@ -304,17 +276,13 @@ def records(
     files = dump_files(Path(path))
     if not files:
         raise LayoutError(f"{path}: no verl RolloutSkip dump ({{step}}/{FILE_NAME})")
-    experts = num_experts_input(num_experts, "verl")
-    layers: tuple[int, ...] | None = moe_layers_input(moe_layers)
-    vote = LayerVote() if layers is None else None
+    experts, layers, vote = base.model_inputs(num_experts, moe_layers, "verl")
     ordered: list[tuple[int, Path]] = []
     for file in files:
         step = read_file(file.parent / "meta.json", errors, partial(step_of, file))
         if step is not None:
             ordered.append((step, file))
-    for _, file in sorted(ordered):
-        read = read_file(file, errors, partial(batch_records, file, experts, layers, vote, errors))
-        if read is not None:
-            yield from read[0]
-    if vote is not None and inferred is not None:
-        inferred.extend(vote.notes())
+    reads = (
+        (file, partial(batch_records, file, experts, layers, vote, errors)) for _, file in sorted(ordered)
+    )
+    yield from base.dump_records(reads, errors, vote, inferred)

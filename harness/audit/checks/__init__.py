@@ -1,0 +1,24 @@
+"""The invariants of a run (DESIGN §7), folded batch by batch into an ``AuditState``: one module per
+family of invariants, and the driver that calls each.
+
+Strict invariants name every offender (step, sample, row, layer, both values); metrics are counts
+and exact sums per step. The work per batch is vectorised over the batch's samples: the routes of a
+whole row group are one array, validated and compared by ``harness.trace``'s and
+``harness.audit.kernels``' kernels in one call each; offenders are located only in a batch that
+failed the fast check. Rows and layers in offenders: ``row`` is the index in the sample's trace
+(position ``routes_start + row``), ``layer`` the decoder index of the MoE layer.
+
+- ``invariants``: every invariant's name, in report order, and the columns each reads;
+- ``fold``: ``AuditOptions`` and the driver, ``fold_batch`` and ``fold_shards``;
+- ``context``: ``BatchContext``, what the families of one batch share, and ``Offenders``;
+- ``coverage``: ``coverage``, ``splice_consistency`` and ``shard_union``;
+- ``ids``: ``ids_valid``, ``moe_layer_nonzero`` and ``dense_empty``;
+- ``repeats``: ``repeated_rows``; ``tokens``: ``tokens_match``;
+- ``logprobs``: ``logprobs_valid`` and the ``logprob_gap`` metric;
+- ``replay``: ``replay_fidelity`` and the ``agreement`` metric;
+- ``load``: the ``fallback`` and ``expert_load`` metrics; ``prefix``: ``prefix_agreement``.
+
+The modules import ``harness.audit``'s batch, state and kernels (``repeat_kernels`` too),
+``harness.trace`` and ``harness.metrics``; a family imports ``context`` and no other family (``fold``
+imports them all). This package's ``__init__`` imports nothing.
+"""

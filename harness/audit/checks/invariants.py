@@ -1,0 +1,43 @@
+"""The names of the audit's invariants, in report order, and the columns each reads (DESIGN §7)."""
+
+from __future__ import annotations
+
+STRICT = (
+    "unique_sample",
+    "coverage",
+    "ids_valid",
+    "dense_empty",
+    "moe_layer_nonzero",
+    "wrapped_ids",
+    "repeated_rows",
+    "tokens_match",
+    "logprobs_valid",
+    "replay_fidelity",
+    "splice_consistency",
+    "shard_union",
+)
+"""Every strict invariant, in report order. ``wrapped_ids`` and ``repeated_rows`` are detectors of what a
+dump alone shows (``harness.audit.findings``; ``harness.audit.checks.repeats``): each names a fault only under
+conditions that make it implausible on a correct dump."""
+
+METRICS = ("fallback", "agreement", "logprob_gap", "prefix_agreement", "expert_load")
+
+NEEDS: dict[str, tuple[str, ...]] = {
+    "coverage": ("engine_routes",),
+    "ids_valid": ("engine_routes",),
+    "dense_empty": ("engine_routes",),
+    "moe_layer_nonzero": ("engine_routes",),
+    "wrapped_ids": ("group_key",),
+    "repeated_rows": ("engine_routes",),
+    "tokens_match": ("trainer_tokens",),
+    "logprobs_valid": ("engine_logprobs",),
+    "replay_fidelity": ("trainer_routes", "replay"),
+    "splice_consistency": ("attempt payloads",),
+    "shard_union": ("shard positions",),
+    "agreement": ("engine_routes", "trainer_routes"),
+    "logprob_gap": ("engine_logprobs", "trainer_logprobs"),
+    "prefix_agreement": ("engine_routes", "group_key"),
+    "fallback": ("engine_routes",),
+    "expert_load": ("engine_routes",),
+}
+"""The columns each invariant reads: when no sample of a run has them, it is not checkable."""
