@@ -337,6 +337,17 @@ def test_r2_recording_taken_from_the_update_pass_is_named_at_the_update_forwards
     assert {o["layer"] for o in offenders[2]} == {1, 2, 3}
 
 
+def test_r2_on_pp2_places_each_stages_update_forwards(tmp_path: Path) -> None:
+    """PP2 (each stage records its own layers, ``pp_gather`` joins them, each stage traces its own):
+    correct R2 passes; the update-recording mutant is named exactly at the later mini-batches' samples."""
+    dump, trace, minis = _run(tmp_path, 1, 2, R2_STEPS, r2=R2)
+    offenders = _offenders(_joined(dump, trace, _layout(pp=2, r2=R2)), tmp_path)
+    assert offenders[1] == [], offenders[1][:3]
+    named = {int(o["sample_key"]) for o in offenders[2]}
+    assert named == {r for mini in minis[1][1:] for r in mini}, (named, minis[1])
+    assert {o["layer"] for o in offenders[2]} == {1, 2, 3}
+
+
 def test_r2_compares_every_update_forward_over_two_shuffled_epochs_on_tp2_sp_and_dp2(tmp_path: Path) -> None:
     """TP2 with SP and DP2, two epochs of mini-batches of one sample per DP rank, shuffled with
     ``data_loader_seed + dp_rank``: correct R2 passes, and under the update-recording mutant every
