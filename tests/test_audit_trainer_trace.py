@@ -65,7 +65,9 @@ def _run(
     dump = tmp / "rollout_dump" / "exp_proj" / "GBS6_N1_in6_out5"
     plan = []
     for step, mutant in steps.items():
-        file = run.write_dump(dump, step, EQUAL if mutant == "previous" else lengths, seed=step)
+        file = run.write_dump(
+            dump, step, EQUAL if mutant == "previous" else lengths, seed=step, routes=r2 is None
+        )
         plan.append((step, str(file), mutant))
     cfg = {"tp": tp, "pp": pp, "cp": cp, "trace": str(tmp / "trace"), "steps": plan,
            "max_token_len": MAX_TOKENS, "reference": reference, **(r2 or {})}  # fmt: skip
@@ -365,7 +367,8 @@ def test_an_r2_trace_that_disagrees_with_verls_update_packing_is_one_input_error
     r2_run: tuple[Path, Path, list[Any]], tmp_path: Path
 ) -> None:
     """An update call with a token too few, and a call after the update's last forward (a reference pass
-    on the actor's model, or activation recompute), are each one input error naming the record."""
+    on the actor's model, or activation recompute), are each one input error naming the record; so is
+    an R2 dump (no routed_experts) without --moe-layers."""
     dump, trace = _copy(r2_run, tmp_path)
     rank0 = trace / "router_trace_rank0.jsonl"
     lines = rank0.read_text().splitlines()
@@ -389,6 +392,13 @@ def test_an_r2_trace_that_disagrees_with_verls_update_packing_is_one_input_error
     rank0.write_text("\n".join(lines) + "\n")
     with pytest.raises(LayoutError, match=r"after the update's last forward.* activation recompute"):
         _joined(dump, trace, _layout(r2=R2))
+    from harness.audit import trace_join
+
+    shutil.copy(r2_run[1] / "router_trace_rank0.jsonl", rank0)
+    with pytest.raises(LayoutError, match=r"gen_batch\.dp: no routed_experts .*; expected --moe-layers"):
+        list(
+            trace_join.records(dump, trace, _layout(r2=R2), num_experts=8)
+        )  # an R2 dump: nothing to infer from
 
 
 def test_rrh_audit_trainer_trace_r2_prints_the_committed_transcript(
@@ -424,5 +434,5 @@ def test_r2_replays_zero_filler_on_tp_padding_and_the_tracer_drops_those_calls_o
     with pytest.raises(LayoutError) as err:
         _joined(dump, trace, _layout(tp=2, r2=R2))
     text = str(err.value)
-    assert "a call may be missing: megatron-core's tracer skips a call" in text, text
+    assert "a call may be missing or extra: megatron-core's tracer skips a call" in text, text
     assert "update mini-batch" in text and "\n" not in text, text

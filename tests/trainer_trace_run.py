@@ -49,8 +49,9 @@ changed after the first mini-batch."""
 UNREPLAYED = 3
 
 
-def write_dump(root: Path, step: int, lengths: list[tuple[int, int]], seed: int) -> Path:
-    """One step of a RolloutSkip dump: ``root/{step}/gen_batch.dp`` + ``meta.json``; its file."""
+def write_dump(root: Path, step: int, lengths: list[tuple[int, int]], seed: int, routes: bool = True) -> Path:
+    """One step of a RolloutSkip dump: ``root/{step}/gen_batch.dp`` + ``meta.json``; its file.
+    ``routes=False``: no ``routed_experts``, as a verl R2 run dumps it (its rollout returns none)."""
     from verl import DataProto
 
     rng = np.random.default_rng(seed)
@@ -60,7 +61,7 @@ def write_dump(root: Path, step: int, lengths: list[tuple[int, int]], seed: int)
     responses = np.zeros((size, r_max), dtype=np.int64)
     attention = np.zeros((size, width), dtype=np.int64)
     response_mask = np.zeros((size, r_max), dtype=np.int64)
-    routes = np.zeros((size, width, NUM_LAYERS, K), dtype=np.int16)
+    table = np.zeros((size, width, NUM_LAYERS, K), dtype=np.int16)
     for i, (p, r) in enumerate(lengths):
         prompts[i, p_max - p :] = rng.integers(1, VOCAB, size=p)
         responses[i, :r] = rng.integers(1, VOCAB, size=r)
@@ -68,7 +69,7 @@ def write_dump(root: Path, step: int, lengths: list[tuple[int, int]], seed: int)
         response_mask[i, :r] = 1
         for layer in MOE:  # rows of positions [0, P + R − 1): the last token's row was never computed
             rows = np.stack([rng.choice(E, size=K, replace=False) for _ in range(p + r - 1)])
-            routes[i, p_max - p : p_max - p + p + r - 1, layer] = rows
+            table[i, p_max - p : p_max - p + p + r - 1, layer] = rows
     proto = DataProto.from_dict(
         tensors={
             "prompts": torch.as_tensor(prompts),
@@ -76,7 +77,7 @@ def write_dump(root: Path, step: int, lengths: list[tuple[int, int]], seed: int)
             "input_ids": torch.as_tensor(np.concatenate([prompts, responses], axis=1)),
             "attention_mask": torch.as_tensor(attention),
             "response_mask": torch.as_tensor(response_mask),
-            "routed_experts": torch.as_tensor(routes),
+            **({"routed_experts": torch.as_tensor(table)} if routes else {}),
         }
     )
     folder = root / str(step)
@@ -316,7 +317,6 @@ def traced_r2_run(rank: int, world_size: int, cfg: dict[str, Any]) -> list[list[
     rows = []
     for step, file, mutant in cfg["steps"]:
         data = _share(file, cfg["max_token_len"])
-        del data["routed_experts"]  # R2: the rollout returns no routes; the old-log-prob forward records them
         recorded = _record(model, config, link, data, tp, record=mutant != "update_recording")
         if recorded is not None:
             data["routed_experts"] = recorded

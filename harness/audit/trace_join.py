@@ -35,7 +35,10 @@ replay mode (``TrainerLayout.replay``, ``replay=`` in ``--trainer-layout``):
   placed by ``harness.audit.trace_update``; a sample forwarded in several epochs is judged by its first
   update forward that differs from the recording (else its first). A reference pass on the actor's
   model or activation recompute (a router firing again in the backward) adds calls the R2 join does
-  not place: refused as an input error, never guessed.
+  not place: refused as an input error, never guessed. A verl R2 run's dump holds no
+  ``routed_experts`` (its rollout returns none): its samples are then read with stand-in routes that
+  never reach the records (``top_k`` from the trace, the layers from ``--moe-layers``), so the joined
+  records carry no engine routes.
 
 A record that cannot be placed (a token count that disagrees with the packing, a layer the stage
 does not hold, a rank or step missing, a cell no rank routed) is one ``LayoutError`` naming the
@@ -55,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from harness.audit.importers import megatron_lm
 from harness.audit.importers import verl as verl_dump
@@ -81,9 +85,11 @@ NOTES_R2 = (
     "(a sample's first differing update forward is the one shown)",
 )
 _DROPPED = (
-    "; a call may be missing: megatron-core's tracer skips a call whose routing map gives a token other "
-    "than top_k experts (a replay target with a repeated id, such as the zero rows verl 0.9.1's R2 "
-    "replays on the rows THD pads each sample with under TP or CP)"
+    "; in the update a call may be missing or extra: megatron-core's tracer skips a call whose routing map "
+    "gives a token other than top_k experts (a replay target with a repeated id, such as the zero rows "
+    "verl 0.9.1's R2 replays on the rows THD pads each sample with under TP or CP), and activation "
+    "recompute (a router firing again in the backward) or a reference pass on the actor's model adds "
+    "calls the R2 join does not place"
 )
 
 
@@ -244,12 +250,46 @@ class _StepJoin:
 
 
 def _engine_step(
-    file: Path, experts: int, layers: tuple[int, ...] | None, vote: LayerVote | None
+    file: Path,
+    experts: int,
+    layers: tuple[int, ...] | None,
+    vote: LayerVote | None,
+    r2_calls: list[megatron_lm.RouterCall] | None = None,
 ) -> tuple[list[SampleRecord], Any, Any]:
-    """One dump file's records, and its ``attention_mask`` and ``response_mask`` (the packing's input)."""
+    """One dump file's records, and its ``attention_mask`` and ``response_mask`` (the packing's input).
+
+    ``r2_calls`` (R2: rank 0's calls of the step): a dump without ``routed_experts``, as a verl R2 run
+    writes it (``enable_rollout_routing_replay=False``: the rollout returns no routes), is read with
+    stand-in routes (``top_k`` from the trace, the decoder layers up to the last of ``layers``) that
+    are dropped from the records: they carry no engine routes, only the samples' places and tokens."""
     tensors, non_tensor = verl_dump.read_batch(file)
+    routeless = r2_calls is not None and tensors.get("routed_experts") is None
+    if routeless:
+        tensors = {**tensors, "routed_experts": _stand_in(file, tensors["attention_mask"], layers, r2_calls)}
     found, _ = verl_dump.batch_records(file, experts, layers, vote, read=(tensors, non_tensor))
+    if routeless:
+        found = [dataclasses.replace(r, engine_routes=None, engine_captured=None) for r in found]
     return found, tensors["attention_mask"], tensors["response_mask"]
+
+
+def _stand_in(
+    file: Path, attention: Any, layers: tuple[int, ...] | None, calls: list[megatron_lm.RouterCall] | None
+) -> npt.NDArray[np.int16]:
+    """Routes ``[B, W, max(layers) + 1, top_k]`` for an R2 dump without any: ``0 … top_k − 1`` on every
+    MoE layer of every attended column (never written out)."""
+    if layers is None:
+        raise LayoutError(
+            f"{file}: no routed_experts (a verl R2 run's rollout returns none); expected --moe-layers, "
+            "which nothing in the dump allows to infer"
+        )
+    top_k = next((c.topk for c in calls or () if c.block == "decoder"), None)
+    if top_k is None:
+        raise LayoutError(f"{file}: no routed_experts, and rank 0 traces no decoder call to read top_k from")
+    mask = np.asarray(attention) != 0
+    routes = np.zeros((*mask.shape, max(layers) + 1, top_k), dtype=np.int16)
+    routes[..., list(layers), :] = np.arange(top_k, dtype=np.int16)
+    routes[~mask] = 0
+    return routes
 
 
 def records(
@@ -287,8 +327,11 @@ def records(
     streams = {r: megatron_lm.rank_steps(f, r, experts) for r, f in ranks.items()}
     later: dict[int, int] = {}
     for step, file in sorted((verl_dump.step_of(f), f) for f in files):
+        first = _next_step(streams[0], 0, step, ranks[0])  # rank 0 is placed first
         with time_budget(file):
-            engine, attention, response = _engine_step(file, experts, layers, vote)
+            engine, attention, response = _engine_step(
+                file, experts, layers, vote, first if layout.replay == "R2" else None
+            )
         plans = step_packing(attention, response, layout.batching)
         update = None
         if layout.update is not None:
@@ -299,7 +342,7 @@ def records(
                 for cp_rank in range(layout.cp):
                     for tp_rank in range(layout.tp):
                         rank = layout.rank(dp_rank, tp_rank, pp_rank, cp_rank)
-                        calls = _next_step(streams[rank], rank, step, ranks[rank])
+                        calls = first if rank == 0 else _next_step(streams[rank], rank, step, ranks[rank])
                         join.place(rank, calls, plans[dp_rank], (dp_rank, tp_rank, pp_rank, cp_rank))
         yield from join.records()
         later[step] = join.later
