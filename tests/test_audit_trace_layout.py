@@ -22,9 +22,36 @@ def test_a_layout_spec_names_megatrons_sizes_and_verls_batching() -> None:
     assert cp.rank(dp_rank=1, tp_rank=1, pp_rank=1, cp_rank=1) == 1 + 2 * (1 + 2 * (1 + 2)), "tp, cp, dp, pp"
 
 
+def test_replay_r2_names_the_updates_batching_with_verls_config_names() -> None:
+    assert parse_layout("max_token_len=8").replay == "R3" and parse_layout("max_token_len=8").update is None
+    layout = parse_layout("dp=2,max_token_len=24,replay=R2,ppo_mini_batch=4,ppo_epochs=2,shuffle=1,seed=7,"
+                          "ppo_max_token_len=16")  # fmt: skip
+    assert layout.replay == "R2" and layout.update is not None
+    update = layout.update
+    assert (update.mini_batch_size, update.epochs, update.shuffle, update.seed) == (4, 2, True, 7)
+    assert update.max_token_len_per_gpu == 16 and update.micro_batch_size_per_gpu is None
+    fixed = parse_layout("micro_batch=1,replay=R2,ppo_mini_batch=2,ppo_micro_batch=1").update
+    assert fixed is not None and fixed.micro_batch_size_per_gpu == 1
+    assert (fixed.epochs, fixed.shuffle, fixed.seed) == (1, False, 42), "verl's defaults"
+
+
 @pytest.mark.parametrize(
     "spec, message",
     [
+        ("max_token_len=8,replay=R1", r"replay=R1: expected one of \['R3', 'R2'\]"),
+        ("max_token_len=8,replay=R2,ppo_max_token_len=8", "replay=R2 without ppo_mini_batch=N"),
+        (
+            "max_token_len=8,ppo_mini_batch=2,ppo_max_token_len=8",
+            r"\(ppo_mini_batch, ppo_max_token_len\) without",
+        ),
+        (
+            "max_token_len=8,replay=R2,ppo_mini_batch=2",
+            "exactly one of ppo_max_token_len and ppo_micro_batch",
+        ),
+        (
+            "max_token_len=8,replay=R2,ppo_mini_batch=0,ppo_micro_batch=1",
+            "mini_batch_size=0: expected an integer",
+        ),
         ("tp=2", "exactly one of max_token_len"),
         ("max_token_len=8,micro_batch=2", "exactly one of max_token_len"),
         ("tp=two,max_token_len=8", "'tp=two'; expected NAME=INTEGER"),

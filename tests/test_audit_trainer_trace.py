@@ -34,6 +34,9 @@ pytestmark = pytest.mark.skipif(
 
 LENGTHS = [(3, 4), (6, 5), (2, 1), (5, 3), (4, 5), (1, 2)]
 """(prompt, response) of each sample; verl's dynamic batching packs them into micro-batches of ≤ 24 tokens."""
+EVEN = [(3, 5), (6, 4), (2, 2), (5, 3), (4, 4), (1, 3)]
+"""Samples of an even token count: under TP2 none is padded (verl's R2 replays zero filler on padded rows,
+and megatron-core's tracer drops such a call: ``test_r2_replays_zero_filler_on_tp_padding_...``)."""
 EQUAL = [(4, 3)] * 6
 """Equal lengths, so that every micro-batch packs as many tokens (the ``previous`` mutant's stale
 targets then fit the next micro-batch)."""
@@ -49,9 +52,12 @@ def _run(
     dp: int = 1,
     reference: bool = False,
     cp: int = 1,
+    r2: dict[str, Any] | None = None,
+    lengths: list[tuple[int, int]] = LENGTHS,
 ) -> tuple[Path, Path, list[Any]]:
-    """The dump and trace of a traced run on ``tp·cp·pp·dp`` gloo ranks; each step's micro-batch rows
-    (rank 0's)."""
+    """The dump and trace of a traced run on ``tp·cp·pp·dp`` gloo ranks (R3, or R2 with the update's
+    settings ``r2``); rank 0's rows of each step: its old-log-prob micro-batches (R3) or its update
+    mini-batches (R2)."""
     from harness.testing.megatron_cpu import setup_rank
     from harness.testing.ranks import run_ranks
     from tests import trainer_trace_run as run
@@ -59,19 +65,29 @@ def _run(
     dump = tmp / "rollout_dump" / "exp_proj" / "GBS6_N1_in6_out5"
     plan = []
     for step, mutant in steps.items():
-        file = run.write_dump(dump, step, EQUAL if mutant == "previous" else LENGTHS, seed=step)
+        file = run.write_dump(
+            dump, step, EQUAL if mutant == "previous" else lengths, seed=step, routes=r2 is None
+        )
         plan.append((step, str(file), mutant))
     cfg = {"tp": tp, "pp": pp, "cp": cp, "trace": str(tmp / "trace"), "steps": plan,
-           "max_token_len": MAX_TOKENS, "reference": reference}  # fmt: skip
-    ranks = run_ranks(run.traced_run, tp * cp * pp * dp, args=(cfg,), setup=setup_rank, timeout=400)
+           "max_token_len": MAX_TOKENS, "reference": reference, **(r2 or {})}  # fmt: skip
+    target = run.traced_run if r2 is None else run.traced_r2_run
+    ranks = run_ranks(target, tp * cp * pp * dp, args=(cfg,), setup=setup_rank, timeout=400)
     return dump, tmp / "trace", ranks.results[0]
 
 
-def _layout(tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1) -> Any:
+def _layout(tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1, r2: dict[str, Any] | None = None) -> Any:
     from harness.audit.trace_join import TrainerLayout
-    from harness.audit.verl_packing import VerlBatching
+    from harness.audit.verl_packing import UpdateBatching, VerlBatching
 
-    return TrainerLayout(VerlBatching(dp=dp, tp=tp, cp=cp, max_token_len_per_gpu=MAX_TOKENS), pp=pp)
+    batching = VerlBatching(dp=dp, tp=tp, cp=cp, max_token_len_per_gpu=MAX_TOKENS)
+    if r2 is None:
+        return TrainerLayout(batching, pp=pp)
+    update = UpdateBatching(
+        mini_batch_size=r2["mini_batch"], epochs=r2["epochs"], shuffle=r2["shuffle"],
+        max_token_len_per_gpu=r2["update_max_token_len"],
+    )  # fmt: skip
+    return TrainerLayout(batching, pp=pp, replay="R2", update=update)
 
 
 def _joined(dump: Path, trace: Path, layout: Any) -> list[SampleRecord]:
@@ -288,3 +304,135 @@ def test_rrh_audit_trainer_trace_prints_the_committed_transcript(
     assert main(wrong) == 2
     err = capsys.readouterr().err
     assert err.count("rrh audit: ") == 1 and "ranks [0]; expected" in err, err
+
+
+R2_STEPS = {1: None, 2: "update_recording"}
+R2 = {"mini_batch": 2, "epochs": 1, "shuffle": False, "update_max_token_len": 16}
+"""verl's update: mini-batches of 2 samples (3 per step), micro-batched to ≤ 16 tokens (the old-log-prob
+forward: ≤ 24), one epoch."""
+
+
+@pytest.fixture(scope="module")
+def r2_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[Any]]:
+    """verl's R2 on one rank: step 1 correct, step 2 with the recording taken from the update pass."""
+    return _run(tmp_path_factory.mktemp("r2"), 1, 1, R2_STEPS, r2=R2)
+
+
+def test_r2_recording_taken_from_the_update_pass_is_named_at_the_update_forwards_after_a_weight_change(
+    r2_run: tuple[Path, Path, list[Any]], tmp_path: Path
+) -> None:
+    """Correct R2 (the old-log-prob forward records, every update forward replays it) raises no
+    violation; the recording taken from the update pass is named at every sample of the mini-batches
+    after the first (forwarded after the weights changed) on every MoE layer, and at no sample of the
+    first (same weights: its native routing is the old-log-prob forward's)."""
+    dump, trace, minis = r2_run
+    records = _joined(dump, trace, _layout(r2=R2))
+    assert {r.replay for r in records} == {"R2"} and all(r.recorded_routes is not None for r in records)
+    offenders = _offenders(records, tmp_path)
+    assert offenders[1] == [], offenders[1][:3]
+    assert len(minis[1]) == 3, minis[1]
+    named = {int(o["sample_key"]) for o in offenders[2]}
+    assert named == {r for mini in minis[1][1:] for r in mini}, (named, minis[1])
+    for o in offenders[2]:
+        assert o["step"] == 2 and o["row"] is not None and o["layer"] in (1, 2, 3), o
+        assert o["expected"].startswith("recorded experts") and "gen_batch.dp batch row" in o["where"], o
+    assert {o["layer"] for o in offenders[2]} == {1, 2, 3}
+
+
+def test_r2_on_pp2_places_each_stages_update_forwards(tmp_path: Path) -> None:
+    """PP2 (each stage records its own layers, ``pp_gather`` joins them, each stage traces its own):
+    correct R2 passes; the update-recording mutant is named exactly at the later mini-batches' samples."""
+    dump, trace, minis = _run(tmp_path, 1, 2, R2_STEPS, r2=R2)
+    offenders = _offenders(_joined(dump, trace, _layout(pp=2, r2=R2)), tmp_path)
+    assert offenders[1] == [], offenders[1][:3]
+    named = {int(o["sample_key"]) for o in offenders[2]}
+    assert named == {r for mini in minis[1][1:] for r in mini}, (named, minis[1])
+    assert {o["layer"] for o in offenders[2]} == {1, 2, 3}
+
+
+def test_r2_compares_every_update_forward_over_two_shuffled_epochs_on_tp2_sp_and_dp2(tmp_path: Path) -> None:
+    """TP2 with SP and DP2, two epochs of mini-batches of one sample per DP rank, shuffled with
+    ``data_loader_seed + dp_rank``: correct R2 passes, and under the update-recording mutant every
+    sample is named (its second epoch's forward comes after a weight change, even where its first
+    did not)."""
+    r2 = {**R2, "epochs": 2, "shuffle": True}
+    dump, trace, minis = _run(tmp_path, 2, 1, R2_STEPS, dp=2, r2=r2, lengths=EVEN)
+    assert len(minis[1]) == 6, minis[1]
+    offenders = _offenders(_joined(dump, trace, _layout(tp=2, dp=2, r2=r2)), tmp_path)
+    assert offenders[1] == [], offenders[1][:3]
+    assert {int(o["sample_key"]) for o in offenders[2]} == set(range(len(EVEN))), offenders[2][:3]
+
+
+def test_an_r2_trace_that_disagrees_with_verls_update_packing_is_one_input_error(
+    r2_run: tuple[Path, Path, list[Any]], tmp_path: Path
+) -> None:
+    """An update call with a token too few, and a call after the update's last forward (a reference pass
+    on the actor's model, or activation recompute), are each one input error naming the record; so is
+    an R2 dump (no routed_experts) without --moe-layers."""
+    dump, trace = _copy(r2_run, tmp_path)
+    rank0 = trace / "router_trace_rank0.jsonl"
+    lines = rank0.read_text().splitlines()
+    first = [i for i, text in enumerate(lines, start=1) if json.loads(text)["step"] == 1]
+    update = first[-3:]  # the update's last forward, on MoE layers 1, 2 and 3
+
+    def fewer(record: dict[str, Any]) -> None:
+        record["top_indices"].pop()
+        record["num_tokens"] -= 1
+
+    for line in update:  # the trace agrees with itself, not with verl's update packing
+        _edit(rank0, line, fewer)
+    with pytest.raises(LayoutError) as err:
+        _joined(dump, trace, _layout(r2=R2))
+    text = str(err.value)
+    assert f"{rank0}:{update[0]}" in text and "update mini-batch 2" in text and "tokens; expected" in text, (
+        text
+    )
+    shutil.copy(r2_run[1] / "router_trace_rank0.jsonl", rank0)
+    lines[first[-1] : first[-1]] = [lines[i - 1] for i in update]  # the step's last forward, once more
+    rank0.write_text("\n".join(lines) + "\n")
+    with pytest.raises(LayoutError, match=r"after the update's last forward.* activation recompute"):
+        _joined(dump, trace, _layout(r2=R2))
+    from harness.audit import trace_join
+
+    shutil.copy(r2_run[1] / "router_trace_rank0.jsonl", rank0)
+    with pytest.raises(LayoutError, match=r"gen_batch\.dp: no routed_experts .*; expected --moe-layers"):
+        list(
+            trace_join.records(dump, trace, _layout(r2=R2), num_experts=8)
+        )  # an R2 dump: nothing to infer from
+
+
+def test_rrh_audit_trainer_trace_r2_prints_the_committed_transcript(
+    r2_run: tuple[Path, Path, list[Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``replay=R2`` in ``--trainer-layout``: step 2's update forwards named against the recording (exit
+    1; docs/audit.md quotes it)."""
+    from tests.audit_transcript import check, transcript
+
+    trace = r2_run[1]
+    root = trace.parent
+    spec = f"max_token_len={MAX_TOKENS},replay=R2,ppo_mini_batch=2,ppo_max_token_len=16"
+    args = [str(root / "rollout_dump"), "--trainer-trace", str(trace), "--trainer-layout", spec,
+            "--num-experts", "8", "--moe-layers", "1-3"]  # fmt: skip
+    (tmp_path / "scratch").mkdir()
+    text = transcript(capsys, args, root, tmp_path / "scratch")
+    assert "exit 1" in text.splitlines()[1], text[:400]
+    assert "replay_fidelity     VIOLATED in 4 of 12 samples; first at step 2 sample" in text, text
+    assert "expected recorded experts" in text, text
+    check("verl_trainer_trace_r2", text)
+
+
+def test_r2_replays_zero_filler_on_tp_padding_and_the_tracer_drops_those_calls_one_input_error(
+    tmp_path: Path,
+) -> None:
+    """verl 0.9.1's R2 under TP2 on samples of odd length: ``set_router_replay_data`` packs the recording
+    with ``preprocess_thd_engine``, which pads each sample to a multiple of tp with zero rows, and
+    replays them with no mask (R3 masks them: ``build_r3_replay_mask``), so a padded row's target is
+    ``[0, 0]``; its routing map then holds one expert, and megatron-core's tracer skips the whole call
+    (``expert_idx.numel() != num_tokens * topk``). The join names the first record that disagrees with
+    verl's update packing and says why a call may be missing, once."""
+    dump, trace, _ = _run(tmp_path, 2, 1, {1: None}, r2=R2)
+    with pytest.raises(LayoutError) as err:
+        _joined(dump, trace, _layout(tp=2, r2=R2))
+    text = str(err.value)
+    assert "a call may be missing or extra: megatron-core's tracer skips a call" in text, text
+    assert "update mini-batch" in text and "\n" not in text, text

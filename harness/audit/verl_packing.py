@@ -18,6 +18,14 @@ release's own code on the dumped batch, in the order verl's trainer and Megatron
    sequence, each sample padded to ``tp`` (``cu_seqlens_q_padded``), to ``tp·cp·2`` under context
    parallelism (its zig-zag layout; the offsets are the same on every CP rank).
 
+Under R2 the update pass is placed too (``update_packing``), again by verl's own code
+(``RayPPOTrainer._update_actor`` → ``TrainingWorker.train_mini_batch`` →
+``MegatronEngine.forward_backward_batch``): each DP rank's share of the balanced batch (the same as
+the old-log-prob pass's: verl balances once per step) is split into mini-batches by
+``tensordict_utils.make_iterator`` (``ppo_mini_batch_size × rollout.n / dp`` samples, ``ppo_epochs``,
+``shuffle`` with ``data_loader_seed + dp_rank``), and each mini-batch goes through steps 4–5 with
+the update's own settings (``ppo_max_token_len_per_gpu`` or ``ppo_micro_batch_size_per_gpu``).
+
 A row index rides along in the batch through every step (``rrh_row``), so the dump row of every
 packed sample is observed, not inferred. Nothing here is re-implemented; what megatron-core then
 does per rank (the TP rank's slice under sequence parallelism, the layers of a PP stage) is the
@@ -29,6 +37,7 @@ modelled: ``VerlBatching`` has no setting for them, and ``--trainer-layout`` ref
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -52,6 +61,9 @@ class MicroBatch:
     rows: tuple[int, ...]
     lengths: tuple[int, ...]
     cu_seqlens_padded: tuple[int, ...]
+    mini_batch: int | None = None
+    """The update's mini-batch (its iteration over the epochs) this micro-batch belongs to; ``None``
+    in the old-log-prob pass."""
 
     @property
     def packed_rows(self) -> int:
@@ -75,18 +87,51 @@ class VerlBatching:
     """``log_prob_micro_batch_size_per_gpu`` (fixed split, ``use_dynamic_bsz=False``)."""
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "cp"):
-            if getattr(self, name) < 1:
-                raise LayoutError(f"{name}={getattr(self, name)}: expected an integer >= 1")
-        if (self.max_token_len_per_gpu is None) == (self.micro_batch_size_per_gpu is None):
-            raise LayoutError(
-                "verl's micro-batching: expected exactly one of max_token_len (use_dynamic_bsz) and "
-                "micro_batch (micro_batch_size_per_gpu)"
-            )
-        for name in ("max_token_len_per_gpu", "micro_batch_size_per_gpu"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise LayoutError(f"{name}={value}: expected an integer >= 1")
+        _at_least_one(self, ("dp", "tp", "cp"))
+        _one_micro_batching(self, "max_token_len (use_dynamic_bsz)", "micro_batch (micro_batch_size_per_gpu)")
+
+
+@dataclass(frozen=True)
+class UpdateBatching:
+    """The run's settings that decide the update's batching (``actor_rollout_ref.actor.*``): how
+    ``update_actor`` splits each DP rank's share into mini-batches and those into micro-batches."""
+
+    mini_batch_size: int
+    """``ppo_mini_batch_size × rollout.n``: samples of one mini-batch over all DP ranks."""
+    epochs: int = 1
+    """``ppo_epochs``."""
+    shuffle: bool = False
+    """``actor.shuffle`` (verl's default: False)."""
+    seed: int = 42
+    """``actor.data_loader_seed`` (verl's default: 42; DP rank ``d`` shuffles with ``seed + d``)."""
+    max_token_len_per_gpu: int | None = None
+    """``ppo_max_token_len_per_gpu`` with ``use_dynamic_bsz``."""
+    micro_batch_size_per_gpu: int | None = None
+    """``ppo_micro_batch_size_per_gpu`` (fixed split)."""
+
+    def __post_init__(self) -> None:
+        _at_least_one(self, ("mini_batch_size", "epochs"))
+        _one_micro_batching(self, "ppo_max_token_len", "ppo_micro_batch")
+
+
+def _at_least_one(settings: Any, names: tuple[str, ...]) -> None:
+    for name in names:
+        if getattr(settings, name) < 1:
+            raise LayoutError(f"{name}={getattr(settings, name)}: expected an integer >= 1")
+
+
+def _one_micro_batching(settings: Any, dynamic: str, fixed: str) -> None:
+    """Exactly one of ``max_token_len_per_gpu`` and ``micro_batch_size_per_gpu``, each >= 1."""
+    if (settings.max_token_len_per_gpu is None) == (settings.micro_batch_size_per_gpu is None):
+        raise LayoutError(f"verl's micro-batching: expected exactly one of {dynamic} and {fixed}")
+    _at_least_one(
+        settings,
+        tuple(
+            n
+            for n in ("max_token_len_per_gpu", "micro_batch_size_per_gpu")
+            if getattr(settings, n) is not None
+        ),
+    )
 
 
 def _require_verl() -> None:
@@ -154,32 +199,31 @@ def _dp_chunks(
         )
         RayPPOTrainer._balance_batch(trainer, proto, metrics={})
     batch = left_right_2_no_padding(proto.to_tensordict())
-    dynamic = batching.max_token_len_per_gpu is not None
-    tu.assign_non_tensor(
-        batch,
-        use_dynamic_bsz=dynamic,
-        max_token_len_per_gpu=batching.max_token_len_per_gpu or 0,
-        micro_batch_size_per_gpu=batching.micro_batch_size_per_gpu or 0,
-        sp_size=1,
-    )
     return tu.chunk_tensordict(batch, batching.dp) if batching.dp > 1 else [batch]
 
 
-def step_packing(
-    attention_mask: npt.NDArray[Any], response_mask: npt.NDArray[Any], batching: VerlBatching
+def _micro_plans(
+    parts: list[Any], batching: VerlBatching, max_token_len: int | None, micro_batch: int | None
 ) -> list[list[MicroBatch]]:
-    """The micro-batches of every DP rank for one step's dumped batch (``attention_mask [B, W]`` and
-    ``response_mask [B, R]`` as ``DataProto.save_to_disk`` wrote them), by verl's own functions."""
-    _require_verl()
+    """Steps 4–5 for what the DP ranks forward together (their shares, or their ``i``-th update
+    mini-batches): each part's micro-batches, the count all-reduced (MAX) as verl's DP group does."""
     from verl.models.mcore.util import preprocess_thd_engine
+    from verl.utils import tensordict_utils as tu
     from verl.workers.engine.utils import prepare_micro_batches
 
-    chunks = _dp_chunks(attention_mask, response_mask, batching)
+    for part in parts:
+        tu.assign_non_tensor(
+            part,
+            use_dynamic_bsz=max_token_len is not None,
+            max_token_len_per_gpu=max_token_len or 0,
+            micro_batch_size_per_gpu=micro_batch or 0,
+            sp_size=1,
+        )
     try:
-        counts = [len(prepare_micro_batches(data=c, dp_group=None)[0]) for c in chunks]
+        counts = [len(prepare_micro_batches(data=p, dp_group=None)[0]) for p in parts]
         plans: list[list[MicroBatch]] = []
-        for chunk in chunks:
-            micro, _ = prepare_micro_batches(data=chunk, dp_group=None, min_num_micro_batch=max(counts))
+        for part in parts:
+            micro, _ = prepare_micro_batches(data=part, dp_group=None, min_num_micro_batch=max(counts))
             plan = []
             for mb in micro:
                 with _parallel_sizes(batching.tp, batching.cp):
@@ -196,4 +240,58 @@ def step_packing(
         raise LayoutError(
             f"verl's micro-batching refused the batch ({err}); expected settings the run used"
         ) from None
+    return plans
+
+
+def step_packing(
+    attention_mask: npt.NDArray[Any], response_mask: npt.NDArray[Any], batching: VerlBatching
+) -> list[list[MicroBatch]]:
+    """The micro-batches of every DP rank for one step's dumped batch (``attention_mask [B, W]`` and
+    ``response_mask [B, R]`` as ``DataProto.save_to_disk`` wrote them), by verl's own functions."""
+    _require_verl()
+    chunks = _dp_chunks(attention_mask, response_mask, batching)
+    return _micro_plans(chunks, batching, batching.max_token_len_per_gpu, batching.micro_batch_size_per_gpu)
+
+
+def update_packing(
+    attention_mask: npt.NDArray[Any],
+    response_mask: npt.NDArray[Any],
+    batching: VerlBatching,
+    update: UpdateBatching,
+) -> list[list[MicroBatch]]:
+    """The update's forwards of every DP rank for one step's dumped batch, in call order (each
+    ``MicroBatch`` with its ``mini_batch``), by verl's own functions: the DP shares of the old-log-prob
+    pass (verl balances the batch once per step), each split by ``tensordict_utils.make_iterator`` as
+    ``TrainingWorker.train_mini_batch`` calls it (``mini_batch_size // dp`` samples per DP rank, the
+    epochs, ``seed + dp_rank``, ``shuffle``), each mini-batch micro-batched and THD-packed by
+    ``prepare_micro_batches`` and ``preprocess_thd_engine`` with the update's settings."""
+    _require_verl()
+    from verl.utils import tensordict_utils as tu
+
+    chunks = _dp_chunks(attention_mask, response_mask, batching)
+    share = chunks[0].shape[0]
+    per_rank = update.mini_batch_size // batching.dp
+    if update.mini_batch_size % batching.dp or not per_rank or share % per_rank:
+        raise LayoutError(
+            f"ppo_mini_batch={update.mini_batch_size} with dp={batching.dp} and a batch of "
+            f"{share * batching.dp} samples: expected a multiple of dp whose share per DP rank divides the "
+            f"rank's {share} samples (verl's train_mini_batch and make_iterator assert it)"
+        )
+    iterators = [
+        tu.make_iterator(
+            chunk,
+            mini_batch_size=per_rank,
+            epochs=update.epochs,
+            seed=update.seed + dp_rank,
+            dataloader_kwargs={"shuffle": update.shuffle},
+        )
+        for dp_rank, chunk in enumerate(chunks)
+    ]
+    plans: list[list[MicroBatch]] = [[] for _ in chunks]
+    for index, minis in enumerate(zip(*iterators, strict=True)):
+        micro = _micro_plans(
+            list(minis), batching, update.max_token_len_per_gpu, update.micro_batch_size_per_gpu
+        )
+        for plan, found in zip(plans, micro, strict=True):
+            plan.extend(dataclasses.replace(mb, mini_batch=index) for mb in found)
     return plans

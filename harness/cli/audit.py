@@ -59,7 +59,9 @@ def add_parser(commands: Any) -> None:
         metavar="SPEC",
         default="",
         help="how the traced run was laid out: tp=2,cp=2,pp=2,dp=1 and max_token_len=N (use_dynamic_bsz) or "
-        "micro_batch=N, balance_batch=0 if turned off (with --trainer-trace)",
+        "micro_batch=N, balance_batch=0 if turned off; replay=R2 (default R3) with the update's "
+        "ppo_mini_batch=N, ppo_epochs=N, shuffle=1, seed=N and ppo_max_token_len=N or ppo_micro_batch=N "
+        "(with --trainer-trace)",
     )
     audit.add_argument(
         "--import-to",
