@@ -26,6 +26,8 @@ def replay(ctx: BatchContext) -> None:
     if not trainer.valid.any():
         ctx.state.note_missing("replay_fidelity", "trainer_routes")
         ctx.state.note_missing("agreement", "trainer_routes")
+    if not ctx.engine.valid.any():  # the agreement names what is missing, not all it reads
+        ctx.state.note_missing("agreement", "engine_routes")
     modes = np.array([m or "" for m in b.replay])
     if trainer.valid.any() and not np.isin(modes, ("R2", "R3", "none")).any():
         ctx.state.note_missing("replay_fidelity", "replay")
