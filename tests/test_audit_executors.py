@@ -126,11 +126,13 @@ def test_any_split_order_and_merge_tree_gives_the_same_result(
 
 
 @pytest.mark.parametrize("unit_bytes", [1, None])
-def test_serial_and_process_pool_give_the_same_result(
+def test_serial_reading_ahead_or_not_and_process_pool_give_the_same_result(
     faulty: tuple[Path, list[PlantedFault]], reference: dict[str, Any], unit_bytes: int | None
 ) -> None:
-    serial = audit_run(faulty[0], executor="serial", unit_bytes=unit_bytes).as_dict()
+    serial = audit_run(faulty[0], executor="serial", unit_bytes=unit_bytes, read_ahead=False).as_dict()
+    ahead = audit_run(faulty[0], executor="serial", unit_bytes=unit_bytes, read_ahead=True).as_dict()
     pool = audit_run(faulty[0], executor="processes", workers=2, unit_bytes=unit_bytes).as_dict()
+    assert ahead == serial
     assert pool == serial
     assert logical(serial) == logical(reference)
 

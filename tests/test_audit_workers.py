@@ -27,8 +27,9 @@ pytest.importorskip("pyarrow")
 
 from harness.audit import audit_run
 from harness.audit.checks.fold import AuditOptions
-from harness.audit.executors import _processes, audit_unit, plan_run
+from harness.audit.executors import audit_unit, plan_run
 from harness.audit.generate import RunShape, generate_run
+from harness.audit.pool import processes
 from harness.audit.reader import Unit
 from harness.audit.result import AuditResult
 from harness.audit.state import AuditState
@@ -140,7 +141,7 @@ def test_a_unit_that_always_loses_its_worker_is_reported_and_the_others_are_audi
         monkeypatch.setenv("RRH_UNIT_SECONDS", "3")
     units = plan_run(run, unit_bytes=1).units
     culprit = next(u for u in units if 1 in u.row_groups and u.path.endswith("000000.parquet"))
-    states = dict(_processes(units, AuditOptions(), 2, work=work))
+    states = dict(processes(units, AuditOptions(), 2, work=work))
     assert sorted(states, key=units.index) == units, "every unit is accounted for, once"
     errors = [e for state in states.values() for e in state.input_errors]
     assert len(errors) == 1 and errors[0].startswith(f"{culprit.path} row groups 1–1 (rows ")

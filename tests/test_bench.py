@@ -163,3 +163,27 @@ def test_replay_and_tap_benches_time_both_copies_and_say_their_verdict(
     assert result["shape"]["experts"] == 4 and result["repeats"] == 2
     text = show(result)
     assert "1 layers × 4 experts top-2" in text and all(label in text for label in labels)
+
+
+def test_bench_audit_times_the_serial_audit_both_ways_and_finds_the_planted_faults(tmp_path: Path) -> None:
+    """``rrh bench audit`` on a tiny run: the serial audit reading ahead and on one thread give the
+    same result, the pool is measured against the one-thread audit, and the projection for idle CPUs
+    takes the busiest thread (a serial audit that reads ahead runs two)."""
+    from harness.audit.generate import RunShape
+    from harness.bench.audit import bench_audit, format_bench_audit
+
+    shape = RunShape(
+        steps=2, prompts=2, group_size=4, prompt_len=8, response_len=8, layers=4, experts=16, top_k=4
+    )
+    configs = ("read_floor", "serial", "serial_one_thread", "processes")
+    result = bench_audit(64 << 10, tmp_path, shape=shape, configs=configs, memory_bytes=1 << 30)
+    assert set(result["ratios"]) == {"serial_vs_floor", "processes_vs_serial_one_thread"}
+    assert result["identical_results"] is True
+    assert result["faults"] and all(f["found"] for f in result["faults"])
+    for name in configs:
+        figures = result["configs"][name]
+        if figures.get("cpu_busiest_thread_s") is not None:  # Linux
+            assert figures["cpu_busiest_thread_s"] <= figures["cpu_busiest_s"] + 0.05
+    text = format_bench_audit(result)
+    assert "serial_one_thread" in text and "processes_vs_serial_one_thread" in text
+    assert not list(tmp_path.iterdir())  # the generated run is deleted

@@ -5,7 +5,8 @@ it gets back in whatever order they arrive; the result does not depend on that o
 (``harness.audit.state``). A unit that cannot be read becomes an input error of the state and
 the other units are still audited; ``strict`` stops at the first violation or input error.
 
-- ``serial``: in this process, one unit after another;
+- ``serial``: in this process, one unit after another (the next row group read on a second thread
+  while this one is checked, where there is a second CPU);
 - ``processes``: a ``ProcessPoolExecutor`` of the CPUs this process may use (default);
 - ``ray``: one Ray task per unit, on the cluster at ``ray_address`` or a local one (extra
   ``ray``; imported only when asked for).
@@ -17,17 +18,17 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.audit import arrow_memory
 from harness.audit.checks.fold import AuditOptions, fold_batch, fold_shards
 from harness.audit.decode import decode
 from harness.audit.layout import LayoutError
 from harness.audit.manifest import check_manifests
-from harness.audit.pool import pool_context
+from harness.audit.pool import UNIT_SECONDS_ENV, first_line, lost, processes, unit_seconds
+from harness.audit.read_ahead import ReadAhead
 from harness.audit.reader import (
     Model,
     Unit,
@@ -114,25 +115,25 @@ def _fold_table(
             )
 
 
-def _release_arrow_memory() -> None:
-    import pyarrow as pa
-
-    pa.default_memory_pool().release_unused()
-
-
 def audit_unit(unit: Unit, options: AuditOptions = EVERY_ROW) -> AuditState:
-    """Read and check one unit; a malformed file or row becomes an input error of the returned state."""
+    """Read and check one unit; a malformed file or row becomes an input error of the returned state.
+
+    One thread: pyarrow decodes on the calling thread and so do the kernels. The pool's and Ray's
+    parallelism is their processes; threads inside each would only oversubscribe the CPUs.
+    """
+    return _audit_tables(unit, read_unit(unit, use_threads=False), options)
+
+
+def _audit_tables(unit: Unit, tables: Iterator[tuple[int, Any]], options: AuditOptions) -> AuditState:
+    """Check the row groups ``tables`` of ``unit`` (as ``read_unit`` yields them) into a state."""
     state = AuditState()
     state.files.add(unit.path)
     try:
-        # One thread: pyarrow decodes on the calling thread and so do the kernels. The executors'
-        # parallelism is their processes; threads inside each would only oversubscribe the CPUs.
-        for first_row, table in read_unit(unit, use_threads=False):
+        for first_row, table in tables:
             _fold_table(table, unit.path, first_row, options, state, unit.model)
+            nbytes = table.nbytes
             del table
-            # Arrow's allocator keeps what a row group freed for the next one, which may not fit in it:
-            # handed back, memory stays one row group in flight over any number of row groups.
-            _release_arrow_memory()
+            arrow_memory.PROCESS.done_with(nbytes)  # memory bounded by the row groups in flight
     except LayoutError as err:
         state.input_errors.append(str(err))
     state.bytes_read = unit.nbytes
@@ -176,153 +177,16 @@ def plan_run(run: str | os.PathLike[str], unit_bytes: int | None = None) -> Plan
     return Plan(units, errors)
 
 
-def _serial(units: list[Unit], options: AuditOptions) -> Iterator[tuple[Unit, AuditState]]:
-    for unit in units:
-        yield unit, audit_unit(unit, options)
-
-
-UNIT_SECONDS_ENV = "RRH_UNIT_SECONDS"
-"""Environment variable: the base time budget of one unit of work in a pool or on Ray (seconds)."""
-UNIT_SECONDS = 600.0
-UNIT_BYTES_PER_SECOND = 4 << 20
-"""A unit's budget grows by a second per this many of its compressed bytes (a unit is ~64 MiB)."""
-
-
-def unit_seconds(units: Iterable[Unit]) -> float:
-    """How long the slowest of ``units`` may take before its worker is taken for stuck."""
-    text = os.environ.get(UNIT_SECONDS_ENV)
-    try:
-        base = UNIT_SECONDS if text is None else float(text)
-    except ValueError:
-        raise LayoutError(f"{UNIT_SECONDS_ENV}={text!r}: expected a number of seconds") from None
-    if not base > 0:
-        raise LayoutError(f"{UNIT_SECONDS_ENV}={text!r}: expected a positive number of seconds")
-    return base + max((u.nbytes for u in units), default=0) / UNIT_BYTES_PER_SECOND
-
-
-def lost(unit: Unit, why: str) -> AuditState:
-    """The state of a unit that was not audited: an input error saying so, so that the audit is not
-    reported complete (exit 2, never the violation code)."""
-    state = AuditState()
-    state.files.add(unit.path)
-    rows = f"row groups {unit.row_groups[0]}–{unit.row_groups[-1]}" if unit.row_groups else "no row group"
-    state.input_errors.append(f"{unit.path} {rows} (rows {unit.first_row}…): not audited: {why}")
-    state.bytes_read = unit.nbytes
-    return state
-
-
-class _PoolRound:
-    """One process pool auditing some units: ``run`` yields each unit that finished and its state;
-    the units that did not (their worker died, or stalled past the budget) are left in ``left``,
-    with what happened in ``why``."""
-
-    def __init__(
-        self, units: list[Unit], options: AuditOptions, workers: int, work: Callable[..., AuditState]
-    ) -> None:
-        self.units, self.options, self.workers, self.work = units, options, workers, work
-        self.left: list[Unit] = []
-        self.why = ""
-
-    def run(self) -> Iterator[tuple[Unit, AuditState]]:
-        pool: ProcessPoolExecutor | None = None
-        pending: dict[Future[AuditState], Unit] = {}
-        unsubmitted = list(self.units)
-        try:
-            pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=pool_context())
-            while unsubmitted:
-                pending[pool.submit(self.work, unsubmitted[0], self.options)] = unsubmitted[0]
-                unsubmitted.pop(0)
-            while pending:
-                budget = unit_seconds(pending.values())
-                done, _ = wait(pending, timeout=budget, return_when=FIRST_COMPLETED)
-                if not done:
-                    self.why = (
-                        f"no unit finished in {budget:.0f} s ({UNIT_SECONDS_ENV} sets the budget): stuck"
-                    )
-                    break
-                for future in done:
-                    try:
-                        state = future.result()
-                    except BrokenProcessPool:
-                        self.why = f"a worker process died ({_exit_of(pool)})"
-                        raise _Broken from None
-                    except Exception as err:  # the worker raised: this unit is reported, the others go on
-                        state = lost(
-                            pending[future], f"the worker raised {type(err).__name__}: {_first_line(err)}"
-                        )
-                    yield pending.pop(future), state
-        except _Broken:
-            pass
-        except (BrokenProcessPool, EOFError, OSError) as err:  # the pool or its fork server failed
-            self.why = f"the process pool failed ({type(err).__name__}: {_first_line(err)})"
-        finally:
-            self.left = list(pending.values()) + unsubmitted
-            if pool is not None:
-                _stop(pool)
-
-
-class _Broken(Exception):
-    """A pool broke: its pending units are left for the next round."""
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).splitlines() or [""])[0][:200]
-
-
-def _exit_of(pool: ProcessPoolExecutor) -> str:
-    """How the pool's dead workers ended (``SIGKILL``, ``SIGSEGV``, an exit status), as far as known."""
-    import signal
-
-    codes = sorted(
-        {
-            p.exitcode
-            for p in (getattr(pool, "_processes", None) or {}).values()
-            if p.exitcode not in (None, 0)
-        }
-    )
-    names = []
-    for code in codes:
-        try:
-            names.append(signal.Signals(-code).name if code < 0 else f"exit status {code}")
-        except ValueError:
-            names.append(f"exit status {code}")
-    return ", ".join(names) or "killed"
-
-
-def _stop(pool: ProcessPoolExecutor) -> None:
-    """Shut ``pool`` down without waiting on a stuck worker: its processes are killed first."""
-    for process in list((getattr(pool, "_processes", None) or {}).values()):
-        if process.is_alive():
-            process.kill()
-    pool.shutdown(wait=True, cancel_futures=True)
-
-
-RETRIES = 2
-"""Pool rounds before the units a broken or stuck pool left are isolated, one per single-worker pool."""
-
-
-def _processes(
-    units: list[Unit], options: AuditOptions, workers: int, work: Callable[..., AuditState] = audit_unit
-) -> Iterator[tuple[Unit, AuditState]]:
-    """Units in a process pool. A worker that dies (killed, a crash) breaks the pool: the units it
-    left run again in a fresh pool, and after ``RETRIES`` such rounds each is audited alone in a
-    pool of one worker, so that a unit that kills its worker every time is found and reported as not
-    audited, while the others are audited. A pool in which no unit finishes within the budget
-    (``unit_seconds``: a stopped or hung worker) is killed and treated the same way."""
-    left = units
-    for _ in range(RETRIES):
-        attempt = _PoolRound(left, options, workers, work)
-        yield from attempt.run()
-        left = attempt.left
-        if not left:
-            return
-    # Isolation: each remaining unit in its own one-worker pool, ``workers`` of them at a time.
-    for start in range(0, len(left), workers):
-        rounds = [_PoolRound([u], options, 1, work) for u in left[start : start + workers]]
-        for attempt in rounds:
-            yield from attempt.run()
-            for unit in attempt.left:
-                yield unit, lost(unit, f"{attempt.why} in {RETRIES + 1} tries")
+def _serial(units: list[Unit], options: AuditOptions, read_ahead: bool) -> Iterator[tuple[Unit, AuditState]]:
+    """In this process: with ``read_ahead``, the next row group is read on a second thread while
+    this one is checked (``harness.audit.read_ahead``); else one row group after another."""
+    if not read_ahead:
+        for unit in units:
+            yield unit, audit_unit(unit, options)
+        return
+    with ReadAhead(units) as reader:
+        for unit in units:
+            yield unit, _audit_tables(unit, reader.tables(unit), options)
 
 
 def _ray(
@@ -369,7 +233,7 @@ def _ray(
                 try:
                     state = ray.get(ref)
                 except Exception as err:  # Ray retried a lost worker already; this one is reported
-                    state = lost(unit, f"the Ray task failed ({type(err).__name__}: {_first_line(err)})")
+                    state = lost(unit, f"the Ray task failed ({type(err).__name__}: {first_line(err)})")
                 yield unit, state
     finally:
         if started:
@@ -382,15 +246,22 @@ def run_units(
     executor: str = "processes",
     workers: int | None = None,
     ray_address: str | None = None,
+    read_ahead: bool | None = None,
 ) -> Iterator[tuple[Unit, AuditState]]:
-    """``(unit, state)`` for every unit, in the order the executor finishes them."""
+    """``(unit, state)`` for every unit, in the order the executor finishes them.
+
+    ``read_ahead`` (serial only): read the next row group on a second thread; by default where
+    this process may use two CPUs and ``workers`` does not say one.
+    """
     # One unit, or one worker: a pool would only add its start-up (a process importing the audit).
     if executor == "serial" or (
         executor == "processes" and min(len(units), workers or available_cpus()) <= 1
     ):
-        return _serial(units, options)
+        if read_ahead is None:
+            read_ahead = available_cpus() >= 2 and workers != 1
+        return _serial(units, options, read_ahead)
     if executor == "processes":
-        return _processes(units, options, workers or available_cpus())
+        return processes(units, options, workers or available_cpus(), audit_unit)
     if executor == "ray":
         return _ray(units, options, ray_address)
     raise LayoutError(f"executor: {executor!r}; expected one of {list(EXECUTORS)}")
@@ -408,12 +279,14 @@ def audit_run(
     | None = None,
     unit_bytes: int | None = None,
     input_errors: Sequence[str] = (),
+    read_ahead: bool | None = None,
 ) -> AuditResult:
     """Audit every unit of ``run`` and return the merged result.
 
     ``progress(stream, total_bytes)`` may wrap the stream of finished units (the CLI's progress
     bar). ``strict`` stops at the first unit with a violation or an input error. ``input_errors``:
     what went wrong before the run was there (the dump files an importer could not read).
+    ``read_ahead``: as ``run_units`` says.
     """
     plan = plan_run(run, unit_bytes)
     state = AuditState()
@@ -421,7 +294,9 @@ def audit_run(
     state.input_errors.extend(plan.errors)
     manifests = check_manifests(run)
     state.input_errors.extend(manifests.errors)
-    stream: Iterable[tuple[Unit, AuditState]] = run_units(plan.units, options, executor, workers, ray_address)
+    stream: Iterable[tuple[Unit, AuditState]] = run_units(
+        plan.units, options, executor, workers, ray_address, read_ahead
+    )
     if progress is not None:
         stream = progress(stream, plan.nbytes)
     for _, part in stream:

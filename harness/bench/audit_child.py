@@ -18,7 +18,8 @@ from typing import Any
 
 
 class _Peak(threading.Thread):
-    """Polls the RSS high-water mark and CPU time of this process and all its descendants.
+    """Polls the RSS high-water mark and CPU time of this process and all its descendants, and the
+    CPU time of each of their threads (a serial audit reads ahead on a second thread).
 
     ``VmHWM`` never decreases, so the last reading of each process is its peak up to then; a
     reading every ``interval`` seconds catches workers (forked, spawned, raylet's) while they run.
@@ -31,11 +32,13 @@ class _Peak(threading.Thread):
         self.interval = interval
         self.hwm: dict[int, int] = {}
         self.cpu: dict[int, float] = {}
+        self.thread_cpu: dict[tuple[int, int], float] = {}
         self.names: dict[int, str] = {}
         self._stop_event = threading.Event()
         self.supported = Path("/proc/self/task").is_dir()
         self._ticks = os.sysconf("SC_CLK_TCK") if self.supported else 100
         self.baseline: dict[int, float] = {}
+        self.thread_baseline: dict[tuple[int, int], float] = {}
 
     @staticmethod
     def _children(pid: int) -> list[int]:
@@ -69,6 +72,15 @@ class _Peak(threading.Thread):
                 self.hwm[pid] = max(self.hwm.get(pid, 0), int(hwm[0]) * 1024)
             self.names[pid] = stat[stat.index("(") + 1 : stat.rindex(")")]
             self.cpu[pid] = self._cpu(stat)
+            self._threads(pid)
+
+    def _threads(self, pid: int) -> None:
+        try:
+            for task in os.scandir(f"/proc/{pid}/task"):
+                with open(f"{task.path}/stat") as handle:
+                    self.thread_cpu[(pid, int(task.name))] = self._cpu(handle.read())
+        except (OSError, ValueError):
+            pass
 
     def run(self) -> None:
         while not self._stop_event.wait(self.interval):
@@ -78,6 +90,7 @@ class _Peak(threading.Thread):
         """Count CPU time from now on (what each process has used so far is left out)."""
         self.sample()
         self.baseline = dict(self.cpu)
+        self.thread_baseline = dict(self.thread_cpu)
 
     def stop(self) -> dict[str, Any]:
         self._stop_event.set()
@@ -89,12 +102,14 @@ class _Peak(threading.Thread):
                 self.cpu[pid] -= before
         others = {pid: hwm for pid, hwm in self.hwm.items() if pid != me}
         busiest = max(self.cpu, key=lambda pid: self.cpu[pid]) if self.cpu else None
+        threads = [cpu - self.thread_baseline.get(key, 0.0) for key, cpu in self.thread_cpu.items()]
         return {
             "rss_peak_bytes": self.hwm.get(me),
             "rss_peak_worker_bytes": max(others.values()) if others else None,
             "processes": len(self.hwm),
             "cpu_s": round(sum(self.cpu.values()), 2),
             "cpu_busiest_s": round(self.cpu[busiest], 2) if busiest is not None else None,
+            "cpu_busiest_thread_s": round(max(threads), 2) if threads else None,
             "cpu_by_process": sorted(
                 ((self.names.get(pid, "?"), round(cpu, 2)) for pid, cpu in self.cpu.items() if cpu >= 0.05),
                 key=lambda item: -item[1],
@@ -152,7 +167,12 @@ def run_config(config: dict[str, Any]) -> dict[str, Any]:
         paths = [str(p) for p in sorted(Path(config["run"]).rglob("*.parquet"))]
         out.update(_read_floor(paths, use_threads=config["name"] == "read_floor_threads"))
     else:
-        result = audit_run(config["run"], executor=config["executor"], workers=config["workers"])
+        result = audit_run(
+            config["run"],
+            executor=config["executor"],
+            workers=config["workers"],
+            read_ahead=config["name"] != "serial_one_thread" if config["executor"] == "serial" else None,
+        )
         out["result"], out["samples"] = result.as_dict(), result.rows
     out["wall_s"] = time.perf_counter() - started
     out.update(peak.stop() if peak.supported else {"rss_peak_bytes": None, "rss_peak_worker_bytes": None})

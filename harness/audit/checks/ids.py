@@ -92,6 +92,15 @@ def _locate_ids(
             _locate_span(ctx, routes, int(s0), int(s1), valid_found, zero_found)
 
 
+def _passes(routes: npt.NDArray[Any], moe: npt.NDArray[np.intp], num_experts: int) -> bool:
+    """Whether the fast checks pass on a span: ids below ``num_experts`` and no repeated id in a MoE
+    slot (one compiled pass each; routes that fit no machine word are never said to pass)."""
+    if not routes.shape[0]:
+        return True
+    repeats = audit_kernels.repeats(routes, moe)
+    return repeats is False and int(routes[:, moe].max()) < num_experts
+
+
 def _locate_span(
     ctx: BatchContext,
     routes: npt.NDArray[Any],
@@ -102,6 +111,8 @@ def _locate_span(
 ) -> None:
     b = ctx.b
     r0, r1 = int(ctx.engine.row_offsets[s0]), int(ctx.engine.row_offsets[s1])
+    if b.top_k > 1 and _passes(routes[r0:r1], ctx.moe, b.num_experts):
+        return  # no id out of range and no repeated id (so no all-zero route): nothing to locate
     moe_routes = routes[r0:r1, ctx.moe]
     captured = ctx.captured[r0:r1]
     bad = (moe_routes >= b.num_experts).any(axis=2)
