@@ -141,6 +141,11 @@ def test_a_dir_that_is_not_a_directory_is_a_usage_error(
     )
 
 
+def test_bench_audit_refuses_fewer_than_one_round(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "audit", "--dir", str(tmp_path), "--repeats", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "rrh bench audit: --repeats 0; expected at least 1"
+
+
 @pytest.mark.hf
 @pytest.mark.parametrize(
     ("bench", "show", "with_key", "labels"),

@@ -273,11 +273,12 @@ def format_bench_audit(result: dict[str, Any]) -> str:
             "configuration CPU-bound on otherwise idle CPUs, from its processes' CPU time)"
         )
     projected = result.get("projected_ratios", {})
+    width = max((len(name) for name in result.get("targets", {})), default=20)
     for name, t in result.get("targets", {}).items():
         relation = "<=" if name == "memory_growth" else ">="
         idle = f"   (CPU-bound on idle CPUs: {projected[name]:.3f})" if name in projected else ""
         lines.append(
-            f"{name:<20} {t['measured']:>7.3f}  (target {relation} {t['target']})  "
+            f"{name:<{width}} {t['measured']:>7.3f}  (target {relation} {t['target']})  "
             f"{'met' if t['met'] else 'NOT MET'}{idle}"
         )
     memory = result.get("memory", {})

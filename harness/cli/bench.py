@@ -114,7 +114,10 @@ def _cmd_bench_audit(args: argparse.Namespace) -> int:
 
     if _dir_missing("audit", args.dir):
         return 2
-    result = bench_audit(size_bytes=args.size, directory=args.dir)
+    if args.repeats < 1:
+        print(f"rrh bench audit: --repeats {args.repeats}; expected at least 1", file=sys.stderr)
+        return 2
+    result = bench_audit(size_bytes=args.size, directory=args.dir, repeats=args.repeats)
     print(json.dumps(result, indent=2) if args.json else format_bench_audit(result))
     return 0
 
@@ -182,6 +185,12 @@ def add_parser(commands: Any) -> None:
         "--size", type=parse_size, default=4 << 30, help="bytes of routes (default 4GiB)"
     )
     audit_bench.add_argument("--dir", type=Path, default=None, help="where the generated run goes")
+    audit_bench.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="interleaved rounds of every configuration; each figure is its best round",
+    )
     audit_bench.set_defaults(func=_cmd_bench_audit)
     tap_bench = benches.add_parser(
         "tap",
