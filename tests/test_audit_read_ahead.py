@@ -1,8 +1,7 @@
-"""The serial audit's read-ahead and its memory policy (``harness.audit.read_ahead``,
-``harness.audit.arrow_memory``): row groups arrive in order, no more than one ahead of the one
-being checked; a unit's read error is raised at that unit and the next units are still read;
-leaving early stops the reading thread; Arrow's memory is handed back only when the resident
-memory outgrew what is in flight."""
+"""The serial audit's read-ahead (``harness.audit.read_ahead``): row groups arrive in order, no
+more than one ahead of the one being checked; a unit's read error is raised at that unit and the
+next units are still read, as are the next units after a unit whose checks stopped early; leaving
+early stops the reading thread."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import pytest
 
 pytest.importorskip("pyarrow")
 
-from harness.audit import arrow_memory, audit_run, read_ahead
+from harness.audit import audit_run, read_ahead
 from harness.audit.generate import FAULTS, RunShape, generate_run
 from harness.audit.layout import LayoutError
 from harness.audit.reader import Unit
@@ -124,23 +123,3 @@ def test_a_strict_audit_that_stops_at_a_violation_leaves_no_reading_thread(tmp_p
     strict = audit_run(tmp_path, executor="serial", strict=True, read_ahead=True)
     assert strict.violated
     assert not [t for t in threading.enumerate() if t.name == "rrh-read-ahead"]
-
-
-def test_arrow_memory_is_handed_back_only_when_resident_memory_outgrew_the_row_groups(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    resident = [1000]
-    released = []
-    monkeypatch.setattr(arrow_memory, "resident_bytes", lambda: resident[0])
-    monkeypatch.setattr(arrow_memory, "release", lambda: released.append(resident[0]))
-    policy = arrow_memory.ArrowMemory()
-    policy.done_with(100)  # the first: released, and the resident memory after it noted
-    resident[0] = 1000 + arrow_memory.SLACK_GROUPS * 100  # grew by the slack: kept
-    policy.done_with(100)
-    resident[0] += 1  # past it: handed back
-    policy.done_with(100)
-    assert released == [1000, 1000 + arrow_memory.SLACK_GROUPS * 100 + 1]
-    monkeypatch.setattr(arrow_memory, "resident_bytes", lambda: None)  # not known: every time
-    policy.done_with(100)
-    policy.done_with(100)
-    assert len(released) == 4

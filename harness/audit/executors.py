@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.audit import arrow_memory
 from harness.audit.checks.fold import AuditOptions, fold_batch, fold_shards
 from harness.audit.decode import decode
 from harness.audit.layout import LayoutError
@@ -115,6 +114,12 @@ def _fold_table(
             )
 
 
+def _release_arrow_memory() -> None:
+    import pyarrow as pa
+
+    pa.default_memory_pool().release_unused()
+
+
 def audit_unit(unit: Unit, options: AuditOptions = EVERY_ROW) -> AuditState:
     """Read and check one unit; a malformed file or row becomes an input error of the returned state.
 
@@ -131,9 +136,10 @@ def _audit_tables(unit: Unit, tables: Iterator[tuple[int, Any]], options: AuditO
     try:
         for first_row, table in tables:
             _fold_table(table, unit.path, first_row, options, state, unit.model)
-            nbytes = table.nbytes
             del table
-            arrow_memory.PROCESS.done_with(nbytes)  # memory bounded by the row groups in flight
+            # Arrow's allocator keeps what a row group freed for the next one, which may not fit in it:
+            # handed back, memory stays the row groups in flight over any number of row groups.
+            _release_arrow_memory()
     except LayoutError as err:
         state.input_errors.append(str(err))
     state.bytes_read = unit.nbytes
