@@ -123,3 +123,12 @@ def test_a_strict_audit_that_stops_at_a_violation_leaves_no_reading_thread(tmp_p
     strict = audit_run(tmp_path, executor="serial", strict=True, read_ahead=True)
     assert strict.violated
     assert not [t for t in threading.enumerate() if t.name == "rrh-read-ahead"]
+
+
+def test_units_asked_for_out_of_order_is_an_error_not_a_hang(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(read_ahead, "read_unit", _fake_reader())
+    units = _units([1, 1, 1])
+    with read_ahead.ReadAhead(units) as reader:
+        assert [row for row, _ in reader.tables(units[1])] == [0]  # unit 0 skipped, as if abandoned
+        with pytest.raises(RuntimeError, match="out of the units' order"):
+            next(reader.tables(units[0]))

@@ -30,7 +30,7 @@ from harness.audit.layout import LayoutError
 from harness.audit.reader import Unit, read_unit
 
 _END = object()
-"""The marker after a unit's last row group."""
+"""The marker after a unit's last row group (a unit whose reading failed ends with its error)."""
 
 
 class ReadAhead:
@@ -46,6 +46,7 @@ class ReadAhead:
         if depth < 1:
             raise ValueError(f"depth: {depth}; expected at least 1 row group read ahead")
         self._units = list(units)
+        self._order = {id(unit): i for i, unit in enumerate(self._units)}
         self._use_threads = use_threads
         self._items: queue.SimpleQueue[tuple[Unit, Any]] = queue.SimpleQueue()
         self._slots = threading.Semaphore(depth)  # a slot per row group read and not yet checked
@@ -91,6 +92,8 @@ class ReadAhead:
             self._give_back()
             owner, item = self._items.get()
             if owner is not unit:  # the rest of an earlier unit whose checks stopped early (they raised)
+                if self._order[id(owner)] > self._order.get(id(unit), -1):
+                    raise RuntimeError(f"read ahead: {unit.path} asked for out of the units' order")
                 if item is not _END and not isinstance(item, BaseException):
                     self._slots.release()
                 continue
