@@ -385,6 +385,11 @@ def _rank_main(
             world_size=world_size,
             timeout=timedelta(seconds=timeout),
         )
+        # Every rank is in the group before any runs: a rank whose function runs no collective could
+        # otherwise leave while a peer was still connecting, closing the pair under it (gloo:
+        # "connectFullMesh failed … Connection closed by peer", seen in CI). Leaving early later is
+        # fine, and wanted: it is what unblocks a peer waiting on this rank when this rank failed.
+        dist.barrier()
         if setup is not None:
             setup(rank, world_size)
         value = fn(rank, world_size, *args)
