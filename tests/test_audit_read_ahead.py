@@ -27,10 +27,13 @@ class _Group:
 
     alive = 0
     most = 0
+    two_alive = threading.Event()
 
     def __init__(self) -> None:
         _Group.alive += 1
         _Group.most = max(_Group.most, _Group.alive)
+        if _Group.alive == 2:
+            _Group.two_alive.set()
 
     def __del__(self) -> None:
         _Group.alive -= 1
@@ -56,18 +59,25 @@ def _fake_reader(broken: str | None = None) -> Any:
 def test_row_groups_arrive_in_order_and_at_most_one_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(read_ahead, "read_unit", _fake_reader())
     _Group.alive = _Group.most = 0
+    _Group.two_alive.clear()
     units = _units([3, 1, 4])
+    total = sum(len(u.row_groups) for u in units)
     seen = []
     with read_ahead.ReadAhead(units) as reader:
         for unit in units:
             for row, group in reader.tables(unit):
                 seen.append((unit.path, row))
-                # While this one is checked, the reader may hold the next: never a third.
+                if len(seen) < total:  # while this one is checked, the reader reads the next...
+                    assert _Group.two_alive.wait(10), f"row group {len(seen) + 1} was not read ahead"
+                # ...and never a third: the one checked before is freed once the consumer drops it.
                 threading.Event().wait(0.01)
                 assert _Group.alive <= 2
                 del group
+                if len(seen) < total:  # dropped, it is freed: only the one read ahead is left
+                    assert _Group.alive == 1
+                _Group.two_alive.clear()
     assert seen == [(u.path, r) for u in units for r in u.row_groups]
-    assert _Group.most == 2  # it did read ahead
+    assert _Group.most == 2
 
 
 def test_a_units_read_error_is_raised_at_that_unit_and_the_next_units_are_read(

@@ -102,4 +102,7 @@ class ReadAhead:
             if isinstance(item, BaseException):
                 raise item
             self._holding = True
-            yield item
+            # Handed over with no reference left here: once the consumer drops the row group it is
+            # freed, before the next one is asked for (else three could be alive at once).
+            box, item = [item], None
+            yield box.pop()

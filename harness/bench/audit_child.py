@@ -19,7 +19,8 @@ from typing import Any
 
 class _Peak(threading.Thread):
     """Polls the RSS high-water mark and CPU time of this process and all its descendants, and the
-    CPU time of each of their threads (a serial audit reads ahead on a second thread).
+    CPU time of each of their threads (a serial audit reads ahead on a second thread; a thread that
+    ended counts with its last reading, up to ``interval`` short).
 
     ``VmHWM`` never decreases, so the last reading of each process is its peak up to then; a
     reading every ``interval`` seconds catches workers (forked, spawned, raylet's) while they run.
