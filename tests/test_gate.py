@@ -475,3 +475,44 @@ def test_a_lab_without_flipped_routes_reports_its_flipped_metrics_undefined() ->
     out = io.StringIO()
     assert gate.run_gate("reference", baseline=BASELINES / "reference.json", observed=doc, stream=out) == 1
     assert f"metric lab.r3.mean_abs_gap_flipped: undefined: {NO_FLIP}" in out.getvalue()
+
+
+# --------------------------------------------------------------------------------------------
+# figures: what an engine does without promising it
+# --------------------------------------------------------------------------------------------
+
+_UNPROMISED = "vllm promises no run-to-run determinism on CPU (FACTS §6)"
+
+
+def _with_figures(value: float) -> dict[str, Any]:
+    doc = _doc()
+    doc["figures"] = {"engine.same_tokens_across_runs": bl.figure(value, _UNPROMISED)}
+    return bl.validate_baseline(doc)
+
+
+def test_a_changed_figure_is_a_note_never_a_regression() -> None:
+    report = bl.compare(_with_figures(1.0), _with_figures(0.0))
+    assert report.ok, report.format()
+    assert report.notes == [f"figures.engine.same_tokens_across_runs: 1.0 → 0.0 (not gated: {_UNPROMISED})"]
+
+
+def test_a_figure_only_one_side_has_is_a_note() -> None:
+    report = bl.compare(_doc(), _with_figures(1.0))
+    assert report.ok and report.notes == [
+        f"figures.engine.same_tokens_across_runs: None → 1.0 (not gated: {_UNPROMISED})"
+    ], report.format()
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"value": 1.0}, r"figures\['f'\]: expected an object with exactly \['value', 'why'\]"),
+        ({"value": None, "why": "x"}, r"figures\['f'\]\.value: expected a finite number"),
+        ({"value": 1.0, "why": ""}, r"figures\['f'\]\.why: expected a reason"),
+    ],
+)
+def test_a_malformed_figure_is_refused_naming_the_field(entry: dict[str, Any], message: str) -> None:
+    doc = _doc()
+    doc["figures"] = {"f": entry}
+    with pytest.raises(bl.BaselineError, match=message):
+        bl.validate_baseline(doc)

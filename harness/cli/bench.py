@@ -101,6 +101,40 @@ def _print_bench_trace(result: dict[str, Any]) -> None:
     )
 
 
+def _cmd_bench_counts(args: argparse.Namespace) -> int:
+    from harness.bench.counts import CountError, check_counts, count_kernels, load_record, recorded
+
+    try:
+        record = load_record(args.against) if args.against is not None else None
+        before = load_record(args.record) if args.record is not None and args.record.exists() else None
+        result = count_kernels(args.kernel or None, repeats=args.repeats, double=args.plant_slowdown)
+    except CountError as err:
+        print(f"rrh bench counts: {err}", file=sys.stderr)
+        return 2
+    if args.record is not None:
+        args.record.write_text(json.dumps(recorded(result, before), indent=2) + "\n")
+    checks, note = check_counts(result, record) if record is not None else ([], None)
+    if args.json:
+        result["against"] = (
+            {"not_compared": note}
+            if note
+            else [{"kernel": n, "moved": m, "seen": seen} for n, m, seen in checks]
+        )
+        print(json.dumps(result, indent=2))
+    else:
+        calls, kind = result["repeats"], result["kind"]
+        print(f"instructions per byte under callgrind, {calls} calls each, CPU kind {kind}")
+        for name, figures in result["kernels"].items():
+            print(f"  {name:<28} {figures['instructions_per_byte']:8.3f}  ({figures['bytes']} bytes a call)")
+        if note:
+            print(f"against {args.against}: not compared: {note}")
+        elif record is not None:
+            print(f"against {args.against}:")
+            for name, moved, seen in checks:
+                print(f"  {'MOVED' if moved else 'ok':<6} {name}: {seen}")
+    return 1 if any(moved for _, moved, _ in checks) else 0
+
+
 def _cmd_bench_tap(args: argparse.Namespace) -> int:
     from harness.bench.tap import bench_tap, format_bench_tap
 
@@ -171,6 +205,29 @@ def add_parser(commands: Any) -> None:
         "the noise measured: both runs' interquartile ranges and the spread between recorded machines",
     )
     trace.set_defaults(func=_cmd_bench_trace)
+    counts = benches.add_parser(
+        "counts",
+        help="instructions per byte of the trace and audit kernels under callgrind (a gate load cannot move)",
+    )
+    counts.add_argument("--json", action="store_true", help="print the figures as JSON")
+    counts.add_argument("--repeats", type=int, default=3, help="counted calls of each kernel (default 3)")
+    counts.add_argument(
+        "--kernel", action="append", default=[], metavar="NAME", help="count only this kernel (repeatable)"
+    )
+    counts.add_argument(
+        "--record", type=Path, default=None, metavar="JSON",
+        help="write this run's counts into this file as its CPU kind's (created if missing)",
+    )  # fmt: skip
+    counts.add_argument(
+        "--against", type=Path, default=None, metavar="JSON",
+        help="compare each kernel's count with the recorded one; exit 1 when one moved by more than the "
+        "file's bound (1.5×) either way",
+    )  # fmt: skip
+    counts.add_argument(
+        "--plant-slowdown", action="append", default=[], metavar="NAME",
+        help="run this kernel twice a call: a planted 2× slowdown, to see the gate fail",
+    )  # fmt: skip
+    counts.set_defaults(func=_cmd_bench_counts)
     replay = benches.add_parser(
         "replay", help="forward time with replay hooks armed vs without (transformers)"
     )

@@ -9,7 +9,11 @@ A baseline records, for one engine at one version (``fixtures/baselines/<engine>
 - ``invariants``: the outcome of every suite test (``passed`` / ``failed`` / ``skipped``);
 - ``metrics``: ``{"value", "tolerance", "better"}`` where ``better`` is ``"lower"``, ``"higher"`` or
   ``"equal"`` (two-sided); a metric undefined on this observation (a ratio whose denominator is 0)
-  has ``"value": null`` and says why in ``"undefined"`` — never a silent NaN.
+  has ``"value": null`` and says why in ``"undefined"`` — never a silent NaN;
+- ``figures`` (optional): what the engine did that it does not promise, ``{"value", "why"}``, e.g.
+  whether two greedy runs of vLLM on CPU gave the same tokens (FACTS §6: vLLM promises neither
+  run-to-run determinism nor batch invariance there). A change of a figure is a note, never a
+  regression: a gate that failed on it would fail on a busy or another machine, not on a bug.
 
 ``compare(baseline, observed)`` returns a ``GateReport``: *regressions* (the gate fails) and *notes*.
 A change of convention or observation, an invariant that passed and now does not (or was not
@@ -44,7 +48,7 @@ FORMAT_NAME = "rrh.gate_baseline"
 FORMAT_VERSION = 1
 BETTER = ("lower", "higher", "equal")
 
-FRACTION_METRICS = ("disagreement", "same_tokens_across_runs")
+FRACTION_METRICS = ("disagreement",)
 """Name endings of the metrics that are fractions in [0, 1]: a tolerance above 1 cannot be exceeded."""
 MAX_TOLERANCE = 100.0
 """The largest tolerance of any other metric: absolute log-prob gaps (nats), logit moves, ratios of
@@ -63,6 +67,7 @@ __all__ = [
     "BaselineError",
     "GateReport",
     "compare",
+    "figure",
     "load_baseline",
     "metric",
     "new_baseline",
@@ -167,7 +172,8 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 TOP_KEYS = ("format", "format_version", "engine", "version", "harness_version", "convention",
-            "observations", "invariants", "metrics")  # fmt: skip
+            "observations", "invariants", "metrics", "figures")  # fmt: skip
+FIGURE_KEYS = ("value", "why")
 METRIC_KEYS = ("value", "tolerance", "better", "undefined")
 
 
@@ -184,6 +190,7 @@ def new_baseline(
     invariants: dict[str, str],
     metrics: dict[str, dict[str, Any]],
     observations: dict[str, Any] | None = None,
+    figures: dict[str, dict[str, Any]] | None = None,
     harness_version: str = "",
 ) -> dict[str, Any]:
     """A baseline document (validated)."""
@@ -198,6 +205,8 @@ def new_baseline(
         "invariants": dict(sorted(invariants.items())),
         "metrics": dict(sorted(metrics.items())),
     }
+    if figures:
+        doc["figures"] = dict(sorted(figures.items()))
     validate_baseline(doc)
     return doc
 
@@ -260,7 +269,33 @@ def validate_baseline(doc: object, source: str = "baseline") -> dict[str, Any]:
             raise BaselineError(f"{where}.tolerance: expected at most {bound} ({kind}), got {tol!r:.80}")
         if better not in BETTER:
             raise BaselineError(f"{where}.better: expected one of {BETTER}, got {better!r}")
+    _validate_figures(doc, source)
     return doc
+
+
+def figure(value: float, why: str) -> dict[str, Any]:
+    """One figure entry: ``value`` (finite), recorded and compared as a note, and ``why`` it is not
+    gated (what the engine does not promise)."""
+    number = _finite(_as_float(value))
+    if number is None:
+        raise BaselineError(f"figure.value: expected a finite number, got {value!r}")
+    if not why:
+        raise BaselineError("figure.why: expected why the figure is not gated")
+    return {"value": number, "why": why}
+
+
+def _validate_figures(doc: dict[str, Any], source: str) -> None:
+    figures = doc.get("figures", {})
+    if not isinstance(figures, dict):
+        raise BaselineError(f"{source}: figures: expected an object, got {type(figures).__name__}")
+    for name, entry in figures.items():
+        where = f"{source}: figures[{name!r}]"
+        if not isinstance(entry, dict) or sorted(entry) != sorted(FIGURE_KEYS):
+            raise BaselineError(f"{where}: expected an object with exactly {list(FIGURE_KEYS)}")
+        if _finite(entry["value"]) is None:
+            raise BaselineError(f"{where}.value: expected a finite number, got {entry['value']!r:.80}")
+        if not isinstance(entry["why"], str) or not entry["why"]:
+            raise BaselineError(f"{where}.why: expected a reason, got {entry['why']!r:.80}")
 
 
 def _refuse_constant(name: str) -> float:
@@ -416,4 +451,10 @@ def compare(baseline: dict[str, Any], observed: dict[str, Any]) -> GateReport:
             report.notes.append(f"metrics.{name}: {base['value']} → {value} (within ±{base['tolerance']})")
     for name in sorted(set(new_m) - set(old_m)):
         report.notes.append(f"metrics.{name}: new metric, {new_m[name]['value']}")
+    old_f, new_f = baseline.get("figures", {}), observed.get("figures", {})
+    for name in sorted(set(old_f) | set(new_f)):
+        was, now = old_f.get(name, {}).get("value"), new_f.get(name, {}).get("value")
+        if was != now:
+            why = (new_f.get(name) or old_f[name])["why"]
+            report.notes.append(f"figures.{name}: {was} → {now} (not gated: {why})")
     return report

@@ -141,6 +141,7 @@ def observe(engine: str | EngineAdapter, *, suites: bool = True) -> dict[str, An
         observations=seen.observations,
         invariants=run_invariants(engine_adapter.suites) if suites else {},
         metrics=seen.metrics,
+        figures=seen.figures,
         harness_version=__version__,
     )
 

@@ -81,7 +81,7 @@ class Observation:
 
     ``convention``: the payload convention observed from real rollouts (``dtype``, ``row_rule``,
     ``layer_axis``, …); ``observations``: engine facts compared exactly; ``metrics``:
-    ``harness.baseline.metric`` entries by name.
+    ``harness.baseline.metric`` entries by name; ``figures``: ungated figures.
     """
 
     engine: str
@@ -89,6 +89,8 @@ class Observation:
     convention: dict[str, Any]
     metrics: dict[str, dict[str, Any]]
     observations: dict[str, Any] = field(default_factory=dict)
+    figures: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """``harness.gate.baseline.figure`` entries: what the engine does but does not promise (notes)."""
 
 
 @runtime_checkable
