@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
@@ -31,8 +32,9 @@ from typing import Any
 
 import pytest
 
-STALL_CPU_S = 0.5
-"""CPU seconds, over the whole stall window, below which the test and its processes did nothing."""
+STALL_CPU_S = 2.0
+"""CPU seconds, over the whole stall window, below which the test and its processes did nothing:
+under 1% of a core over the default window, more than a loop polling a socket once a second uses."""
 POLL_S = 5.0
 """How often the watch reads the CPU time of the test's processes (a quarter of a shorter window)."""
 DEFAULT_STALL_S = 300.0
@@ -77,6 +79,25 @@ def tree_cpu_seconds(root: int) -> float:
     return total
 
 
+class TreeProgress:
+    """Whether the process tree of ``pid`` still works: ``quiet_for()`` is how long (in calls'
+    seconds) it has used less than ``STALL_CPU_S`` of CPU since it last did."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._last_cpu = tree_cpu_seconds(pid)
+        self._last_work = time.monotonic()
+
+    def quiet_for(self) -> float:
+        now_cpu, now = tree_cpu_seconds(self.pid), time.monotonic()
+        if now_cpu - self._last_cpu >= STALL_CPU_S:
+            self._last_cpu, self._last_work = now_cpu, now
+        return now - self._last_work
+
+    def used_since_work(self) -> float:
+        return tree_cpu_seconds(self.pid) - self._last_cpu
+
+
 class _Watch:
     """One test's watch: a thread that signals the main thread when the tree's CPU stops growing."""
 
@@ -87,19 +108,15 @@ class _Watch:
         self.thread = threading.Thread(target=self._run, name="rrh-stall-watch", daemon=True)
 
     def _run(self) -> None:
-        pid, poll = os.getpid(), min(POLL_S, self.stall_s / 4)
-        last_cpu, quiet = tree_cpu_seconds(pid), 0.0
+        progress, poll = TreeProgress(os.getpid()), min(POLL_S, self.stall_s / 4)
         while not self.done.wait(poll):
-            now = tree_cpu_seconds(pid)
-            if now - last_cpu >= STALL_CPU_S:
-                last_cpu, quiet = now, 0.0
-                continue
-            quiet += poll
+            quiet = progress.quiet_for()
             if quiet >= self.stall_s:
                 self.fired = True
+                used = progress.used_since_work()
                 sys.stderr.write(
-                    f"\nrrh stall watch: {self.name} and its processes used {now - last_cpu:.2f} s of CPU "
-                    f"in {quiet:.0f} s: stalled; every thread's stack:\n"
+                    f"\nrrh stall watch: {self.name} and its processes used {used:.2f} s of CPU in "
+                    f"{quiet:.0f} s: stalled; every thread's stack:\n"
                 )
                 faulthandler.dump_traceback(all_threads=True)
                 signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGUSR1)
