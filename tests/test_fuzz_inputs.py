@@ -34,6 +34,7 @@ from harness.conventions import ModelSpec, encode_sglang_b64
 from harness.engines import http
 from harness.errors import HarnessError
 from harness.gate import baseline as bl
+from harness.gate.compare import compare as gate_compare
 from harness.subjects import Subject, load_subject
 from harness.trace import Provenance, RoutingTrace
 
@@ -311,7 +312,7 @@ def test_baselines_raise_only_baseline_errors_and_never_pass_non_finite(
                 assert number is None or (not isinstance(number, bool) and math.isfinite(number)), entry
             assert entry["tolerance"] is None or entry["tolerance"] <= bl.max_tolerance(name), entry
         for old, new in ((BASELINE, doc), (doc, BASELINE), (doc, doc)):
-            _only_our_errors(lambda old=old, new=new: bl.compare(old, new).format())  # type: ignore[misc]
+            _only_our_errors(lambda old=old, new=new: gate_compare(old, new).format())  # type: ignore[misc]
 
     _fuzz(record_property, "gate baselines", run, count)
 

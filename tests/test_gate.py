@@ -27,6 +27,7 @@ from harness.gate.adapters import (
     adapter,
 )
 from harness.gate.adapters.hf import HFAdapter
+from harness.gate.compare import compare as gate_compare
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINES = ROOT / "fixtures" / "baselines"
@@ -64,12 +65,12 @@ def _doc(**changes: Any) -> dict[str, Any]:
 
 
 def test_identical_documents_pass() -> None:
-    report = bl.compare(_doc(), _doc())
+    report = gate_compare(_doc(), _doc())
     assert report.ok and not report.notes, report.format()
 
 
 def test_a_new_engine_version_alone_is_a_note() -> None:
-    report = bl.compare(_doc(), _doc(version="0.23.0"))
+    report = gate_compare(_doc(), _doc(version="0.23.0"))
     assert report.ok, report.format()
     assert report.notes == ["version: 0.22.0 → 0.23.0"]
 
@@ -77,7 +78,7 @@ def test_a_new_engine_version_alone_is_a_note() -> None:
 def test_a_convention_change_is_a_regression_with_a_readable_diff() -> None:
     observed = _doc(version="0.23.0")
     observed["convention"]["dtype"] = "int32"
-    report = bl.compare(_doc(), observed)
+    report = gate_compare(_doc(), observed)
     assert not report.ok
     assert report.regressions == [
         'convention: Value of convention[\'dtype\'] changed from "uint8" to "int32".'
@@ -89,7 +90,7 @@ def test_metric_worse_than_its_tolerance_names_value_and_expectation() -> None:
     observed["metrics"]["trainer.disagreement"]["value"] = 0.07
     observed["metrics"]["lab.no_replay.disagreement"]["value"] = 0.01
     observed["metrics"]["engine.same_tokens"]["value"] = 0.0
-    report = bl.compare(_doc(), observed)
+    report = gate_compare(_doc(), observed)
     assert sorted(report.regressions) == [
         "metrics.engine.same_tokens: value 0, expected at least 1.0 − 0.0",
         "metrics.lab.no_replay.disagreement: value 0.01, expected 0.025 ± 0.01",
@@ -101,7 +102,7 @@ def test_metric_within_tolerance_or_better_is_a_note() -> None:
     observed = _doc()
     observed["metrics"]["trainer.disagreement"]["value"] = 0.001  # better
     observed["metrics"]["lab.no_replay.disagreement"]["value"] = 0.03  # within ± 0.01
-    report = bl.compare(_doc(), observed)
+    report = gate_compare(_doc(), observed)
     assert report.ok, report.format()
     assert len(report.notes) == 2
 
@@ -113,7 +114,7 @@ def test_invariant_outcomes() -> None:
         "test_a.py::test_two": "passed",  # failed → passed: a note
         "test_c.py::test_new": "failed",  # new and failing
     }
-    report = bl.compare(_doc(), observed)
+    report = gate_compare(_doc(), observed)
     assert "invariants[test_a.py::test_one]: skipped, expected passed" in report.regressions
     assert "invariants[test_c.py::test_new]: new test, failed, expected passed" in report.regressions
     assert "invariants[test_a.py::test_two]: failed → passed" in report.notes
@@ -121,17 +122,17 @@ def test_invariant_outcomes() -> None:
     observed["invariants"] = {}
     assert (
         "invariants[test_a.py::test_one]: not run, expected passed"
-        in bl.compare(_doc(), observed).regressions
+        in gate_compare(_doc(), observed).regressions
     )
 
 
 def test_a_missing_metric_and_another_engine_are_regressions() -> None:
     observed = _doc()
     del observed["metrics"]["trainer.disagreement"]
-    assert bl.compare(_doc(), observed).regressions == [
+    assert gate_compare(_doc(), observed).regressions == [
         "metrics.trainer.disagreement: not measured, expected 0.04"
     ]
-    assert "wrong baseline file" in bl.compare(_doc(), _doc(engine="sglang")).regressions[0]
+    assert "wrong baseline file" in gate_compare(_doc(), _doc(engine="sglang")).regressions[0]
 
 
 @pytest.mark.parametrize(
@@ -215,9 +216,9 @@ def test_an_undefined_metric_is_null_with_its_reason_and_a_bare_nan_is_refused()
     with pytest.raises(bl.BaselineError, match=r"metrics\['m'\].undefined: expected why the value is null"):
         bl.validate_baseline(_doc(metrics__m={"value": None, "tolerance": 0.1, "better": "lower"}))
     undefined = _doc(metrics__m=entry)
-    assert bl.compare(undefined, undefined).ok
+    assert gate_compare(undefined, undefined).ok
     defined = _doc(metrics__m=bl.metric(0.5, 0.1))
-    assert bl.compare(defined, undefined).regressions == [
+    assert gate_compare(defined, undefined).regressions == [
         "metrics.m: value None, expected 0.5 ± 0.1 (undefined: no route flipped)"
     ]
 
@@ -353,7 +354,7 @@ def hf_pair() -> tuple[dict[str, Any], dict[str, Any]]:
 @pytest.mark.hf
 def test_hf_families_match_the_committed_baseline(hf_pair: tuple[dict[str, Any], dict[str, Any]]) -> None:
     base, observed = hf_pair
-    report = bl.compare(base, observed)
+    report = gate_compare(base, observed)
     assert report.ok, report.format()
     assert observed["observations"]["families"]["deepseek_v3"]["returns"] == "tuple[3]"
 
@@ -384,7 +385,7 @@ def test_hf_weight_rule_change_fails_the_gate(hf_pair: tuple[dict[str, Any], dic
     edited["observations"]["families"]["qwen3_moe"]["bit_exact_rules"] = ["sigmoid_grouped"]
     edited["metrics"]["hf.deepseek_v3.softmax_rule_logit_move"]["value"] = 0.0
     edited["metrics"]["hf.deepseek_v3.softmax_rule_logit_move"]["tolerance"] = 1e-6
-    report = bl.compare(edited, observed)
+    report = gate_compare(edited, observed)
     text = report.format()
     assert "observations['families']['qwen3_moe']['bit_exact_rules']" in text, text
     assert any(
@@ -491,13 +492,13 @@ def _with_figures(value: float) -> dict[str, Any]:
 
 
 def test_a_changed_figure_is_a_note_never_a_regression() -> None:
-    report = bl.compare(_with_figures(1.0), _with_figures(0.0))
+    report = gate_compare(_with_figures(1.0), _with_figures(0.0))
     assert report.ok, report.format()
     assert report.notes == [f"figures.engine.same_tokens_across_runs: 1.0 → 0.0 (not gated: {_UNPROMISED})"]
 
 
 def test_a_figure_only_one_side_has_is_a_note() -> None:
-    report = bl.compare(_doc(), _with_figures(1.0))
+    report = gate_compare(_doc(), _with_figures(1.0))
     assert report.ok and report.notes == [
         f"figures.engine.same_tokens_across_runs: None → 1.0 (not gated: {_UNPROMISED})"
     ], report.format()

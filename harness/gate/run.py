@@ -28,14 +28,8 @@ from packaging.version import InvalidVersion, Version
 
 from harness.errors import HarnessError
 from harness.gate.adapters import EngineAdapter, ObservationError, Suites, adapter
-from harness.gate.baseline import (
-    BaselineError,
-    GateReport,
-    compare,
-    load_baseline,
-    new_baseline,
-    save_baseline,
-)
+from harness.gate.baseline import BaselineError, load_baseline, new_baseline, save_baseline
+from harness.gate.compare import GateReport, compare
 from harness.outcomes import count_outcomes
 
 
