@@ -355,3 +355,55 @@ def _fuzz(runner: fz.Runner, bases: Any, tmp_path: Path, count: int, seed: int, 
     )
     assert summary.inputs == count * len(fz.FORMATS)
     assert summary.failures == []
+
+
+# --- issue 42: the robustness residue ---------------------------------------------------------------------
+
+
+def _audit_case(directory: Path, *args: str, damaged: str = "", intact: dict[int, int] | None = None,
+                target: Path | None = None) -> fz.Case:  # fmt: skip
+    """A case of ``rrh audit`` on ``target`` (default ``directory``) with ``args``; ``damaged`` is the
+    name an exit 2 must print (empty: any), ``intact`` the steps the report must hold in full."""
+    report = directory / "report.json"
+    argv = ["audit", str(target or directory), *args, "--executor", "serial", "--no-progress", "--json",
+            str(report)]  # fmt: skip
+    return fz.Case(0, "layout", directory, argv, damaged, 0 if damaged else -1, "", intact or {})
+
+
+def _attempt_records(count: int) -> list[Any]:
+    """``count`` layout-v2 records of one step, every other one (and the last) with no attempt."""
+    from harness.audit.layout import SampleRecord
+
+    rng = np.random.default_rng(0)
+    records = []
+    for i in range(count):
+        routes = np.stack([rng.permutation(8)[:2] for _ in range(8)]).reshape(4, 2, 2)
+        none = i % 2 == 1 or i == count - 1
+        records.append(SampleRecord(
+            step=1, sample_key=f"s{i}", prompt_len=3, response_len=2, tokens=[1, 2, 3, 4, 5], num_experts=8,
+            top_k=2, num_layers=2, moe_layers=[0, 1], source="test", engine_routes=routes,
+            attempt_ends=[] if none else [2], attempt_routes=[] if none else [routes],
+        ))  # fmt: skip
+    return records
+
+
+@pytest.mark.parametrize("row_groups", [1, 4])
+def test_a_row_group_ending_with_a_sample_without_attempts(
+    runner: fz.Runner, tmp_path: Path, row_groups: int
+) -> None:
+    """A valid run whose row group's last sample has no attempts once failed to decode (IndexError in
+    ``np.add.reduceat``): an input error on two records, an undecodable row group in a larger run."""
+    import pyarrow.parquet as pq
+
+    from harness.audit.writer import RunWriter, write_table
+
+    count = 2 if row_groups == 1 else 40
+    with RunWriter(tmp_path) as writer:
+        for record in _attempt_records(count):
+            writer.write(record)
+    (path,) = writer.files
+    if row_groups > 1:  # the same rows in row groups of 10, each ending with a sample without attempts
+        table = pq.read_table(path)
+        write_table(path, table, 10_000, row_group_bytes=10_000 * 10 // count)
+        assert pq.ParquetFile(path).metadata.num_row_groups == row_groups
+    _check(runner, _audit_case(tmp_path, intact={1: count}), code=0)
