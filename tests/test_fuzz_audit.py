@@ -407,3 +407,53 @@ def test_a_row_group_ending_with_a_sample_without_attempts(
         write_table(path, table, 10_000, row_group_bytes=10_000 * 10 // count)
         assert pq.ParquetFile(path).metadata.num_row_groups == row_groups
     _check(runner, _audit_case(tmp_path, intact={1: count}), code=0)
+
+
+def _shard_records(step: int, shards: int) -> list[Any]:
+    """A whole sample and a shard row of it (shard 0 of ``shards``, holding every route row)."""
+    from harness.audit.layout import SampleRecord
+
+    routes = np.stack([np.random.default_rng(step).permutation(8)[:2] for _ in range(8)]).reshape(4, 2, 2)
+    common = dict(step=step, sample_key="s0", prompt_len=3, response_len=2, tokens=[1, 2, 3, 4, 5],
+                  num_experts=8, top_k=2, num_layers=2, moe_layers=[0, 1], source="test")  # fmt: skip
+    return [
+        SampleRecord(**common, engine_routes=routes),  # type: ignore[arg-type]
+        SampleRecord(**common, trainer_routes=routes, shard=0, shards=shards, positions=[0, 1, 2, 3]),  # type: ignore[arg-type]
+    ]
+
+
+def test_a_shard_row_declaring_two_billion_shards_is_an_input_error(
+    runner: fz.Runner, tmp_path: Path
+) -> None:
+    """``shards = 2**31 − 1`` once built a set of that many shards (killed at 4 GiB, nothing printed)."""
+    from harness.audit.writer import RunWriter
+
+    with RunWriter(tmp_path) as writer:
+        for step, shards in ((1, 1), (2, 2**31 - 1)):
+            for record in _shard_records(step, shards):
+                writer.write(record)
+            writer.flush()
+    damaged = writer.files[1].name
+    text = _check(runner, _audit_case(tmp_path, damaged=damaged, intact={1: 1}))
+    assert "column 'shards' is 2147483647; expected at most 65536" in text, text
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["tp=1000000000", "pp=1000000000", "dp=99999999999999999999", "tp=\u00b2"],
+)
+def test_a_trainer_layout_no_run_can_have_is_a_usage_error_naming_the_field(
+    runner: fz.Runner, bases: Any, tmp_path: Path, spec: str
+) -> None:
+    """``tp=1000000000`` once allocated 3 GiB in 8 s (a set of the world's ranks), ``tp=²`` (a digit
+    ``str.isdigit`` takes and ``int`` refuses) was a traceback."""
+    directory = tmp_path / "dump"
+    shutil.copytree(bases["verl"].root, directory)
+    (directory / "trace").mkdir()
+    (directory / "trace" / "router_trace_rank0.jsonl").write_text("")
+    trace = ["--trainer-trace", str(directory / "trace"), "--trainer-layout", f"{spec},max_token_len=24"]
+    case = _audit_case(directory, *bases["verl"].args, *trace, target=directory / fz.VERL_DIR)
+    text = _check(runner, case)
+    name = spec.split("=")[0]
+    assert text.startswith("rrh audit: --trainer-layout") and text.count("\n") == 1, text
+    assert f"{spec}'" in text if "\u00b2" in spec else f"{name}={spec.split('=')[1][:20]}" in text, text

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from harness.audit.batch import Batch, IntArray, ListColumn, RouteColumn
-from harness.audit.layout import FORWARDS, ROUTE_COLUMNS, LayoutError, arrow_schema
+from harness.audit.layout import FORWARDS, MAX_SHARDS, ROUTE_COLUMNS, LayoutError, arrow_schema
 from harness.trace import MAX_LAYERS, LayerAxis
 
 
@@ -413,6 +413,13 @@ def _v2_fields(
             f"trainer_routes {'present' if trainer.valid[i] else 'null'}"
         )
     _check_lengths(positions, np.diff(trainer.row_offsets), "positions", "trainer_rows", path, file_rows)
+    too_many = is_shard & (shards > MAX_SHARDS)
+    if too_many.any():
+        i = int(np.flatnonzero(too_many)[0])
+        raise LayoutError(
+            f"{path} row {int(file_rows[i])}: column 'shards' is {int(shards[i])}; expected at most "
+            f"{MAX_SHARDS} (the CP × SP ranks a sample is split into)"
+        )
     return {
         "forward": forward,
         "attempts": attempts,

@@ -46,6 +46,9 @@ FORWARDS = ("old_logprob", "reference", "update", "recompute")
 """The trainer forwards a tap records: old log-probs, reference log-probs, the update, activation
 recompute."""
 ATTEMPT_KINDS = ("start", "resume", "turn")
+MAX_SHARDS = 1 << 16
+"""The most shards (CP × SP ranks) one sample may be split into: larger than any real parallel group,
+small enough that a count a damaged file declares bounds the work of checking its shards."""
 
 
 class LayoutError(HarnessError, ValueError):

@@ -315,9 +315,11 @@ def records(
     layers = moe_layers_input(moe_layers)
     vote = LayerVote() if layers is None else None
     ranks = dict(megatron_lm.rank_files(Path(trace)))
-    expected = set(range(layout.world_size))
-    if set(ranks) != expected:
-        odd = sorted(set(ranks) ^ expected)
+    if len(ranks) != layout.world_size or max(ranks) >= layout.world_size:
+        # the rank that differs, found among the files (never in a set of world_size ranks)
+        odd = [r for r in sorted(ranks) if r >= layout.world_size] or [
+            next(r for r in range(len(ranks) + 1) if r not in ranks)
+        ]
         raise LayoutError(
             f"{trace}: trace files of ranks {sorted(ranks)}; expected router_trace_rank{{r}}.jsonl for r "
             f"in 0..{layout.world_size - 1} (tp·cp·dp·pp = {layout.tp}·{layout.cp}·{layout.dp}·{layout.pp}), "
