@@ -457,3 +457,25 @@ def test_a_trainer_layout_no_run_can_have_is_a_usage_error_naming_the_field(
     name = spec.split("=")[0]
     assert text.startswith("rrh audit: --trainer-layout") and text.count("\n") == 1, text
     assert f"{spec}'" in text if "\u00b2" in spec else f"{name}={spec.split('=')[1][:20]}" in text, text
+
+
+def _histogram(path: Path) -> None:
+    """A column chunk's definition level histogram two entries longer than the column's levels + 1."""
+    from tests.parquet_footer import column_meta, read_footer, row_groups, write_footer
+
+    body, meta = read_footer(path.read_bytes())
+    for chunk in column_meta(row_groups(meta)[0]):
+        stats = chunk.get(16)
+        if stats is not None and stats[1].get(3, (0, (0, [])))[1][1]:
+            kind, (inner, histogram) = stats[1][3]
+            stats[1][3] = (kind, (inner, [*histogram, 5, 5]))
+            break
+    path.write_bytes(write_footer(body, meta))
+
+
+def test_a_footer_pyarrow_aborts_on_is_an_input_error(runner: fz.Runner, bases: Any, tmp_path: Path) -> None:
+    """Size statistics whose level histogram does not fit the column once took the audit down with
+    SIGABRT ("Definition level histogram size mismatch", thrown where pyarrow cannot raise)."""
+    name = sorted(bases["layout"].files)[1]
+    text = _check(runner, _case(bases, tmp_path, "layout", name, _histogram))
+    assert "damaged Parquet footer" in text and "definition level histogram" in text, text
