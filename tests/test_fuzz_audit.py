@@ -479,3 +479,84 @@ def test_a_footer_pyarrow_aborts_on_is_an_input_error(runner: fz.Runner, bases: 
     name = sorted(bases["layout"].files)[1]
     text = _check(runner, _case(bases, tmp_path, "layout", name, _histogram))
     assert "damaged Parquet footer" in text and "definition level histogram" in text, text
+
+
+def _long_path(directory: Path) -> Path:
+    return directory / ("x" * 5000)
+
+
+def _deep_folder(directory: Path) -> Path:
+    deep = directory / "deep"
+    deep.mkdir()
+    fd = os.open(deep, os.O_RDONLY)
+    try:
+        for _ in range(1200):  # by descriptor: the path itself grows past PATH_MAX
+            os.mkdir("d", dir_fd=fd)
+            inner = os.open("d", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+    finally:
+        os.close(fd)
+    return deep
+
+
+def _remove_chain(top: Path) -> None:
+    """Remove a chain of nested folders by descriptor (``shutil.rmtree`` recurses past the limit)."""
+    import stat
+
+    fds, names = [os.open(top, os.O_RDONLY)], []
+    while True:
+        entries = os.listdir(fds[-1])
+        folders = [
+            n for n in entries if stat.S_ISDIR(os.stat(n, dir_fd=fds[-1], follow_symlinks=False).st_mode)
+        ]
+        for name in set(entries) - set(folders):
+            os.unlink(name, dir_fd=fds[-1])
+        if not folders:
+            break
+        names.append(folders[0])
+        fds.append(os.open(folders[0], os.O_RDONLY, dir_fd=fds[-1]))
+    while names:
+        os.close(fds.pop())
+        os.rmdir(names.pop(), dir_fd=fds[-1])
+    os.close(fds[0])
+
+
+@pytest.mark.parametrize("make", [_long_path, _deep_folder], ids=["path-of-5000-characters", "1200-levels"])
+def test_a_run_path_the_file_system_refuses_is_one_line(runner: fz.Runner, tmp_path: Path, make: Any) -> None:
+    """A path over 4,096 characters (ENAMETOOLONG) and a folder 1,200 levels deep (RecursionError) were
+    tracebacks."""
+    target = make(tmp_path)
+    try:
+        text = _check(runner, _audit_case(tmp_path, target=target))
+    finally:
+        if make is _deep_folder:
+            _remove_chain(target)
+    assert text.count("\n") == 1 and text.startswith("rrh audit: "), text[:500]
+    assert ("File name too long" if make is _long_path else "nested deeper") in text, text[:500]
+
+
+def test_folder_names_that_are_not_utf8_are_audited(runner: fz.Runner, bases: Any, tmp_path: Path) -> None:
+    """Non-UTF-8 bytes in a folder's name: pyarrow's UnicodeEncodeError, an input error on every file of
+    the run layout there and a traceback in the verl importer; both are audited now."""
+    odd = os.fsdecode(b"\xff\xfe")
+    layout, verl = tmp_path / "layout", tmp_path / "verl"
+    shutil.copytree(bases["layout"].root, layout / odd)
+    shutil.copytree(bases["verl"].root / "exp_proj", verl / odd)
+    _check(runner, _audit_case(layout, intact=bases["layout"].samples), code=0)
+    _check(runner, _audit_case(verl, *bases["verl"].args, intact=bases["verl"].samples), code=0)
+
+
+def test_control_characters_in_folder_names_are_printed_escaped(
+    runner: fz.Runner, bases: Any, tmp_path: Path
+) -> None:
+    """An escape sequence and a carriage return in a folder's name were printed raw in error lines."""
+    directory = tmp_path / "run\x1b[2J\rHIDDEN"
+    shutil.copytree(bases["layout"].root, directory)
+    name = sorted(bases["layout"].files)[1]
+    (directory / name).write_bytes(b"garbage")
+    case = _audit_case(directory, damaged=name, intact={s: n for s, n in bases["layout"].samples.items()
+                                                        if s != bases["layout"].files[name]})  # fmt: skip
+    text = _check(runner, case)
+    assert "\x1b" not in text and "\r" not in text, repr(text[:300])
+    assert "run\\x1b[2J\\rHIDDEN" in text, text[:300]

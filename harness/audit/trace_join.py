@@ -64,7 +64,7 @@ from harness.audit.importers import megatron_lm
 from harness.audit.importers import verl as verl_dump
 from harness.audit.importers.model_shape import LayerVote, moe_layers_input, num_experts_input
 from harness.audit.inputs import time_budget
-from harness.audit.layout import LayoutError, SampleRecord
+from harness.audit.layout import LayoutError, SampleRecord, shown
 from harness.audit.trace_layout import TrainerLayout, parse_layout, placed
 from harness.audit.trace_update import UpdatePasses
 from harness.audit.verl_packing import MicroBatch, step_packing, update_packing
@@ -401,8 +401,8 @@ def import_for_cli(args: Any, dump: Path, directory: str) -> tuple[list[str], li
 
     layout = parse_layout(args.trainer_layout)
     print(
-        f"importing {dump} as a verl RolloutSkip dump joined with megatron-core's router trace "
-        f"{args.trainer_trace} (tp={layout.tp}, cp={layout.cp}, pp={layout.pp}, dp={layout.dp}"
+        f"importing {shown(dump)} as a verl RolloutSkip dump joined with megatron-core's router trace "
+        f"{shown(args.trainer_trace)} (tp={layout.tp}, cp={layout.cp}, pp={layout.pp}, dp={layout.dp}"
         f"{'' if layout.replay == 'R3' else ', replay R2: the update against the old-log-prob recording'})",
         file=sys.stderr,
     )
