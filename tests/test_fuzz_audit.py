@@ -560,3 +560,14 @@ def test_control_characters_in_folder_names_are_printed_escaped(
     text = _check(runner, case)
     assert "\x1b" not in text and "\r" not in text, repr(text[:300])
     assert "run\\x1b[2J\\rHIDDEN" in text, text[:300]
+
+
+def test_two_trace_files_of_one_rank_are_refused_naming_both(runner: fz.Runner, tmp_path: Path) -> None:
+    """``router_trace_rank0`` and ``router_trace_rank00`` are both rank 0: one was silently ignored."""
+    record = {"step": 1, "stage": "pre_dispatch", "block": "decoder", "layer": 1, "rank": 0, "num_tokens": 1,
+              "topk": 2, "top_indices": [[0, 1]]}  # fmt: skip
+    for name in ("router_trace_rank0.jsonl", "router_trace_rank00.jsonl"):
+        (tmp_path / name).write_text(json.dumps(record) + "\n")
+    text = _check(runner, _audit_case(tmp_path, "--from", "megatron_lm", "--num-experts", "8",
+                                      damaged="router_trace_rank00.jsonl"))  # fmt: skip
+    assert "router_trace_rank0.jsonl" in text and "both are rank 0" in text, text
