@@ -118,28 +118,25 @@ class _Compact:
             last = field
 
 
-def read_footer(path: str | os.PathLike[str]) -> Struct:
-    """The footer (``FileMetaData``, as field id → value) of Parquet file ``path``.
-
-    ``LayoutError`` when the file is too short, lacks the magic, or its footer does not parse."""
+def read_footer(path: str | os.PathLike[str]) -> Struct | None:
+    """The footer (``FileMetaData``, as field id → value) of Parquet file ``path``; ``None`` for a file
+    that is not Parquet at all (too short, no magic, a footer length past the file), which pyarrow
+    refuses with an exception of its own. ``LayoutError`` when the footer does not parse."""
     with open_regular(path) as handle:
         size = file_size(handle)
         if size < 12:
-            raise LayoutError(f"{path}: {size} bytes; not a Parquet file (expected at least 12)")
+            return None
         handle.seek(size - 8)
         tail = handle.read(8)
-        if tail[4:] != MAGIC:
-            raise LayoutError(f"{path}: no Parquet magic at the end (an encrypted or damaged file)")
         length = int.from_bytes(tail[:4], "little")
-        if not 0 < length <= min(size - 12, MAX_FOOTER_BYTES):
-            raise LayoutError(f"{path}: declares a footer of {length} bytes in a {size}-byte file")
+        if tail[4:] != MAGIC or not 0 < length <= min(size - 12, MAX_FOOTER_BYTES):
+            return None
         handle.seek(size - 8 - length)
         data = handle.read(length)
     try:
-        meta = _Compact(data).struct()
+        return _Compact(data).struct()
     except _Damaged as err:
         raise LayoutError(f"{path}: damaged Parquet footer ({err})") from None
-    return meta
 
 
 def _leaf_levels(schema: list[Any]) -> list[tuple[int, int, int | None]]:
@@ -174,6 +171,8 @@ def check_footer(path: str | os.PathLike[str]) -> None:
     or a column chunk whose size statistics do not fit its column (level histograms of another
     length than the column's levels + 1, unencoded byte-array bytes on a column of another type)."""
     meta = read_footer(path)
+    if meta is None:
+        return
     try:
         schema = meta.get(2)
         groups = meta.get(4, [])
