@@ -173,6 +173,77 @@ def test_ray_with_every_worker_dead_reports_the_units(run: Path) -> None:
         assert len(state.input_errors) == 1 and "not audited: the Ray task failed" in state.input_errors[0]
 
 
+def _ray_workers(name: bytes) -> list[int]:
+    """The pids of this machine's Ray workers whose title starts with ``ray::`` + ``name``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                    if handle.read().startswith(b"ray::" + name):
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.slow
+def test_ray_with_a_worker_stopped_mid_audit_still_gives_the_serial_result(
+    run: Path, serial: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ray worker stopped (SIGSTOP) once left the audit waiting, then reported every unit still
+    pending as not audited: the stuck ones now run again, as the process pool's do."""
+    ray = pytest.importorskip("ray")
+    monkeypatch.setenv("RRH_UNIT_SECONDS", "4")
+    stopped: list[int] = []
+
+    def progress(stream: Iterable[tuple[Unit, AuditState]], total: int) -> Iterator[tuple[Unit, AuditState]]:
+        for item in stream:
+            if not stopped:
+                for pid in _ray_workers(b"audit_unit")[:1]:
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped.append(pid)
+            yield item
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        result = audit_run(run, executor="ray", unit_bytes=1, progress=progress)
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        ray.shutdown()
+    assert stopped, "no Ray worker was running a unit at the first unit's end"
+    assert result.input_errors == []
+    assert _comparable(result) == serial
+
+
+@pytest.mark.slow
+def test_ray_with_a_unit_that_always_stops_its_worker_reports_it_and_audits_the_others(
+    run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ray = pytest.importorskip("ray")
+    from harness.audit.executors import _ray
+
+    monkeypatch.setenv("RRH_UNIT_SECONDS", "3")
+    units = plan_run(run, unit_bytes=1).units[:3]
+    culprit = next(u for u in units if 1 in u.row_groups and u.path.endswith("000000.parquet"))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        states = dict(_ray(units, AuditOptions(), None, work=stops_on_its_unit))
+    finally:
+        ray.shutdown()
+    assert sorted(states, key=units.index) == units, "every unit is accounted for, once"
+    errors = [e for state in states.values() for e in state.input_errors]
+    assert len(errors) == 1 and errors[0].startswith(f"{culprit.path} row groups 1–1 (rows "), errors
+    assert "not audited" in errors[0] and "stuck" in errors[0] and "3 tries" in errors[0], errors[0]
+    for unit, state in states.items():
+        if unit is not culprit:
+            assert state.input_errors == [] and state.rows_read == audit_unit(unit).rows_read
+
+
 @pytest.fixture
 def server_handle() -> Iterator[Any]:
     """This process's fork-server handle, restored after the test pokes at it."""

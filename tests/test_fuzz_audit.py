@@ -355,3 +355,219 @@ def _fuzz(runner: fz.Runner, bases: Any, tmp_path: Path, count: int, seed: int, 
     )
     assert summary.inputs == count * len(fz.FORMATS)
     assert summary.failures == []
+
+
+# --- issue 42: the robustness residue ---------------------------------------------------------------------
+
+
+def _audit_case(directory: Path, *args: str, damaged: str = "", intact: dict[int, int] | None = None,
+                target: Path | None = None) -> fz.Case:  # fmt: skip
+    """A case of ``rrh audit`` on ``target`` (default ``directory``) with ``args``; ``damaged`` is the
+    name an exit 2 must print (empty: any), ``intact`` the steps the report must hold in full."""
+    report = directory / "report.json"
+    argv = ["audit", str(target or directory), *args, "--executor", "serial", "--no-progress", "--json",
+            str(report)]  # fmt: skip
+    return fz.Case(0, "layout", directory, argv, damaged, 0 if damaged else -1, "", intact or {})
+
+
+def _attempt_records(count: int) -> list[Any]:
+    """``count`` layout-v2 records of one step, every other one (and the last) with no attempt."""
+    from harness.audit.layout import SampleRecord
+
+    rng = np.random.default_rng(0)
+    records = []
+    for i in range(count):
+        routes = np.stack([rng.permutation(8)[:2] for _ in range(8)]).reshape(4, 2, 2)
+        none = i % 2 == 1 or i == count - 1
+        records.append(SampleRecord(
+            step=1, sample_key=f"s{i}", prompt_len=3, response_len=2, tokens=[1, 2, 3, 4, 5], num_experts=8,
+            top_k=2, num_layers=2, moe_layers=[0, 1], source="test", engine_routes=routes,
+            attempt_ends=[] if none else [2], attempt_routes=[] if none else [routes],
+        ))  # fmt: skip
+    return records
+
+
+@pytest.mark.parametrize("row_groups", [1, 4])
+def test_a_row_group_ending_with_a_sample_without_attempts(
+    runner: fz.Runner, tmp_path: Path, row_groups: int
+) -> None:
+    """A valid run whose row group's last sample has no attempts once failed to decode (IndexError in
+    ``np.add.reduceat``): an input error on two records, an undecodable row group in a larger run."""
+    import pyarrow.parquet as pq
+
+    from harness.audit.writer import RunWriter, write_table
+
+    count = 2 if row_groups == 1 else 40
+    with RunWriter(tmp_path) as writer:
+        for record in _attempt_records(count):
+            writer.write(record)
+    (path,) = writer.files
+    if row_groups > 1:  # the same rows in row groups of 10, each ending with a sample without attempts
+        table = pq.read_table(path)
+        write_table(path, table, 10_000, row_group_bytes=10_000 * 10 // count)
+        assert pq.ParquetFile(path).metadata.num_row_groups == row_groups
+    _check(runner, _audit_case(tmp_path, intact={1: count}), code=0)
+
+
+def _shard_records(step: int, shards: int) -> list[Any]:
+    """A whole sample and a shard row of it (shard 0 of ``shards``, holding every route row)."""
+    from harness.audit.layout import SampleRecord
+
+    routes = np.stack([np.random.default_rng(step).permutation(8)[:2] for _ in range(8)]).reshape(4, 2, 2)
+    common = dict(step=step, sample_key="s0", prompt_len=3, response_len=2, tokens=[1, 2, 3, 4, 5],
+                  num_experts=8, top_k=2, num_layers=2, moe_layers=[0, 1], source="test")  # fmt: skip
+    return [
+        SampleRecord(**common, engine_routes=routes),  # type: ignore[arg-type]
+        SampleRecord(**common, trainer_routes=routes, shard=0, shards=shards, positions=[0, 1, 2, 3]),  # type: ignore[arg-type]
+    ]
+
+
+def test_a_shard_row_declaring_two_billion_shards_is_an_input_error(
+    runner: fz.Runner, tmp_path: Path
+) -> None:
+    """``shards = 2**31 − 1`` once built a set of that many shards (killed at 4 GiB, nothing printed)."""
+    from harness.audit.writer import RunWriter
+
+    with RunWriter(tmp_path) as writer:
+        for step, shards in ((1, 1), (2, 2**31 - 1)):
+            for record in _shard_records(step, shards):
+                writer.write(record)
+            writer.flush()
+    damaged = writer.files[1].name
+    text = _check(runner, _audit_case(tmp_path, damaged=damaged, intact={1: 1}))
+    assert "column 'shards' is 2147483647; expected at most 65536" in text, text
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["tp=1000000000", "pp=1000000000", "dp=99999999999999999999", "tp=\u00b2"],
+)
+def test_a_trainer_layout_no_run_can_have_is_a_usage_error_naming_the_field(
+    runner: fz.Runner, bases: Any, tmp_path: Path, spec: str
+) -> None:
+    """``tp=1000000000`` once allocated 3 GiB in 8 s (a set of the world's ranks), ``tp=²`` (a digit
+    ``str.isdigit`` takes and ``int`` refuses) was a traceback."""
+    directory = tmp_path / "dump"
+    shutil.copytree(bases["verl"].root, directory)
+    (directory / "trace").mkdir()
+    (directory / "trace" / "router_trace_rank0.jsonl").write_text("")
+    trace = ["--trainer-trace", str(directory / "trace"), "--trainer-layout", f"{spec},max_token_len=24"]
+    case = _audit_case(directory, *bases["verl"].args, *trace, target=directory / fz.VERL_DIR)
+    text = _check(runner, case)
+    name = spec.split("=")[0]
+    assert text.startswith("rrh audit: --trainer-layout") and text.count("\n") == 1, text
+    assert f"{spec}'" in text if "\u00b2" in spec else f"{name}={spec.split('=')[1][:20]}" in text, text
+
+
+def _histogram(path: Path) -> None:
+    """A column chunk's definition level histogram two entries longer than the column's levels + 1."""
+    from tests.parquet_footer import column_meta, read_footer, row_groups, write_footer
+
+    body, meta = read_footer(path.read_bytes())
+    for chunk in column_meta(row_groups(meta)[0]):
+        stats = chunk.get(16)
+        if stats is not None and stats[1].get(3, (0, (0, [])))[1][1]:
+            kind, (inner, histogram) = stats[1][3]
+            stats[1][3] = (kind, (inner, [*histogram, 5, 5]))
+            break
+    path.write_bytes(write_footer(body, meta))
+
+
+def test_a_footer_pyarrow_aborts_on_is_an_input_error(runner: fz.Runner, bases: Any, tmp_path: Path) -> None:
+    """Size statistics whose level histogram does not fit the column once took the audit down with
+    SIGABRT ("Definition level histogram size mismatch", thrown where pyarrow cannot raise)."""
+    name = sorted(bases["layout"].files)[1]
+    text = _check(runner, _case(bases, tmp_path, "layout", name, _histogram))
+    assert "damaged Parquet footer" in text and "definition level histogram" in text, text
+
+
+def _long_path(directory: Path) -> Path:
+    return directory / ("x" * 5000)
+
+
+def _deep_folder(directory: Path) -> Path:
+    deep = directory / "deep"
+    deep.mkdir()
+    fd = os.open(deep, os.O_RDONLY)
+    try:
+        for _ in range(1200):  # by descriptor: the path itself grows past PATH_MAX
+            os.mkdir("d", dir_fd=fd)
+            inner = os.open("d", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+    finally:
+        os.close(fd)
+    return deep
+
+
+def _remove_chain(top: Path) -> None:
+    """Remove a chain of nested folders by descriptor (``shutil.rmtree`` recurses past the limit)."""
+    import stat
+
+    fds, names = [os.open(top, os.O_RDONLY)], []
+    while True:
+        entries = os.listdir(fds[-1])
+        folders = [
+            n for n in entries if stat.S_ISDIR(os.stat(n, dir_fd=fds[-1], follow_symlinks=False).st_mode)
+        ]
+        for name in set(entries) - set(folders):
+            os.unlink(name, dir_fd=fds[-1])
+        if not folders:
+            break
+        names.append(folders[0])
+        fds.append(os.open(folders[0], os.O_RDONLY, dir_fd=fds[-1]))
+    while names:
+        os.close(fds.pop())
+        os.rmdir(names.pop(), dir_fd=fds[-1])
+    os.close(fds[0])
+
+
+@pytest.mark.parametrize("make", [_long_path, _deep_folder], ids=["path-of-5000-characters", "1200-levels"])
+def test_a_run_path_the_file_system_refuses_is_one_line(runner: fz.Runner, tmp_path: Path, make: Any) -> None:
+    """A path over 4,096 characters (ENAMETOOLONG) and a folder 1,200 levels deep (RecursionError) were
+    tracebacks."""
+    target = make(tmp_path)
+    try:
+        text = _check(runner, _audit_case(tmp_path, target=target))
+    finally:
+        if make is _deep_folder:
+            _remove_chain(target)
+    assert text.count("\n") == 1 and text.startswith("rrh audit: "), text[:500]
+    assert ("File name too long" if make is _long_path else "nested deeper") in text, text[:500]
+
+
+def test_folder_names_that_are_not_utf8_are_audited(runner: fz.Runner, bases: Any, tmp_path: Path) -> None:
+    """Non-UTF-8 bytes in a folder's name: pyarrow's UnicodeEncodeError, an input error on every file of
+    the run layout there and a traceback in the verl importer; both are audited now."""
+    odd = os.fsdecode(b"\xff\xfe")
+    layout, verl = tmp_path / "layout", tmp_path / "verl"
+    shutil.copytree(bases["layout"].root, layout / odd)
+    shutil.copytree(bases["verl"].root / "exp_proj", verl / odd)
+    _check(runner, _audit_case(layout, intact=bases["layout"].samples), code=0)
+    _check(runner, _audit_case(verl, *bases["verl"].args, intact=bases["verl"].samples), code=0)
+
+
+def test_control_characters_in_folder_names_are_printed_escaped(
+    runner: fz.Runner, bases: Any, tmp_path: Path
+) -> None:
+    """An escape sequence and a carriage return in a folder's name were printed raw in error lines."""
+    directory = tmp_path / "run\x1b[2J\rHIDDEN"
+    shutil.copytree(bases["layout"].root, directory)
+    name = sorted(bases["layout"].files)[1]
+    (directory / name).write_bytes(b"garbage")
+    case = _audit_case(directory, damaged=name, intact={s: n for s, n in bases["layout"].samples.items()
+                                                        if s != bases["layout"].files[name]})  # fmt: skip
+    text = _check(runner, case)
+    assert "\x1b" not in text and "\r" not in text, repr(text[:300])
+    assert "run\\x1b[2J\\rHIDDEN" in text, text[:300]
+
+
+def test_two_trace_files_of_one_rank_are_refused_naming_both(runner: fz.Runner, tmp_path: Path) -> None:
+    """``router_trace_rank0`` and ``router_trace_rank00`` are both rank 0: one was silently ignored."""
+    record = {"step": 1, "stage": "pre_dispatch", "block": "decoder", "layer": 1, "rank": 0, "num_tokens": 1,
+              "topk": 2, "top_indices": [[0, 1]]}  # fmt: skip
+    for name in ("router_trace_rank0.jsonl", "router_trace_rank00.jsonl"):
+        (tmp_path / name).write_text(json.dumps(record) + "\n")
+    text = _check(runner, _audit_case(tmp_path, "--from", "megatron_lm", "--num-experts", "8",
+                                      damaged="router_trace_rank00.jsonl"))  # fmt: skip
+    assert "router_trace_rank0.jsonl" in text and "both are rank 0" in text, text

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from harness.audit.batch import Batch, IntArray, ListColumn, RouteColumn
-from harness.audit.layout import FORWARDS, ROUTE_COLUMNS, LayoutError, arrow_schema
+from harness.audit.layout import FORWARDS, MAX_SHARDS, ROUTE_COLUMNS, LayoutError, arrow_schema
 from harness.trace import MAX_LAYERS, LayerAxis
 
 
@@ -84,6 +84,17 @@ def _list_column(table: Any, name: str, dtype: Any) -> ListColumn:
     flat = arrow_numpy(values) if len(values) else np.zeros(0, dtype)
     base = offsets[0]
     return ListColumn(offsets - base, np.asarray(flat[base : offsets[-1]], dtype=dtype), valid)
+
+
+def list_sums(column: ListColumn) -> IntArray:
+    """The sum of each list of ``column`` (0 for an empty or null one).
+
+    Computed from a running total, not ``np.add.reduceat``: that one refuses an offset equal to the
+    number of values, which is where every list after the last non-empty one starts (a row whose
+    sample had no attempts, at the end of a row group).
+    """
+    running = np.concatenate([[0], np.cumsum(column.values, dtype=np.int64)])
+    return (running[column.offsets[1:]] - running[column.offsets[:-1]]).astype(np.int64)
 
 
 def _valid(array: Any) -> npt.NDArray[np.bool_]:
@@ -383,13 +394,7 @@ def _v2_fields(
             - 1
         )
         raise LayoutError(f"{path} row {int(file_rows[i])}: column 'attempt_rows' holds a negative count")
-    sums = (
-        np.add.reduceat(attempt_rows.values, attempt_rows.offsets[:-1]) if attempt_rows.values.size else None
-    )
-    totals = np.zeros(len(forward), dtype=np.int64)
-    if sums is not None:
-        nonempty = attempt_rows.lengths() > 0
-        totals[nonempty] = sums[nonempty]
+    totals = list_sums(attempt_rows)
     attempts = _route_column(
         table, "attempt", dtype, row_shape, path, file_rows, (totals, attempt_rows.valid)
     )
@@ -408,6 +413,13 @@ def _v2_fields(
             f"trainer_routes {'present' if trainer.valid[i] else 'null'}"
         )
     _check_lengths(positions, np.diff(trainer.row_offsets), "positions", "trainer_rows", path, file_rows)
+    too_many = is_shard & (shards > MAX_SHARDS)
+    if too_many.any():
+        i = int(np.flatnonzero(too_many)[0])
+        raise LayoutError(
+            f"{path} row {int(file_rows[i])}: column 'shards' is {int(shards[i])}; expected at most "
+            f"{MAX_SHARDS} (the CP × SP ranks a sample is split into)"
+        )
     return {
         "forward": forward,
         "attempts": attempts,

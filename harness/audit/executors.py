@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from harness.audit.checks.fold import AuditOptions, fold_batch, fold_shards
 from harness.audit.decode import decode
 from harness.audit.layout import LayoutError
 from harness.audit.manifest import check_manifests
-from harness.audit.pool import UNIT_SECONDS_ENV, first_line, lost, processes, unit_seconds
+from harness.audit.pool import RETRIES, UNIT_SECONDS_ENV, first_line, lost, processes, unit_seconds
 from harness.audit.read_ahead import ReadAhead
 from harness.audit.reader import (
     Model,
@@ -222,28 +222,46 @@ def _ray(
         )
     remote: Any = ray.remote(work)
     try:
-        pending = {remote.remote(u, options): u for u in units}
-        while pending:
-            budget = unit_seconds(pending.values())
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=budget)
-            if not done:  # nothing finished within the budget: the tasks left are stuck
-                for ref, unit in pending.items():
-                    ray.cancel(ref, force=True)
-                    yield (
-                        unit,
-                        lost(unit, f"no Ray task finished in {budget:.0f} s ({UNIT_SECONDS_ENV}): stuck"),
-                    )
+        # As the process pool does (``harness.audit.pool.processes``): units left by a round in which
+        # no task finished within the budget (a stopped or hung worker) run again in a new round, the
+        # stuck tasks' workers killed; after ``RETRIES`` rounds each is run alone, so that only a unit
+        # that is stuck every time is reported as not audited.
+        left = units
+        for _ in range(RETRIES):
+            left, _why = yield from _ray_round(ray, remote, left, options)
+            if not left:
                 return
-            for ref in done:
-                unit = pending.pop(ref)
-                try:
-                    state = ray.get(ref)
-                except Exception as err:  # Ray retried a lost worker already; this one is reported
-                    state = lost(unit, f"the Ray task failed ({type(err).__name__}: {first_line(err)})")
-                yield unit, state
+        for unit in left:
+            stuck, why = yield from _ray_round(ray, remote, [unit], options)
+            for alone in stuck:
+                yield alone, lost(alone, f"{why} in {RETRIES + 1} tries")
     finally:
         if started:
             ray.shutdown()
+
+
+def _ray_round(
+    ray: Any, remote: Any, units: list[Unit], options: AuditOptions
+) -> Generator[tuple[Unit, AuditState], None, tuple[list[Unit], str]]:
+    """One round of Ray tasks: yields each unit that finished and its state; returns the units left
+    when no task finished within the budget (their tasks cancelled, the workers killed) and why."""
+    pending = {remote.remote(u, options): u for u in units}
+    while pending:
+        budget = unit_seconds(pending.values())
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=budget)
+        if not done:  # nothing finished within the budget: the tasks left are stuck
+            for ref in pending:
+                ray.cancel(ref, force=True)
+            why = f"no Ray task finished in {budget:.0f} s ({UNIT_SECONDS_ENV}): stuck"
+            return list(pending.values()), why
+        for ref in done:
+            unit = pending.pop(ref)
+            try:
+                state = ray.get(ref)
+            except Exception as err:  # Ray retried a lost worker already; this one is reported
+                state = lost(unit, f"the Ray task failed ({type(err).__name__}: {first_line(err)})")
+            yield unit, state
+    return [], ""
 
 
 def run_units(

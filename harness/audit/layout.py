@@ -15,6 +15,7 @@ copy.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
@@ -46,16 +47,44 @@ FORWARDS = ("old_logprob", "reference", "update", "recompute")
 """The trainer forwards a tap records: old log-probs, reference log-probs, the update, activation
 recompute."""
 ATTEMPT_KINDS = ("start", "resume", "turn")
+MAX_SHARDS = 1 << 16
+"""The most shards (CP × SP ranks) one sample may be split into: larger than any real parallel group,
+small enough that a count a damaged file declares bounds the work of checking its shards."""
+
+
+def shown(text: str | os.PathLike[str]) -> str:
+    """``text`` (a path, a message quoting one) safe to print on one line of a terminal: control
+    characters (a newline, a carriage return, an escape sequence) shown as ``\\n``, ``\\r``,
+    ``\\x1b``, and bytes of a name that are not UTF-8 (``os.fsdecode``'s surrogates) as ``\\xff``."""
+    value = os.fspath(text)
+    out = []
+    for ch in value:
+        code = ord(ch)
+        if ch == "\n":
+            out.append("\\n")
+        elif ch == "\r":
+            out.append("\\r")
+        elif ch == "\t":
+            out.append("\\t")
+        elif code < 0x20 or 0x7F <= code < 0xA0:
+            out.append(f"\\x{code:02x}")
+        elif 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8, as surrogateescape keeps it
+            out.append(f"\\x{code - 0xDC00:02x}")
+        elif 0xD800 <= code <= 0xDFFF:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(ch)
+    return "".join(out)
 
 
 class LayoutError(HarnessError, ValueError):
     """A run-layout file or record is malformed; the message names file, column and row.
 
-    The message is one line whatever it quotes from a file (a name holding a newline, say): line
-    breaks in it are shown escaped."""
+    The message is one line whatever it quotes from a file (a name holding a newline, say), and safe
+    to print: control characters and bytes that are not UTF-8 in it are shown escaped (``shown``)."""
 
     def __str__(self) -> str:
-        return super().__str__().replace("\r", "\\r").replace("\n", "\\n")
+        return shown(super().__str__())
 
 
 @cache
@@ -224,7 +253,8 @@ class SampleRecord:
             row[f"{name}_routes"] = encode_routes(array, int(self.num_experts), f"{name}_routes")
             row[f"{name}_rows"] = int(array.shape[0])
         self._v2_columns(row)
-        row["origin"] = None if self.origin is None else str(self.origin)
+        # A place names a file: one whose name is not UTF-8 is stored with those bytes escaped.
+        row["origin"] = None if self.origin is None else shown(str(self.origin))
         row["origin_column"] = None if self.origin_column is None else int(self.origin_column)
         return row
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.audit.checks.fold import AuditOptions
-from harness.audit.layout import LayoutError
+from harness.audit.layout import LayoutError, shown
 from harness.audit.reader import Unit
 from harness.audit.state import AuditState
 
@@ -97,7 +97,7 @@ def lost(unit: Unit, why: str) -> AuditState:
     state = AuditState()
     state.files.add(unit.path)
     rows = f"row groups {unit.row_groups[0]}–{unit.row_groups[-1]}" if unit.row_groups else "no row group"
-    state.input_errors.append(f"{unit.path} {rows} (rows {unit.first_row}…): not audited: {why}")
+    state.input_errors.append(f"{shown(unit.path)} {rows} (rows {unit.first_row}…): not audited: {why}")
     state.bytes_read = unit.nbytes
     return state
 

@@ -93,10 +93,16 @@ def run_files(run: str | os.PathLike[str], errors: list[str] | None = None) -> l
 def _open(path: str) -> Any:
     import pyarrow.parquet as pq
 
+    from harness.audit.footer import check_footer
     from harness.audit.inputs import open_regular
 
     open_regular(path).close()  # a FIFO or a device named like a layout file is refused, never read
+    check_footer(path)  # a footer pyarrow would abort the process on (SIGABRT) is refused first
     try:
+        try:
+            path.encode()
+        except UnicodeEncodeError:  # a name that is not UTF-8: pyarrow takes no such path, a file does
+            return pq.ParquetFile(open_regular(path))
         return pq.ParquetFile(path)
     except Exception as err:  # pyarrow raises ArrowInvalid, OSError, ... for a file that is not Parquet
         first = (str(err).splitlines() or [""])[0][:200]

@@ -283,10 +283,18 @@ class ShardCover:
             out.append((r, "each route row held by exactly one shard",
                         f"row {r} claimed {int(self.counts[r])} times (ranks {int(self.owners[r])} and "
                         f"{int(self.second[r])}); {overlap.size} rows overlap"))  # fmt: skip
-        missing = sorted(set(range(self.shards)) - self.seen)
-        if missing:
-            out.append((-1, f"shards 0..{self.shards - 1}", f"no row of shard {missing[0]}"))
+        missing = self.first_missing()
+        if missing is not None:
+            out.append((-1, f"shards 0..{self.shards - 1}", f"no row of shard {missing}"))
         return out
+
+    def first_missing(self) -> int | None:
+        """The lowest shard in ``[0, shards)`` no row was seen of (``None`` if none): found in the
+        shards seen, never in a set of the ``shards`` a row declares."""
+        for i, shard in enumerate(sorted(self.seen)):
+            if shard != i:
+                return i
+        return len(self.seen) if len(self.seen) < self.shards else None
 
 
 @dataclass(frozen=True, order=True)

@@ -64,7 +64,7 @@ from harness.audit.importers import megatron_lm
 from harness.audit.importers import verl as verl_dump
 from harness.audit.importers.model_shape import LayerVote, moe_layers_input, num_experts_input
 from harness.audit.inputs import time_budget
-from harness.audit.layout import LayoutError, SampleRecord
+from harness.audit.layout import LayoutError, SampleRecord, shown
 from harness.audit.trace_layout import TrainerLayout, parse_layout, placed
 from harness.audit.trace_update import UpdatePasses
 from harness.audit.verl_packing import MicroBatch, step_packing, update_packing
@@ -315,9 +315,11 @@ def records(
     layers = moe_layers_input(moe_layers)
     vote = LayerVote() if layers is None else None
     ranks = dict(megatron_lm.rank_files(Path(trace)))
-    expected = set(range(layout.world_size))
-    if set(ranks) != expected:
-        odd = sorted(set(ranks) ^ expected)
+    if len(ranks) != layout.world_size or max(ranks) >= layout.world_size:
+        # the rank that differs, found among the files (never in a set of world_size ranks)
+        odd = [r for r in sorted(ranks) if r >= layout.world_size] or [
+            next(r for r in range(len(ranks) + 1) if r not in ranks)
+        ]
         raise LayoutError(
             f"{trace}: trace files of ranks {sorted(ranks)}; expected router_trace_rank{{r}}.jsonl for r "
             f"in 0..{layout.world_size - 1} (tp·cp·dp·pp = {layout.tp}·{layout.cp}·{layout.dp}·{layout.pp}), "
@@ -399,8 +401,8 @@ def import_for_cli(args: Any, dump: Path, directory: str) -> tuple[list[str], li
 
     layout = parse_layout(args.trainer_layout)
     print(
-        f"importing {dump} as a verl RolloutSkip dump joined with megatron-core's router trace "
-        f"{args.trainer_trace} (tp={layout.tp}, cp={layout.cp}, pp={layout.pp}, dp={layout.dp}"
+        f"importing {shown(dump)} as a verl RolloutSkip dump joined with megatron-core's router trace "
+        f"{shown(args.trainer_trace)} (tp={layout.tp}, cp={layout.cp}, pp={layout.pp}, dp={layout.dp}"
         f"{'' if layout.replay == 'R3' else ', replay R2: the update against the old-log-prob recording'})",
         file=sys.stderr,
     )

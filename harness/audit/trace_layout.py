@@ -68,6 +68,16 @@ class TrainerLayout:
         return tp_rank + self.tp * (cp_rank + self.cp * (dp_rank + self.dp * pp_rank))
 
 
+MAX_PARALLEL = 1 << 16
+"""The largest ``tp``, ``cp``, ``pp`` or ``dp`` ``--trainer-layout`` takes: more ranks in one parallel
+dimension than any real run has (a size is also checked against the trace files there are)."""
+MAX_EPOCHS = 1 << 10
+"""The largest ``ppo_epochs``: the update pass is placed once per epoch."""
+MAX_SETTING = 2**31 - 1
+"""The largest value of any other setting (token lengths, batch sizes, the seed)."""
+_LIMITS = {"tp": MAX_PARALLEL, "cp": MAX_PARALLEL, "pp": MAX_PARALLEL, "dp": MAX_PARALLEL,
+           "ppo_epochs": MAX_EPOCHS}  # fmt: skip
+
 _BATCHING = {"max_token_len": "max_token_len_per_gpu", "micro_batch": "micro_batch_size_per_gpu"}
 _UPDATE = {
     "ppo_mini_batch": "mini_batch_size",
@@ -92,12 +102,14 @@ def parse_layout(text: str) -> TrainerLayout:
         if name == "replay" and sep:
             replay = value.strip()
             continue
-        if not sep or name not in known or not value.strip().isdigit():
+        digits = value.strip()
+        # ASCII digits only: str.isdigit also takes '²' and other digits int() refuses.
+        if not sep or name not in known or not (digits.isascii() and digits.isdigit()):
             raise LayoutError(
                 f"--trainer-layout {text!r}: {part!r}; expected NAME=INTEGER with NAME one of "
                 f"{sorted(known)}, or replay=R2|R3"
             )
-        values[name] = int(value)
+        values[name] = _bounded(name, digits, text)
     batching = VerlBatching(
         dp=values.get("dp", 1),
         tp=values.get("tp", 1),
@@ -125,6 +137,18 @@ def parse_layout(text: str) -> TrainerLayout:
     if pp < 1:
         raise LayoutError(f"--trainer-layout {text!r}: pp={pp}; expected an integer >= 1")
     return TrainerLayout(batching, pp, replay, update)
+
+
+def _bounded(name: str, digits: str, text: str) -> int:
+    """Setting ``name`` of ``--trainer-layout`` (its ASCII ``digits``), refused past its maximum: a size
+    no run has would only make the join allocate or loop for it."""
+    limit = _LIMITS.get(name, MAX_SETTING)
+    if len(digits.lstrip("0")) > len(str(limit)) or int(digits) > limit:
+        raise LayoutError(
+            f"--trainer-layout {text!r}: {name}={digits[:20]}{'…' * (len(digits) > 20)}; expected at most "
+            f"{limit}"
+        )
+    return int(digits)
 
 
 def slots(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import tempfile
@@ -20,7 +21,7 @@ from typing import Any
 
 from harness.atomic import atomic_write
 from harness.audit import AuditOptions, audit_run
-from harness.audit.layout import LayoutError
+from harness.audit.layout import LayoutError, shown
 from harness.audit.result import AuditResult, human_size
 
 REPORT_FORMAT = "rrh-audit-report/1"
@@ -75,8 +76,8 @@ def _import(
 
         return target, name, *trace_join.import_for_cli(args, dump, target)
     module = importers.importer(name)
-    found = "" if Path(dump) == Path(args.run) else f" (found below {args.run})"
-    print(f"importing {dump}{found} as a {module.DESCRIPTION}", file=sys.stderr)
+    found = "" if Path(dump) == Path(args.run) else f" (found below {shown(args.run)})"
+    print(f"importing {shown(dump)}{found} as a {module.DESCRIPTION}", file=sys.stderr)
     inferred: list[str] = []
     files = importers.import_dump(
         name, dump, target, errors=None if args.strict else errors, inferred=inferred,
@@ -98,10 +99,25 @@ def _trace_alone(args: argparse.Namespace) -> int | None:
     if name != "megatron_lm" or args.trainer_trace:
         return None
     lines, violated = importers.importer(name).trace_report(Path(dump), num_experts=args.num_experts)
-    print(f"rrh audit {args.run}: megatron-core's router trace {dump}")
+    print(f"rrh audit {shown(args.run)}: megatron-core's router trace {shown(dump)}")
     for line in lines:
-        print(line)
+        print(shown(line))
     return 1 if violated else 0
+
+
+def _path_problem(err: BaseException, run: str) -> str:
+    """An ``OSError``, ``RecursionError`` or ``UnicodeError`` met while finding or reading ``run`` as
+    one line: the file it names (else the run) and the problem, never a traceback."""
+    if isinstance(err, RecursionError):
+        return f"{shown(run)}: folders nested deeper than the recursion limit; expected a run directory"
+    if isinstance(err, UnicodeError):
+        return f"{shown(run)}: a file name that is not UTF-8 below it ({type(err).__name__}); rename it"
+    name = err.filename if isinstance(err, OSError) and err.filename else run
+    text = shown(os.fspath(name))
+    if len(text) > 300:
+        text = f"{text[:120]}…{text[-120:]} ({len(text)} characters)"
+    why = err.strerror if isinstance(err, OSError) and err.strerror else type(err).__name__
+    return f"{text}: {why}; expected a readable run directory or file"
 
 
 def run_audit(args: argparse.Namespace) -> int:
@@ -127,6 +143,11 @@ def run_audit(args: argparse.Namespace) -> int:
     except LayoutError as err:
         print(f"rrh audit: {err}", file=sys.stderr)
         return 2
+    except (OSError, RecursionError, UnicodeError) as err:
+        # What the file system says of the path itself (a name too long, folders nested past the
+        # recursion limit, a name that is not UTF-8), wherever it is found: one line naming it.
+        print(f"rrh audit: {_path_problem(err, args.run)}", file=sys.stderr)
+        return 2
     finally:
         for tmp in keep:
             tmp.cleanup()
@@ -135,41 +156,41 @@ def run_audit(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     # An input error comes first, on stderr, one line each; with nothing audited it is all there is.
     for error in result.input_errors:
-        print(f"rrh audit: input error: {error}", file=sys.stderr)
+        print(f"rrh audit: input error: {shown(error)}", file=sys.stderr)
     if result.input_errors and not result.rows:
         return 2
     if name is None:
-        print(f"rrh audit {args.run}: {result.files} files, {result.counted()}, "
+        print(f"rrh audit {shown(args.run)}: {result.files} files, {result.counted()}, "
               f"{human_size(result.bytes_read)} in {seconds:.1f}s")  # fmt: skip
     else:
         layout = f"{result.files} file{'s' * (result.files != 1)}, {human_size(result.bytes_read)}"
-        print(f"rrh audit {args.run}: {result.counted()} of a {name} dump (imported: {layout} of run "
+        print(f"rrh audit {shown(args.run)}: {result.counted()} of a {name} dump (imported: {layout} of run "
               f"layout) in {seconds:.1f}s")  # fmt: skip
-    for line in result.lines():
-        print(line)
+    for line in result.lines():  # offenders' places name files: printed safe, like every path
+        print(shown(line))
     if result.input_errors:
         print(f"incomplete: {len(result.input_errors)} input error(s), printed first on stderr; everything "
               "else was audited")  # fmt: skip
     over = result.over(args.fail_on)
     for line in over:
-        print(f"over threshold: {line}")
+        print(f"over threshold: {shown(line)}")
     command = shlex.join(["rrh", *args.argv])
     if args.json:
         doc = report_document(result, run=str(args.run), command=command, seconds=seconds)
         text = json.dumps(doc, indent=2, allow_nan=False)
         atomic_write(args.json, lambda h: h.write(text.encode()))
-        print(f"JSON report: {args.json}")
+        print(f"JSON report: {shown(args.json)}")
     if args.html:
         from harness.report.audit_page import audit_html
 
         page = audit_html(result, title=str(args.run), command=command, seconds=seconds)
         atomic_write(args.html, lambda h: h.write(page.encode()))
-        print(f"HTML report: {args.html}")
+        print(f"HTML report: {shown(args.html)}")
     if args.summary:
         from harness.audit.summary import write_summary
 
         paths = write_summary(result, args.summary)
-        print(f"summary tables: {', '.join(str(Path(p)) for p in paths)}")
+        print(f"summary tables: {', '.join(shown(Path(p)) for p in paths)}")
     if result.input_errors:
         return 2
     return 1 if result.violated or over else 0

@@ -24,6 +24,7 @@ otherwise raises a ``LayoutError`` that says what is missing.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -247,6 +248,9 @@ def rank_files(path: Path) -> list[tuple[int, Path]]:
     """``(rank, file)`` of every ``router_trace_rank{r}.jsonl`` at ``path``, in rank order."""
     files = [path] if path.is_file() else glob(path, "router_trace_rank*.jsonl")
     found = sorted((int(m.group(1)), p) for p in files if (m := _FILE.fullmatch(p.name)))
+    for (rank, first), (other, second) in itertools.pairwise(found):
+        if rank == other:  # router_trace_rank0 and router_trace_rank00: one would be silently dropped
+            raise LayoutError(f"{first}, {second}: both are rank {rank}'s trace; expected one file per rank")
     if not found:
         raise LayoutError(
             f"{path}: no router_trace_rank{{r}}.jsonl; expected a --moe-routing-trace-path directory"
