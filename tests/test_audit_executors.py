@@ -37,8 +37,6 @@ from harness.audit.reader import run_files
 from harness.audit.result import AuditResult
 from harness.audit.state import AuditState
 
-pytestmark = pytest.mark.timeout(120)
-
 # Three steps of three GRPO groups of three: 27 samples, top-4 of 16 experts (uint8, a route fits
 # a 32-bit word), five MoE layers.
 SHAPE = RunShape(

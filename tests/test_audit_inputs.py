@@ -19,8 +19,6 @@ from harness.audit import inputs
 from harness.audit.inputs import read_file
 from harness.audit.layout import LayoutError
 
-pytestmark = pytest.mark.timeout(60)
-
 
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero", "directory", "dangling", "missing"])
 def test_only_a_regular_file_is_opened(tmp_path: Path, kind: str) -> None:

@@ -28,7 +28,7 @@ from ray.cluster_utils import Cluster
 from harness.audit import audit_run
 from harness.audit.generate import FAULTS, RunShape, generate_run
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.slow
 
 SHAPE = RunShape(
     steps=3, prompts=3, group_size=3, prompt_len=7, response_len=9, layers=5, experts=16, top_k=4

@@ -19,8 +19,6 @@ from harness.audit.generate import FAULTS, RunShape, generate_run
 from harness.audit.layout import LayoutError
 from harness.audit.reader import Unit
 
-pytestmark = pytest.mark.timeout(60)
-
 
 class _Group:
     """A stand-in row group that counts how many of its kind are alive."""

@@ -30,7 +30,6 @@ from tests import fuzz_audit as fz
 
 pytest.importorskip("pyarrow")
 pytestmark = [
-    pytest.mark.timeout(600),
     pytest.mark.skipif(
         not Path("/proc/self/status").exists() or not hasattr(os, "fork"), reason="forks, reads /proc"
     ),
