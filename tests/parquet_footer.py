@@ -11,6 +11,8 @@ from __future__ import annotations
 import struct
 from typing import Any
 
+from harness.audit.footer import CompactReader
+
 MAGIC = b"PAR1"
 BOOL_TRUE, BOOL_FALSE, BYTE, I16, I32, I64, DOUBLE, BINARY, LIST, SET, MAP, STRUCT = range(1, 13)
 
@@ -19,71 +21,6 @@ FILE_NUM_ROWS, FILE_ROW_GROUPS = 3, 4
 GROUP_COLUMNS, GROUP_BYTES, GROUP_NUM_ROWS = 1, 2, 3
 CHUNK_META = 3
 META_NUM_VALUES, META_UNCOMPRESSED, META_COMPRESSED, META_DATA_PAGE_OFFSET = 5, 6, 7, 9
-
-
-class _Reader:
-    def __init__(self, data: bytes) -> None:
-        self.data, self.pos = data, 0
-
-    def byte(self) -> int:
-        value = self.data[self.pos]
-        self.pos += 1
-        return value
-
-    def varint(self) -> int:
-        shift = result = 0
-        while True:
-            b = self.byte()
-            result |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                return result
-
-    def zigzag(self) -> int:
-        n = self.varint()
-        return (n >> 1) ^ -(n & 1)
-
-    def value(self, kind: int) -> Any:
-        if kind in (BOOL_TRUE, BOOL_FALSE):
-            return kind == BOOL_TRUE
-        if kind == BYTE:
-            return self.byte()
-        if kind in (I16, I32, I64):
-            return self.zigzag()
-        if kind == DOUBLE:
-            self.pos += 8
-            return struct.unpack("<d", self.data[self.pos - 8 : self.pos])[0]
-        if kind == BINARY:
-            n = self.varint()
-            self.pos += n
-            return self.data[self.pos - n : self.pos]
-        if kind in (LIST, SET):
-            head = self.byte()
-            size, inner = head >> 4, head & 0x0F
-            if size == 15:
-                size = self.varint()
-            items = [self.list_item(inner) for _ in range(size)]
-            return (inner, items)
-        if kind == STRUCT:
-            return self.struct()
-        raise ValueError(f"thrift type {kind} not supported")
-
-    def list_item(self, inner: int) -> Any:
-        if inner in (BOOL_TRUE, BOOL_FALSE):
-            return self.byte() == 1
-        return self.value(inner)
-
-    def struct(self) -> dict[int, tuple[int, Any]]:
-        fields: dict[int, tuple[int, Any]] = {}
-        last = 0
-        while True:
-            head = self.byte()
-            if head == 0:
-                return fields
-            delta, kind = head >> 4, head & 0x0F
-            field = last + delta if delta else self.zigzag()
-            fields[field] = (kind, self.value(kind))
-            last = field
 
 
 def _varint(n: int) -> bytes:
@@ -149,7 +86,7 @@ def read_footer(data: bytes) -> tuple[bytes, dict[int, tuple[int, Any]]]:
         raise ValueError("not a Parquet file")
     size = int.from_bytes(data[-8:-4], "little")
     body = data[: len(data) - 8 - size]
-    return body, _Reader(data[len(data) - 8 - size : -8]).struct()
+    return body, CompactReader(data[len(data) - 8 - size : -8], typed=True).struct()
 
 
 def write_footer(body: bytes, meta: dict[int, tuple[int, Any]]) -> bytes:

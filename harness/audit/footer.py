@@ -36,11 +36,14 @@ class _Damaged(Exception):
     """The footer does not parse: ``str`` says where."""
 
 
-class _Compact:
-    """A reader of the Thrift compact protocol over ``data``, every read bounded by its length."""
+class CompactReader:
+    """A reader of the Thrift compact protocol over ``data``, every read bounded by its length.
 
-    def __init__(self, data: bytes) -> None:
-        self.data, self.pos = data, 0
+    ``typed``: each struct field is ``(type, value)`` and each list ``(item type, items)``, what a
+    writer needs to put the footer back (``tests/parquet_footer.py``); otherwise the values alone."""
+
+    def __init__(self, data: bytes, *, typed: bool = False) -> None:
+        self.data, self.pos, self.typed = data, 0, typed
 
     def byte(self) -> int:
         if self.pos >= len(self.data):
@@ -91,8 +94,10 @@ class _Compact:
             if size > len(self.data) - self.pos:  # every item takes a byte at least
                 raise _Damaged(f"a list of {size} items at byte {self.pos}, more than the footer holds")
             if inner in (_TRUE, _FALSE):
-                return [self.byte() == 1 for _ in range(size)]
-            return [self.value(inner, depth + 1) for _ in range(size)]
+                items = [self.byte() == 1 for _ in range(size)]
+            else:
+                items = [self.value(inner, depth + 1) for _ in range(size)]
+            return (inner, items) if self.typed else items
         if kind == _MAP:
             size = self.varint()
             if size > len(self.data) - self.pos:
@@ -114,7 +119,8 @@ class _Compact:
                 return fields
             delta, kind = head >> 4, head & 0x0F
             field = last + delta if delta else self.zigzag()
-            fields[field] = self.value(kind, depth)
+            value = self.value(kind, depth)
+            fields[field] = (kind, value) if self.typed else value
             last = field
 
 
@@ -134,7 +140,7 @@ def read_footer(path: str | os.PathLike[str]) -> Struct | None:
         handle.seek(size - 8 - length)
         data = handle.read(length)
     try:
-        return _Compact(data).struct()
+        return CompactReader(data).struct()
     except _Damaged as err:
         raise LayoutError(f"{path}: damaged Parquet footer ({err})") from None
 
