@@ -86,7 +86,8 @@ def _import(
         raise LayoutError(
             "; ".join(errors[:3]) + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else "")
         )
-    return target, name, inferred, [f"{name}: {note}" for note in importers.notes(name)]
+    said = importers.notes(name, num_experts=args.num_experts, moe_layers=args.moe_layers)
+    return target, name, inferred, [f"{name}: {note}" for note in said]
 
 
 def _trace_alone(args: argparse.Namespace) -> int | None:

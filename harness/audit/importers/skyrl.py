@@ -48,10 +48,15 @@ DESCRIPTION = (
     "SkyRL 0.3.0 trainer.dump_data_batch=true: {export_path}/dumped_data/"
     "global_step_{N}_training_input.pkl (TrainingInputBatch.save, written after the old-log-prob pass)"
 )
+FACT_NOTES = {
+    "num_experts": "num_experts is not in the dump: give it (--num-experts, RRH_NUM_EXPERTS)",
+    "moe_layers": "moe_layers is not in the dump: without --moe-layers (RRH_MOE_LAYERS) it is inferred as "
+    "the layers most samples route on; a MoE layer all zero in most samples reads as dense",
+}
+"""What the dump does not record, said only when the caller did not give it (``importers.notes``)."""
+FACTS_FROM_ENV = True
+"""``$RRH_NUM_EXPERTS`` and ``$RRH_MOE_LAYERS`` give the facts ``FACT_NOTES`` names, as the flags do."""
 NOTES = (
-    "num_experts is not in the dump: give it (--num-experts, RRH_NUM_EXPERTS)",
-    "moe_layers is not in the dump: without --moe-layers (RRH_MOE_LAYERS) it is inferred as the layers most "
-    "samples route on; a MoE layer all zero in most samples reads as dense",
     "SkyRL 0.3.0 fills missing rows with zeros and has no mask: trailing all-zero rows, and a sample whose "
     "routes are all zero, are read as not captured (fallback metric), never as routes",
     "no trainer routes and no replay mode: replay_fidelity and agreement are not checkable",

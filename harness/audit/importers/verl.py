@@ -42,11 +42,16 @@ DESCRIPTION = (
     "verl 0.9.1 RolloutSkip (skip.rollout.enable=True): {dump_dir}/{exp}_{project}/GBS{g}_N{n}_in{p}_out{r}/"
     "{step}/gen_batch.dp + meta.json (DataProto.save_to_disk of the agent loop's output)"
 )
+FACT_NOTES = {
+    "num_experts": "num_experts is not in the dump: give it (--num-experts, RRH_NUM_EXPERTS)",
+    "moe_layers": "moe_layers is not in the dump: without --moe-layers (RRH_MOE_LAYERS) it is inferred as "
+    "the layers most samples route on; a MoE layer all zero in most samples reads as dense",
+}
+"""What the dump does not record, said only when the caller did not give it (``importers.notes``)."""
+FACTS_FROM_ENV = True
+"""``$RRH_NUM_EXPERTS`` and ``$RRH_MOE_LAYERS`` give the facts ``FACT_NOTES`` names, as the flags do."""
 NOTES = (
     "dumped before compute_log_prob: no trainer log-probs, so logprob_gap is not checkable",
-    "num_experts is not in the dump: give it (--num-experts, RRH_NUM_EXPERTS)",
-    "moe_layers is not in the dump: without --moe-layers (RRH_MOE_LAYERS) it is inferred as the layers most "
-    "samples route on; a MoE layer all zero in most samples reads as dense",
     "verl fills rows outside the payload with zeros: trailing all-zero rows, and a sample whose routes are "
     "all zero, are read as not captured (fallback metric), never as routes",
     "no trainer routes and no replay mode: replay_fidelity and agreement are not checkable",

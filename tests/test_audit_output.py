@@ -1,0 +1,67 @@
+"""``rrh audit`` prints only true things: its terminal text, ``--html`` and ``--json`` read as printed.
+
+Each test audits a dump written in a framework's own format (verl's RolloutSkip ``gen_batch.dp``,
+SkyRL's training-input pickle, slime's ``rollout_data/{id}.pt``, by the writers of
+``tests/test_audit_import_frameworks.py`` and ``tests/test_audit_import_sources.py``: no framework
+installed) and reads a line the audit printed, naming what was untrue in it before: a note asking
+for a flag that was given, a command that does not exist, a count of temporary files, a dtype that
+is not the tensor's, a figure with no tokens behind it, a suspicion dressed as a violation, a label
+that is in no file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("pyarrow")
+
+from harness.cli import main
+from tests.test_audit_import_frameworks import _skyrl_dump, _skyrl_synthetic, _verl_dump, _verl_synthetic
+
+E = 16
+"""The experts of the fixtures' model (``tests/test_audit_import_frameworks.E``)."""
+
+
+def _dump(name: str, root: Path) -> Path:
+    """The faulty two-step dump of ``name`` (``skyrl``, ``verl``) in its framework's format at ``root``."""
+    if name == "skyrl":
+        _skyrl_dump(root / "export", _skyrl_synthetic, faulty=True)
+    else:
+        _verl_dump(root / "rollout_dump", _verl_synthetic, faulty=True)
+    return root
+
+
+def _audit(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
+    """``rrh audit ARGS`` (serial, no progress bar): exit status, stdout, stderr."""
+    capsys.readouterr()
+    code = main(["audit", *map(str, args), "--executor", "serial", "--no-progress"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(autouse=True)
+def _no_facts_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RRH_NUM_EXPERTS", raising=False)
+    monkeypatch.delenv("RRH_MOE_LAYERS", raising=False)
+
+
+# --- 1. notes asking for flags that were given -----------------------------------------------------
+
+
+@pytest.mark.parametrize("framework", ["skyrl", "verl"])
+def test_no_note_asks_for_a_model_fact_that_was_given(
+    framework: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dump = _dump(framework, tmp_path / "dump")
+    html = tmp_path / "audit.html"
+    _, out, _ = _audit(capsys, dump, "--num-experts", E, "--moe-layers", "1-3", "--html", html)
+    page = html.read_text()
+    for said in ("num_experts is not in the dump", "moe_layers is not in the dump", "give it (--num-experts"):
+        assert said not in out, out
+        assert said not in page
+    # Given only the expert count, the note on the MoE layers (inferred) stays, and only it.
+    _, out, _ = _audit(capsys, dump, "--num-experts", E)
+    assert "num_experts is not in the dump" not in out, out
+    assert f"note: {framework}: moe_layers is not in the dump: without --moe-layers" in out, out
