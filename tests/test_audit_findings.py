@@ -335,7 +335,7 @@ def test_each_importers_hints_name_its_own_framework_only() -> None:
             others = [other for key, other in names.items() if key != name and other in hint]
             # Megatron-LM's hint may point at the engine-side dumps that hold what it lacks.
             assert not others or name == "megatron_lm", (name, column, hint)
-    assert importers.hints_for(["verl RolloutSkip gen_batch.dp (rrh import verl)", "test"]) == {}
+    assert importers.hints_for([importers.importer("verl").SOURCE, "test"]) == {}
 
 
 # --- where a dump is found ----------------------------------------------------------------------------

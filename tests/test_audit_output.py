@@ -11,6 +11,7 @@ that is in no file.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,22 @@ def test_no_note_asks_for_a_model_fact_that_was_given(
     _, out, _ = _audit(capsys, dump, "--num-experts", E)
     assert "num_experts is not in the dump" not in out, out
     assert f"note: {framework}: moe_layers is not in the dump: without --moe-layers" in out, out
+
+
+# --- 2. the sources name what really read the dump ---------------------------------------------------
+
+
+@pytest.mark.parametrize("framework", ["skyrl", "verl"])
+def test_the_sources_name_the_importer_that_read_the_dump_and_a_real_command(
+    framework: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dump = _dump(framework, tmp_path / "dump")
+    html, report = tmp_path / "audit.html", tmp_path / "audit.json"
+    _audit(capsys, dump, "--num-experts", E, "--html", html, "--json", report)
+    page, doc = html.read_text(), json.loads(report.read_text())
+    for text in (page, json.dumps(doc)):
+        assert "rrh import" not in text  # no such command
+    [source] = doc["sources"]
+    assert f"read by rrh audit's {'SkyRL' if framework == 'skyrl' else 'verl'} importer" in source, source
+    assert f"(rrh audit DUMP --from {framework})" in source, source
+    assert source.replace("'", "&#x27;") in page

@@ -79,7 +79,7 @@ HINTS = {
 }
 """What writes each column an invariant may miss, said for SkyRL (``AuditResult`` lines use it)."""
 
-SOURCE = "SkyRL trainer.dump_data_batch (rrh import skyrl)"
+SOURCE = "SkyRL trainer.dump_data_batch, read by rrh audit's SkyRL importer (rrh audit DUMP --from skyrl)"
 SOURCE_PREFIXES = ("SkyRL ",)
 """The ``source`` of the records this importer writes (``hints_for`` tells a re-audited import by it)."""
 FILE_PATTERN = re.compile(r"^global_step_(\d+)_training_input\.pkl$")

@@ -74,7 +74,7 @@ HINTS = {
 }
 """What writes each column an invariant may miss, said for verl (``AuditResult`` lines use it)."""
 
-SOURCE = "verl RolloutSkip gen_batch.dp (rrh import verl)"
+SOURCE = "verl RolloutSkip gen_batch.dp, read by rrh audit's verl importer (rrh audit DUMP --from verl)"
 SOURCE_PREFIXES = ("verl ",)
 """The ``source`` of the records this importer writes (``hints_for`` tells a re-audited import by it)."""
 FILE_NAME = "gen_batch.dp"
