@@ -85,3 +85,23 @@ def test_the_sources_name_the_importer_that_read_the_dump_and_a_real_command(
     assert f"read by rrh audit's {'SkyRL' if framework == 'skyrl' else 'verl'} importer" in source, source
     assert f"(rrh audit DUMP --from {framework})" in source, source
     assert source.replace("'", "&#x27;") in page
+
+
+# --- 3. the files counted are the dump's, singular or plural -----------------------------------------
+
+
+def test_the_files_counted_are_the_dump_files_read_with_the_right_plural(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dump = _dump("skyrl", tmp_path / "dump")  # two steps: two global_step_{N}_training_input.pkl
+    html, report = tmp_path / "audit.html", tmp_path / "audit.json"
+    _, out, _ = _audit(capsys, dump, "--num-experts", E, "--html", html, "--json", report)
+    head = out.splitlines()[0]
+    assert "8 samples of a skyrl dump (2 files of the dump read; imported: " in head, head
+    assert "1 files" not in out and "imported: 1 file" not in out, head
+    assert "2 files of the dump read · 8 samples · " in html.read_text()
+    doc = json.loads(report.read_text())
+    assert (doc["dump_files"], doc["files"]) == (2, 1)  # the temporary layout's one file is told apart
+    one = dump / "export" / "dumped_data" / "global_step_1_training_input.pkl"
+    _, out, _ = _audit(capsys, one, "--num-experts", E)
+    assert "skyrl dump (1 file of the dump read; " in out.splitlines()[0], out

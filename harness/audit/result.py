@@ -133,6 +133,9 @@ class AuditResult:
     """Model facts the dump does not record, as the importer inferred them (printed first)."""
     hints: dict[str, str] = field(default_factory=dict)
     """What writes each missing column, said for the framework that wrote the dump (``hints_for``)."""
+    dump_files: int | None = None
+    """How many files of a framework's dump the import read (``None``: the run layout was audited as it
+    is); ``files`` counts the run-layout files it was imported into."""
 
     @property
     def violated(self) -> list[InvariantResult]:
@@ -153,6 +156,13 @@ class AuditResult:
         shard records)."""
         samples = len(self.samples)
         return f"{samples} samples" + (f" ({self.rows} records)" if self.rows != samples else "")
+
+    def files_read(self) -> str:
+        """The files read, singular or plural: ``2 files`` of the run layout, or for an imported dump
+        ``2 files of the dump`` (the files the framework wrote, not the temporary layout's)."""
+        count = self.files if self.dump_files is None else self.dump_files
+        what = "" if self.dump_files is None else " of the dump"
+        return f"{count} file{'s' * (count != 1)}{what}"
 
     def lines(self) -> list[str]:
         """The terminal summary: what was inferred, one line per invariant, then drift and notes (input
@@ -238,6 +248,7 @@ class AuditResult:
         return {
             "inferred": self.inferred,
             "files": self.files,
+            "dump_files": self.dump_files,
             "rows": self.rows,
             "bytes_read": self.bytes_read,
             "sources": self.sources,

@@ -48,9 +48,10 @@ def report_document(result: AuditResult, *, run: str, command: str, seconds: flo
 
 def _import(
     args: argparse.Namespace, keep: list[Any], errors: list[str]
-) -> tuple[str, str | None, list[str], list[str]]:
+) -> tuple[str, str | None, list[str], list[str], int | None]:
     """The run-layout directory to audit (``args.run`` itself, or the dump found there imported into
-    one), the importer (``None``: the run layout), what it inferred and its notes.
+    one), the importer (``None``: the run layout), what it inferred, its notes and how many files of
+    the dump it read (``None``: the run layout).
 
     A dump file that cannot be imported is a line in ``errors`` (an input error of the audit), and
     the other files are imported; with none imported, the first errors are raised."""
@@ -63,31 +64,36 @@ def _import(
             "expected a verl RolloutSkip dump (the one framework whose packing the join computes)"
         )
     if name is None:
-        return str(dump), None, [], []
+        return str(dump), None, [], [], None
     if args.import_to:
         target = args.import_to
     else:
         tmp = tempfile.TemporaryDirectory(prefix="rrh-audit-")
         keep.append(tmp)
         target = tmp.name
+    from harness.audit.inputs import counting_opened
+
     if args.trainer_trace:
         from harness.audit import trace_join
 
-        return target, name, *trace_join.import_for_cli(args, dump, target)
+        with counting_opened() as opened:
+            inferred, notes = trace_join.import_for_cli(args, dump, target)
+        return target, name, inferred, notes, len(opened)
     module = importers.importer(name)
     found = "" if Path(dump) == Path(args.run) else f" (found below {args.run})"
     print(f"importing {dump}{found} as a {module.DESCRIPTION}", file=sys.stderr)
     inferred: list[str] = []
-    files = importers.import_dump(
-        name, dump, target, errors=None if args.strict else errors, inferred=inferred,
-        num_experts=args.num_experts, moe_layers=args.moe_layers,
-    )  # fmt: skip
+    with counting_opened() as opened:
+        files = importers.import_dump(
+            name, dump, target, errors=None if args.strict else errors, inferred=inferred,
+            num_experts=args.num_experts, moe_layers=args.moe_layers,
+        )  # fmt: skip
     if not files and errors:  # nothing imported: no run to audit, only the files that failed
         raise LayoutError(
             "; ".join(errors[:3]) + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else "")
         )
     said = importers.notes(name, num_experts=args.num_experts, moe_layers=args.moe_layers)
-    return target, name, inferred, [f"{name}: {note}" for note in said]
+    return target, name, inferred, [f"{name}: {note}" for note in said], len(opened)
 
 
 def _trace_alone(args: argparse.Namespace) -> int | None:
@@ -113,7 +119,7 @@ def run_audit(args: argparse.Namespace) -> int:
         alone = _trace_alone(args)
         if alone is not None:
             return alone
-        run, name, inferred, notes = _import(args, keep, import_errors)
+        run, name, inferred, notes, dump_files = _import(args, keep, import_errors)
         options = AuditOptions(steps=args.steps, every=max(1, args.every), samples=args.samples)
         result = audit_run(
             run,
@@ -133,6 +139,7 @@ def run_audit(args: argparse.Namespace) -> int:
             tmp.cleanup()
     result.inferred = inferred + result.inferred
     result.notes = result.notes + notes
+    result.dump_files = dump_files
     seconds = time.perf_counter() - start
     # An input error comes first, on stderr, one line each; with nothing audited it is all there is.
     for error in result.input_errors:
@@ -140,12 +147,11 @@ def run_audit(args: argparse.Namespace) -> int:
     if result.input_errors and not result.rows:
         return 2
     if name is None:
-        print(f"rrh audit {args.run}: {result.files} files, {result.counted()}, "
+        print(f"rrh audit {args.run}: {result.files_read()}, {result.counted()}, "
               f"{human_size(result.bytes_read)} in {seconds:.1f}s")  # fmt: skip
     else:
-        layout = f"{result.files} file{'s' * (result.files != 1)}, {human_size(result.bytes_read)}"
-        print(f"rrh audit {args.run}: {result.counted()} of a {name} dump (imported: {layout} of run "
-              f"layout) in {seconds:.1f}s")  # fmt: skip
+        print(f"rrh audit {args.run}: {result.counted()} of a {name} dump ({result.files_read()} read; "
+              f"imported: {human_size(result.bytes_read)} of run layout) in {seconds:.1f}s")  # fmt: skip
     for line in result.lines():
         print(line)
     if result.input_errors:

@@ -164,6 +164,15 @@ def _worst_table(result: AuditResult, rows: list[dict[str, Any]], figure: str) -
     )
 
 
+def _read(result: AuditResult) -> str:
+    """``2 files · 19 samples · 41.2 KiB``; for an imported dump the files of the dump read and the bytes
+    of the run layout they were imported into, each said so."""
+    size = human_size(result.bytes_read)
+    if result.dump_files is None:
+        return f"{result.files_read()} · {result.counted()} · {size}"
+    return f"{result.files_read()} read · {result.counted()} · {size} of run layout"
+
+
 def audit_html(result: AuditResult, *, title: str, command: str, seconds: float) -> str:
     """The page for ``result`` (``title``: the run audited)."""
     e = html.escape
@@ -188,7 +197,7 @@ def audit_html(result: AuditResult, *, title: str, command: str, seconds: float)
 <style>{CSS}</style></head>
 <body><main>
 <h1>Routing replay audit: {e(title)}</h1>
-<p class="sub">{result.files} files · {e(result.counted())} · {human_size(result.bytes_read)} ·
+<p class="sub">{e(_read(result))} ·
 {seconds:.1f}s · <span class="mono">{e(command)}</span><br>sources: {e("; ".join(result.sources))}</p>
 <div class="verdict {e(status)}"><div class="status">{e(status.upper())}</div><p>{e(text)}</p></div>
 {errors}{drift}
