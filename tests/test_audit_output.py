@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("pyarrow")
@@ -105,3 +107,42 @@ def test_the_files_counted_are_the_dump_files_read_with_the_right_plural(
     one = dump / "export" / "dumped_data" / "global_step_1_training_input.pkl"
     _, out, _ = _audit(capsys, one, "--num-experts", E)
     assert "skyrl dump (1 file of the dump read; " in out.splitlines()[0], out
+
+
+# --- 4. a refused dtype is the tensor's own ----------------------------------------------------------
+
+
+class _BFloat16:
+    """A bfloat16 tensor as the dump writers take it (numpy has no bfloat16): its bits, its name."""
+
+    dtype = "bfloat16"
+
+    def __init__(self, values: Any) -> None:
+        self.bits = (np.asarray(values, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        self.shape = self.bits.shape
+
+    def tobytes(self) -> bytes:
+        return self.bits.tobytes()
+
+    def __len__(self) -> int:
+        return len(self.bits)
+
+
+def test_a_bfloat16_routes_tensor_is_refused_naming_bfloat16(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tests.test_audit_import_frameworks as frameworks
+
+    fields = frameworks._verl_fields
+
+    def bfloat16_routes(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        out: dict[str, Any] = fields(*args, **kwargs)
+        out["routed_experts"] = _BFloat16(out["routed_experts"])
+        return out
+
+    monkeypatch.setattr(frameworks, "_verl_fields", bfloat16_routes)
+    dump = _dump("verl", tmp_path / "dump")
+    code, _, err = _audit(capsys, dump, "--num-experts", E)
+    assert code == 2, err
+    assert "field 'routed_experts' is bfloat16; expected integer ids" in err, err
+    assert "float32" not in err, err

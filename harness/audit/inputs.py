@@ -193,7 +193,9 @@ INT_BITS = {32: (-(2**31), 2**31 - 1), 64: (-(2**63), 2**63 - 1)}
 def check_ints(array: Any, bits: int, source: str, field: str) -> None:
     """``array`` holds integers that fit ``bits`` signed bits (the layout's int32 token ids)."""
     if array.dtype.kind not in "biu":
-        raise LayoutError(f"{source}: field {field!r} holds {array.dtype} values; expected integers")
+        from harness.audit.importers.torch_format import dtype_name  # what the file held: bfloat16 too
+
+        raise LayoutError(f"{source}: field {field!r} holds {dtype_name(array)} values; expected integers")
     low, high = INT_BITS[bits]
     if array.size and (int(array.min()) < low or int(array.max()) > high):
         bad = int(array.min()) if int(array.min()) < low else int(array.max())

@@ -30,6 +30,7 @@ from harness.audit.importers.model_shape import (
     payload_rows,
     step_layers,
 )
+from harness.audit.importers.torch_format import dtype_name
 from harness.audit.inputs import read_file
 from harness.audit.layout import LayoutError, SampleRecord
 from harness.trace import MAX_LAYERS, LayerAxis
@@ -87,7 +88,7 @@ def dump_records(
 def check_route_ids(routes: npt.NDArray[Any], source: str, field: str) -> None:
     """A padded route tensor holds integer ids."""
     if routes.dtype.kind not in "iu":
-        raise LayoutError(f"{source}: field {field!r} is {routes.dtype}; expected integer ids")
+        raise LayoutError(f"{source}: field {field!r} is {dtype_name(routes)}; expected integer ids")
 
 
 def route_widths(routes: npt.NDArray[Any], num_experts: int, source: str, field: str) -> tuple[int, int]:
@@ -103,7 +104,7 @@ def route_widths(routes: npt.NDArray[Any], num_experts: int, source: str, field:
 def check_logprobs(values: npt.NDArray[Any] | None, source: str, field: str) -> None:
     """A log-prob tensor the dump may hold is numbers."""
     if values is not None and values.dtype.kind not in "iuf":
-        raise LayoutError(f"{source}: field {field!r} is {values.dtype}; expected log-probabilities")
+        raise LayoutError(f"{source}: field {field!r} is {dtype_name(values)}; expected log-probabilities")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import numpy.typing as npt
 from harness.audit.importers import pickle_values, safe_pickle
 from harness.audit.importers.base import NO_ROUTES, RoutingShape
 from harness.audit.importers.model_shape import ExpertVote, LayerVote, signature
+from harness.audit.importers.torch_format import dtype_name
 from harness.audit.inputs import brief, read_file
 from harness.audit.layout import LayoutError
 from harness.trace import MAX_LAYERS
@@ -70,7 +71,7 @@ def number_array(value: Any, where: str, field: str, kind: str) -> npt.NDArray[A
     else:
         raise LayoutError(f"{where}: field {field!r} is {brief(value)}; expected {what} (a tensor or a list)")
     if array.dtype.kind not in allowed:
-        raise LayoutError(f"{where}: field {field!r} holds {array.dtype} values; expected {what}")
+        raise LayoutError(f"{where}: field {field!r} holds {dtype_name(array)} values; expected {what}")
     return array.astype(np.int64 if kind == "i" else np.float64, copy=False)
 
 
