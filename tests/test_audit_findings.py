@@ -480,6 +480,6 @@ def test_the_page_says_not_measured_instead_of_empty_charts_and_tables_of_zeros(
     assert "Train–inference gap: not measured — missing trainer_logprobs" in text
     assert "Worst samples by disagreement: not measured" in text
     assert "<h3>Worst samples by disagreement</h3>" not in text
-    assert "rows without a captured route 0 in every step" in text
+    assert "Rows without a captured route per step: 0 in every step." in text
     assert "<svg" not in text  # nothing measured that a chart would show
     assert " KiB" in text and "0.0 MiB" not in text

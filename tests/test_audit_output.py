@@ -146,3 +146,35 @@ def test_a_bfloat16_routes_tensor_is_refused_naming_bfloat16(
     assert code == 2, err
     assert "field 'routed_experts' is bfloat16; expected integer ids" in err, err
     assert "float32" not in err, err
+
+
+# --- 5. a split that cannot be made, a label said twice ----------------------------------------------
+
+
+def test_the_gap_split_by_routing_says_it_needs_trainer_routes_when_the_dump_has_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dump = _dump("skyrl", tmp_path / "dump")  # engine and trainer log-probs, engine routes only
+    report = tmp_path / "audit.json"
+    _, out, _ = _audit(capsys, dump, "--num-experts", E, "--json", report)
+    [line] = [x for x in out.splitlines() if x.startswith("logprob_gap ")]
+    assert "no token" not in line, line
+    assert "split by whether the routes agreed: not available, the dump has no trainer routes" in line, line
+    [gap] = [r for r in json.loads(report.read_text())["invariants"] if r["name"] == "logprob_gap"]
+    assert "the dump has no trainer routes" in gap["summary"]
+
+
+def test_an_all_zero_chart_is_one_sentence_that_names_its_figure_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from harness.audit.generate import RunShape, generate_run
+
+    shape = RunShape(steps=2, prompts=2, group_size=3, prompt_len=12, response_len=10, layers=6, experts=32,
+                     top_k=4)  # fmt: skip
+    generate_run(tmp_path / "run", shape, seed=3)  # clean: every row captured, every route agrees
+    html = tmp_path / "audit.html"
+    _audit(capsys, tmp_path / "run", "--html", html)
+    page = html.read_text()
+    assert "<p class=sub>Rows without a captured route per step: 0 in every step.</p>" in page
+    assert "rows without a captured route 0" not in page
+    assert "<p class=sub>Routing disagreement per MoE layer, whole run: 0 in every MoE layer.</p>" in page

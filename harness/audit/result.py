@@ -315,9 +315,11 @@ def _metric_summaries(
             if agreement
             else ""
         ),
-        "logprob_gap": (
-            f"mean |Δ| {g.mean_abs_diff:.3e}, k3 {g.k3:.3e} over {g.n_tokens} tokens; "
+        "logprob_gap": f"mean |Δ| {g.mean_abs_diff:.3e}, k3 {g.k3:.3e} over {g.n_tokens} tokens; "
+        + (
             f"routes agreed: {_part_gap(a)}, flipped: {_part_gap(fl)}"
+            if agreement is not None
+            else "split by whether the routes agreed: not available, the dump has no trainer routes"
         ),
         "prefix_agreement": f"{prefix_agree:.4f} of prompt rows agree within their group ({groups} groups)",
         "expert_load": f"busiest expert / mean, worst layer: {max(loads):.2f}" if loads else "",

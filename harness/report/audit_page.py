@@ -25,14 +25,18 @@ def _every(count: int) -> int:
     return max(1, count // 16)
 
 
-def _chart_or_line(title: str, cats: list[str], series: list[tuple[str, list[Any], str]], **kw: Any) -> str:
-    """A chart of the series that were measured; a sentence instead when every value is 0."""
+def _chart_or_line(
+    title: str, cats: list[str], series: list[tuple[str, list[Any], str]], *, over: str = "step", **kw: Any
+) -> str:
+    """A chart of the series that were measured; a sentence instead when every value is 0: ``TITLE: 0 in
+    every step.`` (``over``: what the categories are), naming the series only where there are several
+    (one series' name is the title's own words)."""
     measured = [(name, vals, colour) for name, vals, colour in series if any(v is not None for v in vals)]
     if not measured:
         return ""
     if all(not v for _, vals, _ in measured for v in vals if v is not None):
-        names = " and ".join(name for name, _, _ in measured)
-        return f"<p class=sub>{html.escape(title)}: {html.escape(names)} 0 in every step.</p>"
+        names = " and ".join(name for name, _, _ in measured) + " " if len(measured) > 1 else ""
+        return f"<p class=sub>{html.escape(title)}: {html.escape(names)}0 in every {html.escape(over)}.</p>"
     return svg_grouped_bars(title, cats, measured, **kw)
 
 
@@ -101,6 +105,7 @@ def _trend_charts(result: AuditResult) -> list[str]:
                 [("routes differ", [r["disagreement"] for r in layers], "#d9822b")],
                 y_label="routes that differ",
                 x_label="decoder layer",
+                over="MoE layer",
                 percent=True,
                 label_every=_every(len(layers)),
                 width=max(560, 14 * len(layers) + 120),
