@@ -178,3 +178,53 @@ def test_an_all_zero_chart_is_one_sentence_that_names_its_figure_once(
     assert "<p class=sub>Rows without a captured route per step: 0 in every step.</p>" in page
     assert "rows without a captured route 0" not in page
     assert "<p class=sub>Routing disagreement per MoE layer, whole run: 0 in every MoE layer.</p>" in page
+
+
+# --- 6. a detector's suspicion is not a broken invariant ---------------------------------------------
+
+
+def _resumed_twice_skyrl(export: Path) -> None:
+    """A SkyRL dump (one step, two groups of two) whose sample 3 holds rows a resume appended twice,
+    cut back to ``P + R`` (``repeated_rows``' fault: a detector names it, nothing strict can)."""
+    from tests.test_audit_import_frameworks import Sample, _routes
+
+    rng = np.random.default_rng(9)
+    samples = []
+    for group in range(2):
+        prompt = rng.integers(2, 1000, size=8)
+        for _ in range(2):
+            routes = _routes(rng, 8 + 40 - 1)
+            samples.append(
+                Sample(group, prompt, rng.integers(2, 1000, size=40), routes, -np.ones(40, np.float32))
+            )
+    samples[3].routes[20:26] = samples[3].routes[14:20]
+    _skyrl_synthetic(export, {1: samples}, {})
+
+
+def test_a_detector_suspects_in_the_terminal_the_html_and_the_json_and_exits_0(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _resumed_twice_skyrl(tmp_path / "dump" / "export")
+    html, report = tmp_path / "audit.html", tmp_path / "audit.json"
+    code, out, _ = _audit(capsys, tmp_path / "dump", "--num-experts", E, "--html", html, "--json", report)
+    [line] = [x for x in out.splitlines() if x.startswith("repeated_rows ")]
+    assert line.startswith("repeated_rows       SUSPECT in 1 of 4 samples (a detector's suspicion, not a "
+                           "broken invariant); first at step 1 sample 3 row 20"), line  # fmt: skip
+    assert "VIOLATED" not in out, out
+    assert code == 0, out  # exit 1 is a broken strict invariant (docs/audit.md), never a suspicion
+    [found] = [r for r in json.loads(report.read_text())["invariants"] if r["name"] == "repeated_rows"]
+    assert (found["kind"], found["status"], found["violated"]) == ("suspicion", "suspect", 1), found
+    page = html.read_text()
+    assert '<tr class="SUSPECT"><td><span class="badge SUSPECT">suspect</span></td><td>suspicion</td>' in page
+    assert '<div class="verdict suspect"><div class="status">SUSPECT</div>' in page
+    assert "1 detector(s) suspect a fault (repeated_rows): a suspicion, not a broken invariant" in page
+    assert "FAIL" not in page.split("<h2>Invariants</h2>")[1].split("</table>")[0]
+
+
+def test_a_clean_detector_says_nothing_suspect_and_a_strict_invariant_no_violation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dump = _dump("skyrl", tmp_path / "dump")
+    _, out, _ = _audit(capsys, dump, "--num-experts", E)
+    assert "repeated_rows       checked: 8 samples, nothing suspect" in out, out
+    assert "dense_empty         checked: 8 samples, no violation" in out, out

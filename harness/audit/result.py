@@ -1,7 +1,8 @@
 """The result of an audit: each invariant checked, violated or not checkable, and the metrics.
 
 ``AuditResult.of(state)`` turns the merged ``AuditState`` into plain figures: a status per strict
-invariant with its first offenders, per-step and per-layer metrics, drift flags and the worst
+invariant with its first offenders (a detector's, kind ``suspicion``, is ``suspect``, never
+``violated``), per-step and per-layer metrics, drift flags and the worst
 samples. It is what the terminal summary, ``--json``, ``--html`` and ``--summary`` print.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit.checks.invariants import METRICS, NEEDS, STRICT
+from harness.audit.checks.invariants import DETECTORS, METRICS, NEEDS, STRICT
 from harness.audit.state import WORST, AuditState, SampleFigure, nan_if_empty
 
 HINTS: dict[str, str] = {
@@ -49,8 +50,10 @@ THRESHOLD_FIGURES = (
 class InvariantResult:
     name: str
     kind: str
+    """``strict`` (an invariant), ``suspicion`` (a detector, ``DETECTORS``) or ``metric``."""
     status: str
-    """``checked``, ``violated`` or ``not checkable``."""
+    """``checked``, ``violated`` (a strict invariant broken), ``suspect`` (a detector named a sample) or
+    ``not checkable``."""
     checked: int = 0
     violated: int = 0
     offenders: list[dict[str, Any]] = field(default_factory=list)
@@ -69,9 +72,16 @@ class InvariantResult:
                 f"{self.name:<19} VIOLATED in {self.violated} of {self.checked} samples; first at "
                 f"{_offender_text(self.offenders[0])}"
             )
+        if self.status == "suspect":
+            return (
+                f"{self.name:<19} SUSPECT in {self.violated} of {self.checked} samples (a detector's "
+                f"suspicion, not a broken invariant); first at {_offender_text(self.offenders[0])}"
+            )
         if self.kind == "metric":
             worst = f"; worst: {_offender_text(self.offenders[0])}" if self.offenders else ""
             return f"{self.name:<19} measured: {self.summary}{worst}"
+        if self.kind == "suspicion":
+            return f"{self.name:<19} checked: {self.checked} samples, nothing suspect"
         return f"{self.name:<19} checked: {self.checked} samples, no violation"
 
     def as_dict(self) -> dict[str, Any]:
@@ -139,7 +149,13 @@ class AuditResult:
 
     @property
     def violated(self) -> list[InvariantResult]:
+        """The strict invariants broken (what makes ``rrh audit`` exit 1); never a detector's suspicion."""
         return [r for r in self.invariants if r.status == "violated"]
+
+    @property
+    def suspected(self) -> list[InvariantResult]:
+        """The detectors that named a sample (``suspect``): worth a look, not a broken invariant."""
+        return [r for r in self.invariants if r.status == "suspect"]
 
     def over(self, thresholds: list[tuple[str, float]]) -> list[str]:
         """One line per (figure, step) whose value exceeds the user's threshold for it."""
@@ -189,16 +205,18 @@ class AuditResult:
 
         named = name_groups(state)
         for name in (*STRICT, *METRICS):
-            kind = "strict" if name in STRICT else "metric"
+            kind = "suspicion" if name in DETECTORS else "strict" if name in STRICT else "metric"
             tally = named.wrapped if name == "wrapped_ids" else state.tallies.get(name)
             missing = named.wrap_missing if name == "wrapped_ids" else sorted(state.missing.get(name, set()))
-            if kind == "strict":
+            if kind != "metric":
                 checked = tally.checked if tally else 0
                 if checked == 0 and name != "unique_sample":
                     status = "not checkable"
                     missing = missing or list(NEEDS.get(name, ()))
+                elif tally and tally.violated:
+                    status = "suspect" if kind == "suspicion" else "violated"
                 else:
-                    status = "violated" if tally and tally.violated else "checked"
+                    status = "checked"
                 invariants.append(
                     InvariantResult(
                         name, kind, status, checked, tally.violated if tally else 0,

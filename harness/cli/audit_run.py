@@ -3,7 +3,7 @@
 The terminal shows a progress bar over the bytes of the run (tqdm: bytes, rate, ETA) and one
 line per invariant; ``--html``, ``--json`` and ``--summary`` write the same result for a reader,
 a program and a query engine. Exit 0 clean, 1 a strict violation (or a figure over
-``--fail-on``), 2 a usage or input error.
+``--fail-on``), 2 a usage or input error; a detector's suspicion (``SUSPECT``) leaves it 0.
 """
 
 from __future__ import annotations

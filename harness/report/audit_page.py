@@ -18,7 +18,8 @@ from harness.audit.result import AuditResult, InvariantResult, human_size
 from harness.report.html_page import CSS
 from harness.report.svg import svg_grouped_bars
 
-_STATUS = {"checked": "PASS", "violated": "FAIL", "not checkable": "skip"}
+_STATUS = {"checked": "PASS", "violated": "FAIL", "suspect": "SUSPECT", "not checkable": "skip"}
+"""The badge (and its CSS class) of each status: a detector's suspicion is not a failure."""
 
 
 def _every(count: int) -> int:
@@ -123,7 +124,7 @@ def _offender_table(inv: InvariantResult) -> str:
         f"<td>{e(o['expected'])}</td><td>{e(o['actual'])}</td><td class=mono>{e(o['where'])}</td></tr>"
         for o in inv.offenders
     )
-    what = "first offenders" if inv.kind == "strict" else "worst samples"
+    what = {"strict": "first offenders", "suspicion": "first suspected"}.get(inv.kind, "worst samples")
     return (
         f"<details><summary>{len(inv.offenders)} {what}</summary><table><thead><tr>"
         "<th>step</th><th>sample</th><th>row</th><th>layer</th><th>expected</th><th>got</th><th>where</th>"
@@ -181,14 +182,19 @@ def _read(result: AuditResult) -> str:
 def audit_html(result: AuditResult, *, title: str, command: str, seconds: float) -> str:
     """The page for ``result`` (``title``: the run audited)."""
     e = html.escape
-    violated = result.violated
-    status = "incomplete" if result.input_errors else "fail" if violated else "pass"
+    violated, suspected = result.violated, result.suspected
+    status = "fail" if violated else "suspect" if suspected else "pass"
+    status = "incomplete" if result.input_errors else status
     text = (
         f"{len(violated)} strict invariant(s) violated"
         if violated
         else "no strict invariant violated"
         + (", but some files could not be read" if result.input_errors else "")
     )
+    if suspected:
+        names = ", ".join(r.name for r in suspected)
+        said = f"{len(suspected)} detector(s) suspect a fault ({names})"
+        text += f"; {said}: a suspicion, not a broken invariant"
     errors = "".join(f'<p class="error">{e(x)}</p>' for x in result.input_errors)
     drift = "".join(f'<p class="note">inferred: {e(x)}</p>' for x in result.inferred)
     drift += "".join(f'<p class="note">drift: {e(x)}</p>' for x in result.drift)
