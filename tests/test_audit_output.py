@@ -228,3 +228,38 @@ def test_a_clean_detector_says_nothing_suspect_and_a_strict_invariant_no_violati
     _, out, _ = _audit(capsys, dump, "--num-experts", E)
     assert "repeated_rows       checked: 8 samples, nothing suspect" in out, out
     assert "dense_empty         checked: 8 samples, no violation" in out, out
+
+
+# --- 7. labels that are in the dump: rollout ids, groups by their samples, the worst layer -----------
+
+
+def test_a_slime_dumps_steps_are_printed_as_rollout_ids(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.test_audit_import_sources import _slime_dump, _slime_faults
+
+    _slime_dump(tmp_path / "dump", edit=_slime_faults)
+    html = tmp_path / "audit.html"
+    _, out, _ = _audit(capsys, tmp_path / "dump", "--html", html)
+    violated = [x for x in out.splitlines() if " VIOLATED in " in x]
+    assert violated and all(" first at rollout id " in x for x in violated), violated
+    assert not any(" first at step " in x for x in violated), violated
+    page = html.read_text()
+    assert "<th>rollout id</th><th>sample</th><th>row</th>" in page
+    assert "Rows without a captured route per rollout id" in page
+
+
+def test_skyrl_groups_are_named_by_their_samples_and_expert_load_names_its_layer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dump = _dump("skyrl", tmp_path / "dump")
+    report = tmp_path / "audit.json"
+    _, out, _ = _audit(capsys, dump, "--num-experts", E, "--json", report)
+    [prefix] = [x for x in out.splitlines() if x.startswith("prefix_agreement ")]
+    assert "as sample 1 of group samples 0-1 holds at this prompt row" in prefix, prefix
+    assert "group p0" not in out, out
+    [load] = [x for x in out.splitlines() if x.startswith("expert_load ")]
+    layers = json.loads(report.read_text())["layers"]
+    worst = max(layers, key=lambda r: r["load_max_over_mean"])
+    want = f"busiest expert / mean, worst layer {worst['layer']}: {worst['load_max_over_mean']:.2f}"
+    assert load == f"expert_load         measured: {want}", load

@@ -61,8 +61,9 @@ class InvariantResult:
     summary: str = ""
     """A metric's figures over the whole run, in a few words."""
 
-    def line(self, hints: dict[str, str] | None = None) -> str:
-        """The terminal line; ``hints`` (an importer's ``HINTS``) say what writes a missing column."""
+    def line(self, hints: dict[str, str] | None = None, step_name: str = "step") -> str:
+        """The terminal line; ``hints`` (an importer's ``HINTS``) say what writes a missing column,
+        ``step_name`` what a step is in the dump (``AuditResult.step_name``)."""
         if self.status == "not checkable":
             said = {**HINTS, **(hints or {})}
             why = "; ".join(f"{m}: {said.get(m, 'not in this dump')}" for m in self.missing)
@@ -70,15 +71,15 @@ class InvariantResult:
         if self.status == "violated":
             return (
                 f"{self.name:<19} VIOLATED in {self.violated} of {self.checked} samples; first at "
-                f"{_offender_text(self.offenders[0])}"
+                f"{_offender_text(self.offenders[0], step_name)}"
             )
         if self.status == "suspect":
             return (
                 f"{self.name:<19} SUSPECT in {self.violated} of {self.checked} samples (a detector's "
-                f"suspicion, not a broken invariant); first at {_offender_text(self.offenders[0])}"
+                f"suspicion, not a broken invariant); first at {_offender_text(self.offenders[0], step_name)}"
             )
         if self.kind == "metric":
-            worst = f"; worst: {_offender_text(self.offenders[0])}" if self.offenders else ""
+            worst = f"; worst: {_offender_text(self.offenders[0], step_name)}" if self.offenders else ""
             return f"{self.name:<19} measured: {self.summary}{worst}"
         if self.kind == "suspicion":
             return f"{self.name:<19} checked: {self.checked} samples, nothing suspect"
@@ -107,9 +108,9 @@ def human_size(nbytes: int) -> str:
     return f"{value:.1f} GiB"
 
 
-def _offender_text(o: dict[str, Any]) -> str:
-    """``step S sample K row R layer L: expected E, got A (where)``."""
-    at = f"step {o['step']} sample {o['sample_key']}"
+def _offender_text(o: dict[str, Any], step_name: str = "step") -> str:
+    """``step S sample K row R layer L: expected E, got A (where)`` (``rollout id S`` for slime)."""
+    at = f"{step_name} {o['step']} sample {o['sample_key']}"
     at += f" row {o['row']}" if o["row"] is not None else ""
     at += f" layer {o['layer']}" if o["layer"] is not None else ""
     return f"{at}: expected {o['expected']}, got {o['actual']} ({o['where']})"
@@ -143,6 +144,8 @@ class AuditResult:
     """Model facts the dump does not record, as the importer inferred them (printed first)."""
     hints: dict[str, str] = field(default_factory=dict)
     """What writes each missing column, said for the framework that wrote the dump (``hints_for``)."""
+    step_name: str = "step"
+    """What a step is in the dump the run came from: ``rollout id`` for slime (``step_name_for``)."""
     dump_files: int | None = None
     """How many files of a framework's dump the import read (``None``: the run layout was audited as it
     is); ``files`` counts the run-layout files it was imported into."""
@@ -160,7 +163,7 @@ class AuditResult:
     def over(self, thresholds: list[tuple[str, float]]) -> list[str]:
         """One line per (figure, step) whose value exceeds the user's threshold for it."""
         return [
-            f"{name} at step {s['step']} is {s[name]:.4g}, over --fail-on {name}={limit:g}"
+            f"{name} at {self.step_name} {s['step']} is {s[name]:.4g}, over --fail-on {name}={limit:g}"
             for name, limit in thresholds
             for s in self.steps
             if s.get(name) is not None and s[name] > limit
@@ -184,7 +187,7 @@ class AuditResult:
         """The terminal summary: what was inferred, one line per invariant, then drift and notes (input
         errors are the caller's to print first: ``rrh audit`` writes them to stderr)."""
         out = [f"inferred: {x}" for x in self.inferred]
-        out += [r.line(self.hints) for r in self.invariants]
+        out += [r.line(self.hints, self.step_name) for r in self.invariants]
         out += [f"drift: {d}" for d in self.drift]
         out += [f"note: {x}" for x in self.notes]
         return out
@@ -201,6 +204,7 @@ class AuditResult:
             union.checked = len(state.shards)
             shard_offenders = state.shard_offenders()
             union.add(0, shard_offenders, len({(o.step, o.sample_key) for o in shard_offenders}))
+        from harness.audit import importers
         from harness.audit.findings import name_groups
 
         named = name_groups(state)
@@ -251,7 +255,7 @@ class AuditResult:
             layers=layers,
             worst=_worst(state.samples),
             samples=sorted(state.samples),
-            drift=_drift(steps),
+            drift=_drift(steps, importers.step_name_for(state.sources)),
             input_errors=sorted(state.input_errors),
             files=len(state.files),
             rows=state.rows_read,
@@ -259,7 +263,8 @@ class AuditResult:
             sources=sorted(state.sources),
             moe_layers=list(state.moe_layers),
             step_layers=step_layers,
-            hints=_hints(state.sources),
+            hints=importers.hints_for(state.sources),
+            step_name=importers.step_name_for(state.sources),
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -278,12 +283,6 @@ class AuditResult:
             "notes": self.notes,
             "worst": self.worst,
         }
-
-
-def _hints(sources: set[str]) -> dict[str, str]:
-    from harness.audit.importers import hints_for
-
-    return hints_for(sources)
 
 
 def _prefix_figures(state: AuditState) -> dict[int, tuple[int, int, int]]:
@@ -322,7 +321,8 @@ def _metric_summaries(
     prefix_differ = sum(differ for _, differ, _ in prefix.values())
     prefix_agree = 1 - prefix_differ / prefix_rows if prefix_rows else math.nan
     g, a, fl = gap.result(), agreed.result(), flipped.result()
-    loads = [r["load_max_over_mean"] for r in layers if r.get("load_max_over_mean") is not None]
+    loads = [r for r in layers if r.get("load_max_over_mean") is not None]
+    busiest = max(loads, key=lambda r: float(r["load_max_over_mean"])) if loads else None  # first on ties
     return {
         "fallback": f"{uncaptured} of {rows} rows without a captured route "
         f"({nan_if_empty(uncaptured, rows):.4f})",
@@ -340,7 +340,11 @@ def _metric_summaries(
             else "split by whether the routes agreed: not available, the dump has no trainer routes"
         ),
         "prefix_agreement": f"{prefix_agree:.4f} of prompt rows agree within their group ({groups} groups)",
-        "expert_load": f"busiest expert / mean, worst layer: {max(loads):.2f}" if loads else "",
+        "expert_load": (
+            f"busiest expert / mean, worst layer {busiest['layer']}: {busiest['load_max_over_mean']:.2f}"
+            if busiest
+            else ""
+        ),
     }
 
 
@@ -449,7 +453,7 @@ DRIFT_FACTOR = 2.0
 """A step's figure more than this many times the run's median is flagged as drift."""
 
 
-def _drift(steps: list[dict[str, Any]]) -> list[str]:
+def _drift(steps: list[dict[str, Any]], step_name: str = "step") -> list[str]:
     flags = []
     for figure in ("mean_abs_diff", "disagreement", "fallback_fraction"):
         values = [(s["step"], s[figure]) for s in steps if s.get(figure) is not None]
@@ -459,7 +463,7 @@ def _drift(steps: list[dict[str, Any]]) -> list[str]:
         for step, value in values:
             if median > 0 and value > DRIFT_FACTOR * median:
                 flags.append(
-                    f"{figure} at step {step} is {value:.3g}, "
+                    f"{figure} at {step_name} {step} is {value:.3g}, "
                     f"{value / median:.1f}× the run's median {median:.3g}"
                 )
     return flags

@@ -46,7 +46,7 @@ def _not_measured(result: AuditResult, name: str, what: str) -> str:
     found = next((r for r in result.invariants if r.name == name), None)
     if found is None or found.status != "not checkable":
         return ""
-    why = found.line(result.hints).split("— missing ", 1)[-1]
+    why = found.line(result.hints, result.step_name).split("— missing ", 1)[-1]
     return f"<p class=sub>{html.escape(what)}: not measured — missing {html.escape(why)}</p>"
 
 
@@ -56,11 +56,13 @@ def _trend_charts(result: AuditResult) -> list[str]:
         return []
     cats = [str(s["step"]) for s in steps]
     charts = []
-    common = {"x_label": "step", "label_every": _every(len(cats)), "width": max(560, 24 * len(cats) + 120)}
+    step = result.step_name  # slime's steps are rollout ids
+    common = {"x_label": step, "over": step, "label_every": _every(len(cats)),
+              "width": max(560, 24 * len(cats) + 120)}  # fmt: skip
     if any(s["mean_abs_diff"] is not None for s in steps):
         charts.append(
             _chart_or_line(
-                "Train–inference gap per step: mean |Δ log-prob|",
+                f"Train–inference gap per {step}: mean |Δ log-prob|",
                 cats,
                 [
                     ("all tokens", [s["mean_abs_diff"] for s in steps], "#555"),
@@ -77,7 +79,7 @@ def _trend_charts(result: AuditResult) -> list[str]:
     if any(v is not None for v in disagreement):
         charts.append(
             _chart_or_line(
-                "Routes that differ (trainer vs engine) per step",
+                f"Routes that differ (trainer vs engine) per {step}",
                 cats,
                 [("routes differ (trainer vs engine)", disagreement, "#d9822b")],
                 y_label="fraction",
@@ -89,7 +91,7 @@ def _trend_charts(result: AuditResult) -> list[str]:
         charts.append(_not_measured(result, "agreement", "Routes that differ (trainer vs engine)"))
     charts.append(
         _chart_or_line(
-            "Rows without a captured route per step",
+            f"Rows without a captured route per {step}",
             cats,
             [("rows without a captured route", [s["fallback_fraction"] for s in steps], "#777")],
             y_label="fraction",
@@ -115,7 +117,7 @@ def _trend_charts(result: AuditResult) -> list[str]:
     return [c for c in charts if c]
 
 
-def _offender_table(inv: InvariantResult) -> str:
+def _offender_table(inv: InvariantResult, step: str = "step") -> str:
     e = html.escape
     rows = "".join(
         f"<tr><td class=num>{o['step']}</td><td class=mono>{e(o['sample_key'])}</td>"
@@ -127,7 +129,7 @@ def _offender_table(inv: InvariantResult) -> str:
     what = {"strict": "first offenders", "suspicion": "first suspected"}.get(inv.kind, "worst samples")
     return (
         f"<details><summary>{len(inv.offenders)} {what}</summary><table><thead><tr>"
-        "<th>step</th><th>sample</th><th>row</th><th>layer</th><th>expected</th><th>got</th><th>where</th>"
+        f"<th>{e(step)}</th><th>sample</th><th>row</th><th>layer</th><th>expected</th><th>got</th><th>where</th>"
         f"</tr></thead><tbody>{rows}</tbody></table></details>"
     )
 
@@ -137,10 +139,10 @@ def _invariant_rows(result: AuditResult) -> str:
     out = []
     for inv in result.invariants:
         mark = _STATUS[inv.status]
-        line = inv.line(result.hints)
+        line = inv.line(result.hints, result.step_name)
         detail = e(line.split(None, 1)[1] if " " in line else line)
         if inv.offenders:
-            detail += _offender_table(inv)
+            detail += _offender_table(inv, result.step_name)
         out.append(
             f'<tr class="{mark}"><td><span class="badge {mark}">{e(inv.status)}</span></td>'
             f"<td>{e(inv.kind)}</td><td class=mono>{e(inv.name)}</td><td class=msg>{detail}</td></tr>"
@@ -164,7 +166,8 @@ def _worst_table(result: AuditResult, rows: list[dict[str, Any]], figure: str) -
         for r in rows
     )
     return (
-        f"<h3>Worst samples by {e(figure)}</h3><table><thead><tr><th>step</th><th>sample</th><th>group</th>"
+        f"<h3>Worst samples by {e(figure)}</h3><table><thead><tr><th>{e(result.step_name)}</th>"
+        "<th>sample</th><th>group</th>"
         f"<th>{e(figure)}</th><th>response tokens</th><th>invariants violated</th><th>where</th></tr></thead>"
         f"<tbody>{body}</tbody></table>"
     )

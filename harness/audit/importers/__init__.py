@@ -17,6 +17,8 @@ A module ``harness.audit.importers.<name>`` provides:
 - ``HINTS``: for each column an invariant may miss (``harness.audit.result.HINTS``' keys), what in
   *this* framework writes it, or that nothing in it does; ``SOURCE_PREFIXES``: how the ``source``
   of its records starts (a re-audit of an imported run finds its hints by it);
+- ``STEP_NAME`` (optional): what the dump's step is, where it is not a training step (slime's
+  ``rollout id``): the report prints it where it prints a step;
 - ``detect(path) -> bool``: whether ``path`` (a file or directory) looks like this dump;
 - ``records(path, **options) -> Iterator[SampleRecord]``: the dump's samples, one at a time;
   options a dump does not record (``num_experts``, ``moe_layers``) are keyword arguments; an
@@ -76,8 +78,8 @@ def notes(
     return out + tuple(note for fact, note in facts.items() if not given.get(fact, False))
 
 
-def hints_for(sources: Iterable[str]) -> dict[str, str]:
-    """The ``HINTS`` of the importer that wrote every one of ``sources`` (``{}``: none, or several)."""
+def _owner(sources: Iterable[str]) -> ModuleType | None:
+    """The importer that wrote every one of ``sources`` (``None``: none, or several)."""
     names = set()
     for source in sources:
         owner = None
@@ -90,9 +92,20 @@ def hints_for(sources: Iterable[str]) -> dict[str, str]:
                 owner = name
                 break
         if owner is None:
-            return {}
+            return None
         names.add(owner)
-    return dict(getattr(importer(names.pop()), "HINTS", {})) if len(names) == 1 else {}
+    return importer(names.pop()) if len(names) == 1 else None
+
+
+def hints_for(sources: Iterable[str]) -> dict[str, str]:
+    """The ``HINTS`` of the importer that wrote every one of ``sources`` (``{}``: none, or several)."""
+    return dict(getattr(_owner(sources), "HINTS", {}))
+
+
+def step_name_for(sources: Iterable[str]) -> str:
+    """What a step is in the dump every one of ``sources`` came from, as its importer's ``STEP_NAME``
+    says (slime's steps are rollout ids), else ``step``."""
+    return str(getattr(_owner(sources), "STEP_NAME", "step"))
 
 
 def detect(path: str | os.PathLike[str]) -> str | None:

@@ -85,6 +85,12 @@ def dump_records(
         inferred.extend(vote.notes())
 
 
+def samples_label(start: int, end: int) -> str:
+    """A group of the batch rows ``[start, end)`` named by what the dump has, the samples' indices
+    (``samples 4-7``; ``sample 4`` alone), where the dump names groups only by their place."""
+    return f"sample {start}" if end - start == 1 else f"samples {start}-{end - 1}"
+
+
 def check_route_ids(routes: npt.NDArray[Any], source: str, field: str) -> None:
     """A padded route tensor holds integer ids."""
     if routes.dtype.kind not in "iu":

@@ -201,7 +201,8 @@ def _row(array: npt.NDArray[Any] | None, where: Any, dtype: Any) -> npt.NDArray[
 
 def _groups(metadata: dict[str, Any], size: int, source: str) -> list[str | None]:
     """Each sample's GRPO group from ``metadata["policy_prompt_boundaries"]`` ``[(start, end)]``:
-    consecutive, non-overlapping spans of the batch (``compute_prompt_boundaries``), read in one pass."""
+    consecutive, non-overlapping spans of the batch (``compute_prompt_boundaries``), read in one pass;
+    named by the samples' indices (``samples 0-3``): the dump has no other name for it."""
     keys: list[str | None] = [None] * size
     bounds_list = metadata.get("policy_prompt_boundaries")
     if bounds_list is None:
@@ -223,7 +224,7 @@ def _groups(metadata: dict[str, Any], size: int, source: str) -> list[str | None
         if start >= size:
             break  # spans of the DP padding samples, which are dropped
         end = min(end, size)
-        keys[start:end] = [f"p{index}"] * (end - start)
+        keys[start:end] = [base.samples_label(start, end)] * (end - start)
     return keys
 
 

@@ -103,6 +103,8 @@ HINTS = {
 }
 """What writes each column an invariant may miss, said for slime (``AuditResult`` lines use it)."""
 SOURCE = "slime/miles --save-debug-rollout-data"
+STEP_NAME = "rollout id"
+"""A slime dump's step is the rollout id of its ``rollout_data/{id}.pt`` (the report says so)."""
 SOURCE_PREFIXES = ("slime",)
 """The ``source`` of the records this importer writes (``hints_for`` tells a re-audited import by it)."""
 TRAIN_FORMAT_VERSION = 2

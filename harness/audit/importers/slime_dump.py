@@ -175,7 +175,7 @@ def routing_shape(
         return NO_ROUTES
     widths = Counter(width for width, _, _ in scans.values())  # insertion-ordered: ties go to the first
     layers, top_k = max(widths, key=lambda w: widths[w])
-    vote, experts = LayerVote(), ExpertVote()
+    vote, experts = LayerVote(step_name="rollout id"), ExpertVote()
     for path, (width, file_vote, file_experts) in scans.items():
         if width != (layers, top_k):
             message = (
@@ -215,7 +215,7 @@ def _scan(step: int, path: Path, first_only: bool) -> tuple[tuple[int, int] | No
     """One rollout file's routes: their ``(layers, top_k)``, the same for all its samples, and its
     samples' votes on the MoE layers and the expert count (``first_only``: the shape alone)."""
     width = None
-    vote, experts = LayerVote(), ExpertVote()
+    vote, experts = LayerVote(step_name="rollout id"), ExpertVote()
     for i, sample in enumerate(dump_samples(load_dump(path), path, None)):
         routes = sample_routes(sample, f"{path}: samples[{i}]")
         if routes is None:

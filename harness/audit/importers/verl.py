@@ -184,8 +184,9 @@ def _groups(
             return [str(u)[:256] for u in values]
         bad = next(u for u in values if not isinstance(u, (str, int)) or isinstance(u, bool))
         raise LayoutError(f"{source}: non_tensor_batch field 'uid' holds {brief(bad)}; expected string uids")
-    if group_size:
-        return [f"p{i // group_size}" for i in range(size)]
+    if group_size:  # named by the samples' indices: the dump has no other name for the group
+        starts = [i - i % group_size for i in range(size)]
+        return [base.samples_label(start, min(size, start + group_size)) for start in starts]
     return [None] * size
 
 
