@@ -263,3 +263,71 @@ def test_skyrl_groups_are_named_by_their_samples_and_expert_load_names_its_layer
     worst = max(layers, key=lambda r: r["load_max_over_mean"])
     want = f"busiest expert / mean, worst layer {worst['layer']}: {worst['load_max_over_mean']:.2f}"
     assert load == f"expert_load         measured: {want}", load
+
+
+# --- 8. the --trainer-trace path: no library noise, the real reason a check does not apply -----------
+
+
+NOISY = """import logging, os, sys, warnings
+warnings.warn("torchtitan is not installed", UserWarning)
+logging.getLogger("veomni").warning("veomni: flash attention not found")
+print("Apex not found: fused kernels off", file=sys.stderr)
+print("TE: falling back", flush=True)
+os.write(2, b"WARNING: All log messages before absl::InitializeLog() are written to STDERR\\n")
+"""
+"""What a library's import prints: a warning, a logging record, stderr and stdout, and from C (fd 2)."""
+
+
+def test_verls_import_noise_is_not_printed_by_the_trace_join(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.metadata
+    import sys
+
+    from harness.audit import verl_packing
+
+    if any(name == "verl" or name.startswith("verl.") for name in sys.modules):
+        pytest.skip("verl is imported already: its import cannot be watched")
+    for name in verl_packing.VERL_MODULES:  # a noisy stand-in of each module the packing imports
+        path = tmp_path.joinpath(*name.split("."))
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "__init__.py").write_text(NOISY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(importlib.metadata, "version", lambda _name: verl_packing.RELEASE)
+    try:
+        capfd.readouterr()
+        verl_packing._require_verl()
+        out, err = capfd.readouterr()
+        assert (out, err) == ("", ""), (out, err)
+        assert all(name in sys.modules for name in verl_packing.VERL_MODULES)
+    finally:
+        for name in [n for n in sys.modules if n == "verl" or n.startswith("verl.")]:
+            del sys.modules[name]
+    # The noise is swallowed, an error is not: it propagates to be said in one line.
+    (tmp_path / "broken.py").write_text(NOISY + "raise ImportError('verl: cannot import name X')\n")
+    with pytest.raises(ImportError, match="cannot import name X"):
+        from harness.audit.quiet import quiet_imports
+
+        quiet_imports(["broken"])
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", ""), (out, err)
+
+
+def test_a_check_that_does_not_apply_names_what_is_really_missing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Eight experts, engine routes, every GRPO group of one sample (verl's rollout.n = 1, as in the
+    trainer-trace runs): ``prefix_agreement`` lacks groups of two, not the routes; ``wrapped_ids``
+    cannot apply because no id of an 8-expert model can wrap at 256."""
+    from tests.test_audit_findings import _group_records, _write
+
+    rng = np.random.default_rng(8)
+    records = [r for g in range(4) for r in _group_records(rng, group=f"g{g}", members=1, experts=8)]
+    _write(tmp_path / "run", records)
+    _, out, _ = _audit(capsys, tmp_path / "run")
+    lines = {x.split()[0]: x for x in out.splitlines() if x and not x.startswith("rrh audit")}
+    prefix, wrapped = lines["prefix_agreement"], lines["wrapped_ids"]
+    assert "missing groups of two or more samples: GRPO groups of two or more samples" in prefix, prefix
+    assert "engine_routes" not in prefix, prefix
+    assert "missing more than 256 experts: a model with more than 256 experts" in wrapped, wrapped
+    assert "group_key" not in wrapped, wrapped

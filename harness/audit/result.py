@@ -35,6 +35,8 @@ HINTS: dict[str, str] = {
     "replayed rows": "rows trained with replay R2 or R3 (every row here has replay = none: no target to be "
     "faithful to)",
     "more than 256 experts": "a model with more than 256 experts (with 256 or fewer, no id can wrap at 256)",
+    "groups of two or more samples": "GRPO groups of two or more samples of one prompt (every group of this "
+    "dump holds one sample, as with rollout.n = 1)",
 }
 """What writes each column an invariant may be missing."""
 
@@ -239,7 +241,7 @@ class AuditResult:
                         0,
                         0,
                         [o.as_dict() for _, o in cells] if checkable else [],
-                        [] if checkable else (missing or list(NEEDS.get(name, ()))),
+                        [] if checkable else (missing or _unmet(name, state)),
                     )
                 )
         prefix = _prefix_figures(state)
@@ -351,6 +353,18 @@ def _metric_summaries(
 def _part_gap(part: Any) -> str:
     """One part of the gap split by routing; a part with no token says so instead of printing nan."""
     return f"{part.mean_abs_diff:.3e} ({part.n_tokens} tokens)" if part.n_tokens else "no token"
+
+
+def _unmet(name: str, state: AuditState) -> list[str]:
+    """What metric ``name`` lacks where no batch noted a missing column, as far as the run shows it:
+    ``prefix_agreement`` with grouped samples lacks groups of two or more (every group holds one), with
+    group keys but no group the engine's routes; else the columns it reads."""
+    if name == "prefix_agreement":
+        if state.groups:
+            return ["groups of two or more samples"]
+        if any(sample.group_key for sample in state.samples):
+            return ["engine_routes"]
+    return list(NEEDS.get(name, ()))
 
 
 def _metric_checkable(name: str, state: AuditState) -> bool:
