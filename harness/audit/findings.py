@@ -222,7 +222,7 @@ def name_groups(state: AuditState) -> Named:
     wrapped = Tally()
     missing: list[str] = []
     wide = state.num_experts > WRAP
-    if not wide:  # with 256 experts or fewer no id can wrap at 256, whatever the groups
+    if state.num_experts and not wide:  # 256 experts or fewer: no id can wrap at 256, whatever the groups
         missing = ["more than 256 experts"]
     elif not grouped:
         missing = ["groups of two or more samples"] if state.groups else ["group_key"]
