@@ -77,8 +77,8 @@ def _import(
         from harness.audit import trace_join
 
         with counting_opened() as opened:
-            inferred, notes = trace_join.import_for_cli(args, dump, target)
-        return target, name, inferred, notes, len(opened)
+            joined, notes = trace_join.import_for_cli(args, dump, target)
+        return target, name, joined, notes, len(opened)
     module = importers.importer(name)
     found = "" if Path(dump) == Path(args.run) else f" (found below {args.run})"
     print(f"importing {dump}{found} as a {module.DESCRIPTION}", file=sys.stderr)

@@ -57,8 +57,8 @@ def _trend_charts(result: AuditResult) -> list[str]:
     cats = [str(s["step"]) for s in steps]
     charts = []
     step = result.step_name  # slime's steps are rollout ids
-    common = {"x_label": step, "over": step, "label_every": _every(len(cats)),
-              "width": max(560, 24 * len(cats) + 120)}  # fmt: skip
+    common: dict[str, Any] = {"x_label": step, "over": step, "label_every": _every(len(cats)),
+                              "width": max(560, 24 * len(cats) + 120)}  # fmt: skip
     if any(s["mean_abs_diff"] is not None for s in steps):
         charts.append(
             _chart_or_line(
