@@ -602,7 +602,8 @@ def test_skyrl_dump_converts_field_by_field(tmp_path: Path, padding_mask: bool) 
     assert len(records) == len(samples)  # the DP padding copy of sample 0 is dropped
     for i, (record, s) in enumerate(zip(records, samples, strict=True)):
         p, r = len(s.prompt), len(s.response)
-        assert (record.step, record.sample_key, record.group_key) == (7, str(i), f"p{s.group}")
+        group = f"samples {N * s.group}-{N * s.group + N - 1}"
+        assert (record.step, record.sample_key, record.group_key) == (7, str(i), group)
         assert (record.prompt_len, record.response_len) == (p, r)
         assert np.array_equal(record.tokens, np.concatenate([s.prompt, s.response]))
         assert np.array_equal(record.engine_logprobs, s.logprobs)
@@ -643,7 +644,7 @@ def test_verl_groups_come_from_the_dump_directory_without_uids(tmp_path: Path) -
     file = tmp_path / DUMP_DIR / "5" / "gen_batch.dp"
     assert verl_importer.group_size_of(file) == N
     groups = verl_importer._groups({}, 4, verl_importer.group_size_of(file))
-    assert groups == ["p0", "p0", "p1", "p1"]
+    assert groups == ["samples 0-1", "samples 0-1", "samples 2-3", "samples 2-3"]
 
 
 @pytest.mark.parametrize("faulty", [False, True], ids=["clean", "faults"])

@@ -33,6 +33,7 @@ import numpy.typing as npt
 import pytest
 import torch
 
+from harness.audit.checks.invariants import DETECTORS
 from harness.audit.executors import audit_run
 from harness.audit.importers import import_dump
 from harness.audit.importers.model_shape import MOE_LAYERS_ENV, NUM_EXPERTS_ENV
@@ -330,7 +331,9 @@ def _check(
     assert audited == expected - ({(STEP, str(TARGET))} if unreadable else set()), audited
     cells = [c for c in cells if c.invariant != INPUT]
     strict = {c.invariant for c in cells} - METRICS
-    assert {r.name for r in result.violated} == strict, [r.line() for r in result.violated]
+    named_at_all = {r.name for r in (*result.violated, *result.suspected)}
+    assert named_at_all == strict, [r.line() for r in (*result.violated, *result.suspected)]
+    assert {r.name for r in result.suspected} == strict & set(DETECTORS)  # a detector only suspects
     for name in strict:
         places = {(o["step"], o["sample_key"]) for o in by_name[name].offenders}
         assert places == {(STEP, str(TARGET))}, (name, places)

@@ -61,7 +61,8 @@ class _Odd:
 @dataclass
 class Named:
     """What ``name_groups`` found: the ``prefix_agreement`` cells (score: rows that differ) and the
-    ``wrapped_ids`` tally, with why it is not checkable where it is not."""
+    ``wrapped_ids`` tally, with why it is not checkable where it is not: first that the model has 256
+    experts or fewer (no id can wrap), then that no group holds two samples (or none has a key)."""
 
     prefix: list[tuple[float, Offender]]
     wrapped: Tally
@@ -221,10 +222,10 @@ def name_groups(state: AuditState) -> Named:
     wrapped = Tally()
     missing: list[str] = []
     wide = state.num_experts > WRAP
-    if not grouped:
-        missing = ["group_key"]
-    elif not wide:
+    if state.num_experts and not wide:  # 256 experts or fewer: no id can wrap at 256, whatever the groups
         missing = ["more than 256 experts"]
+    elif not grouped:
+        missing = ["groups of two or more samples"] if state.groups else ["group_key"]
     else:
         wrapped.checked = sum(len(g.members) for g in grouped)
     odd = _odd_members(state)

@@ -1,4 +1,4 @@
-"""A seeded run of realistic shape, with faults planted at known places (``rrh audit generate``).
+"""A seeded run of realistic shape, with faults planted at known places (``rrh generate``).
 
 GRPO groups share their prompt rows; partial rollouts log their attempt boundaries and weight
 versions; the routing is Qwen3-30B-A3B's by default (48 MoE layers, 128 experts, top-8, uint8);
@@ -35,7 +35,7 @@ from harness.audit.pool import pool_context
 from harness.audit.writer import ROW_GROUP_BYTES, RunWriter, write_table
 
 FAULTS = ("layer_shift", "duplicated_resume", "all_zero_layer", "wrapped_id", "replay_noop", "nan_logprob")
-SOURCE = "rrh audit generate (synthetic: Qwen3-30B-A3B routing shape)"
+SOURCE = "rrh generate (synthetic: Qwen3-30B-A3B routing shape)"
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,15 @@ opened here, so that:
 - a file's work runs under ``time_budget``: past it, a ``LayoutError`` naming the file and the
   budget is raised in the main thread (``SIGALRM``; elsewhere the budget is not enforced);
 - an error message never prints a value from a file at its full size (``brief``): a list that
-  shares one large bytes object a million times would otherwise print gigabytes.
+  shares one large bytes object a million times would otherwise print gigabytes;
+- the files opened while a block runs can be counted (``counting_opened``): ``rrh audit`` says how
+  many files of a framework's dump it read, not how many of the run layout it wrote them into.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import errno
 import json
 import math
@@ -41,6 +44,22 @@ FILE_BYTES_PER_SECOND = 20 << 20
 """The budget grows by one second per this many bytes of the file: a large dump takes longer to read."""
 
 
+_OPENED: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("rrh_inputs_opened", default=None)
+"""The paths ``open_regular`` opened inside ``counting_opened`` (``None``: nothing counts them)."""
+
+
+@contextlib.contextmanager
+def counting_opened() -> Iterator[set[str]]:
+    """The set of input files (their resolved paths, each once) that ``open_regular`` opens while the
+    block runs: what an import read of a dump, whatever the number of run-layout files it wrote."""
+    opened: set[str] = set()
+    token = _OPENED.set(opened)
+    try:
+        yield opened
+    finally:
+        _OPENED.reset(token)
+
+
 def open_regular(path: str | os.PathLike[str]) -> IO[bytes]:
     """``path`` opened for binary reading, when it is a regular file (symlinks to one followed).
 
@@ -59,6 +78,9 @@ def open_regular(path: str | os.PathLike[str]) -> IO[bytes]:
             raise LayoutError(f"{path}: is {_kind(info.st_mode)}; expected a regular file")
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
+        opened = _OPENED.get()
+        if opened is not None:
+            opened.add(os.path.realpath(path))
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
@@ -171,7 +193,9 @@ INT_BITS = {32: (-(2**31), 2**31 - 1), 64: (-(2**63), 2**63 - 1)}
 def check_ints(array: Any, bits: int, source: str, field: str) -> None:
     """``array`` holds integers that fit ``bits`` signed bits (the layout's int32 token ids)."""
     if array.dtype.kind not in "biu":
-        raise LayoutError(f"{source}: field {field!r} holds {array.dtype} values; expected integers")
+        from harness.audit.importers.torch_format import dtype_name  # what the file held: bfloat16 too
+
+        raise LayoutError(f"{source}: field {field!r} holds {dtype_name(array)} values; expected integers")
     low, high = INT_BITS[bits]
     if array.size and (int(array.min()) < low or int(array.max()) > high):
         bad = int(array.min()) if int(array.min()) < low else int(array.max())

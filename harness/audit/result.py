@@ -1,7 +1,8 @@
 """The result of an audit: each invariant checked, violated or not checkable, and the metrics.
 
 ``AuditResult.of(state)`` turns the merged ``AuditState`` into plain figures: a status per strict
-invariant with its first offenders, per-step and per-layer metrics, drift flags and the worst
+invariant with its first offenders (a detector's, kind ``suspicion``, is ``suspect``, never
+``violated``), per-step and per-layer metrics, drift flags and the worst
 samples. It is what the terminal summary, ``--json``, ``--html`` and ``--summary`` print.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit.checks.invariants import METRICS, NEEDS, STRICT
+from harness.audit.checks.invariants import DETECTORS, METRICS, NEEDS, STRICT
 from harness.audit.state import WORST, AuditState, SampleFigure, nan_if_empty
 
 HINTS: dict[str, str] = {
@@ -34,6 +35,8 @@ HINTS: dict[str, str] = {
     "replayed rows": "rows trained with replay R2 or R3 (every row here has replay = none: no target to be "
     "faithful to)",
     "more than 256 experts": "a model with more than 256 experts (with 256 or fewer, no id can wrap at 256)",
+    "groups of two or more samples": "GRPO groups of two or more samples of one prompt (every group of this "
+    "dump holds one sample, as with rollout.n = 1)",
 }
 """What writes each column an invariant may be missing."""
 
@@ -49,8 +52,10 @@ THRESHOLD_FIGURES = (
 class InvariantResult:
     name: str
     kind: str
+    """``strict`` (an invariant), ``suspicion`` (a detector, ``DETECTORS``) or ``metric``."""
     status: str
-    """``checked``, ``violated`` or ``not checkable``."""
+    """``checked``, ``violated`` (a strict invariant broken), ``suspect`` (a detector named a sample) or
+    ``not checkable``."""
     checked: int = 0
     violated: int = 0
     offenders: list[dict[str, Any]] = field(default_factory=list)
@@ -58,8 +63,9 @@ class InvariantResult:
     summary: str = ""
     """A metric's figures over the whole run, in a few words."""
 
-    def line(self, hints: dict[str, str] | None = None) -> str:
-        """The terminal line; ``hints`` (an importer's ``HINTS``) say what writes a missing column."""
+    def line(self, hints: dict[str, str] | None = None, step_name: str = "step") -> str:
+        """The terminal line; ``hints`` (an importer's ``HINTS``) say what writes a missing column,
+        ``step_name`` what a step is in the dump (``AuditResult.step_name``)."""
         if self.status == "not checkable":
             said = {**HINTS, **(hints or {})}
             why = "; ".join(f"{m}: {said.get(m, 'not in this dump')}" for m in self.missing)
@@ -67,11 +73,18 @@ class InvariantResult:
         if self.status == "violated":
             return (
                 f"{self.name:<19} VIOLATED in {self.violated} of {self.checked} samples; first at "
-                f"{_offender_text(self.offenders[0])}"
+                f"{_offender_text(self.offenders[0], step_name)}"
+            )
+        if self.status == "suspect":
+            return (
+                f"{self.name:<19} SUSPECT in {self.violated} of {self.checked} samples (a detector's "
+                f"suspicion, not a broken invariant); first at {_offender_text(self.offenders[0], step_name)}"
             )
         if self.kind == "metric":
-            worst = f"; worst: {_offender_text(self.offenders[0])}" if self.offenders else ""
+            worst = f"; worst: {_offender_text(self.offenders[0], step_name)}" if self.offenders else ""
             return f"{self.name:<19} measured: {self.summary}{worst}"
+        if self.kind == "suspicion":
+            return f"{self.name:<19} checked: {self.checked} samples, nothing suspect"
         return f"{self.name:<19} checked: {self.checked} samples, no violation"
 
     def as_dict(self) -> dict[str, Any]:
@@ -97,9 +110,9 @@ def human_size(nbytes: int) -> str:
     return f"{value:.1f} GiB"
 
 
-def _offender_text(o: dict[str, Any]) -> str:
-    """``step S sample K row R layer L: expected E, got A (where)``."""
-    at = f"step {o['step']} sample {o['sample_key']}"
+def _offender_text(o: dict[str, Any], step_name: str = "step") -> str:
+    """``step S sample K row R layer L: expected E, got A (where)`` (``rollout id S`` for slime)."""
+    at = f"{step_name} {o['step']} sample {o['sample_key']}"
     at += f" row {o['row']}" if o["row"] is not None else ""
     at += f" layer {o['layer']}" if o["layer"] is not None else ""
     return f"{at}: expected {o['expected']}, got {o['actual']} ({o['where']})"
@@ -133,15 +146,26 @@ class AuditResult:
     """Model facts the dump does not record, as the importer inferred them (printed first)."""
     hints: dict[str, str] = field(default_factory=dict)
     """What writes each missing column, said for the framework that wrote the dump (``hints_for``)."""
+    step_name: str = "step"
+    """What a step is in the dump the run came from: ``rollout id`` for slime (``step_name_for``)."""
+    dump_files: int | None = None
+    """How many files of a framework's dump the import read (``None``: the run layout was audited as it
+    is); ``files`` counts the run-layout files it was imported into."""
 
     @property
     def violated(self) -> list[InvariantResult]:
+        """The strict invariants broken (what makes ``rrh audit`` exit 1); never a detector's suspicion."""
         return [r for r in self.invariants if r.status == "violated"]
+
+    @property
+    def suspected(self) -> list[InvariantResult]:
+        """The detectors that named a sample (``suspect``): worth a look, not a broken invariant."""
+        return [r for r in self.invariants if r.status == "suspect"]
 
     def over(self, thresholds: list[tuple[str, float]]) -> list[str]:
         """One line per (figure, step) whose value exceeds the user's threshold for it."""
         return [
-            f"{name} at step {s['step']} is {s[name]:.4g}, over --fail-on {name}={limit:g}"
+            f"{name} at {self.step_name} {s['step']} is {s[name]:.4g}, over --fail-on {name}={limit:g}"
             for name, limit in thresholds
             for s in self.steps
             if s.get(name) is not None and s[name] > limit
@@ -154,11 +178,18 @@ class AuditResult:
         samples = len(self.samples)
         return f"{samples} samples" + (f" ({self.rows} records)" if self.rows != samples else "")
 
+    def files_read(self) -> str:
+        """The files read, singular or plural: ``2 files`` of the run layout, or for an imported dump
+        ``2 files of the dump`` (the files the framework wrote, not the temporary layout's)."""
+        count = self.files if self.dump_files is None else self.dump_files
+        what = "" if self.dump_files is None else " of the dump"
+        return f"{count} file{'s' * (count != 1)}{what}"
+
     def lines(self) -> list[str]:
         """The terminal summary: what was inferred, one line per invariant, then drift and notes (input
         errors are the caller's to print first: ``rrh audit`` writes them to stderr)."""
         out = [f"inferred: {x}" for x in self.inferred]
-        out += [r.line(self.hints) for r in self.invariants]
+        out += [r.line(self.hints, self.step_name) for r in self.invariants]
         out += [f"drift: {d}" for d in self.drift]
         out += [f"note: {x}" for x in self.notes]
         return out
@@ -175,20 +206,23 @@ class AuditResult:
             union.checked = len(state.shards)
             shard_offenders = state.shard_offenders()
             union.add(0, shard_offenders, len({(o.step, o.sample_key) for o in shard_offenders}))
+        from harness.audit import importers
         from harness.audit.findings import name_groups
 
         named = name_groups(state)
         for name in (*STRICT, *METRICS):
-            kind = "strict" if name in STRICT else "metric"
+            kind = "suspicion" if name in DETECTORS else "strict" if name in STRICT else "metric"
             tally = named.wrapped if name == "wrapped_ids" else state.tallies.get(name)
             missing = named.wrap_missing if name == "wrapped_ids" else sorted(state.missing.get(name, set()))
-            if kind == "strict":
+            if kind != "metric":
                 checked = tally.checked if tally else 0
                 if checked == 0 and name != "unique_sample":
                     status = "not checkable"
                     missing = missing or list(NEEDS.get(name, ()))
+                elif tally and tally.violated:
+                    status = "suspect" if kind == "suspicion" else "violated"
                 else:
-                    status = "violated" if tally and tally.violated else "checked"
+                    status = "checked"
                 invariants.append(
                     InvariantResult(
                         name, kind, status, checked, tally.violated if tally else 0,
@@ -207,7 +241,7 @@ class AuditResult:
                         0,
                         0,
                         [o.as_dict() for _, o in cells] if checkable else [],
-                        [] if checkable else (missing or list(NEEDS.get(name, ()))),
+                        [] if checkable else (missing or _unmet(name, state)),
                     )
                 )
         prefix = _prefix_figures(state)
@@ -223,7 +257,7 @@ class AuditResult:
             layers=layers,
             worst=_worst(state.samples),
             samples=sorted(state.samples),
-            drift=_drift(steps),
+            drift=_drift(steps, importers.step_name_for(state.sources)),
             input_errors=sorted(state.input_errors),
             files=len(state.files),
             rows=state.rows_read,
@@ -231,13 +265,15 @@ class AuditResult:
             sources=sorted(state.sources),
             moe_layers=list(state.moe_layers),
             step_layers=step_layers,
-            hints=_hints(state.sources),
+            hints=importers.hints_for(state.sources),
+            step_name=importers.step_name_for(state.sources),
         )
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "inferred": self.inferred,
             "files": self.files,
+            "dump_files": self.dump_files,
             "rows": self.rows,
             "bytes_read": self.bytes_read,
             "sources": self.sources,
@@ -249,12 +285,6 @@ class AuditResult:
             "notes": self.notes,
             "worst": self.worst,
         }
-
-
-def _hints(sources: set[str]) -> dict[str, str]:
-    from harness.audit.importers import hints_for
-
-    return hints_for(sources)
 
 
 def _prefix_figures(state: AuditState) -> dict[int, tuple[int, int, int]]:
@@ -293,7 +323,8 @@ def _metric_summaries(
     prefix_differ = sum(differ for _, differ, _ in prefix.values())
     prefix_agree = 1 - prefix_differ / prefix_rows if prefix_rows else math.nan
     g, a, fl = gap.result(), agreed.result(), flipped.result()
-    loads = [r["load_max_over_mean"] for r in layers if r.get("load_max_over_mean") is not None]
+    loads = [r for r in layers if r.get("load_max_over_mean") is not None]
+    busiest = max(loads, key=lambda r: float(r["load_max_over_mean"])) if loads else None  # first on ties
     return {
         "fallback": f"{uncaptured} of {rows} rows without a captured route "
         f"({nan_if_empty(uncaptured, rows):.4f})",
@@ -304,18 +335,36 @@ def _metric_summaries(
             if agreement
             else ""
         ),
-        "logprob_gap": (
-            f"mean |Δ| {g.mean_abs_diff:.3e}, k3 {g.k3:.3e} over {g.n_tokens} tokens; "
+        "logprob_gap": f"mean |Δ| {g.mean_abs_diff:.3e}, k3 {g.k3:.3e} over {g.n_tokens} tokens; "
+        + (
             f"routes agreed: {_part_gap(a)}, flipped: {_part_gap(fl)}"
+            if agreement is not None
+            else "split by whether the routes agreed: not available, the dump has no trainer routes"
         ),
         "prefix_agreement": f"{prefix_agree:.4f} of prompt rows agree within their group ({groups} groups)",
-        "expert_load": f"busiest expert / mean, worst layer: {max(loads):.2f}" if loads else "",
+        "expert_load": (
+            f"busiest expert / mean, worst layer {busiest['layer']}: {busiest['load_max_over_mean']:.2f}"
+            if busiest
+            else ""
+        ),
     }
 
 
 def _part_gap(part: Any) -> str:
     """One part of the gap split by routing; a part with no token says so instead of printing nan."""
     return f"{part.mean_abs_diff:.3e} ({part.n_tokens} tokens)" if part.n_tokens else "no token"
+
+
+def _unmet(name: str, state: AuditState) -> list[str]:
+    """What metric ``name`` lacks where no batch noted a missing column, as far as the run shows it:
+    ``prefix_agreement`` with grouped samples lacks groups of two or more (every group holds one), with
+    group keys but no group the engine's routes; else the columns it reads."""
+    if name == "prefix_agreement":
+        if state.groups:
+            return ["groups of two or more samples"]
+        if any(sample.group_key for sample in state.samples):
+            return ["engine_routes"]
+    return list(NEEDS.get(name, ()))
 
 
 def _metric_checkable(name: str, state: AuditState) -> bool:
@@ -418,7 +467,7 @@ DRIFT_FACTOR = 2.0
 """A step's figure more than this many times the run's median is flagged as drift."""
 
 
-def _drift(steps: list[dict[str, Any]]) -> list[str]:
+def _drift(steps: list[dict[str, Any]], step_name: str = "step") -> list[str]:
     flags = []
     for figure in ("mean_abs_diff", "disagreement", "fallback_fraction"):
         values = [(s["step"], s[figure]) for s in steps if s.get(figure) is not None]
@@ -428,7 +477,7 @@ def _drift(steps: list[dict[str, Any]]) -> list[str]:
         for step, value in values:
             if median > 0 and value > DRIFT_FACTOR * median:
                 flags.append(
-                    f"{figure} at step {step} is {value:.3g}, "
+                    f"{figure} at {step_name} {step} is {value:.3g}, "
                     f"{value / median:.1f}× the run's median {median:.3g}"
                 )
     return flags

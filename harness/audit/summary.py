@@ -4,8 +4,9 @@
   whether the token's routes agreed, prefix agreement);
 - ``step_layers.parquet``: one row per (step, MoE layer) (disagreement, expert-load imbalance);
 - ``samples.parquet``: one row per (step, sample) (rows, tokens, mean |Δ|, disagreement,
-  uncaptured rows, strict invariants violated);
-- ``offenders.parquet``: every offender kept, with its invariant.
+  uncaptured rows, strict invariants violated: a detector's suspicion is not one);
+- ``offenders.parquet``: every offender kept, with its invariant and its kind (``strict``, ``suspicion``:
+  a detector's, or ``metric``: a worst sample).
 
 Example: ``duckdb -c "select step, mean_abs_diff, disagreement from 'DIR/steps.parquet'"``.
 """
@@ -50,10 +51,10 @@ def write_summary(result: AuditResult, directory: str | os.PathLike[str]) -> lis
         "mean_abs_diff": f64, "disagreement": f64, "uncaptured_rows": i64, "violations": i64, "where": s,
     }  # fmt: skip
     offender_columns = {
-        "invariant": s, "step": i64, "sample_key": s, "row": i64, "layer": i64, "expected": s, "actual": s,
-        "where": s,
+        "invariant": s, "kind": s, "step": i64, "sample_key": s, "row": i64, "layer": i64, "expected": s,
+        "actual": s, "where": s,
     }  # fmt: skip
-    offenders = [{"invariant": r.name, **o} for r in result.invariants for o in r.offenders]
+    offenders = [{"invariant": r.name, "kind": r.kind, **o} for r in result.invariants for o in r.offenders]
     samples = [f.as_dict() for f in result.samples]
     paths = []
     for name, rows, columns in (

@@ -148,6 +148,21 @@ def _require_verl() -> None:
             f"found {'no verl' if found is None else f'verl {found}'} installed "
             "(tox env verl-0.9.1-mcore-0.19.2)"
         )
+    from harness.audit.quiet import quiet_imports
+
+    quiet_imports(VERL_MODULES)  # their import-time warnings are not about the run: never printed
+
+
+VERL_MODULES = (
+    "verl",
+    "verl.models.mcore.util",
+    "verl.trainer.ppo.ray_trainer",
+    "verl.utils.tensordict_utils",
+    "verl.utils.model",
+    "verl.workers.utils.padding",
+    "verl.workers.engine.utils",
+)
+"""The verl modules the packing calls, imported once by ``_require_verl`` without their noise."""
 
 
 @contextlib.contextmanager

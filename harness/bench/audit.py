@@ -86,7 +86,8 @@ def _faults_found(result: dict[str, Any], planted: list[dict[str, Any]]) -> list
 
 
 def _strict_violations(result: dict[str, Any]) -> int:
-    return sum(r["violated"] for r in result["invariants"] if r["kind"] == "strict")
+    """Strict violations and detectors' suspicions: a clean part of the run must raise neither."""
+    return sum(r["violated"] for r in result["invariants"] if r["kind"] in ("strict", "suspicion"))
 
 
 def _ratios(wall: dict[str, float]) -> dict[str, float]:

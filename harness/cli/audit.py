@@ -10,7 +10,8 @@ from harness.cli.args import parse_fraction, parse_steps, parse_threshold
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
-    """``rrh audit``: 0 clean, 1 a strict violation or a figure over ``--fail-on``, 2 an input error."""
+    """``rrh audit``: 0 clean, 1 a strict violation or a figure over ``--fail-on``, 2 an input error (a
+    detector's suspicion, ``SUSPECT``, leaves it 0)."""
     from harness.cli.audit_run import run_audit
 
     return run_audit(args)
@@ -23,7 +24,8 @@ def add_parser(commands: Any) -> None:
         help="check a real run's dumps: every sample, row and layer",
         description="Check what a run wrote to disk (the run layout, or a framework's own dump with --from) "
         "against the strict invariants and metrics of DESIGN §7. Exit 0 clean, 1 a strict violation or a "
-        "figure over --fail-on, 2 a usage or input error.",
+        "figure over --fail-on, 2 a usage or input error (a detector's suspicion, SUSPECT, is not a "
+        "violation).",
     )
     audit.add_argument(
         "run", metavar="RUN", help="a run directory (or file) of the run layout, or a framework dump"

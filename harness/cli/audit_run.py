@@ -3,7 +3,7 @@
 The terminal shows a progress bar over the bytes of the run (tqdm: bytes, rate, ETA) and one
 line per invariant; ``--html``, ``--json`` and ``--summary`` write the same result for a reader,
 a program and a query engine. Exit 0 clean, 1 a strict violation (or a figure over
-``--fail-on``), 2 a usage or input error.
+``--fail-on``), 2 a usage or input error; a detector's suspicion (``SUSPECT``) leaves it 0.
 """
 
 from __future__ import annotations
@@ -49,9 +49,10 @@ def report_document(result: AuditResult, *, run: str, command: str, seconds: flo
 
 def _import(
     args: argparse.Namespace, keep: list[Any], errors: list[str]
-) -> tuple[str, str | None, list[str], list[str]]:
+) -> tuple[str, str | None, list[str], list[str], int | None]:
     """The run-layout directory to audit (``args.run`` itself, or the dump found there imported into
-    one), the importer (``None``: the run layout), what it inferred and its notes.
+    one), the importer (``None``: the run layout), what it inferred, its notes and how many files of
+    the dump it read (``None``: the run layout).
 
     A dump file that cannot be imported is a line in ``errors`` (an input error of the audit), and
     the other files are imported; with none imported, the first errors are raised."""
@@ -64,30 +65,36 @@ def _import(
             "expected a verl RolloutSkip dump (the one framework whose packing the join computes)"
         )
     if name is None:
-        return str(dump), None, [], []
+        return str(dump), None, [], [], None
     if args.import_to:
         target = args.import_to
     else:
         tmp = tempfile.TemporaryDirectory(prefix="rrh-audit-")
         keep.append(tmp)
         target = tmp.name
+    from harness.audit.inputs import counting_opened
+
     if args.trainer_trace:
         from harness.audit import trace_join
 
-        return target, name, *trace_join.import_for_cli(args, dump, target)
+        with counting_opened() as opened:
+            joined, notes = trace_join.import_for_cli(args, dump, target)
+        return target, name, joined, notes, len(opened)
     module = importers.importer(name)
     found = "" if Path(dump) == Path(args.run) else f" (found below {shown(args.run)})"
     print(f"importing {shown(dump)}{found} as a {module.DESCRIPTION}", file=sys.stderr)
     inferred: list[str] = []
-    files = importers.import_dump(
-        name, dump, target, errors=None if args.strict else errors, inferred=inferred,
-        num_experts=args.num_experts, moe_layers=args.moe_layers,
-    )  # fmt: skip
+    with counting_opened() as opened:
+        files = importers.import_dump(
+            name, dump, target, errors=None if args.strict else errors, inferred=inferred,
+            num_experts=args.num_experts, moe_layers=args.moe_layers,
+        )  # fmt: skip
     if not files and errors:  # nothing imported: no run to audit, only the files that failed
         raise LayoutError(
             "; ".join(errors[:3]) + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else "")
         )
-    return target, name, inferred, [f"{name}: {note}" for note in importers.notes(name)]
+    said = importers.notes(name, num_experts=args.num_experts, moe_layers=args.moe_layers)
+    return target, name, inferred, [f"{name}: {note}" for note in said], len(opened)
 
 
 def _trace_alone(args: argparse.Namespace) -> int | None:
@@ -128,7 +135,7 @@ def run_audit(args: argparse.Namespace) -> int:
         alone = _trace_alone(args)
         if alone is not None:
             return alone
-        run, name, inferred, notes = _import(args, keep, import_errors)
+        run, name, inferred, notes, dump_files = _import(args, keep, import_errors)
         options = AuditOptions(steps=args.steps, every=max(1, args.every), samples=args.samples)
         result = audit_run(
             run,
@@ -153,6 +160,7 @@ def run_audit(args: argparse.Namespace) -> int:
             tmp.cleanup()
     result.inferred = inferred + result.inferred
     result.notes = result.notes + notes
+    result.dump_files = dump_files
     seconds = time.perf_counter() - start
     # An input error comes first, on stderr, one line each; with nothing audited it is all there is.
     for error in result.input_errors:
@@ -160,12 +168,12 @@ def run_audit(args: argparse.Namespace) -> int:
     if result.input_errors and not result.rows:
         return 2
     if name is None:
-        print(f"rrh audit {shown(args.run)}: {result.files} files, {result.counted()}, "
+        print(f"rrh audit {shown(args.run)}: {result.files_read()}, {result.counted()}, "
               f"{human_size(result.bytes_read)} in {seconds:.1f}s")  # fmt: skip
     else:
-        layout = f"{result.files} file{'s' * (result.files != 1)}, {human_size(result.bytes_read)}"
-        print(f"rrh audit {shown(args.run)}: {result.counted()} of a {name} dump (imported: {layout} of run "
-              f"layout) in {seconds:.1f}s")  # fmt: skip
+        layout = human_size(result.bytes_read)
+        print(f"rrh audit {shown(args.run)}: {result.counted()} of a {name} dump ({result.files_read()} "
+              f"read; imported: {layout} of run layout) in {seconds:.1f}s")  # fmt: skip
     for line in result.lines():  # offenders' places name files: printed safe, like every path
         print(shown(line))
     if result.input_errors:

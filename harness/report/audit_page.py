@@ -18,21 +18,26 @@ from harness.audit.result import AuditResult, InvariantResult, human_size
 from harness.report.html_page import CSS
 from harness.report.svg import svg_grouped_bars
 
-_STATUS = {"checked": "PASS", "violated": "FAIL", "not checkable": "skip"}
+_STATUS = {"checked": "PASS", "violated": "FAIL", "suspect": "SUSPECT", "not checkable": "skip"}
+"""The badge (and its CSS class) of each status: a detector's suspicion is not a failure."""
 
 
 def _every(count: int) -> int:
     return max(1, count // 16)
 
 
-def _chart_or_line(title: str, cats: list[str], series: list[tuple[str, list[Any], str]], **kw: Any) -> str:
-    """A chart of the series that were measured; a sentence instead when every value is 0."""
+def _chart_or_line(
+    title: str, cats: list[str], series: list[tuple[str, list[Any], str]], *, over: str = "step", **kw: Any
+) -> str:
+    """A chart of the series that were measured; a sentence instead when every value is 0: ``TITLE: 0 in
+    every step.`` (``over``: what the categories are), naming the series only where there are several
+    (one series' name is the title's own words)."""
     measured = [(name, vals, colour) for name, vals, colour in series if any(v is not None for v in vals)]
     if not measured:
         return ""
     if all(not v for _, vals, _ in measured for v in vals if v is not None):
-        names = " and ".join(name for name, _, _ in measured)
-        return f"<p class=sub>{html.escape(title)}: {html.escape(names)} 0 in every step.</p>"
+        names = " and ".join(name for name, _, _ in measured) + " " if len(measured) > 1 else ""
+        return f"<p class=sub>{html.escape(title)}: {html.escape(names)}0 in every {html.escape(over)}.</p>"
     return svg_grouped_bars(title, cats, measured, **kw)
 
 
@@ -41,7 +46,7 @@ def _not_measured(result: AuditResult, name: str, what: str) -> str:
     found = next((r for r in result.invariants if r.name == name), None)
     if found is None or found.status != "not checkable":
         return ""
-    why = found.line(result.hints).split("— missing ", 1)[-1]
+    why = found.line(result.hints, result.step_name).split("— missing ", 1)[-1]
     return f"<p class=sub>{html.escape(what)}: not measured — missing {html.escape(why)}</p>"
 
 
@@ -51,11 +56,13 @@ def _trend_charts(result: AuditResult) -> list[str]:
         return []
     cats = [str(s["step"]) for s in steps]
     charts = []
-    common = {"x_label": "step", "label_every": _every(len(cats)), "width": max(560, 24 * len(cats) + 120)}
+    step = result.step_name  # slime's steps are rollout ids
+    common: dict[str, Any] = {"x_label": step, "over": step, "label_every": _every(len(cats)),
+                              "width": max(560, 24 * len(cats) + 120)}  # fmt: skip
     if any(s["mean_abs_diff"] is not None for s in steps):
         charts.append(
             _chart_or_line(
-                "Train–inference gap per step: mean |Δ log-prob|",
+                f"Train–inference gap per {step}: mean |Δ log-prob|",
                 cats,
                 [
                     ("all tokens", [s["mean_abs_diff"] for s in steps], "#555"),
@@ -72,7 +79,7 @@ def _trend_charts(result: AuditResult) -> list[str]:
     if any(v is not None for v in disagreement):
         charts.append(
             _chart_or_line(
-                "Routes that differ (trainer vs engine) per step",
+                f"Routes that differ (trainer vs engine) per {step}",
                 cats,
                 [("routes differ (trainer vs engine)", disagreement, "#d9822b")],
                 y_label="fraction",
@@ -84,7 +91,7 @@ def _trend_charts(result: AuditResult) -> list[str]:
         charts.append(_not_measured(result, "agreement", "Routes that differ (trainer vs engine)"))
     charts.append(
         _chart_or_line(
-            "Rows without a captured route per step",
+            f"Rows without a captured route per {step}",
             cats,
             [("rows without a captured route", [s["fallback_fraction"] for s in steps], "#777")],
             y_label="fraction",
@@ -101,6 +108,7 @@ def _trend_charts(result: AuditResult) -> list[str]:
                 [("routes differ", [r["disagreement"] for r in layers], "#d9822b")],
                 y_label="routes that differ",
                 x_label="decoder layer",
+                over="MoE layer",
                 percent=True,
                 label_every=_every(len(layers)),
                 width=max(560, 14 * len(layers) + 120),
@@ -109,7 +117,7 @@ def _trend_charts(result: AuditResult) -> list[str]:
     return [c for c in charts if c]
 
 
-def _offender_table(inv: InvariantResult) -> str:
+def _offender_table(inv: InvariantResult, step: str = "step") -> str:
     e = html.escape
     rows = "".join(
         f"<tr><td class=num>{o['step']}</td><td class=mono>{e(o['sample_key'])}</td>"
@@ -118,10 +126,10 @@ def _offender_table(inv: InvariantResult) -> str:
         f"<td>{e(o['expected'])}</td><td>{e(o['actual'])}</td><td class=mono>{e(o['where'])}</td></tr>"
         for o in inv.offenders
     )
-    what = "first offenders" if inv.kind == "strict" else "worst samples"
+    what = {"strict": "first offenders", "suspicion": "first suspected"}.get(inv.kind, "worst samples")
     return (
         f"<details><summary>{len(inv.offenders)} {what}</summary><table><thead><tr>"
-        "<th>step</th><th>sample</th><th>row</th><th>layer</th><th>expected</th><th>got</th><th>where</th>"
+        f"<th>{e(step)}</th><th>sample</th><th>row</th><th>layer</th><th>expected</th><th>got</th><th>where</th>"
         f"</tr></thead><tbody>{rows}</tbody></table></details>"
     )
 
@@ -131,10 +139,10 @@ def _invariant_rows(result: AuditResult) -> str:
     out = []
     for inv in result.invariants:
         mark = _STATUS[inv.status]
-        line = inv.line(result.hints)
+        line = inv.line(result.hints, result.step_name)
         detail = e(line.split(None, 1)[1] if " " in line else line)
         if inv.offenders:
-            detail += _offender_table(inv)
+            detail += _offender_table(inv, result.step_name)
         out.append(
             f'<tr class="{mark}"><td><span class="badge {mark}">{e(inv.status)}</span></td>'
             f"<td>{e(inv.kind)}</td><td class=mono>{e(inv.name)}</td><td class=msg>{detail}</td></tr>"
@@ -158,23 +166,38 @@ def _worst_table(result: AuditResult, rows: list[dict[str, Any]], figure: str) -
         for r in rows
     )
     return (
-        f"<h3>Worst samples by {e(figure)}</h3><table><thead><tr><th>step</th><th>sample</th><th>group</th>"
+        f"<h3>Worst samples by {e(figure)}</h3><table><thead><tr><th>{e(result.step_name)}</th>"
+        "<th>sample</th><th>group</th>"
         f"<th>{e(figure)}</th><th>response tokens</th><th>invariants violated</th><th>where</th></tr></thead>"
         f"<tbody>{body}</tbody></table>"
     )
 
 
+def _read(result: AuditResult) -> str:
+    """``2 files · 19 samples · 41.2 KiB``; for an imported dump the files of the dump read and the bytes
+    of the run layout they were imported into, each said so."""
+    size = human_size(result.bytes_read)
+    if result.dump_files is None:
+        return f"{result.files_read()} · {result.counted()} · {size}"
+    return f"{result.files_read()} read · {result.counted()} · {size} of run layout"
+
+
 def audit_html(result: AuditResult, *, title: str, command: str, seconds: float) -> str:
     """The page for ``result`` (``title``: the run audited)."""
     e = html.escape
-    violated = result.violated
-    status = "incomplete" if result.input_errors else "fail" if violated else "pass"
+    violated, suspected = result.violated, result.suspected
+    status = "fail" if violated else "suspect" if suspected else "pass"
+    status = "incomplete" if result.input_errors else status
     text = (
         f"{len(violated)} strict invariant(s) violated"
         if violated
         else "no strict invariant violated"
         + (", but some files could not be read" if result.input_errors else "")
     )
+    if suspected:
+        names = ", ".join(r.name for r in suspected)
+        said = f"{len(suspected)} detector(s) suspect a fault ({names})"
+        text += f"; {said}: a suspicion, not a broken invariant"
     errors = "".join(f'<p class="error">{e(x)}</p>' for x in result.input_errors)
     drift = "".join(f'<p class="note">inferred: {e(x)}</p>' for x in result.inferred)
     drift += "".join(f'<p class="note">drift: {e(x)}</p>' for x in result.drift)
@@ -188,7 +211,7 @@ def audit_html(result: AuditResult, *, title: str, command: str, seconds: float)
 <style>{CSS}</style></head>
 <body><main>
 <h1>Routing replay audit: {e(title)}</h1>
-<p class="sub">{result.files} files · {e(result.counted())} · {human_size(result.bytes_read)} ·
+<p class="sub">{e(_read(result))} ·
 {seconds:.1f}s · <span class="mono">{e(command)}</span><br>sources: {e("; ".join(result.sources))}</p>
 <div class="verdict {e(status)}"><div class="status">{e(status.upper())}</div><p>{e(text)}</p></div>
 {errors}{drift}

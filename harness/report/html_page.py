@@ -30,6 +30,7 @@ h3 { font-size: 15px; margin: 18px 0 6px; }
 .verdict.pass { background: #edf7ee; border-color: var(--pass); }
 .verdict.fail { background: #fdecea; border-color: var(--fail); }
 .verdict.incomplete { background: #fff6e0; border-color: #c98a00; }
+.verdict.suspect { background: #fff6e0; border-color: #c98a00; }
 .verdict .status { font-weight: 700; font-size: 16px; letter-spacing: .02em; }
 .counts span { display: inline-block; margin-right: 14px; }
 .legend { color: var(--muted); font-size: 13px; margin: 6px 0 12px; }
@@ -41,8 +42,8 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: now
 .badge { display: inline-block; min-width: 40px; text-align: center; border-radius: 4px; padding: 1px 6px;
          font-weight: 700; font-size: 12px; color: #fff; }
 .badge.PASS { background: var(--pass); } .badge.FAIL { background: var(--fail); }
-.badge.skip { background: var(--skip); }
-tr.FAIL td { background: #fff7f6; }
+.badge.skip { background: var(--skip); } .badge.SUSPECT { background: #c98a00; }
+tr.FAIL td { background: #fff7f6; } tr.SUSPECT td { background: #fffaf0; }
 .msg { color: var(--ink); } .example { color: var(--muted); margin-top: 3px; }
 code, .mono { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; font-size: 12px; }
 .charts { display: flex; flex-wrap: wrap; gap: 18px; }

@@ -15,6 +15,7 @@ import numpy.typing as npt
 
 from harness.audit import kernels as audit_kernels
 from harness.audit.batch import Batch, ListColumn
+from harness.audit.checks.invariants import DETECTORS
 from harness.audit.state import OFFENDER_SAMPLES, OFFENDERS_PER_SAMPLE, WORST, AuditState, Offender
 
 
@@ -131,6 +132,8 @@ class BatchContext:
     def finish(self, name: str, found: Offenders, checked: int) -> None:
         """Fold invariant ``name``'s offenders of this batch, ``checked`` samples judged, into the state."""
         self.state.tally(name).add(checked, found.items, len(found.samples))
+        if name in DETECTORS:  # a suspicion, not a violation of the sample
+            return
         for s in found.samples:
             self.violations[s] += 1
 

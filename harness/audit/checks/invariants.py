@@ -16,9 +16,14 @@ STRICT = (
     "splice_consistency",
     "shard_union",
 )
-"""Every strict invariant, in report order. ``wrapped_ids`` and ``repeated_rows`` are detectors of what a
-dump alone shows (``harness.audit.findings``; ``harness.audit.checks.repeats``): each names a fault only under
-conditions that make it implausible on a correct dump."""
+"""Every strict invariant and detector, in report order. ``wrapped_ids`` and ``repeated_rows`` are the
+``DETECTORS``."""
+
+DETECTORS = ("wrapped_ids", "repeated_rows")
+"""Detectors of what a dump alone shows (``harness.audit.findings``; ``harness.audit.checks.repeats``): each
+names a fault only under conditions that make it implausible on a correct dump, but what it names is a
+**suspicion** (kind ``suspicion``, status ``suspect``, printed ``SUSPECT``), never a broken invariant: it
+does not make ``rrh audit`` exit 1, nor stop ``--strict``, nor count among a sample's violations."""
 
 METRICS = ("fallback", "agreement", "logprob_gap", "prefix_agreement", "expert_load")
 

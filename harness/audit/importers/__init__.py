@@ -12,10 +12,13 @@ A module ``harness.audit.importers.<name>`` provides:
 
 - ``DESCRIPTION``: what it reads (framework, release, flag that writes the dump);
 - ``NOTES``: a tuple of sentences, what the dump cannot show (printed in the report, e.g.
-  "hash-level checks only");
+  "hash-level checks only"); ``FACT_NOTES``: for each model fact it does not record (``num_experts``,
+  ``moe_layers``), a sentence printed only when the caller did not give it;
 - ``HINTS``: for each column an invariant may miss (``harness.audit.result.HINTS``' keys), what in
   *this* framework writes it, or that nothing in it does; ``SOURCE_PREFIXES``: how the ``source``
   of its records starts (a re-audit of an imported run finds its hints by it);
+- ``STEP_NAME`` (optional): what the dump's step is, where it is not a training step (slime's
+  ``rollout id``): the report prints it where it prints a step;
 - ``detect(path) -> bool``: whether ``path`` (a file or directory) looks like this dump;
 - ``records(path, **options) -> Iterator[SampleRecord]``: the dump's samples, one at a time;
   options a dump does not record (``num_experts``, ``moe_layers``) are keyword arguments; an
@@ -36,11 +39,12 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from harness.audit.importers.model_shape import MOE_LAYERS_ENV, NUM_EXPERTS_ENV
 from harness.audit.layout import LayoutError, SampleRecord
 from harness.audit.writer import RunWriter
 
@@ -55,14 +59,27 @@ def importer(name: str) -> ModuleType:
     return importlib.import_module(f"harness.audit.importers.{name}")
 
 
-def notes(name: str) -> tuple[str, ...]:
-    """Importer ``name``'s ``NOTES``, one sentence each (a bare string is one sentence, never its letters)."""
-    value = getattr(importer(name), "NOTES", ())
-    return (value,) if isinstance(value, str) else tuple(value or ())
+def notes(
+    name: str, *, num_experts: int | None = None, moe_layers: Sequence[int] | None = None
+) -> tuple[str, ...]:
+    """Importer ``name``'s ``NOTES``, one sentence each (a bare string is one sentence, never its letters),
+    then its ``FACT_NOTES`` on each model fact the caller did not give: a note asking for
+    ``--num-experts`` is untrue once it was given (by the argument, or by its environment variable where
+    the importer reads it, ``FACTS_FROM_ENV``)."""
+    module = importer(name)
+    value = getattr(module, "NOTES", ())
+    out = (value,) if isinstance(value, str) else tuple(value or ())
+    from_env = bool(getattr(module, "FACTS_FROM_ENV", False))
+    given = {
+        "num_experts": num_experts is not None or (from_env and NUM_EXPERTS_ENV in os.environ),
+        "moe_layers": moe_layers is not None or (from_env and MOE_LAYERS_ENV in os.environ),
+    }
+    facts: dict[str, str] = getattr(module, "FACT_NOTES", {})
+    return out + tuple(note for fact, note in facts.items() if not given.get(fact, False))
 
 
-def hints_for(sources: Iterable[str]) -> dict[str, str]:
-    """The ``HINTS`` of the importer that wrote every one of ``sources`` (``{}``: none, or several)."""
+def _owner(sources: Iterable[str]) -> ModuleType | None:
+    """The importer that wrote every one of ``sources`` (``None``: none, or several)."""
     names = set()
     for source in sources:
         owner = None
@@ -75,9 +92,20 @@ def hints_for(sources: Iterable[str]) -> dict[str, str]:
                 owner = name
                 break
         if owner is None:
-            return {}
+            return None
         names.add(owner)
-    return dict(getattr(importer(names.pop()), "HINTS", {})) if len(names) == 1 else {}
+    return importer(names.pop()) if len(names) == 1 else None
+
+
+def hints_for(sources: Iterable[str]) -> dict[str, str]:
+    """The ``HINTS`` of the importer that wrote every one of ``sources`` (``{}``: none, or several)."""
+    return dict(getattr(_owner(sources), "HINTS", {}))
+
+
+def step_name_for(sources: Iterable[str]) -> str:
+    """What a step is in the dump every one of ``sources`` came from, as its importer's ``STEP_NAME``
+    says (slime's steps are rollout ids), else ``step``."""
+    return str(getattr(_owner(sources), "STEP_NAME", "step"))
 
 
 def detect(path: str | os.PathLike[str]) -> str | None:

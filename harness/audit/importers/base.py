@@ -30,6 +30,7 @@ from harness.audit.importers.model_shape import (
     payload_rows,
     step_layers,
 )
+from harness.audit.importers.torch_format import dtype_name
 from harness.audit.inputs import read_file
 from harness.audit.layout import LayoutError, SampleRecord
 from harness.trace import MAX_LAYERS, LayerAxis
@@ -84,10 +85,16 @@ def dump_records(
         inferred.extend(vote.notes())
 
 
+def samples_label(start: int, end: int) -> str:
+    """A group of the batch rows ``[start, end)`` named by what the dump has, the samples' indices
+    (``samples 4-7``; ``sample 4`` alone), where the dump names groups only by their place."""
+    return f"sample {start}" if end - start == 1 else f"samples {start}-{end - 1}"
+
+
 def check_route_ids(routes: npt.NDArray[Any], source: str, field: str) -> None:
     """A padded route tensor holds integer ids."""
     if routes.dtype.kind not in "iu":
-        raise LayoutError(f"{source}: field {field!r} is {routes.dtype}; expected integer ids")
+        raise LayoutError(f"{source}: field {field!r} is {dtype_name(routes)}; expected integer ids")
 
 
 def route_widths(routes: npt.NDArray[Any], num_experts: int, source: str, field: str) -> tuple[int, int]:
@@ -103,7 +110,7 @@ def route_widths(routes: npt.NDArray[Any], num_experts: int, source: str, field:
 def check_logprobs(values: npt.NDArray[Any] | None, source: str, field: str) -> None:
     """A log-prob tensor the dump may hold is numbers."""
     if values is not None and values.dtype.kind not in "iuf":
-        raise LayoutError(f"{source}: field {field!r} is {values.dtype}; expected log-probabilities")
+        raise LayoutError(f"{source}: field {field!r} is {dtype_name(values)}; expected log-probabilities")
 
 
 @dataclass(frozen=True)

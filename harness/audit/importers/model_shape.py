@@ -104,8 +104,10 @@ class LayerVote:
     not (the checks then report those at their place: ``dense_empty``, ``moe_layer_nonzero``).
     """
 
-    def __init__(self, flag: str = "--moe-layers") -> None:
+    def __init__(self, flag: str = "--moe-layers", step_name: str = "step") -> None:
         self.flag = flag
+        self.step_name = step_name
+        """What a step is in the dump, as its lines say it (slime: ``rollout id``)."""
         self.steps: dict[int, dict[tuple[int, ...], list[str]]] = {}
         self.layers: tuple[int, ...] | None = None
         self.decided_by = ""
@@ -131,7 +133,7 @@ class LayerVote:
             return None
         ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
         if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
-            where = f"step {steps[0]}" if steps is not None and len(steps) == 1 else "the dump"
+            where = f"{self.step_name} {steps[0]}" if steps is not None and len(steps) == 1 else "the dump"
             raise LayoutError(
                 f"moe_layers: in {where} as many samples route on layers {layer_span(ranked[0][0])} as on "
                 f"{layer_span(ranked[1][0])} ({ranked[0][1]} each); expected a layout most samples agree "
@@ -151,9 +153,9 @@ class LayerVote:
             )
         self.layers = best[0]
         chosen = sorted(self.steps) if steps is None else list(steps)
-        self.decided_by = (
-            f"step {chosen[0]}" if len(chosen) == 1 else f"steps {chosen[0]}-{chosen[-1]}" if chosen else ""
-        )
+        name = self.step_name
+        span = f"{name}s {chosen[0]}-{chosen[-1]}" if chosen else ""
+        self.decided_by = f"{name} {chosen[0]}" if len(chosen) == 1 else span
         return self.layers
 
     def notes(self) -> list[str]:
@@ -173,7 +175,7 @@ class LayerVote:
                     others += [f"{p} (layers {layer_span(layers)})" for p in places]
             best = max(votes.items(), key=lambda kv: (len(kv[1]), kv[0]))[0]
             if best != self.layers:
-                odd_steps.append(f"step {step} (most of its samples route on {layer_span(best)})")
+                odd_steps.append(f"{self.step_name} {step} (most of its samples route on {layer_span(best)})")
         line = (
             f"moe_layers {layer_span(self.layers)}: inferred ({self.flag} not given) as the layers most "
             f"samples route on ({self.decided_by}); {agree} of {total} samples agree"

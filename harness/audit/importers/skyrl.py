@@ -48,10 +48,15 @@ DESCRIPTION = (
     "SkyRL 0.3.0 trainer.dump_data_batch=true: {export_path}/dumped_data/"
     "global_step_{N}_training_input.pkl (TrainingInputBatch.save, written after the old-log-prob pass)"
 )
+FACT_NOTES = {
+    "num_experts": "num_experts is not in the dump: give it (--num-experts, RRH_NUM_EXPERTS)",
+    "moe_layers": "moe_layers is not in the dump: without --moe-layers (RRH_MOE_LAYERS) it is inferred as "
+    "the layers most samples route on; a MoE layer all zero in most samples reads as dense",
+}
+"""What the dump does not record, said only when the caller did not give it (``importers.notes``)."""
+FACTS_FROM_ENV = True
+"""``$RRH_NUM_EXPERTS`` and ``$RRH_MOE_LAYERS`` give the facts ``FACT_NOTES`` names, as the flags do."""
 NOTES = (
-    "num_experts is not in the dump: give it (--num-experts, RRH_NUM_EXPERTS)",
-    "moe_layers is not in the dump: without --moe-layers (RRH_MOE_LAYERS) it is inferred as the layers most "
-    "samples route on; a MoE layer all zero in most samples reads as dense",
     "SkyRL 0.3.0 fills missing rows with zeros and has no mask: trailing all-zero rows, and a sample whose "
     "routes are all zero, are read as not captured (fallback metric), never as routes",
     "no trainer routes and no replay mode: replay_fidelity and agreement are not checkable",
@@ -74,7 +79,7 @@ HINTS = {
 }
 """What writes each column an invariant may miss, said for SkyRL (``AuditResult`` lines use it)."""
 
-SOURCE = "SkyRL trainer.dump_data_batch (rrh import skyrl)"
+SOURCE = "SkyRL trainer.dump_data_batch, read by rrh audit's SkyRL importer (rrh audit DUMP --from skyrl)"
 SOURCE_PREFIXES = ("SkyRL ",)
 """The ``source`` of the records this importer writes (``hints_for`` tells a re-audited import by it)."""
 FILE_PATTERN = re.compile(r"^global_step_(\d+)_training_input\.pkl$")
@@ -196,7 +201,8 @@ def _row(array: npt.NDArray[Any] | None, where: Any, dtype: Any) -> npt.NDArray[
 
 def _groups(metadata: dict[str, Any], size: int, source: str) -> list[str | None]:
     """Each sample's GRPO group from ``metadata["policy_prompt_boundaries"]`` ``[(start, end)]``:
-    consecutive, non-overlapping spans of the batch (``compute_prompt_boundaries``), read in one pass."""
+    consecutive, non-overlapping spans of the batch (``compute_prompt_boundaries``), read in one pass;
+    named by the samples' indices (``samples 0-3``): the dump has no other name for it."""
     keys: list[str | None] = [None] * size
     bounds_list = metadata.get("policy_prompt_boundaries")
     if bounds_list is None:
@@ -218,7 +224,7 @@ def _groups(metadata: dict[str, Any], size: int, source: str) -> list[str | None
         if start >= size:
             break  # spans of the DP padding samples, which are dropped
         end = min(end, size)
-        keys[start:end] = [f"p{index}"] * (end - start)
+        keys[start:end] = [base.samples_label(start, end)] * (end - start)
     return keys
 
 

@@ -70,13 +70,17 @@ DESCRIPTION = (
     "slime/miles debug dump: --save-debug-rollout-data (or --dump-details D: D/rollout_data/{id}.pt), "
     "joined with --save-debug-train-data format_version 2 (D/train_data/{id}.pt) where present"
 )
+FACT_NOTES = {
+    "num_experts": "num_experts is not in the dump: without --num-experts it is inferred from what most "
+    "samples agree on (1 + the largest id more than one sample uses), so ids are checked against that bound, "
+    "not the model's expert count",
+    "moe_layers": "the MoE layers are not in the dump: without --moe-layers they are inferred as the layers "
+    "most samples route on; a MoE layer all-zero in most samples reads as dense",
+}
+"""What the dump does not record, said only when the caller did not give it (``importers.notes``)."""
 NOTES = (
     "every dumped route row is a captured route: slime's arange % E filler for the last position and "
     "packing pads is built at replay (cp_utils._pad_routed_experts), never dumped, so it cannot be checked",
-    "num_experts and the MoE layers are not in the dump: without --num-experts and --moe-layers they are "
-    "inferred from what most samples agree on (1 + the largest id more than one sample uses; the layers most "
-    "samples route on), so ids are checked against that bound, not the model's expert count, and a MoE "
-    "layer all-zero in most samples reads as dense",
     "trainer tokens and log-probs come only from a format_version 2 train dump beside the rollout dump; "
     "no trainer routes, replay mode or attempt boundaries are dumped: replay fidelity, agreement, "
     "splice consistency and shard union are not checkable",
@@ -99,6 +103,8 @@ HINTS = {
 }
 """What writes each column an invariant may miss, said for slime (``AuditResult`` lines use it)."""
 SOURCE = "slime/miles --save-debug-rollout-data"
+STEP_NAME = "rollout id"
+"""A slime dump's step is the rollout id of its ``rollout_data/{id}.pt`` (the report says so)."""
 SOURCE_PREFIXES = ("slime",)
 """The ``source`` of the records this importer writes (``hints_for`` tells a re-audited import by it)."""
 TRAIN_FORMAT_VERSION = 2

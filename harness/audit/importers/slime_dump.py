@@ -20,6 +20,7 @@ import numpy.typing as npt
 from harness.audit.importers import pickle_values, safe_pickle
 from harness.audit.importers.base import NO_ROUTES, RoutingShape
 from harness.audit.importers.model_shape import ExpertVote, LayerVote, signature
+from harness.audit.importers.torch_format import dtype_name
 from harness.audit.inputs import brief, read_file
 from harness.audit.layout import LayoutError
 from harness.trace import MAX_LAYERS
@@ -70,7 +71,7 @@ def number_array(value: Any, where: str, field: str, kind: str) -> npt.NDArray[A
     else:
         raise LayoutError(f"{where}: field {field!r} is {brief(value)}; expected {what} (a tensor or a list)")
     if array.dtype.kind not in allowed:
-        raise LayoutError(f"{where}: field {field!r} holds {array.dtype} values; expected {what}")
+        raise LayoutError(f"{where}: field {field!r} holds {dtype_name(array)} values; expected {what}")
     return array.astype(np.int64 if kind == "i" else np.float64, copy=False)
 
 
@@ -174,7 +175,7 @@ def routing_shape(
         return NO_ROUTES
     widths = Counter(width for width, _, _ in scans.values())  # insertion-ordered: ties go to the first
     layers, top_k = max(widths, key=lambda w: widths[w])
-    vote, experts = LayerVote(), ExpertVote()
+    vote, experts = LayerVote(step_name="rollout id"), ExpertVote()
     for path, (width, file_vote, file_experts) in scans.items():
         if width != (layers, top_k):
             message = (
@@ -214,7 +215,7 @@ def _scan(step: int, path: Path, first_only: bool) -> tuple[tuple[int, int] | No
     """One rollout file's routes: their ``(layers, top_k)``, the same for all its samples, and its
     samples' votes on the MoE layers and the expert count (``first_only``: the shape alone)."""
     width = None
-    vote, experts = LayerVote(), ExpertVote()
+    vote, experts = LayerVote(step_name="rollout id"), ExpertVote()
     for i, sample in enumerate(dump_samples(load_dump(path), path, None)):
         routes = sample_routes(sample, f"{path}: samples[{i}]")
         if routes is None:

@@ -61,8 +61,19 @@ def element_dtype(code: str, big_endian: bool) -> np.dtype[Any]:
     return dtype.newbyteorder(">") if big_endian and dtype.itemsize > 1 else dtype
 
 
+class BFloat16Array(np.ndarray):  # type: ignore[type-arg]
+    """A bfloat16 tensor's values widened to float32 (numpy has no bfloat16), its type recording what
+    the file held, so that a message refusing it names ``bfloat16`` (``dtype_name``), not ``float32``."""
+
+
 def widen_bfloat16(array: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
-    return (array.astype(np.uint32) << 16).view(np.float32)
+    """bfloat16 bits (``uint16``) as the float32 values they are, typed ``BFloat16Array``."""
+    return (array.astype(np.uint32) << 16).view(np.float32).view(BFloat16Array)
+
+
+def dtype_name(array: npt.NDArray[Any]) -> str:
+    """The dtype the file held ``array`` in: ``bfloat16`` for a widened bfloat16 tensor, else numpy's."""
+    return BFLOAT16 if isinstance(array, BFloat16Array) else str(array.dtype)
 
 
 def torch_device(*args: Any) -> str:

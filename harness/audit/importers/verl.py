@@ -42,11 +42,16 @@ DESCRIPTION = (
     "verl 0.9.1 RolloutSkip (skip.rollout.enable=True): {dump_dir}/{exp}_{project}/GBS{g}_N{n}_in{p}_out{r}/"
     "{step}/gen_batch.dp + meta.json (DataProto.save_to_disk of the agent loop's output)"
 )
+FACT_NOTES = {
+    "num_experts": "num_experts is not in the dump: give it (--num-experts, RRH_NUM_EXPERTS)",
+    "moe_layers": "moe_layers is not in the dump: without --moe-layers (RRH_MOE_LAYERS) it is inferred as "
+    "the layers most samples route on; a MoE layer all zero in most samples reads as dense",
+}
+"""What the dump does not record, said only when the caller did not give it (``importers.notes``)."""
+FACTS_FROM_ENV = True
+"""``$RRH_NUM_EXPERTS`` and ``$RRH_MOE_LAYERS`` give the facts ``FACT_NOTES`` names, as the flags do."""
 NOTES = (
     "dumped before compute_log_prob: no trainer log-probs, so logprob_gap is not checkable",
-    "num_experts is not in the dump: give it (--num-experts, RRH_NUM_EXPERTS)",
-    "moe_layers is not in the dump: without --moe-layers (RRH_MOE_LAYERS) it is inferred as the layers most "
-    "samples route on; a MoE layer all zero in most samples reads as dense",
     "verl fills rows outside the payload with zeros: trailing all-zero rows, and a sample whose routes are "
     "all zero, are read as not captured (fallback metric), never as routes",
     "no trainer routes and no replay mode: replay_fidelity and agreement are not checkable",
@@ -69,7 +74,7 @@ HINTS = {
 }
 """What writes each column an invariant may miss, said for verl (``AuditResult`` lines use it)."""
 
-SOURCE = "verl RolloutSkip gen_batch.dp (rrh import verl)"
+SOURCE = "verl RolloutSkip gen_batch.dp, read by rrh audit's verl importer (rrh audit DUMP --from verl)"
 SOURCE_PREFIXES = ("verl ",)
 """The ``source`` of the records this importer writes (``hints_for`` tells a re-audited import by it)."""
 FILE_NAME = "gen_batch.dp"
@@ -179,8 +184,9 @@ def _groups(
             return [str(u)[:256] for u in values]
         bad = next(u for u in values if not isinstance(u, (str, int)) or isinstance(u, bool))
         raise LayoutError(f"{source}: non_tensor_batch field 'uid' holds {brief(bad)}; expected string uids")
-    if group_size:
-        return [f"p{i // group_size}" for i in range(size)]
+    if group_size:  # named by the samples' indices: the dump has no other name for the group
+        starts = [i - i % group_size for i in range(size)]
+        return [base.samples_label(start, min(size, start + group_size)) for start in starts]
     return [None] * size
 
 
