@@ -146,6 +146,11 @@ def huge_shape(state: dict[str, Any]) -> None:
     }
 
 
+def empty_shape_overflowing_int64(state: dict[str, Any]) -> None:
+    state["batch_dict"]["sequences"] = {"format": "numpy", "data": b"", "shape": (2**32, 2**32, 0),
+                                        "dtype": "int64"}  # fmt: skip
+
+
 def array_metadata(state: dict[str, Any]) -> None:
     state["metadata"] = fz.fake_array((2,), np.dtype("i8"), b"\0" * 16)
 
@@ -164,7 +169,7 @@ SKYRL = "dumped_data/global_step_2_training_input.pkl"
 @pytest.mark.parametrize(
     "edit",
     [object_array_short, declared_terabyte, uninitialised_array, strided_view, colliding_keys, huge_shape,
-     array_metadata, planted_call, newline_global],
+     empty_shape_overflowing_int64, array_metadata, planted_call, newline_global],
 )  # fmt: skip
 def test_hostile_file_skyrl_pickle(runner: fz.Runner, bases: Any, tmp_path: Path, edit: Any) -> None:
     """Each once crashed (SIGSEGV), took gigabytes or minutes, or printed a traceback."""
@@ -179,6 +184,21 @@ def test_hostile_file_verl_object_array(runner: fz.Runner, bases: Any, tmp_path:
         path.write_bytes(fz.verl_pickle((batch, non_tensor, meta)))
 
     _check(runner, _case(bases, tmp_path, "verl", f"{fz.VERL_DIR}/2/gen_batch.dp", damage))
+
+
+@pytest.mark.parametrize("shape", [(2**32, 2**32, 0), (0, 2**62, 2**62)])
+def test_hostile_file_verl_shape_overflowing_int64(
+    runner: fz.Runner, bases: Any, tmp_path: Path, shape: tuple[int, ...]
+) -> None:
+    """An empty batch field whose other sizes multiply past 2**63: numpy's ValueError (a traceback)."""
+
+    def damage(path: Path) -> None:
+        batch, non_tensor, meta = fz._verl_state(2, numpy_batch=True)
+        batch[2]["attention_mask"] = ("int64", shape, b"")
+        path.write_bytes(fz.verl_pickle((batch, non_tensor, meta)))
+
+    text = _check(runner, _case(bases, tmp_path, "verl", f"{fz.VERL_DIR}/2/gen_batch.dp", damage))
+    assert "2/gen_batch.dp: field" in text and "attention_mask" in text and "overflows int64" in text, text
 
 
 def test_hostile_file_verl_meta_json_nested_past_the_recursion_limit(

@@ -125,13 +125,28 @@ class _NdarrayClass:
 NDARRAY = _NdarrayClass()
 
 
-def shape_of(value: Any, where: str) -> tuple[int, ...]:
+MAX_NBYTES = 2**63 - 1
+"""numpy's bound on ``itemsize`` × the sizes of an array's non-zero dimensions (``npy_intp``)."""
+
+
+def shape_of(value: Any, where: str, itemsize: int = 1) -> tuple[int, ...]:
+    """``value`` as a shape numpy can make an array of with elements of ``itemsize`` bytes.
+
+    numpy multiplies the itemsize by every non-zero size and refuses a product past ``MAX_NBYTES``
+    even when a size 0 makes the array empty (``(2**32, 2**32, 0)`` cannot be reshaped into), so such
+    a shape is refused here, naming ``where``, rather than as numpy's ``ValueError`` later.
+    ``itemsize`` 0 checks the sizes only (a tensor's strides)."""
     if not (
         isinstance(value, tuple)
         and len(value) <= MAX_DIMS
         and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**63 for n in value)
     ):
         raise LayoutError(f"{where}: shape {brief(value)}; expected a tuple of at most {MAX_DIMS} sizes >= 0")
+    if itemsize * math.prod(n for n in value if n) > MAX_NBYTES:
+        raise LayoutError(
+            f"{where}: shape {list(value)[:8]} of {itemsize}-byte elements overflows int64 "
+            f"(its non-zero sizes × {itemsize} > 2**63 − 1); expected a shape an array can have"
+        )
     return value
 
 
@@ -200,8 +215,8 @@ class PendingArray:
                 f"{where} state {brief(state)}; expected (version, shape, dtype, fortran, data)"
             )
         shape, dtype, fortran, data = state[-4:]
-        shape = shape_of(shape, where)
         dtype = resolve_dtype(dtype, where)
+        shape = shape_of(shape, where, dtype.itemsize)
         count = math.prod(shape)
         if dtype.kind == "O":
             if not isinstance(data, list) or len(data) != count:

@@ -77,6 +77,7 @@ from harness.audit.importers.torch_format import (
     torch_device,
     view_bytes,
     widen_bfloat16,
+    widened,
 )
 from harness.audit.inputs import brief, file_size, open_regular
 from harness.audit.layout import LayoutError
@@ -290,8 +291,12 @@ class SafeUnpickler(pickle._Unpickler):
             )
         flat = np.frombuffer(storage.data, dtype=element)
         where = f"{self.source}: tensor"
-        shape = shape_of(tuple(size) if isinstance(size, (tuple, list)) else size, f"{where} size")
-        strides = shape_of(tuple(stride) if isinstance(stride, (tuple, list)) else stride, f"{where} stride")
+        shape = shape_of(
+            tuple(size) if isinstance(size, (tuple, list)) else size, f"{where} size", widened(element, code)
+        )
+        strides = shape_of(
+            tuple(stride) if isinstance(stride, (tuple, list)) else stride, f"{where} stride", itemsize=0
+        )  # strides, not sizes: their product bounds nothing
         if (
             len(shape) != len(strides)
             or not isinstance(offset, int)

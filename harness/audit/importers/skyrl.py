@@ -139,6 +139,7 @@ def _tensor(entry: Any, source: str, field: str) -> npt.NDArray[Any]:
         raise LayoutError(
             f"{source}: field {field!r} is {brief(name)} {brief(shape)}; expected a numeric dtype and a shape"
         )
+    pickle_values.shape_of(shape, f"{source}: field {field!r}", dtype.itemsize)  # one numpy can make
     size = math.prod(shape) * dtype.itemsize
     if len(data) != size:
         raise LayoutError(

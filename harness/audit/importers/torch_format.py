@@ -61,6 +61,11 @@ def element_dtype(code: str, big_endian: bool) -> np.dtype[Any]:
     return dtype.newbyteorder(">") if big_endian and dtype.itemsize > 1 else dtype
 
 
+def widened(element: np.dtype[Any], code: str) -> int:
+    """The itemsize of the array an element of ``code`` is returned as (bfloat16 becomes float32)."""
+    return 4 if code == BFLOAT16 else element.itemsize
+
+
 def widen_bfloat16(array: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
     return (array.astype(np.uint32) << 16).view(np.float32)
 
@@ -80,7 +85,6 @@ def view_bytes(buffer: Any, dtype: Any, shape: Any, source: str, field: str) -> 
         raise LayoutError(
             f"{source}: field {field!r} has dtype {brief(dtype)}; expected a numeric torch dtype"
         )
-    shape = shape_of(tuple(shape) if isinstance(shape, list) else shape, f"{source}: field {field!r}")
     if isinstance(buffer, (bytes, bytearray)):
         raw = np.frombuffer(buffer, dtype=np.uint8)
     elif isinstance(buffer, np.ndarray):
@@ -91,6 +95,8 @@ def view_bytes(buffer: Any, dtype: Any, shape: Any, source: str, field: str) -> 
         raise LayoutError(f"{source}: field {field!r} holds {brief(raw)}; expected flat bytes")
     code = TORCH_DTYPES[name]
     element = element_dtype(code, big_endian=False)
+    shape = tuple(shape) if isinstance(shape, list) else shape
+    shape = shape_of(shape, f"{source}: field {field!r}", widened(element, code))
     nbytes = math.prod(shape) * element.itemsize
     if raw.size < nbytes:
         raise LayoutError(
