@@ -591,3 +591,32 @@ def test_two_trace_files_of_one_rank_are_refused_naming_both(runner: fz.Runner, 
     text = _check(runner, _audit_case(tmp_path, "--from", "megatron_lm", "--num-experts", "8",
                                       damaged="router_trace_rank00.jsonl"))  # fmt: skip
     assert "router_trace_rank0.jsonl" in text and "both are rank 0" in text, text
+
+
+@pytest.mark.parametrize(
+    ("rows", "topk", "bad"),
+    [([[0, 1], [2, [3]]], 2, "row 1 holds list of 1"), ([[[0], 1], [2, 3]], 2, "row 0 holds list of 1"),
+     ([[[0, 1]], [[2, 3]]], 1, "row 0 holds list of 2"), ([[0, None], [1, 2]], 2, "row 0 holds None")],
+    ids=["ragged-below-a-row", "ragged-first-id", "three-dimensional", "null-id"],
+)  # fmt: skip
+@pytest.mark.parametrize("joined", [False, True], ids=["trace-alone", "trainer-trace"])
+def test_top_indices_that_are_not_rows_of_ids_are_an_input_error(
+    runner: fz.Runner, bases: Any, tmp_path: Path, rows: list[Any], topk: int, bad: str, joined: bool
+) -> None:
+    """Rows of the right length holding a list where an id belongs: numpy's ValueError (inhomogeneous
+    shape, a traceback), or, at top-k 1, a 3-d array taken for ids (no violation, nothing said)."""
+    directory = tmp_path / "dump"
+    shutil.copytree(bases["verl"].root, directory)
+    (directory / "trace").mkdir()
+    record = {"step": 1, "stage": "pre_dispatch", "block": "decoder", "layer": 0, "rank": 0, "num_tokens": 2,
+              "topk": topk, "top_indices": rows}  # fmt: skip
+    (directory / "trace" / "router_trace_rank0.jsonl").write_text(json.dumps(record) + "\n")
+    if joined:
+        trace = ["--trainer-trace", str(directory / "trace"), "--trainer-layout", "tp=1,max_token_len=24"]
+        case = _audit_case(directory, *bases["verl"].args, *trace, target=directory / fz.VERL_DIR,
+                           damaged="router_trace_rank0.jsonl")  # fmt: skip
+    else:
+        case = _audit_case(directory, "--from", "megatron_lm", "--num-experts", "8",
+                           target=directory / "trace", damaged="router_trace_rank0.jsonl")  # fmt: skip
+    text = _check(runner, case)
+    assert "router_trace_rank0.jsonl:1: field 'top_indices' " + bad in text, text
