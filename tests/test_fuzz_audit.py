@@ -458,6 +458,43 @@ def test_a_shard_row_declaring_two_billion_shards_is_an_input_error(
     assert "column 'shards' is 2147483647; expected at most 65536" in text, text
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-file", "a-file-per-shard"])
+@pytest.mark.parametrize(
+    "late", [False, True], ids=["first-shard-routes-start-1", "second-shard-routes-start-1"]
+)
+def test_shards_of_one_sample_declaring_other_route_rows_are_a_shard_union_violation(
+    runner: fz.Runner, tmp_path: Path, split: bool, late: bool
+) -> None:
+    """A shard row with ``routes_start`` 1 (3 route rows) beside one with 0 (4): the sample's cover was
+    sized by whichever came first, and the other's row 3 fell outside it (IndexError, a traceback;
+    covers of different files would not add). It is the shards' disagreement, named at both places,
+    whichever order or file they come in."""
+    import dataclasses
+
+    from harness.audit.writer import RunWriter
+
+    whole, shard = _shard_records(1, 2)
+    routes = shard.trainer_routes
+    first, second = (0, 1) if late else (1, 0)  # the routes_start of each shard row
+    parts = [dataclasses.replace(shard, positions=[0, 1], trainer_routes=routes[:2], routes_start=first),
+             dataclasses.replace(shard, shard=1, positions=[2, 3], trainer_routes=routes[2:],
+                                 routes_start=second, rank=1)]  # fmt: skip
+    with RunWriter(tmp_path) as writer:
+        for record in (whole, *parts):
+            writer.write(record)
+            if split:
+                writer.flush()
+    text = _check(runner, _audit_case(tmp_path), code=1)
+    report = json.loads((tmp_path / "report.json").read_text())
+    (union,) = [c for c in report["invariants"] if c["name"] == "shard_union"]
+    offenders = {o["actual"].split(" ")[0]: o for o in union["offenders"]}
+    assert len(offenders) == 1 + late, offenders  # late: its row 3 lies outside its own 3 rows too
+    offender = offenders["3"]
+    assert "declaring its 4 route rows (prompt_len + response_len − 1 − routes_start)" in offender["expected"]
+    assert offender["actual"].startswith("3 route rows at ") and offender["row"] == 3, offender
+    assert "shard_union         VIOLATED in" in text and "declaring its 4 route rows" in text, text
+
+
 @pytest.mark.parametrize(
     "spec",
     ["tp=1000000000", "pp=1000000000", "dp=99999999999999999999", "tp=\u00b2"],
