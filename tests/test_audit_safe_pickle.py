@@ -129,6 +129,28 @@ def test_codecs_encode_is_latin1_only() -> None:
         safe_pickle.SafeUnpickler(io.BytesIO(pickle.dumps(hostile, protocol=2)), source="p").load()
 
 
+@pytest.mark.parametrize(
+    ("call", "said"),
+    [(set, "a set (builtins.set) holds"), (frozenset, "a set (builtins.set) holds"),
+     (OrderedDict, "an ordered dict (collections.OrderedDict) holds"), (set, "a set (builtins.set) made of"),
+     (__import__("codecs").encode, "bytes (_codecs.encode) of"), (torch.device, "torch.device of"),
+     (torch.Size, "torch.Size made of")],
+    ids=["set", "frozenset", "ordered-dict", "set-of-it", "codecs-encode", "torch-device", "torch-size"],
+)  # fmt: skip
+def test_a_refused_builtin_names_the_file_and_no_internal_class(call: Any, said: str) -> None:
+    """A set, an OrderedDict, bytes, a device or a size made of a numpy array whose BUILD never came
+    said ``builtins.set: item PendingArray refused``: no file, and the reader's own class name."""
+    from tests.fuzz_audit import _Call, _reconstruct, dumps
+
+    unbuilt = _Call(_reconstruct(), np.ndarray, (0,), b"b")
+    items = unbuilt if "made of" in said or call in (torch.device, __import__("codecs").encode) else [unbuilt]
+    with pytest.raises(LayoutError) as err:
+        safe_pickle.SafeUnpickler(io.BytesIO(dumps(_Call(call, items))), source="dump.pkl").load()
+    text = str(err.value)
+    assert text.startswith(f"dump.pkl: {said} a numpy array without its contents"), text
+    assert "Pending" not in text and "\n" not in text, text
+
+
 def test_framework_classes_become_stand_ins_and_their_code_never_runs(tmp_path: Path) -> None:
     ran: list[str] = []
 

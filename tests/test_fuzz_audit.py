@@ -201,6 +201,28 @@ def test_hostile_file_verl_shape_overflowing_int64(
     assert "2/gen_batch.dp: field" in text and "attention_mask" in text and "overflows int64" in text, text
 
 
+@pytest.mark.parametrize("where", ["batch", "meta-set"])
+def test_hostile_file_verl_array_without_contents_is_named_in_user_terms(
+    runner: fz.Runner, bases: Any, tmp_path: Path, where: str
+) -> None:
+    """A numpy array whose BUILD never came, as the batch or in a set: ``field 'batch' is PendingArray``
+    and ``builtins.set: item PendingArray refused`` (no file) were printed."""
+    unbuilt = fz._Call(fz._reconstruct(), np.ndarray, (0,), b"b")
+
+    def damage(path: Path) -> None:
+        batch, non_tensor, meta = fz._verl_state(2, numpy_batch=True)
+        if where == "batch":
+            batch = unbuilt
+        else:
+            meta["x"] = fz._Call(set, [unbuilt])
+        path.write_bytes(fz.verl_pickle((batch, non_tensor, meta)))
+
+    text = _check(runner, _case(bases, tmp_path, "verl", f"{fz.VERL_DIR}/2/gen_batch.dp", damage))
+    said = "field 'batch' is" if where == "batch" else "a set (builtins.set) holds"
+    assert f"2/gen_batch.dp: {said} a numpy array without its contents" in text, text
+    assert "Pending" not in text, text
+
+
 def test_hostile_file_verl_meta_json_nested_past_the_recursion_limit(
     runner: fz.Runner, bases: Any, tmp_path: Path
 ) -> None:

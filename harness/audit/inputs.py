@@ -217,7 +217,14 @@ def brief(value: Any, limit: int = 60) -> str:
         return f"{type(value).__name__} {dtype} {list(shape)[:8]}"
     if isinstance(value, (list, tuple, dict, set, frozenset)):
         return f"{type(value).__name__} of {len(value)}"
-    return type(value).__name__
+    return kind_name(value)
+
+
+def kind_name(value: Any) -> str:
+    """What ``value`` is, in a message: its type's name, or for a reader's own stand-in (a numpy
+    array a pickle never gave its contents) its ``BRIEF``, in the user's terms."""
+    described = getattr(type(value), "BRIEF", None)
+    return described if isinstance(described, str) else type(value).__name__
 
 
 # --- time budget ----------------------------------------------------------------------------------

@@ -70,10 +70,12 @@ def widen_bfloat16(array: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
     return (array.astype(np.uint32) << 16).view(np.float32)
 
 
-def torch_device(*args: Any) -> str:
-    """``torch.device(...)`` as a plain string: where the tensor lived when it was saved."""
+def torch_device(source: str, *args: Any) -> str:
+    """``torch.device(...)`` as a plain string: where the tensor lived when it was saved (a refusal
+    names ``source``, the file)."""
     if not (1 <= len(args) <= 2 and all(isinstance(a, (str, int)) and not isinstance(a, bool) for a in args)):
-        raise LayoutError(f"torch.device: arguments {brief(args)}; expected a device type and an index")
+        got = ", ".join(brief(a) for a in args[:2]) if args else "nothing"
+        raise LayoutError(f"{source}: torch.device of {got}; expected a device type and an index")
     return ":".join(str(a)[:64] for a in args)
 
 

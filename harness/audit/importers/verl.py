@@ -35,7 +35,16 @@ import numpy as np
 
 from harness.audit.importers import base, pickle_values, safe_pickle, torch_format
 from harness.audit.importers.model_shape import LayerVote
-from harness.audit.inputs import brief, check_ints, check_mask, check_step, glob, read_file, read_json
+from harness.audit.inputs import (
+    brief,
+    check_ints,
+    check_mask,
+    check_step,
+    glob,
+    kind_name,
+    read_file,
+    read_json,
+)
 from harness.audit.layout import LayoutError, SampleRecord
 
 DESCRIPTION = (
@@ -145,7 +154,7 @@ def read_batch(file: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             tensors[key] = torch_format.view_bytes(entry[2], entry[0], shape, source, brief(key))
     else:
         raise LayoutError(
-            f"{source}: field 'batch' is {type(batch).__name__}; expected torch.save bytes of a TensorDict "
+            f"{source}: field 'batch' is {kind_name(batch)}; expected torch.save bytes of a TensorDict "
             "(or verl's numpy serialization)"
         )
     safe_pickle.expect(tensors, dict, source, "batch", "a TensorDict of tensors")
@@ -162,7 +171,7 @@ def _field(tensors: dict[str, Any], name: str, shape: Sequence[int | None], sour
         or array.ndim != len(shape)
         or any(want is not None and got != want for got, want in zip(array.shape, shape, strict=True))
     ):
-        got = array.shape if isinstance(array, np.ndarray) else type(array).__name__
+        got = array.shape if isinstance(array, np.ndarray) else kind_name(array)
         raise LayoutError(f"{source}: field {name!r} has shape {got}; expected {what}")
     return array
 
