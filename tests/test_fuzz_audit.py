@@ -679,3 +679,29 @@ def test_top_indices_that_are_not_rows_of_ids_are_an_input_error(
                            target=directory / "trace", damaged="router_trace_rank0.jsonl")  # fmt: skip
     text = _check(runner, case)
     assert "router_trace_rank0.jsonl:1: field 'top_indices' " + bad in text, text
+
+
+@pytest.mark.parametrize(
+    ("at", "link", "target", "said"),
+    [(fz.VERL_DIR, ".", "root", True), (fz.VERL_DIR, ".", "experiment", True),
+     (fz.VERL_DIR, ".", "run", True), (f"{fz.VERL_DIR}/1", "..", "run", True),
+     (f"{fz.VERL_DIR}/1", "..", "root", False), ("exp_proj", "..", "root", True),
+     ("exp_proj", "..", "run", False)],
+    ids=["run-to-itself", "run-to-itself-from-the-experiment", "run-to-itself-from-the-run",
+         "step-to-its-run", "step-to-its-run-past-the-depth", "experiment-to-the-root",
+         "experiment-to-the-root-above-the-run"],
+)  # fmt: skip
+def test_a_symlink_loop_in_a_verl_dump_is_not_followed_and_said(
+    runner: fz.Runner, bases: Any, tmp_path: Path, at: str, link: str, target: str, said: bool
+) -> None:
+    """A symlink back to a folder above it showed one run under each of its names ("3 verl runs
+    found", nothing audited); the loop is not followed, the run is audited once and a note says so
+    (a loop above the folder given, or deeper than the three levels looked into, is never met)."""
+    directory = tmp_path / "dump"
+    shutil.copytree(bases["verl"].root, directory)
+    (directory / at / "loop").symlink_to(link)
+    path = {"root": directory, "experiment": directory / "exp_proj", "run": directory / fz.VERL_DIR}[target]
+    case = _audit_case(directory, *bases["verl"].args, target=path, intact=bases["verl"].samples)
+    text = _check(runner, case, code=0)
+    note = f"note: verl: symlink loop not followed: {directory / at / 'loop'} leads back to "
+    assert (note in text and "1 verl run found, each read once" in text) is said, text

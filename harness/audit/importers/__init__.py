@@ -146,11 +146,12 @@ def _has_layout(path: Path) -> bool:
     return False
 
 
-def _verl_runs(path: Path) -> list[Path]:
-    """The ``GBS…`` run folders of a verl dump root (steps of two runs would collide)."""
+def _verl_runs(path: Path, loops: list[tuple[Path, Path]] | None = None) -> list[Path]:
+    """The ``GBS…`` run folders of a verl dump root (steps of two runs would collide), each once: a
+    symlink loop below it is not followed, and appended to ``loops``."""
     from harness.audit.importers import verl
 
-    return sorted({f.parent.parent for f in verl.dump_files(path)})
+    return sorted({f.parent.parent for f in verl.dump_files(path, loops)})
 
 
 def _candidates(path: Path, names: tuple[str, ...]) -> tuple[list[tuple[str, Path]], int]:
@@ -219,11 +220,15 @@ def locate(path: str | os.PathLike[str], name: str | None = None) -> tuple[str |
         )
     chosen, dump = found[0]
     if chosen == "verl" and dump.is_dir():
-        runs = _verl_runs(dump)
+        loops: list[tuple[Path, Path]] = []
+        runs = _verl_runs(dump, loops)
         if len(runs) > 1:
+            from harness.audit.importers import verl
+
             raise LayoutError(
                 f"{dump}: {len(runs)} verl runs found: {runs[0]}; {runs[1]}"
                 f"{'; …' if len(runs) > 2 else ''}; expected one (their steps would collide): point at one"
+                + (f" ({verl.loop_note(loops, len(runs))})" if loops else "")
             )
     return chosen, dump
 
@@ -242,6 +247,7 @@ def import_dump(
     *,
     errors: list[str] | None = None,
     inferred: list[str] | None = None,
+    notes: list[str] | None = None,
     **options: Any,
 ) -> list[Path]:
     """Convert the dump at ``source`` with importer ``name`` into run-layout files in ``directory``.
@@ -250,7 +256,8 @@ def import_dump(
     refused, naming the importer, rather than silently ignored. What the importer inferred (model
     facts the dump does not record) is appended to ``inferred``, a line each. ``errors``: a list
     that collects one line per file that could not be imported while the others are (else the
-    first one raises).
+    first one raises). ``notes``: what the importer says of the dump as it reads it (a symlink loop
+    it did not follow), a line each.
     """
     module = importer(name)
     given = {k: v for k, v in options.items() if v is not None}
@@ -262,6 +269,8 @@ def import_dump(
         given["errors"] = errors
     if inferred is not None and "inferred" in accepted:
         given["inferred"] = inferred
+    if notes is not None and "notes" in accepted:
+        given["notes"] = notes
     records: Iterator[SampleRecord] = module.records(Path(source), **given)
     with RunWriter(directory) as writer:
         for record in records:
