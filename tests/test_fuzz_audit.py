@@ -705,3 +705,15 @@ def test_a_symlink_loop_in_a_verl_dump_is_not_followed_and_said(
     text = _check(runner, case, code=0)
     note = f"note: verl: symlink loop not followed: {directory / at / 'loop'} leads back to "
     assert (note in text and "1 verl run found, each read once" in text) is said, text
+
+
+@pytest.mark.parametrize("loop", ["self", "pair", "inside"])
+def test_a_run_path_that_is_a_symlink_loop_says_so(runner: fz.Runner, tmp_path: Path, loop: str) -> None:
+    """A run path that is a symlink loop (ELOOP) was reported as "no such file or directory"."""
+    (tmp_path / "a").symlink_to("b" if loop == "pair" else "a")
+    if loop == "pair":
+        (tmp_path / "b").symlink_to("a")
+    target = tmp_path / "a" / "run" if loop == "inside" else tmp_path / "a"
+    text = _check(runner, _audit_case(tmp_path, target=target))
+    assert text.startswith(f"rrh audit: {target}: a symlink loop (") and "ELOOP" in text, text
+    assert text.count("\n") == 1 and "no such file" not in text, text

@@ -189,9 +189,7 @@ def locate(path: str | os.PathLike[str], name: str | None = None) -> tuple[str |
     """
     root = Path(path)
     if not root.exists():
-        raise LayoutError(
-            f"{root}: no such file or directory; expected a run directory or a framework's dump"
-        )
+        raise LayoutError(f"{root}: {_missing(root)}; expected a run directory or a framework's dump")
     if name is not None:
         importer(name)  # an unknown name is refused, naming the known ones
     names = IMPORTERS if name is None else (name,)
@@ -231,6 +229,23 @@ def locate(path: str | os.PathLike[str], name: str | None = None) -> tuple[str |
                 + (f" ({verl.loop_note(loops, len(runs))})" if loops else "")
             )
     return chosen, dump
+
+
+def _missing(path: Path) -> str:
+    """Why ``path``, which ``Path.exists`` says is not there, is not: a symlink loop (``exists``
+    answers ELOOP with False as for a missing file), a dangling link, or nothing of that name."""
+    import errno
+
+    try:
+        os.stat(path)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return f"a symlink loop ({os.strerror(errno.ELOOP)}, ELOOP): its links lead back to themselves"
+        if err.errno == errno.ENOENT and os.path.islink(path):
+            return f"a dangling symlink to {os.readlink(path)!r}: no such file or directory"
+        if err.errno != errno.ENOENT:
+            return err.strerror or type(err).__name__
+    return "no such file or directory"
 
 
 def _detected(name: str, path: Path) -> bool:
