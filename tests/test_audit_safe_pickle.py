@@ -129,6 +129,28 @@ def test_codecs_encode_is_latin1_only() -> None:
         safe_pickle.SafeUnpickler(io.BytesIO(pickle.dumps(hostile, protocol=2)), source="p").load()
 
 
+@pytest.mark.parametrize(
+    ("call", "said"),
+    [(set, "a set (builtins.set) holds"), (frozenset, "a set (builtins.set) holds"),
+     (OrderedDict, "an ordered dict (collections.OrderedDict) holds"), (set, "a set (builtins.set) made of"),
+     (__import__("codecs").encode, "bytes (_codecs.encode) of"), (torch.device, "torch.device of"),
+     (torch.Size, "torch.Size made of")],
+    ids=["set", "frozenset", "ordered-dict", "set-of-it", "codecs-encode", "torch-device", "torch-size"],
+)  # fmt: skip
+def test_a_refused_builtin_names_the_file_and_no_internal_class(call: Any, said: str) -> None:
+    """A set, an OrderedDict, bytes, a device or a size made of a numpy array whose BUILD never came
+    said ``builtins.set: item PendingArray refused``: no file, and the reader's own class name."""
+    from tests.fuzz_audit import _Call, _reconstruct, dumps
+
+    unbuilt = _Call(_reconstruct(), np.ndarray, (0,), b"b")
+    items = unbuilt if "made of" in said or call in (torch.device, __import__("codecs").encode) else [unbuilt]
+    with pytest.raises(LayoutError) as err:
+        safe_pickle.SafeUnpickler(io.BytesIO(dumps(_Call(call, items))), source="dump.pkl").load()
+    text = str(err.value)
+    assert text.startswith(f"dump.pkl: {said} a numpy array without its contents"), text
+    assert "Pending" not in text and "\n" not in text, text
+
+
 def test_framework_classes_become_stand_ins_and_their_code_never_runs(tmp_path: Path) -> None:
     ran: list[str] = []
 
@@ -201,6 +223,33 @@ def test_a_tensor_reaching_past_its_storage_is_refused() -> None:
     ):
         safe_pickle.load_torch_bytes(tensor(0, 1000, 0), "t.pt")
     assert safe_pickle.load_torch_bytes(tensor(1, 3, 1), "t.pt")["x"].tolist() == [0, 0, 0]
+
+
+def test_a_shape_that_overflows_int64_is_refused_naming_it() -> None:
+    """An empty tensor or array whose non-zero sizes multiply past 2**63 (``(2**32, 2**32, 0)``) was
+    numpy's ``ValueError`` (a traceback): numpy refuses the shape even with no elements. Strides are
+    not sizes: a 5-d tensor's strides multiply past 2**63 and it is still read."""
+    storage = torch.zeros(4, dtype=torch.int16).untyped_storage()
+    rebuild = _Reduce(torch._utils._rebuild_tensor_v3, storage, 0, (2**32, 2**32, 0), (0, 0, 1), False,
+                      OrderedDict(), torch.int16)  # fmt: skip
+    with pytest.raises(LayoutError, match=r"^t\.pt: tensor size: shape \[4294967296, 4294967296, 0\] of "
+                                          r"2-byte elements overflows int64"):  # fmt: skip
+        safe_pickle.load_torch_bytes(torch_bytes({"x": rebuild}), "t.pt")
+    deep = torch.zeros(1, dtype=torch.int8).expand(1, 1, 1, 1, 1)
+    wide = torch.as_strided(torch.zeros(1, dtype=torch.int8), (1, 1, 1, 1, 1), (10**5,) * 5)
+    read = safe_pickle.load_torch_bytes(torch_bytes({"x": deep.contiguous(), "w": wide}), "t.pt")
+    assert read["x"].shape == read["w"].shape == (1, 1, 1, 1, 1)
+
+
+def test_a_numpy_array_shape_that_overflows_int64_is_refused_naming_it(tmp_path: Path) -> None:
+    """A pickled numpy array of shape ``(2**32, 2**32, 0)`` and no bytes: numpy's ``ValueError``."""
+    from tests.fuzz_audit import dumps, fake_array
+
+    path = tmp_path / "a.pkl"
+    path.write_bytes(dumps({"x": fake_array((2**32, 2**32, 0), np.dtype("i8"), b"")}))
+    with pytest.raises(LayoutError, match=r"a\.pkl: numpy array: shape \[4294967296, 4294967296, 0\] of "
+                                          r"8-byte elements overflows int64"):  # fmt: skip
+        safe_pickle.load(path)
 
 
 def test_a_compressed_storage_record_is_refused() -> None:

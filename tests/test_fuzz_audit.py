@@ -145,6 +145,11 @@ def huge_shape(state: dict[str, Any]) -> None:
     }
 
 
+def empty_shape_overflowing_int64(state: dict[str, Any]) -> None:
+    state["batch_dict"]["sequences"] = {"format": "numpy", "data": b"", "shape": (2**32, 2**32, 0),
+                                        "dtype": "int64"}  # fmt: skip
+
+
 def array_metadata(state: dict[str, Any]) -> None:
     state["metadata"] = fz.fake_array((2,), np.dtype("i8"), b"\0" * 16)
 
@@ -163,7 +168,7 @@ SKYRL = "dumped_data/global_step_2_training_input.pkl"
 @pytest.mark.parametrize(
     "edit",
     [object_array_short, declared_terabyte, uninitialised_array, strided_view, colliding_keys, huge_shape,
-     array_metadata, planted_call, newline_global],
+     empty_shape_overflowing_int64, array_metadata, planted_call, newline_global],
 )  # fmt: skip
 def test_hostile_file_skyrl_pickle(runner: fz.Runner, bases: Any, tmp_path: Path, edit: Any) -> None:
     """Each once crashed (SIGSEGV), took gigabytes or minutes, or printed a traceback."""
@@ -178,6 +183,43 @@ def test_hostile_file_verl_object_array(runner: fz.Runner, bases: Any, tmp_path:
         path.write_bytes(fz.verl_pickle((batch, non_tensor, meta)))
 
     _check(runner, _case(bases, tmp_path, "verl", f"{fz.VERL_DIR}/2/gen_batch.dp", damage))
+
+
+@pytest.mark.parametrize("shape", [(2**32, 2**32, 0), (0, 2**62, 2**62)])
+def test_hostile_file_verl_shape_overflowing_int64(
+    runner: fz.Runner, bases: Any, tmp_path: Path, shape: tuple[int, ...]
+) -> None:
+    """An empty batch field whose other sizes multiply past 2**63: numpy's ValueError (a traceback)."""
+
+    def damage(path: Path) -> None:
+        batch, non_tensor, meta = fz._verl_state(2, numpy_batch=True)
+        batch[2]["attention_mask"] = ("int64", shape, b"")
+        path.write_bytes(fz.verl_pickle((batch, non_tensor, meta)))
+
+    text = _check(runner, _case(bases, tmp_path, "verl", f"{fz.VERL_DIR}/2/gen_batch.dp", damage))
+    assert "2/gen_batch.dp: field" in text and "attention_mask" in text and "overflows int64" in text, text
+
+
+@pytest.mark.parametrize("where", ["batch", "meta-set"])
+def test_hostile_file_verl_array_without_contents_is_named_in_user_terms(
+    runner: fz.Runner, bases: Any, tmp_path: Path, where: str
+) -> None:
+    """A numpy array whose BUILD never came, as the batch or in a set: ``field 'batch' is PendingArray``
+    and ``builtins.set: item PendingArray refused`` (no file) were printed."""
+    unbuilt = fz._Call(fz._reconstruct(), np.ndarray, (0,), b"b")
+
+    def damage(path: Path) -> None:
+        batch, non_tensor, meta = fz._verl_state(2, numpy_batch=True)
+        if where == "batch":
+            batch = unbuilt
+        else:
+            meta["x"] = fz._Call(set, [unbuilt])
+        path.write_bytes(fz.verl_pickle((batch, non_tensor, meta)))
+
+    text = _check(runner, _case(bases, tmp_path, "verl", f"{fz.VERL_DIR}/2/gen_batch.dp", damage))
+    said = "field 'batch' is" if where == "batch" else "a set (builtins.set) holds"
+    assert f"2/gen_batch.dp: {said} a numpy array without its contents" in text, text
+    assert "Pending" not in text, text
 
 
 def test_hostile_file_verl_meta_json_nested_past_the_recursion_limit(
@@ -437,6 +479,43 @@ def test_a_shard_row_declaring_two_billion_shards_is_an_input_error(
     assert "column 'shards' is 2147483647; expected at most 65536" in text, text
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-file", "a-file-per-shard"])
+@pytest.mark.parametrize(
+    "late", [False, True], ids=["first-shard-routes-start-1", "second-shard-routes-start-1"]
+)
+def test_shards_of_one_sample_declaring_other_route_rows_are_a_shard_union_violation(
+    runner: fz.Runner, tmp_path: Path, split: bool, late: bool
+) -> None:
+    """A shard row with ``routes_start`` 1 (3 route rows) beside one with 0 (4): the sample's cover was
+    sized by whichever came first, and the other's row 3 fell outside it (IndexError, a traceback;
+    covers of different files would not add). It is the shards' disagreement, named at both places,
+    whichever order or file they come in."""
+    import dataclasses
+
+    from harness.audit.writer import RunWriter
+
+    whole, shard = _shard_records(1, 2)
+    routes = shard.trainer_routes
+    first, second = (0, 1) if late else (1, 0)  # the routes_start of each shard row
+    parts = [dataclasses.replace(shard, positions=[0, 1], trainer_routes=routes[:2], routes_start=first),
+             dataclasses.replace(shard, shard=1, positions=[2, 3], trainer_routes=routes[2:],
+                                 routes_start=second, rank=1)]  # fmt: skip
+    with RunWriter(tmp_path) as writer:
+        for record in (whole, *parts):
+            writer.write(record)
+            if split:
+                writer.flush()
+    text = _check(runner, _audit_case(tmp_path), code=1)
+    report = json.loads((tmp_path / "report.json").read_text())
+    (union,) = [c for c in report["invariants"] if c["name"] == "shard_union"]
+    offenders = {o["actual"].split(" ")[0]: o for o in union["offenders"]}
+    assert len(offenders) == 1 + late, offenders  # late: its row 3 lies outside its own 3 rows too
+    offender = offenders["3"]
+    assert "declaring its 4 route rows (prompt_len + response_len − 1 − routes_start)" in offender["expected"]
+    assert offender["actual"].startswith("3 route rows at ") and offender["row"] == 3, offender
+    assert "shard_union         VIOLATED in" in text and "declaring its 4 route rows" in text, text
+
+
 @pytest.mark.parametrize(
     "spec",
     ["tp=1000000000", "pp=1000000000", "dp=99999999999999999999", "tp=\u00b2"],
@@ -570,3 +649,70 @@ def test_two_trace_files_of_one_rank_are_refused_naming_both(runner: fz.Runner, 
     text = _check(runner, _audit_case(tmp_path, "--from", "megatron_lm", "--num-experts", "8",
                                       damaged="router_trace_rank00.jsonl"))  # fmt: skip
     assert "router_trace_rank0.jsonl" in text and "both are rank 0" in text, text
+
+
+@pytest.mark.parametrize(
+    ("rows", "topk", "bad"),
+    [([[0, 1], [2, [3]]], 2, "row 1 holds list of 1"), ([[[0], 1], [2, 3]], 2, "row 0 holds list of 1"),
+     ([[[0, 1]], [[2, 3]]], 1, "row 0 holds list of 2"), ([[0, None], [1, 2]], 2, "row 0 holds None")],
+    ids=["ragged-below-a-row", "ragged-first-id", "three-dimensional", "null-id"],
+)  # fmt: skip
+@pytest.mark.parametrize("joined", [False, True], ids=["trace-alone", "trainer-trace"])
+def test_top_indices_that_are_not_rows_of_ids_are_an_input_error(
+    runner: fz.Runner, bases: Any, tmp_path: Path, rows: list[Any], topk: int, bad: str, joined: bool
+) -> None:
+    """Rows of the right length holding a list where an id belongs: numpy's ValueError (inhomogeneous
+    shape, a traceback), or, at top-k 1, a 3-d array taken for ids (no violation, nothing said)."""
+    directory = tmp_path / "dump"
+    shutil.copytree(bases["verl"].root, directory)
+    (directory / "trace").mkdir()
+    record = {"step": 1, "stage": "pre_dispatch", "block": "decoder", "layer": 0, "rank": 0, "num_tokens": 2,
+              "topk": topk, "top_indices": rows}  # fmt: skip
+    (directory / "trace" / "router_trace_rank0.jsonl").write_text(json.dumps(record) + "\n")
+    if joined:
+        trace = ["--trainer-trace", str(directory / "trace"), "--trainer-layout", "tp=1,max_token_len=24"]
+        case = _audit_case(directory, *bases["verl"].args, *trace, target=directory / fz.VERL_DIR,
+                           damaged="router_trace_rank0.jsonl")  # fmt: skip
+    else:
+        case = _audit_case(directory, "--from", "megatron_lm", "--num-experts", "8",
+                           target=directory / "trace", damaged="router_trace_rank0.jsonl")  # fmt: skip
+    text = _check(runner, case)
+    assert "router_trace_rank0.jsonl:1: field 'top_indices' " + bad in text, text
+
+
+@pytest.mark.parametrize(
+    ("at", "link", "target", "said"),
+    [(fz.VERL_DIR, ".", "root", True), (fz.VERL_DIR, ".", "experiment", True),
+     (fz.VERL_DIR, ".", "run", True), (f"{fz.VERL_DIR}/1", "..", "run", True),
+     (f"{fz.VERL_DIR}/1", "..", "root", False), ("exp_proj", "..", "root", True),
+     ("exp_proj", "..", "run", False)],
+    ids=["run-to-itself", "run-to-itself-from-the-experiment", "run-to-itself-from-the-run",
+         "step-to-its-run", "step-to-its-run-past-the-depth", "experiment-to-the-root",
+         "experiment-to-the-root-above-the-run"],
+)  # fmt: skip
+def test_a_symlink_loop_in_a_verl_dump_is_not_followed_and_said(
+    runner: fz.Runner, bases: Any, tmp_path: Path, at: str, link: str, target: str, said: bool
+) -> None:
+    """A symlink back to a folder above it showed one run under each of its names ("3 verl runs
+    found", nothing audited); the loop is not followed, the run is audited once and a note says so
+    (a loop above the folder given, or deeper than the three levels looked into, is never met)."""
+    directory = tmp_path / "dump"
+    shutil.copytree(bases["verl"].root, directory)
+    (directory / at / "loop").symlink_to(link)
+    path = {"root": directory, "experiment": directory / "exp_proj", "run": directory / fz.VERL_DIR}[target]
+    case = _audit_case(directory, *bases["verl"].args, target=path, intact=bases["verl"].samples)
+    text = _check(runner, case, code=0)
+    note = f"note: verl: symlink loop not followed: {directory / at / 'loop'} leads back to "
+    assert (note in text and "1 verl run found, each read once" in text) is said, text
+
+
+@pytest.mark.parametrize("loop", ["self", "pair", "inside"])
+def test_a_run_path_that_is_a_symlink_loop_says_so(runner: fz.Runner, tmp_path: Path, loop: str) -> None:
+    """A run path that is a symlink loop (ELOOP) was reported as "no such file or directory"."""
+    (tmp_path / "a").symlink_to("b" if loop == "pair" else "a")
+    if loop == "pair":
+        (tmp_path / "b").symlink_to("a")
+    target = tmp_path / "a" / "run" if loop == "inside" else tmp_path / "a"
+    text = _check(runner, _audit_case(tmp_path, target=target))
+    assert text.startswith(f"rrh audit: {target}: a symlink loop (") and "ELOOP" in text, text
+    assert text.count("\n") == 1 and "no such file" not in text, text

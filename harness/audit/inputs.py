@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
+import numpy as np
+
 from harness.audit.layout import LayoutError
 
 T = TypeVar("T")
@@ -187,14 +189,23 @@ def glob(directory: str | os.PathLike[str], pattern: str) -> list[Path]:
 
 # --- values a file holds ----------------------------------------------------------------------------
 
+
+class BFloat16Array(np.ndarray):  # type: ignore[type-arg]
+    """A bfloat16 tensor's values widened to float32 (numpy has no bfloat16), its type recording what
+    the file held, so that a message refusing it names ``bfloat16`` (``dtype_name``), not ``float32``."""
+
+
+def dtype_name(array: Any) -> str:
+    """The dtype the file held ``array`` in: ``bfloat16`` for a widened bfloat16 tensor, else numpy's."""
+    return "bfloat16" if isinstance(array, BFloat16Array) else str(array.dtype)
+
+
 INT_BITS = {32: (-(2**31), 2**31 - 1), 64: (-(2**63), 2**63 - 1)}
 
 
 def check_ints(array: Any, bits: int, source: str, field: str) -> None:
     """``array`` holds integers that fit ``bits`` signed bits (the layout's int32 token ids)."""
     if array.dtype.kind not in "biu":
-        from harness.audit.importers.torch_format import dtype_name  # what the file held: bfloat16 too
-
         raise LayoutError(f"{source}: field {field!r} holds {dtype_name(array)} values; expected integers")
     low, high = INT_BITS[bits]
     if array.size and (int(array.min()) < low or int(array.max()) > high):
@@ -241,7 +252,14 @@ def brief(value: Any, limit: int = 60) -> str:
         return f"{type(value).__name__} {dtype} {list(shape)[:8]}"
     if isinstance(value, (list, tuple, dict, set, frozenset)):
         return f"{type(value).__name__} of {len(value)}"
-    return type(value).__name__
+    return kind_name(value)
+
+
+def kind_name(value: Any) -> str:
+    """What ``value`` is, in a message: its type's name, or for a reader's own stand-in (a numpy
+    array a pickle never gave its contents) its ``BRIEF``, in the user's terms."""
+    described = getattr(type(value), "BRIEF", None)
+    return described if isinstance(described, str) else type(value).__name__
 
 
 # --- time budget ----------------------------------------------------------------------------------

@@ -9,15 +9,12 @@ samples. It is what the terminal summary, ``--json``, ``--html`` and ``--summary
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
 from harness.audit.checks.invariants import DETECTORS, METRICS, NEEDS, STRICT
-from harness.audit.state import WORST, AuditState, SampleFigure, nan_if_empty
+from harness.audit.result_tables import drift, layer_rows, prefix_figures, step_row, worst
+from harness.audit.state import AuditState, SampleFigure, nan_if_empty
 
 HINTS: dict[str, str] = {
     "engine_routes": "the engine's routed experts "
@@ -116,10 +113,6 @@ def _offender_text(o: dict[str, Any], step_name: str = "step") -> str:
     at += f" row {o['row']}" if o["row"] is not None else ""
     at += f" layer {o['layer']}" if o["layer"] is not None else ""
     return f"{at}: expected {o['expected']}, got {o['actual']} ({o['where']})"
-
-
-def _finite(x: float) -> float | None:
-    return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else float(x)
 
 
 @dataclass
@@ -244,9 +237,9 @@ class AuditResult:
                         [] if checkable else (missing or _unmet(name, state)),
                     )
                 )
-        prefix = _prefix_figures(state)
-        steps = [_step_row(step, state, prefix.get(step, (0, 0, 0))) for step in sorted(state.steps)]
-        layers, step_layers = _layer_rows(state)
+        prefix = prefix_figures(state)
+        steps = [step_row(step, state, prefix.get(step, (0, 0, 0))) for step in sorted(state.steps)]
+        layers, step_layers = layer_rows(state)
         summaries = _metric_summaries(state, layers, prefix)
         for result in invariants:
             if result.kind == "metric" and result.status == "checked":
@@ -255,9 +248,9 @@ class AuditResult:
             invariants=invariants,
             steps=steps,
             layers=layers,
-            worst=_worst(state.samples),
+            worst=worst(state.samples),
             samples=sorted(state.samples),
-            drift=_drift(steps, importers.step_name_for(state.sources)),
+            drift=drift(steps, importers.step_name_for(state.sources)),
             input_errors=sorted(state.input_errors),
             files=len(state.files),
             rows=state.rows_read,
@@ -285,17 +278,6 @@ class AuditResult:
             "notes": self.notes,
             "worst": self.worst,
         }
-
-
-def _prefix_figures(state: AuditState) -> dict[int, tuple[int, int, int]]:
-    """Per step: ``(prompt rows, rows where members differ, groups)`` over its groups of two or more."""
-    out: dict[int, tuple[int, int, int]] = {}
-    for (step, _), group in state.groups.items():
-        if len(group.members) > 1:
-            rows, differ = group.figures()
-            have = out.get(step, (0, 0, 0))
-            out[step] = (have[0] + rows, have[1] + differ, have[2] + 1)
-    return out
 
 
 def _metric_summaries(
@@ -376,108 +358,3 @@ def _metric_checkable(name: str, state: AuditState) -> bool:
     if name == "prefix_agreement":
         return any(len(g.members) > 1 for g in state.groups.values())
     return any(f.rows for f in figures)
-
-
-def _step_row(step: int, state: AuditState, prefix: tuple[int, int, int]) -> dict[str, Any]:
-    f = state.steps[step]
-    gap, agreed, flipped = f.gap.result(), f.gap_agreed.result(), f.gap_flipped.result()
-    prefix_rows, prefix_differ, _ = prefix
-    agreement = f.agreement
-    return {
-        "step": step,
-        "samples": f.samples,
-        "rows": f.rows,
-        "fallback_fraction": _finite(f.uncaptured_rows / f.rows) if f.rows else None,
-        "disagreement": _finite(agreement.disagreement) if agreement else None,
-        "token_disagreement": _finite(agreement.token_disagreement) if agreement else None,
-        "tokens": gap.n_tokens,
-        "mean_abs_diff": _finite(gap.mean_abs_diff),
-        "k3": _finite(gap.k3),
-        "extreme_fraction": _finite(gap.extreme_fraction),
-        "mean_abs_diff_agreed": _finite(agreed.mean_abs_diff),
-        "tokens_agreed": agreed.n_tokens,
-        "mean_abs_diff_flipped": _finite(flipped.mean_abs_diff),
-        "tokens_flipped": flipped.n_tokens,
-        "prefix_agreement": _finite(1 - prefix_differ / prefix_rows) if prefix_rows else None,
-    }
-
-
-def _layer_rows(state: AuditState) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Per MoE layer over the whole run, and per (step, MoE layer): disagreement and expert-load imbalance."""
-    layers = list(state.moe_layers)
-    width = len(layers)
-    total_differs = np.zeros(width, np.int64)
-    positions = 0
-    load: npt.NDArray[np.int64] | None = None
-    step_layers = []
-    for step in sorted(state.steps):
-        f = state.steps[step]
-        agreement = f.agreement
-        usable = (
-            agreement is not None and agreement.positions > 0 and agreement.differs_per_layer.size == width
-        )
-        per_layer = agreement.per_layer if usable and agreement is not None else None
-        step_load = f.load if f.load is not None and f.load.shape[0] == width else None
-        ratio = _imbalance(step_load) if step_load is not None else None
-        for j, layer in enumerate(layers):
-            row: dict[str, Any] = {"step": step, "layer": layer}
-            if per_layer is not None:
-                row["disagreement"] = float(per_layer[j])
-            if ratio is not None:
-                row["load_max_over_mean"] = _finite(float(ratio[j]))
-            step_layers.append(row)
-        if usable and agreement is not None:
-            total_differs += agreement.differs_per_layer
-            positions += agreement.positions
-        if step_load is not None:
-            load = step_load.copy() if load is None else load + step_load
-    ratios = _imbalance(load) if load is not None else None
-    rows = []
-    for j, layer in enumerate(layers):
-        row = {"layer": layer, "disagreement": _finite(total_differs[j] / positions) if positions else None}
-        if ratios is not None and math.isfinite(ratios[j]):
-            row["load_max_over_mean"] = float(ratios[j])
-        rows.append(row)
-    return rows, step_layers
-
-
-def _imbalance(load: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
-    """Per layer of ``load [layers, experts]``: the busiest expert's count over the mean (nan: no id)."""
-    mean = load.mean(axis=1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(mean > 0, load.max(axis=1) / np.where(mean > 0, mean, 1), np.nan)
-
-
-def _worst(samples: list[SampleFigure]) -> dict[str, list[dict[str, Any]]]:
-    """The ``WORST`` samples by mean |Δ| and by disagreement, above 0 (ties by step and sample key)."""
-    out = {}
-    for figure in ("mean_abs_diff", "disagreement"):
-
-        def rank(s: SampleFigure, f: str = figure) -> tuple[float, int, str]:
-            return (-float(getattr(s, f)), s.step, s.sample_key)
-
-        # A sample at 0 is not among the worst: no table of zeros when nothing differs.
-        ranked = sorted((s for s in samples if math.isfinite(getattr(s, figure)) and getattr(s, figure) > 0),
-                        key=rank)  # fmt: skip
-        out[figure] = [s.as_dict() for s in ranked[:WORST]]
-    return out
-
-
-DRIFT_FACTOR = 2.0
-"""A step's figure more than this many times the run's median is flagged as drift."""
-
-
-def _drift(steps: list[dict[str, Any]], step_name: str = "step") -> list[str]:
-    flags = []
-    for figure in ("mean_abs_diff", "disagreement", "fallback_fraction"):
-        values = [(s["step"], s[figure]) for s in steps if s.get(figure) is not None]
-        if len(values) < 3:
-            continue
-        median = statistics.median(v for _, v in values)
-        for step, value in values:
-            if median > 0 and value > DRIFT_FACTOR * median:
-                flags.append(
-                    f"{figure} at {step_name} {step} is {value:.3g}, "
-                    f"{value / median:.1f}× the run's median {median:.3g}"
-                )
-    return flags

@@ -229,10 +229,14 @@ class ShardCover:
     """The shard rows of one (step, sample) seen so far: how often each route row was claimed, by whom.
 
     Merging adds the counts, so any split of the run gives the same cover; a row claimed twice
-    keeps the two lowest ranks that claimed it (order-free).
+    keeps the two lowest ranks that claimed it (order-free). Shard rows of one sample may declare
+    different route rows (``prompt_len + response_len − 1 − routes_start``: one shard with
+    ``routes_start`` 1, the others 0): the cover spans the most any declares, keeps the fewest and
+    the most with the first place declaring each (order-free too), and reports the disagreement.
     """
 
     expected: int
+    """The most route rows a shard row of the sample declares: the length of the counts."""
     shards: int
     seen: set[int] = field(default_factory=set)
     counts: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -241,6 +245,10 @@ class ShardCover:
     second: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
     """Second-lowest rank claiming each row (``NO_RANK`` where fewer than two did)."""
     where: str = ""
+    fewest: tuple[int, str] = (0, "")
+    """The fewest route rows a shard row of the sample declares, and the first place declaring them."""
+    most: tuple[int, str] = (0, "")
+    """The most route rows a shard row declares, and the first place declaring them."""
 
     NO_RANK = np.iinfo(np.int64).max
 
@@ -249,6 +257,23 @@ class ShardCover:
             self.counts = np.zeros(self.expected, np.int64)
             self.owners = np.full(self.expected, self.NO_RANK, np.int64)
             self.second = np.full(self.expected, self.NO_RANK, np.int64)
+        if not self.fewest[1] and not self.most[1]:
+            self.fewest = self.most = (self.expected, self.where)
+
+    def declare(self, rows: int, where: str) -> None:
+        """A shard row at ``where`` declares ``rows`` route rows for the sample: the counts grow to
+        the most declared (a later claim within them never falls outside)."""
+        self.fewest = min(self.fewest, (rows, where))
+        self.most = min(self.most, (rows, where), key=lambda d: (-d[0], d[1]))
+        self._grow(rows)
+
+    def _grow(self, rows: int) -> None:
+        if rows > self.expected:
+            more = rows - self.expected
+            self.counts = np.concatenate([self.counts, np.zeros(more, np.int64)])
+            self.owners = np.concatenate([self.owners, np.full(more, self.NO_RANK, np.int64)])
+            self.second = np.concatenate([self.second, np.full(more, self.NO_RANK, np.int64)])
+            self.expected = rows
 
     def claim(self, shard: int, rank: int, rows: npt.NDArray[np.int64]) -> None:
         """Shard ``shard`` on ``rank`` holds route ``rows`` (each within ``[0, expected)``)."""
@@ -264,6 +289,9 @@ class ShardCover:
         self.owners[rows], self.second[rows] = both[0], both[1]
 
     def merge(self, other: ShardCover) -> None:
+        self.declare(*other.fewest)
+        self.declare(*other.most)
+        other._grow(self.expected)  # both now span the most route rows either saw declared
         self.seen |= other.seen
         self.counts += other.counts
         rows = np.arange(self.expected)
@@ -273,7 +301,12 @@ class ShardCover:
     def problems(self) -> list[tuple[int, str, str]]:
         """``(row, expected, actual)`` of the first gap, the first overlap and each missing shard."""
         out: list[tuple[int, str, str]] = []
-        gap = np.flatnonzero(self.counts == 0)
+        (fewest, at_fewest), (most, at_most) = self.fewest, self.most
+        if fewest != most:  # then a gap is measured against a length the shards do not agree on
+            out.append((fewest, f"every shard row of the sample declaring its {most} route rows "
+                                f"(prompt_len + response_len − 1 − routes_start) like {at_most}",
+                        f"{fewest} route rows at {at_fewest}"))  # fmt: skip
+        gap = np.flatnonzero(self.counts == 0) if fewest == most else np.zeros(0, np.int64)
         if gap.size:
             out.append((int(gap[0]), "every route row held by one shard",
                         f"{gap.size} rows held by no shard, first row {int(gap[0])}"))  # fmt: skip

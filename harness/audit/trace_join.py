@@ -308,9 +308,12 @@ def records(
 
     Every rank ``0 … tp·cp·dp·pp − 1`` must have a trace file, and each file the dump's steps in order.
     """
-    files = verl_dump.dump_files(Path(dump))
+    loops: list[tuple[Path, Path]] = []
+    files = verl_dump.dump_files(Path(dump), loops)
     if not files:
         raise LayoutError(f"{dump}: no verl RolloutSkip dump ({{step}}/{verl_dump.FILE_NAME})")
+    if loops and notes is not None:
+        notes.append(verl_dump.loop_note(loops, len({f.parent.parent for f in files})))
     experts = num_experts_input(num_experts, "verl")
     layers = moe_layers_input(moe_layers)
     vote = LayerVote() if layers is None else None

@@ -84,17 +84,18 @@ def _import(
     found = "" if Path(dump) == Path(args.run) else f" (found below {shown(args.run)})"
     print(f"importing {shown(dump)}{found} as a {module.DESCRIPTION}", file=sys.stderr)
     inferred: list[str] = []
+    said: list[str] = []  # what the importer said of this dump as it read it
     with counting_opened() as opened:
         files = importers.import_dump(
-            name, dump, target, errors=None if args.strict else errors, inferred=inferred,
+            name, dump, target, errors=None if args.strict else errors, inferred=inferred, notes=said,
             num_experts=args.num_experts, moe_layers=args.moe_layers,
         )  # fmt: skip
     if not files and errors:  # nothing imported: no run to audit, only the files that failed
         raise LayoutError(
             "; ".join(errors[:3]) + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else "")
         )
-    said = importers.notes(name, num_experts=args.num_experts, moe_layers=args.moe_layers)
-    return target, name, inferred, [f"{name}: {note}" for note in said], len(opened)
+    facts = importers.notes(name, num_experts=args.num_experts, moe_layers=args.moe_layers)
+    return target, name, inferred, [f"{name}: {note}" for note in (*said, *facts)], len(opened)
 
 
 def _trace_alone(args: argparse.Namespace) -> int | None:

@@ -106,6 +106,8 @@ def shard_union(batch: Batch, state: AuditState) -> None:
         if cover is None:
             cover = ShardCover(int(expected[s]), int(batch.shards[s]), where=batch.where(s))
             state.shards[key] = cover
+        else:  # another shard row of the sample: it may declare other route rows (its routes_start)
+            cover.declare(int(expected[s]), batch.where(s))
         cover.shards = max(cover.shards, int(batch.shards[s]))
         cover.claim(int(batch.shard[s]), int(batch.rank[s]), rows.astype(np.int64))
     state.tally("shard_union").add(0, found.items, len(found.samples))

@@ -174,11 +174,12 @@ def _has_layout(path: Path) -> bool:
     return False
 
 
-def _verl_runs(path: Path) -> list[Path]:
-    """The ``GBS…`` run folders of a verl dump root (steps of two runs would collide)."""
+def _verl_runs(path: Path, loops: list[tuple[Path, Path]] | None = None) -> list[Path]:
+    """The ``GBS…`` run folders of a verl dump root (steps of two runs would collide), each once: a
+    symlink loop below it is not followed, and appended to ``loops``."""
     from harness.audit.importers import verl
 
-    return sorted({f.parent.parent for f in verl.dump_files(path)})
+    return sorted({f.parent.parent for f in verl.dump_files(path, loops)})
 
 
 def _candidates(path: Path, names: tuple[str, ...]) -> tuple[list[tuple[str, Path]], int]:
@@ -216,9 +217,7 @@ def locate(path: str | os.PathLike[str], name: str | None = None) -> tuple[str |
     """
     root = Path(path)
     if not root.exists():
-        raise LayoutError(
-            f"{root}: no such file or directory; expected a run directory or a framework's dump"
-        )
+        raise LayoutError(f"{root}: {_missing(root)}; expected a run directory or a framework's dump")
     if name is not None:
         importer(name)  # an unknown name is refused, naming the known ones
     names = IMPORTERS if name is None else (name,)
@@ -247,13 +246,34 @@ def locate(path: str | os.PathLike[str], name: str | None = None) -> tuple[str |
         )
     chosen, dump = found[0]
     if chosen == "verl" and dump.is_dir():
-        runs = _verl_runs(dump)
+        loops: list[tuple[Path, Path]] = []
+        runs = _verl_runs(dump, loops)
         if len(runs) > 1:
+            from harness.audit.importers import verl
+
             raise LayoutError(
                 f"{dump}: {len(runs)} verl runs found: {runs[0]}; {runs[1]}"
                 f"{'; …' if len(runs) > 2 else ''}; expected one (their steps would collide): point at one"
+                + (f" ({verl.loop_note(loops, len(runs))})" if loops else "")
             )
     return chosen, dump
+
+
+def _missing(path: Path) -> str:
+    """Why ``path``, which ``Path.exists`` says is not there, is not: a symlink loop (``exists``
+    answers ELOOP with False as for a missing file), a dangling link, or nothing of that name."""
+    import errno
+
+    try:
+        os.stat(path)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return f"a symlink loop ({os.strerror(errno.ELOOP)}, ELOOP): its links lead back to themselves"
+        if err.errno == errno.ENOENT and os.path.islink(path):
+            return f"a dangling symlink to {os.readlink(path)!r}: no such file or directory"
+        if err.errno != errno.ENOENT:
+            return err.strerror or type(err).__name__
+    return "no such file or directory"
 
 
 def _detected(name: str, path: Path) -> bool:
@@ -270,6 +290,7 @@ def import_dump(
     *,
     errors: list[str] | None = None,
     inferred: list[str] | None = None,
+    notes: list[str] | None = None,
     **options: Any,
 ) -> list[Path]:
     """Convert the dump at ``source`` with importer ``name`` into run-layout files in ``directory``.
@@ -278,7 +299,8 @@ def import_dump(
     refused, naming the importer, rather than silently ignored. What the importer inferred (model
     facts the dump does not record) is appended to ``inferred``, a line each. ``errors``: a list
     that collects one line per file that could not be imported while the others are (else the
-    first one raises).
+    first one raises). ``notes``: what the importer says of the dump as it reads it (a symlink loop
+    it did not follow), a line each.
     """
     module = importer(name)
     given = {k: v for k, v in options.items() if v is not None}
@@ -290,6 +312,8 @@ def import_dump(
         given["errors"] = errors
     if inferred is not None and "inferred" in accepted:
         given["inferred"] = inferred
+    if notes is not None and "notes" in accepted:
+        given["notes"] = notes
     records: Iterator[SampleRecord] = module.records(Path(source), **given)
     with RunWriter(directory) as writer:
         for record in records:

@@ -30,8 +30,7 @@ from harness.audit.importers.model_shape import (
     payload_rows,
     step_layers,
 )
-from harness.audit.importers.torch_format import dtype_name
-from harness.audit.inputs import read_file
+from harness.audit.inputs import dtype_name, read_file
 from harness.audit.layout import LayoutError, SampleRecord
 from harness.trace import MAX_LAYERS, LayerAxis
 

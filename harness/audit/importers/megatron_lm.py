@@ -386,8 +386,23 @@ def _violations(
 
 
 def call_ids(call: RouterCall) -> npt.NDArray[np.integer[Any]]:
-    """``top_indices`` as ``[num_tokens, topk]`` integers (rows already of length ``topk``)."""
-    array = call.rows if isinstance(call.rows, np.ndarray) else np.asarray(call.rows)
+    """``top_indices`` as ``[num_tokens, topk]`` integers (rows already of length ``topk``).
+
+    Rows ``_compact`` left as lists (of the right length, yet no integer rectangle) are ragged below
+    the row (``[[0, 1], [2, [3]]]``), or hold lists, ``None`` or integers past 64 bits where an id
+    belongs: the first such id is one ``LayoutError`` naming the record and the row (numpy's
+    ``ValueError``, or a 3-d array passed off as ids, otherwise)."""
+    if isinstance(call.rows, list):
+        for row, ids in enumerate(call.rows):
+            bad = next((i for i in ids if not _is_id(i)), _NO_ID) if isinstance(ids, list) else ids
+            if bad is not _NO_ID:
+                raise LayoutError(
+                    f"{call.where}: field 'top_indices' row {row} holds {brief(bad)} where an id belongs; "
+                    f"expected [num_tokens, topk] integer ids (a list of {call.topk}-id lists)"
+                )
+        array = np.asarray(call.rows, dtype=np.int64)  # [num_tokens, topk]: every row topk ids
+    else:
+        array = call.rows
     if array.size and array.dtype.kind not in "iu":
         raise LayoutError(
             f"{call.where}: field 'top_indices' holds {array.dtype} values; expected integer ids"
@@ -395,6 +410,15 @@ def call_ids(call: RouterCall) -> npt.NDArray[np.integer[Any]]:
     if not array.size:
         return np.zeros((0, call.topk), dtype=np.int32)
     return array
+
+
+_NO_ID = object()
+"""``call_ids``' marker: every id of a row is one."""
+
+
+def _is_id(value: Any) -> bool:
+    """Whether ``value`` (an item of a ``top_indices`` row) is an expert id numpy holds as int64."""
+    return isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
 
 
 def _samples(

@@ -9,6 +9,7 @@ Imports ``harness.audit``'s inputs and layout only; ``safe_pickle`` and ``torch_
 from __future__ import annotations
 
 import codecs
+import functools
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -70,12 +71,15 @@ def stand_in_function(module: str, name: str) -> tuple[tuple[str, str], Callable
     return (module, name), rebuild
 
 
-def latin1(text: str, encoding: str = "latin1") -> bytes:
-    """``_codecs.encode`` as protocol 2 uses it for bytes: latin-1 only, never a codec by name."""
+def latin1(source: str, text: str, encoding: str = "latin1") -> bytes:
+    """``_codecs.encode`` as protocol 2 uses it for bytes: latin-1 only, never a codec by name; a
+    refusal names ``source``, the file."""
     if encoding not in ("latin1", "latin-1"):
-        raise LayoutError(f"_codecs.encode: encoding {brief(encoding)} refused; expected 'latin1'")
+        raise LayoutError(
+            f"{source}: bytes (_codecs.encode) with encoding {brief(encoding)} refused; expected 'latin1'"
+        )
     if not isinstance(text, str):
-        raise LayoutError(f"_codecs.encode: {brief(text)}; expected a string")
+        raise LayoutError(f"{source}: bytes (_codecs.encode) of {brief(text)}; expected a latin-1 string")
     return codecs.encode(text, "latin1")
 
 
@@ -125,13 +129,28 @@ class _NdarrayClass:
 NDARRAY = _NdarrayClass()
 
 
-def shape_of(value: Any, where: str) -> tuple[int, ...]:
+MAX_NBYTES = 2**63 - 1
+"""numpy's bound on ``itemsize`` × the sizes of an array's non-zero dimensions (``npy_intp``)."""
+
+
+def shape_of(value: Any, where: str, itemsize: int = 1) -> tuple[int, ...]:
+    """``value`` as a shape numpy can make an array of with elements of ``itemsize`` bytes.
+
+    numpy multiplies the itemsize by every non-zero size and refuses a product past ``MAX_NBYTES``
+    even when a size 0 makes the array empty (``(2**32, 2**32, 0)`` cannot be reshaped into), so such
+    a shape is refused here, naming ``where``, rather than as numpy's ``ValueError`` later.
+    ``itemsize`` 0 checks the sizes only (a tensor's strides)."""
     if not (
         isinstance(value, tuple)
         and len(value) <= MAX_DIMS
         and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**63 for n in value)
     ):
         raise LayoutError(f"{where}: shape {brief(value)}; expected a tuple of at most {MAX_DIMS} sizes >= 0")
+    if itemsize * math.prod(n for n in value if n) > MAX_NBYTES:
+        raise LayoutError(
+            f"{where}: shape {list(value)[:8]} of {itemsize}-byte elements overflows int64 "
+            f"(its non-zero sizes × {itemsize} > 2**63 − 1); expected a shape an array can have"
+        )
     return value
 
 
@@ -139,6 +158,8 @@ class PendingDtype:
     """``numpy.dtype(code, align, copy)`` before its ``BUILD`` state: the code, checked."""
 
     __slots__ = ("dtype", "source")
+    BRIEF = "a numpy dtype without its state"
+    """What ``inputs.brief`` says of one that is left where a value belongs."""
 
     def __init__(self, source: str, code: Any, *_: Any) -> None:
         self.source = source
@@ -187,6 +208,8 @@ class PendingArray:
     """What ``_reconstruct(ndarray, (0,), b'b')`` returns: an array waiting for its ``BUILD`` state."""
 
     __slots__ = ("source",)
+    BRIEF = "a numpy array without its contents (its BUILD state never came)"
+    """What ``inputs.brief`` says of one: the user's terms, not this class's name."""
 
     def __init__(self, source: str) -> None:
         self.source = source
@@ -200,8 +223,8 @@ class PendingArray:
                 f"{where} state {brief(state)}; expected (version, shape, dtype, fortran, data)"
             )
         shape, dtype, fortran, data = state[-4:]
-        shape = shape_of(shape, where)
         dtype = resolve_dtype(dtype, where)
+        shape = shape_of(shape, where, dtype.itemsize)
         count = math.prod(shape)
         if dtype.kind == "O":
             if not isinstance(data, list) or len(data) != count:
@@ -262,33 +285,51 @@ def safe_key(key: Any, depth: int) -> bool:
     return False
 
 
-def safe_set(items: Any = ()) -> set[Any]:
-    """``set(items)``, one item at a time, items whose hashes cannot be aimed (``safe_key``)."""
+def safe_set(source: str, items: Any = ()) -> set[Any]:
+    """``set(items)``, one item at a time, items whose hashes cannot be aimed (``safe_key``); a
+    refusal names ``source``, the file."""
     out: set[Any] = set()
-    for item in _iterable(items, "builtins.set"):
+    for item in _iterable(items, "a set (builtins.set)", source):
         if not safe_key(item, 2):
-            raise LayoutError(f"builtins.set: item {brief(item)} refused; expected strings or small numbers")
+            raise LayoutError(
+                f"{source}: a set (builtins.set) holds {brief(item)}; expected strings or small numbers"
+            )
         out.add(item)
     return out
 
 
-def safe_frozenset(items: Any = ()) -> frozenset[Any]:
-    return frozenset(safe_set(items))
+def safe_frozenset(source: str, items: Any = ()) -> frozenset[Any]:
+    return frozenset(safe_set(source, items))
 
 
-def safe_ordered_dict(items: Any = ()) -> OrderedDict[Any, Any]:
+def safe_ordered_dict(source: str, items: Any = ()) -> OrderedDict[Any, Any]:
+    """``OrderedDict(items)`` with keys as ``safe_set`` takes them; a refusal names ``source``."""
     out: OrderedDict[Any, Any] = OrderedDict()
-    pairs = items.items() if isinstance(items, dict) else _iterable(items, "collections.OrderedDict")
+    what = "an ordered dict (collections.OrderedDict)"
+    pairs = items.items() if isinstance(items, dict) else _iterable(items, what, source)
     for pair in pairs:
         if not (isinstance(pair, tuple) and len(pair) == 2 and safe_key(pair[0], 2)):
-            raise LayoutError(f"collections.OrderedDict: item {brief(pair)}; expected (key, value)")
+            raise LayoutError(f"{source}: {what} holds {brief(pair)}; expected (key, value) with a plain key")
         out[pair[0]] = pair[1]
     return out
 
 
-def _iterable(items: Any, name: str) -> Any:
+def builtin_globals(source: str) -> dict[tuple[str, str], Any]:
+    """The builtins a pickle may call (``set``, ``frozenset``, ``OrderedDict``, ``_codecs.encode``),
+    each bound to ``source`` (the file) so that a refusal names it."""
+    allowed: dict[tuple[str, str], Any] = {
+        ("collections", "OrderedDict"): functools.partial(safe_ordered_dict, source),
+        ("_codecs", "encode"): functools.partial(latin1, source),
+    }
+    for module in ("builtins", "__builtin__"):
+        allowed[(module, "set")] = functools.partial(safe_set, source)
+        allowed[(module, "frozenset")] = functools.partial(safe_frozenset, source)
+    return allowed
+
+
+def _iterable(items: Any, what: str, source: str) -> Any:
     if not isinstance(items, (list, tuple, set, frozenset)):
-        raise LayoutError(f"{name}: argument {brief(items)}; expected a list or tuple")
+        raise LayoutError(f"{source}: {what} made of {brief(items)}; expected a list or tuple")
     return items
 
 

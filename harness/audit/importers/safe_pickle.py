@@ -37,6 +37,7 @@ both, and ``harness.audit``'s inputs and layout.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import os
@@ -56,13 +57,10 @@ from harness.audit.importers.pickle_values import (
     Pickled,
     StandIns,
     _iterable,
+    builtin_globals,
     first_line,
-    latin1,
     numpy_globals,
-    safe_frozenset,
     safe_key,
-    safe_ordered_dict,
-    safe_set,
     shape_of,
 )
 from harness.audit.importers.torch_format import (
@@ -77,8 +75,9 @@ from harness.audit.importers.torch_format import (
     torch_device,
     view_bytes,
     widen_bfloat16,
+    widened,
 )
-from harness.audit.inputs import brief, file_size, open_regular
+from harness.audit.inputs import brief, file_size, kind_name, open_regular
 from harness.audit.layout import LayoutError
 
 
@@ -124,13 +123,8 @@ class SafeUnpickler(pickle._Unpickler):
         self._pending: list[Any] = []
         """The pending objects themselves, alive while their ids key ``_built``."""
         self.allowed: dict[tuple[str, str], Any] = {
-            ("collections", "OrderedDict"): safe_ordered_dict,
-            ("builtins", "set"): safe_set,
-            ("builtins", "frozenset"): safe_frozenset,
-            ("__builtin__", "set"): safe_set,
-            ("__builtin__", "frozenset"): safe_frozenset,
-            ("_codecs", "encode"): latin1,
-            ("torch", "device"): torch_device,
+            **builtin_globals(source),
+            ("torch", "device"): functools.partial(torch_device, source),
             ("torch", "Size"): self._size,
             ("torch._utils", "_rebuild_tensor_v2"): self._rebuild_v2,
             ("torch._utils", "_rebuild_tensor_v3"): self._rebuild_v3,
@@ -256,7 +250,7 @@ class SafeUnpickler(pickle._Unpickler):
 
     def _size(self, items: Any = ()) -> tuple[Any, ...]:
         """``torch.Size(...)``: a tuple of sizes."""
-        return shape_of(tuple(_iterable(items, "torch.Size")), f"{self.source}: torch.Size")
+        return shape_of(tuple(_iterable(items, "torch.Size", self.source)), f"{self.source}: torch.Size")
 
     def persistent_load(self, pid: Any) -> Any:
         if self.archive is None:
@@ -290,8 +284,12 @@ class SafeUnpickler(pickle._Unpickler):
             )
         flat = np.frombuffer(storage.data, dtype=element)
         where = f"{self.source}: tensor"
-        shape = shape_of(tuple(size) if isinstance(size, (tuple, list)) else size, f"{where} size")
-        strides = shape_of(tuple(stride) if isinstance(stride, (tuple, list)) else stride, f"{where} stride")
+        shape = shape_of(
+            tuple(size) if isinstance(size, (tuple, list)) else size, f"{where} size", widened(element, code)
+        )
+        strides = shape_of(
+            tuple(stride) if isinstance(stride, (tuple, list)) else stride, f"{where} stride", itemsize=0
+        )  # strides, not sizes: their product bounds nothing
         if (
             len(shape) != len(strides)
             or not isinstance(offset, int)
@@ -387,7 +385,7 @@ def expect(value: Any, kind: type | tuple[type, ...], source: str, field: str, w
     What a pickle holds is whatever it claims; each field an importer reads is checked through here.
     """
     if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _kinds(kind)):
-        raise LayoutError(f"{source}: field {field!r} is {type(value).__name__}; expected {what}")
+        raise LayoutError(f"{source}: field {field!r} is {kind_name(value)}; expected {what}")
     return value
 
 

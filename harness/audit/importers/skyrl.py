@@ -41,7 +41,7 @@ import numpy.typing as npt
 
 from harness.audit.importers import base, pickle_values, safe_pickle
 from harness.audit.importers.model_shape import LayerVote
-from harness.audit.inputs import brief, check_ints, check_mask, check_step, entries
+from harness.audit.inputs import brief, check_ints, check_mask, check_step, entries, kind_name
 from harness.audit.layout import LayoutError, SampleRecord
 
 DESCRIPTION = (
@@ -144,6 +144,7 @@ def _tensor(entry: Any, source: str, field: str) -> npt.NDArray[Any]:
         raise LayoutError(
             f"{source}: field {field!r} is {brief(name)} {brief(shape)}; expected a numeric dtype and a shape"
         )
+    pickle_values.shape_of(shape, f"{source}: field {field!r}", dtype.itemsize)  # one numpy can make
     size = math.prod(shape) * dtype.itemsize
     if len(data) != size:
         raise LayoutError(
@@ -158,7 +159,7 @@ def read_batch(file: Path) -> tuple[dict[str, npt.NDArray[Any] | None], dict[str
     batch = safe_pickle.load(file, _STAND_INS)
     if not isinstance(batch, pickle_values.Pickled) or batch.qualname != BATCH_CLASS:
         raise LayoutError(
-            f"{source}: the pickle holds {getattr(batch, 'qualname', type(batch).__name__)}; "
+            f"{source}: the pickle holds {getattr(batch, 'qualname', kind_name(batch))}; "
             "expected a TrainingInputBatch written by TrainingInputBatch.save"
         )
     state = safe_pickle.expect(batch.state, dict, source, "state", "the TrainingInputBatch state dict")

@@ -20,8 +20,7 @@ import numpy.typing as npt
 from harness.audit.importers import pickle_values, safe_pickle
 from harness.audit.importers.base import NO_ROUTES, RoutingShape
 from harness.audit.importers.model_shape import ExpertVote, LayerVote, signature
-from harness.audit.importers.torch_format import dtype_name
-from harness.audit.inputs import brief, read_file
+from harness.audit.inputs import brief, dtype_name, kind_name, read_file
 from harness.audit.layout import LayoutError
 from harness.trace import MAX_LAYERS
 
@@ -30,7 +29,7 @@ def load_dump(path: Path) -> dict[str, Any]:
     """The dict ``torch.save`` wrote to ``path``, read by ``safe_pickle.load_torch`` (never by torch)."""
     payload = safe_pickle.load_torch(path)
     if not isinstance(payload, dict):
-        raise LayoutError(f"{path}: holds a {type(payload).__name__}; expected a dict with 'samples'")
+        raise LayoutError(f"{path}: holds {brief(payload)}; expected a dict with 'samples'")
     return payload
 
 
@@ -38,7 +37,7 @@ def dump_samples(payload: dict[str, Any], path: Path, step: int | None) -> list[
     """The ``samples`` list of a dump, its ``rollout_id`` checked against the file name."""
     samples = payload.get("samples")
     if not isinstance(samples, list) or not all(isinstance(s, dict) for s in samples):
-        raise LayoutError(f"{path}: field 'samples' is {type(samples).__name__}; expected a list of dicts")
+        raise LayoutError(f"{path}: field 'samples' is {kind_name(samples)}; expected a list of dicts")
     rollout_id = scalar(payload.get("rollout_id"))
     if step is not None and (not is_int(rollout_id) or rollout_id != step):
         raise LayoutError(

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from harness.audit.importers.pickle_values import first_line, shape_of
-from harness.audit.inputs import brief
+from harness.audit.inputs import BFloat16Array, brief
 from harness.audit.layout import LayoutError
 
 BFLOAT16 = "bfloat16"
@@ -61,9 +61,9 @@ def element_dtype(code: str, big_endian: bool) -> np.dtype[Any]:
     return dtype.newbyteorder(">") if big_endian and dtype.itemsize > 1 else dtype
 
 
-class BFloat16Array(np.ndarray):  # type: ignore[type-arg]
-    """A bfloat16 tensor's values widened to float32 (numpy has no bfloat16), its type recording what
-    the file held, so that a message refusing it names ``bfloat16`` (``dtype_name``), not ``float32``."""
+def widened(element: np.dtype[Any], code: str) -> int:
+    """The itemsize of the array an element of ``code`` is returned as (bfloat16 becomes float32)."""
+    return 4 if code == BFLOAT16 else element.itemsize
 
 
 def widen_bfloat16(array: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
@@ -71,15 +71,12 @@ def widen_bfloat16(array: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
     return (array.astype(np.uint32) << 16).view(np.float32).view(BFloat16Array)
 
 
-def dtype_name(array: npt.NDArray[Any]) -> str:
-    """The dtype the file held ``array`` in: ``bfloat16`` for a widened bfloat16 tensor, else numpy's."""
-    return BFLOAT16 if isinstance(array, BFloat16Array) else str(array.dtype)
-
-
-def torch_device(*args: Any) -> str:
-    """``torch.device(...)`` as a plain string: where the tensor lived when it was saved."""
+def torch_device(source: str, *args: Any) -> str:
+    """``torch.device(...)`` as a plain string: where the tensor lived when it was saved (a refusal
+    names ``source``, the file)."""
     if not (1 <= len(args) <= 2 and all(isinstance(a, (str, int)) and not isinstance(a, bool) for a in args)):
-        raise LayoutError(f"torch.device: arguments {brief(args)}; expected a device type and an index")
+        got = ", ".join(brief(a) for a in args[:2]) if args else "nothing"
+        raise LayoutError(f"{source}: torch.device of {got}; expected a device type and an index")
     return ":".join(str(a)[:64] for a in args)
 
 
@@ -91,7 +88,6 @@ def view_bytes(buffer: Any, dtype: Any, shape: Any, source: str, field: str) -> 
         raise LayoutError(
             f"{source}: field {field!r} has dtype {brief(dtype)}; expected a numeric torch dtype"
         )
-    shape = shape_of(tuple(shape) if isinstance(shape, list) else shape, f"{source}: field {field!r}")
     if isinstance(buffer, (bytes, bytearray)):
         raw = np.frombuffer(buffer, dtype=np.uint8)
     elif isinstance(buffer, np.ndarray):
@@ -102,6 +98,8 @@ def view_bytes(buffer: Any, dtype: Any, shape: Any, source: str, field: str) -> 
         raise LayoutError(f"{source}: field {field!r} holds {brief(raw)}; expected flat bytes")
     code = TORCH_DTYPES[name]
     element = element_dtype(code, big_endian=False)
+    shape = tuple(shape) if isinstance(shape, list) else shape
+    shape = shape_of(shape, f"{source}: field {field!r}", widened(element, code))
     nbytes = math.prod(shape) * element.itemsize
     if raw.size < nbytes:
         raise LayoutError(

@@ -35,7 +35,16 @@ import numpy as np
 
 from harness.audit.importers import base, pickle_values, safe_pickle, torch_format
 from harness.audit.importers.model_shape import LayerVote
-from harness.audit.inputs import brief, check_ints, check_mask, check_step, glob, read_file, read_json
+from harness.audit.inputs import (
+    brief,
+    check_ints,
+    check_mask,
+    check_step,
+    entries,
+    kind_name,
+    read_file,
+    read_json,
+)
 from harness.audit.layout import LayoutError, SampleRecord
 
 DESCRIPTION = (
@@ -83,16 +92,76 @@ _STAND_INS = dict([pickle_values.stand_in("verl.protocol", "DataProto")])
 _GROUP_SIZE = re.compile(r"^GBS\d+_N(\d+)_in\d+_out\d+$")
 
 
-def dump_files(path: Path) -> list[Path]:
-    """Every ``gen_batch.dp`` at ``path`` (the file, a step directory, or up to the dump root), sorted."""
+def dump_files(path: Path, loops: list[tuple[Path, Path]] | None = None) -> list[Path]:
+    """Every ``gen_batch.dp`` at ``path`` (the file, a step directory, or up to the dump root), sorted.
+
+    Folders are walked three levels down ({step}/, GBS…/{step}/, {exp}_{project}/GBS…/{step}/),
+    following symlinks, but never into a folder already on the path walked to it (the same device
+    and inode: a symlink to ``.`` or to a parent): a loop would show one run again under each of its
+    names (``GBS…``, ``GBS…/loop``, ``GBS…/loop/loop``) and none could be audited. Each such link,
+    and the folder it leads back to, is appended to ``loops``."""
     path = Path(path)
     if path.is_file():
         return [path] if path.name == FILE_NAME else []
+    root = _identity(path) if path.is_dir() else None
+    if root is None:
+        return []
     found: list[Path] = []
-    for depth in range(4):  # {step}/, GBS…/{step}/, {exp}_{project}/GBS…/{step}/
-        # Every entry of that name, a FIFO or a directory too: reading it says what it is.
-        found.extend(glob(path, "/".join(["*"] * depth + [FILE_NAME])))
+    level = [(path, frozenset([root]))]
+    for depth in range(4):
+        below: list[tuple[Path, frozenset[tuple[int, int]]]] = []
+        for folder, above in level:
+            # Every entry of that name, a FIFO or a directory too: reading it says what it is.
+            if os.path.lexists(folder / FILE_NAME):
+                found.append(folder / FILE_NAME)
+            if depth == 3:
+                continue
+            for entry in _listed(folder):
+                identity = _identity(entry) if entry.name != FILE_NAME and _is_dir(entry) else None
+                if identity is None:
+                    continue
+                if identity in above:
+                    if loops is not None:
+                        loops.append((entry, entry.resolve()))
+                    continue
+                below.append((entry, above | {identity}))
+        level = below
     return sorted(found)
+
+
+def _identity(folder: Path) -> tuple[int, int] | None:
+    """A folder as the file system knows it, whatever name reaches it: ``(device, inode)``
+    (``None``: it cannot be looked at, and is passed over as ``Path.glob`` passes it over)."""
+    try:
+        stat = folder.stat()
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
+def _is_dir(entry: Path) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:  # a link into a folder that cannot be searched
+        return False
+
+
+def _listed(folder: Path) -> list[Path]:
+    """The entries of ``folder``; one that cannot be listed is passed over, as ``Path.glob`` does."""
+    try:
+        return entries(folder)
+    except LayoutError:
+        return []
+
+
+def loop_note(loops: list[tuple[Path, Path]], runs: int) -> str:
+    """What an audit says of the symlink loops ``dump_files`` did not follow."""
+    link, target = loops[0]
+    more = f" (and {len(loops) - 1} more)" if len(loops) > 1 else ""
+    return (
+        f"symlink loop not followed: {link} leads back to {target}, a folder above it{more}; "
+        f"{runs} verl run{'s' if runs != 1 else ''} found, each read once"
+    )
 
 
 def detect(path: Path) -> bool:
@@ -150,7 +219,7 @@ def read_batch(file: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             tensors[key] = torch_format.view_bytes(entry[2], entry[0], shape, source, brief(key))
     else:
         raise LayoutError(
-            f"{source}: field 'batch' is {type(batch).__name__}; expected torch.save bytes of a TensorDict "
+            f"{source}: field 'batch' is {kind_name(batch)}; expected torch.save bytes of a TensorDict "
             "(or verl's numpy serialization)"
         )
     safe_pickle.expect(tensors, dict, source, "batch", "a TensorDict of tensors")
@@ -167,7 +236,7 @@ def _field(tensors: dict[str, Any], name: str, shape: Sequence[int | None], sour
         or array.ndim != len(shape)
         or any(want is not None and got != want for got, want in zip(array.shape, shape, strict=True))
     ):
-        got = array.shape if isinstance(array, np.ndarray) else type(array).__name__
+        got = array.shape if isinstance(array, np.ndarray) else kind_name(array)
         raise LayoutError(f"{source}: field {name!r} has shape {got}; expected {what}")
     return array
 
@@ -270,6 +339,7 @@ def records(
     moe_layers: Sequence[int] | None = None,
     errors: list[str] | None = None,
     inferred: list[str] | None = None,
+    notes: list[str] | None = None,
 ) -> Iterator[SampleRecord]:
     """One ``SampleRecord`` per (step, sample) of the verl RolloutSkip dump at ``path``, step by step.
 
@@ -277,11 +347,15 @@ def records(
     (or ``$RRH_MOE_LAYERS``) defaults to the layers most samples route on (``LayerVote``); what
     was inferred is appended to ``inferred`` at the end. Point ``path`` at one run's ``GBS…``
     directory: the dump root may hold several runs, whose steps collide. ``errors``: see
-    ``harness.audit.importers`` (a damaged file is a line there, the others are read).
+    ``harness.audit.importers`` (a damaged file is a line there, the others are read). ``notes``: a
+    symlink loop below ``path``, not followed (``dump_files``), is a line there.
     """
-    files = dump_files(Path(path))
+    loops: list[tuple[Path, Path]] = []
+    files = dump_files(Path(path), loops)
     if not files:
         raise LayoutError(f"{path}: no verl RolloutSkip dump ({{step}}/{FILE_NAME})")
+    if loops and notes is not None:
+        notes.append(loop_note(loops, len({f.parent.parent for f in files})))
     experts, layers, vote = base.model_inputs(num_experts, moe_layers, "verl")
     ordered: list[tuple[int, Path]] = []
     for file in files:
