@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit.importers import megatron_lm
+from harness.audit.importers import megatron_calls, megatron_lm
 from harness.audit.importers import verl as verl_dump
 from harness.audit.importers.model_shape import LayerVote, moe_layers_input, num_experts_input
 from harness.audit.inputs import time_budget
@@ -129,7 +129,7 @@ class _StepJoin:
     def place(
         self,
         rank: int,
-        calls: list[megatron_lm.RouterCall],
+        calls: list[megatron_calls.RouterCall],
         plan: list[MicroBatch],
         coordinates: tuple[int, int, int, int],
     ) -> None:
@@ -137,7 +137,7 @@ class _StepJoin:
         micro-batches; ``coordinates``: its DP, TP, PP and CP rank)."""
         dp_rank, tp_rank, pp_rank, cp_rank = coordinates
         stage = pp_layer_ranges(self.width, self.layout.pp)[pp_rank][0]
-        by_layer: dict[int, list[megatron_lm.RouterCall]] = defaultdict(list)
+        by_layer: dict[int, list[megatron_calls.RouterCall]] = defaultdict(list)
         for call in calls:
             if call.block == "decoder":
                 by_layer[call.layer].append(call)
@@ -172,7 +172,7 @@ class _StepJoin:
         self,
         rank: int,
         local: int,
-        layer_calls: list[megatron_lm.RouterCall],
+        layer_calls: list[megatron_calls.RouterCall],
         plan: list[MicroBatch],
         update: Sequence[MicroBatch],
     ) -> None:
@@ -254,7 +254,7 @@ def _engine_step(
     experts: int,
     layers: tuple[int, ...] | None,
     vote: LayerVote | None,
-    r2_calls: list[megatron_lm.RouterCall] | None = None,
+    r2_calls: list[megatron_calls.RouterCall] | None = None,
 ) -> tuple[list[SampleRecord], Any, Any]:
     """One dump file's records, and its ``attention_mask`` and ``response_mask`` (the packing's input).
 
@@ -273,7 +273,7 @@ def _engine_step(
 
 
 def _stand_in(
-    file: Path, attention: Any, layers: tuple[int, ...] | None, calls: list[megatron_lm.RouterCall] | None
+    file: Path, attention: Any, layers: tuple[int, ...] | None, calls: list[megatron_calls.RouterCall] | None
 ) -> npt.NDArray[np.int16]:
     """Routes ``[B, W, max(layers) + 1, top_k]`` for an R2 dump without any: ``0 … top_k − 1`` on every
     MoE layer of every attended column (never written out)."""
@@ -368,7 +368,7 @@ def records(
         )
 
 
-def _next_step(stream: Iterator[Any], rank: int, step: int, file: Path) -> list[megatron_lm.RouterCall]:
+def _next_step(stream: Iterator[Any], rank: int, step: int, file: Path) -> list[megatron_calls.RouterCall]:
     """The calls of ``step`` from one rank's stream (its next step); a violation of the trace's own
     rules, or another step, is one ``LayoutError``."""
     found = next(stream, None)

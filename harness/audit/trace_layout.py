@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit.importers import megatron_lm
+from harness.audit.importers import megatron_calls
 from harness.audit.layout import LayoutError
 from harness.audit.verl_packing import MicroBatch, UpdateBatching, VerlBatching
 from harness.errors import MegatronReplayError
@@ -182,7 +182,7 @@ def slots(
 
 
 def placed(
-    call: megatron_lm.RouterCall,
+    call: megatron_calls.RouterCall,
     mb: MicroBatch,
     layout: TrainerLayout,
     tp_rank: int,
@@ -196,4 +196,4 @@ def placed(
     real = found[:, 0] >= 0
     index = found[real, 0]
     rows = np.asarray(mb.rows, dtype=np.int64)[index]
-    return offsets[rows] + found[real, 1], index, megatron_lm.call_ids(call)[real]
+    return offsets[rows] + found[real, 1], index, megatron_calls.call_ids(call)[real]

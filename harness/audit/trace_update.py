@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit.importers import megatron_lm
+from harness.audit.importers import megatron_calls
 from harness.audit.layout import LayoutError
 from harness.audit.trace_layout import TrainerLayout, placed
 from harness.audit.verl_packing import MicroBatch
@@ -60,7 +60,7 @@ class UpdatePasses:
 
     def place(
         self,
-        calls: Sequence[megatron_lm.RouterCall],
+        calls: Sequence[megatron_calls.RouterCall],
         layer: int,
         layout: TrainerLayout,
         ranks: tuple[int, int, int],

@@ -11,7 +11,8 @@ import numpy as np
 from harness.audit import kernels as audit_kernels
 from harness.audit.batch import Batch
 from harness.audit.checks.context import BatchContext, Offenders
-from harness.audit.state import AuditState, ShardCover
+from harness.audit.shard_cover import ShardCover
+from harness.audit.state import AuditState
 
 
 def coverage(ctx: BatchContext) -> None:
