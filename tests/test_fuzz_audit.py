@@ -514,6 +514,8 @@ def test_shards_of_one_sample_declaring_other_route_rows_are_a_shard_union_viola
     assert "declaring its 4 route rows (prompt_len + response_len − 1 − routes_start)" in offender["expected"]
     assert offender["actual"].startswith("3 route rows at ") and offender["row"] == 3, offender
     assert "shard_union         VIOLATED in" in text and "declaring its 4 route rows" in text, text
+    # One sample, however many ways its shards are wrong (late: "VIOLATED in 2 of 1 samples" before).
+    assert union["violated"] == 1 == union["checked"], union
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,8 @@ class ShardCover:
     """The fewest route rows a shard row of the sample declares, and the first place declaring them."""
     most: tuple[int, str] = (0, "")
     """The most route rows a shard row declares, and the first place declaring them."""
+    outside: tuple[int, int, str] | None = None
+    """The lowest claimed position outside ``[0, rows declared)``: ``(position, rows, place)``."""
 
     NO_RANK = np.iinfo(np.int64).max
 
@@ -66,6 +68,12 @@ class ShardCover:
             self.second = np.concatenate([self.second, np.full(more, self.NO_RANK, np.int64)])
             self.expected = rows
 
+    def claim_outside(self, position: int, rows: int, where: str) -> None:
+        """A shard row at ``where`` claims ``position``, outside the ``rows`` route rows it declares:
+        the sample's offence, kept once however many rows and shards claim outside (the lowest)."""
+        seen = (position, rows, where)
+        self.outside = seen if self.outside is None else min(self.outside, seen)
+
     def claim(self, shard: int, rank: int, rows: npt.NDArray[np.int64]) -> None:
         """Shard ``shard`` on ``rank`` holds route ``rows`` (each within ``[0, expected)``)."""
         self.seen.add(shard)
@@ -88,28 +96,34 @@ class ShardCover:
         rows = np.arange(self.expected)
         self._fold(rows, other.owners, other.second)
         self.where = min(self.where, other.where) if self.where and other.where else self.where or other.where
+        if other.outside is not None:
+            self.claim_outside(*other.outside)
 
-    def problems(self) -> list[tuple[int, str, str]]:
-        """``(row, expected, actual)`` of the first gap, the first overlap and each missing shard."""
-        out: list[tuple[int, str, str]] = []
+    def problems(self) -> list[tuple[int, str, str, str]]:
+        """``(row, expected, actual, place)`` of a position claimed outside the route rows, the first
+        gap, the first overlap and each missing shard (the sample is one offender however many)."""
+        out: list[tuple[int, str, str, str]] = []
+        if self.outside is not None:
+            position, rows, at = self.outside
+            out.append((position, f"route rows in [0, {rows})", f"row {position}", at))
         (fewest, at_fewest), (most, at_most) = self.fewest, self.most
         if fewest != most:  # then a gap is measured against a length the shards do not agree on
             out.append((fewest, f"every shard row of the sample declaring its {most} route rows "
                                 f"(prompt_len + response_len − 1 − routes_start) like {at_most}",
-                        f"{fewest} route rows at {at_fewest}"))  # fmt: skip
+                        f"{fewest} route rows at {at_fewest}", self.where))  # fmt: skip
         gap = np.flatnonzero(self.counts == 0) if fewest == most else np.zeros(0, np.int64)
         if gap.size:
-            out.append((int(gap[0]), "every route row held by one shard",
-                        f"{gap.size} rows held by no shard, first row {int(gap[0])}"))  # fmt: skip
+            held = f"{gap.size} rows held by no shard, first row {int(gap[0])}"
+            out.append((int(gap[0]), "every route row held by one shard", held, self.where))
         overlap = np.flatnonzero(self.counts > 1)
         if overlap.size:
             r = int(overlap[0])
             out.append((r, "each route row held by exactly one shard",
                         f"row {r} claimed {int(self.counts[r])} times (ranks {int(self.owners[r])} and "
-                        f"{int(self.second[r])}); {overlap.size} rows overlap"))  # fmt: skip
+                        f"{int(self.second[r])}); {overlap.size} rows overlap", self.where))  # fmt: skip
         missing = self.first_missing()
         if missing is not None:
-            out.append((-1, f"shards 0..{self.shards - 1}", f"no row of shard {missing}"))
+            out.append((-1, f"shards 0..{self.shards - 1}", f"no row of shard {missing}", self.where))
         return out
 
     def first_missing(self) -> int | None:

@@ -338,9 +338,9 @@ class AuditState:
     def shard_offenders(self) -> list[Offender]:
         """Offenders of ``shard_union``: the shards of a sample leave a row uncovered, or overlap."""
         return sorted(
-            Offender(step, key, row, -1, expected, actual, cover.where)
+            Offender(step, key, row, -1, expected, actual, where)
             for (step, key), cover in self.shards.items()
-            for row, expected, actual in cover.problems()
+            for row, expected, actual, where in cover.problems()
         )
 
     def duplicates(self) -> list[Offender]:

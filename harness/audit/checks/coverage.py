@@ -92,23 +92,21 @@ def shard_union(batch: Batch, state: AuditState) -> None:
     """Claim each shard row's positions (layout v2: a CP/SP rank's part of a sample) in ``state``'s
     shard covers; ``shard_union`` is judged on the merged covers (``AuditState.shard_offenders``).
 
-    A position outside the sample's route rows is an offender at once."""
-    found = Offenders(batch, np.argsort(np.lexsort((np.array(batch.sample_key, dtype=str), batch.step))))
+    A position outside the sample's route rows is kept in its cover too: a sample is one offender
+    however many ways its shards are wrong."""
     expected = batch.prompt_len + batch.response_len - 1 - batch.routes_start
     for s in range(batch.size):
         key = (int(batch.step[s]), batch.sample_key[s])
         rows = batch.positions.values[batch.positions.offsets[s] : batch.positions.offsets[s + 1]]
-        outside = (rows < 0) | (rows >= expected[s])
-        if outside.any():
-            found.one(s, f"route rows in [0, {int(expected[s])})", f"row {int(rows[outside][0])}",
-                      row=int(rows[outside][0]))  # fmt: skip
-            rows = rows[~outside]
         cover = state.shards.get(key)
         if cover is None:
             cover = ShardCover(int(expected[s]), int(batch.shards[s]), where=batch.where(s))
             state.shards[key] = cover
         else:  # another shard row of the sample: it may declare other route rows (its routes_start)
             cover.declare(int(expected[s]), batch.where(s))
+        outside = (rows < 0) | (rows >= expected[s])
+        if outside.any():
+            cover.claim_outside(int(rows[outside].min()), int(expected[s]), batch.where(s))
+            rows = rows[~outside]
         cover.shards = max(cover.shards, int(batch.shards[s]))
         cover.claim(int(batch.shard[s]), int(batch.rank[s]), rows.astype(np.int64))
-    state.tally("shard_union").add(0, found.items, len(found.samples))
