@@ -330,3 +330,23 @@ def test_a_pickle_that_is_not_what_it_claims_names_file_and_field(
         list(skyrl.records(tmp_path, num_experts=8))
     message = str(err.value)
     assert message.startswith(str(path)) and expected in message and "\n" not in message
+
+
+def test_a_framework_rebuild_function_refusing_its_argument_names_the_file() -> None:
+    """SkyRL's ``_rebuild_tensor_batch`` stand-in given no class said ``skyrl….: expected a class
+    argument``, naming no file: every other refusal of the unpickler names it."""
+    from tests.fuzz_audit import _Call, dumps
+
+    def _rebuild_tensor_batch(cls: Any, state: Any) -> Any:
+        raise AssertionError("never called")
+
+    named("skyrl.backends.skyrl_train.training_batch", "_rebuild_tensor_batch", _rebuild_tensor_batch)
+    key, rebuild = pickle_values.stand_in_function(
+        "skyrl.backends.skyrl_train.training_batch", "_rebuild_tensor_batch"
+    )
+    data = dumps(_Call(_rebuild_tensor_batch, 3, {}))
+    with pytest.raises(LayoutError) as err:
+        safe_pickle.SafeUnpickler(io.BytesIO(data), source="step.pkl", stand_ins={key: rebuild}).load()
+    assert str(err.value).startswith(
+        "step.pkl: skyrl.backends.skyrl_train.training_batch._rebuild_tensor_batch: expected a class argument"
+    ), err.value

@@ -12,7 +12,7 @@ import codecs
 import functools
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -56,19 +56,26 @@ def stand_in(module: str, name: str) -> tuple[tuple[str, str], type[Pickled]]:
     return (module, name), cls
 
 
-def stand_in_function(module: str, name: str) -> tuple[tuple[str, str], Callable[..., Pickled]]:
-    """A ``StandIns`` entry for a framework rebuild function ``module.name(cls, state)``: the call
-    returns an instance of ``cls`` (itself a stand-in) holding ``state``, as the function would."""
+class Rebuild:
+    """A framework rebuild function ``module.name(cls, state)`` as a stand-in: the call returns an
+    instance of ``cls`` (itself a stand-in) holding ``state``, as the function would. The unpickler
+    calls it with the file being read first (``SafeUnpickler.find_class``), so a refusal names it."""
 
-    def rebuild(*args: Any) -> Pickled:
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __call__(self, source: str, *args: Any) -> Pickled:
         if not args or not (isinstance(args[0], type) and issubclass(args[0], Pickled)):
             got = brief(args[0]) if args else "nothing"
-            raise LayoutError(f"{module}.{name}: expected a class argument, got {got}")
+            raise LayoutError(f"{source}: {self.module}.{self.name}: expected a class argument, got {got}")
         obj = args[0]()
         obj.__setstate__(args[1] if len(args) > 1 else None)
         return obj
 
-    return (module, name), rebuild
+
+def stand_in_function(module: str, name: str) -> tuple[tuple[str, str], Rebuild]:
+    """A ``StandIns`` entry for a framework rebuild function ``module.name(cls, state)`` (``Rebuild``)."""
+    return (module, name), Rebuild(module, name)
 
 
 def latin1(source: str, text: str, encoding: str = "latin1") -> bytes:

@@ -55,6 +55,7 @@ from harness.audit.importers.pickle_values import (
     PendingArray,
     PendingDtype,
     Pickled,
+    Rebuild,
     StandIns,
     _iterable,
     builtin_globals,
@@ -139,12 +140,14 @@ class SafeUnpickler(pickle._Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         try:
-            return self.allowed[(module, name)]
+            found = self.allowed[(module, name)]
         except (KeyError, TypeError):
             raise LayoutError(
                 f"{self.source}: refused global {_printable(module)}.{_printable(name)}: not in the "
                 "allowlist of this importer (untrusted pickle; nothing in it was run)"
             ) from None
+        # A framework rebuild function's refusal names the file being read.
+        return functools.partial(found, self.source) if isinstance(found, Rebuild) else found
 
     # BUILD applies a state only to a framework stand-in, a numpy array or a dtype (each checks it).
     def load_build(self) -> None:
