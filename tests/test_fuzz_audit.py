@@ -197,7 +197,7 @@ def test_hostile_file_verl_shape_overflowing_int64(
         path.write_bytes(fz.verl_pickle((batch, non_tensor, meta)))
 
     text = _check(runner, _case(bases, tmp_path, "verl", f"{fz.VERL_DIR}/2/gen_batch.dp", damage))
-    assert "2/gen_batch.dp: field" in text and "attention_mask" in text and "overflows int64" in text, text
+    assert "2/gen_batch.dp: field 'attention_mask'" in text and "overflows int64" in text, text  # quoted once
 
 
 @pytest.mark.parametrize("where", ["batch", "meta-set"])

@@ -216,7 +216,8 @@ def read_batch(file: Path) -> tuple[dict[str, Any], dict[str, Any]]:
                     f"{source}: batch field {brief(key)} is {brief(entry)}; expected (dtype, shape, bytes)"
                 )
             shape = tuple(entry[1]) if isinstance(entry[1], (tuple, list)) else entry[1]
-            tensors[key] = torch_format.view_bytes(entry[2], entry[0], shape, source, brief(key))
+            field = key if isinstance(key, str) else brief(key)  # quoted once, by the message
+            tensors[key] = torch_format.view_bytes(entry[2], entry[0], shape, source, field)
     else:
         raise LayoutError(
             f"{source}: field 'batch' is {kind_name(batch)}; expected torch.save bytes of a TensorDict "
