@@ -204,19 +204,9 @@ def test_a_duplicated_resume_in_a_skyrl_dump_is_named_at_its_batch_row_and_token
     """SkyRL's preprocess cuts a sample's rows back to ``P + R``: rows a resume appended twice leave
     no trace in the row count, only the repeat."""
     from harness.audit.importers import import_dump
-    from tests.test_audit_import_frameworks import E, Sample, _routes, _skyrl_synthetic
+    from tests.test_audit_import_frameworks import E, resumed_twice_skyrl
 
-    rng = np.random.default_rng(9)
-    samples = []
-    for group in range(2):
-        prompt = rng.integers(2, 1000, size=8)
-        for _ in range(2):
-            routes = _routes(rng, 8 + 40 - 1)
-            samples.append(
-                Sample(group, prompt, rng.integers(2, 1000, size=40), routes, -np.ones(40, np.float32))
-            )
-    samples[3].routes[20:26] = samples[3].routes[14:20]
-    _skyrl_synthetic(tmp_path / "export", {1: samples}, {})
+    resumed_twice_skyrl(tmp_path / "export")
     import_dump("skyrl", tmp_path / "export", tmp_path / "run", num_experts=E)
     result = audit_run(tmp_path / "run", executor="serial")
     assert {r.name for r in result.suspected} == {"repeated_rows"} and not result.violated

@@ -732,3 +732,19 @@ def test_skyrl_release_dump_prints_the_committed_transcript(tmp_path: Path, caps
 
 def test_verl_release_dump_prints_the_committed_transcript(tmp_path: Path, capsys, monkeypatch) -> None:
     check("verl", _transcript("verl", _verl_release, tmp_path, capsys, monkeypatch))
+
+
+def resumed_twice_skyrl(export: Path) -> None:
+    """A SkyRL dump (one step, two groups of two) whose sample 3 holds rows a resume appended twice,
+    cut back to ``P + R`` (``repeated_rows``' fault: a detector names it, nothing strict can)."""
+    rng = np.random.default_rng(9)
+    samples = []
+    for group in range(2):
+        prompt = rng.integers(2, 1000, size=8)
+        for _ in range(2):
+            routes = _routes(rng, 8 + 40 - 1)
+            samples.append(
+                Sample(group, prompt, rng.integers(2, 1000, size=40), routes, -np.ones(40, np.float32))
+            )
+    samples[3].routes[20:26] = samples[3].routes[14:20]
+    _skyrl_synthetic(export, {1: samples}, {})

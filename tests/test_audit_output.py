@@ -21,7 +21,13 @@ import pytest
 pytest.importorskip("pyarrow")
 
 from harness.cli import main
-from tests.test_audit_import_frameworks import _skyrl_dump, _skyrl_synthetic, _verl_dump, _verl_synthetic
+from tests.test_audit_import_frameworks import (
+    _skyrl_dump,
+    _skyrl_synthetic,
+    _verl_dump,
+    _verl_synthetic,
+    resumed_twice_skyrl,
+)
 
 E = 16
 """The experts of the fixtures' model (``tests/test_audit_import_frameworks.E``)."""
@@ -183,28 +189,10 @@ def test_an_all_zero_chart_is_one_sentence_that_names_its_figure_once(
 # --- 6. a detector's suspicion is not a broken invariant ---------------------------------------------
 
 
-def _resumed_twice_skyrl(export: Path) -> None:
-    """A SkyRL dump (one step, two groups of two) whose sample 3 holds rows a resume appended twice,
-    cut back to ``P + R`` (``repeated_rows``' fault: a detector names it, nothing strict can)."""
-    from tests.test_audit_import_frameworks import Sample, _routes
-
-    rng = np.random.default_rng(9)
-    samples = []
-    for group in range(2):
-        prompt = rng.integers(2, 1000, size=8)
-        for _ in range(2):
-            routes = _routes(rng, 8 + 40 - 1)
-            samples.append(
-                Sample(group, prompt, rng.integers(2, 1000, size=40), routes, -np.ones(40, np.float32))
-            )
-    samples[3].routes[20:26] = samples[3].routes[14:20]
-    _skyrl_synthetic(export, {1: samples}, {})
-
-
 def test_a_detector_suspects_in_the_terminal_the_html_and_the_json_and_exits_0(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    _resumed_twice_skyrl(tmp_path / "dump" / "export")
+    resumed_twice_skyrl(tmp_path / "dump" / "export")
     html, report = tmp_path / "audit.html", tmp_path / "audit.json"
     code, out, _ = _audit(capsys, tmp_path / "dump", "--num-experts", E, "--html", html, "--json", report)
     [line] = [x for x in out.splitlines() if x.startswith("repeated_rows ")]
