@@ -33,6 +33,8 @@ an import error. The trainer runs where the engine runs (CUDA when present, else
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,9 +48,10 @@ from harness.engines.checkpoint import (
     load_checkpoint,
     spliced_trace,
     trainer_recompute,
-    write_checkpoint,
 )
+from harness.engines.real import engine_checkpoint, engine_class
 from harness.engines.shared_runs import compare_runs, compare_shared
+from harness.engines.weight_updates import negated_router_checkpoint
 from harness.metrics.batch import gap_growth_bound
 from harness.testing.asserts import differing_routes
 from harness.trace import RoutingTrace
@@ -73,18 +76,15 @@ pytestmark = pytest.mark.parametrize("engine_name", ENGINES, scope="module")
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
-    return write_checkpoint(tmp_path_factory.mktemp("rrh-engine-ckpt"))
+@pytest.fixture(scope="module")
+def checkpoint(engine_name: str, tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
+    """The engine checkpoint as this engine serves it (SGLang: every layer MoE, ``refuse_dense_layers``)."""
+    return engine_checkpoint(engine_name, tmp_path_factory.mktemp(f"rrh-{engine_name}-ckpt"))
 
 
 @pytest.fixture(scope="module")
 def engine(engine_name: str, checkpoint: TinyCheckpoint) -> Iterator[Any]:
-    if engine_name == "vllm":
-        from harness.engines.vllm import VLLMEngine as Engine
-    else:
-        from harness.engines.sglang import SGLangEngine as Engine  # type: ignore[assignment]
-    started = Engine(checkpoint)
+    started = engine_class(engine_name)(checkpoint)
     yield started
     started.close()
 
@@ -345,6 +345,42 @@ def test_chunked_prefill_rows_agree_at_chunk_boundaries(
     )
 
 
+def test_a_weight_update_serves_no_stale_prefix_rows(
+    engine: Any, checkpoint: TinyCheckpoint, trainer: torch.nn.Module, tmp_path: Path
+) -> None:
+    """A prompt served, then the checkpoint with every router negated loaded into the running engine
+    (its own weight loading, ``load_weights``) and the same prompt sent again: what the engine does
+    with its prefix cache across the update is measured (the cached tokens are printed), and whatever
+    it does, the rows it returns are the new weights' routes (a recompute under them), not the rows
+    cached under the old weights (the stale-prefix class, FACTS §4)."""
+    prompt = _prompts(checkpoint, (80,), seed=14)[0]
+    before = engine.generate([prompt], 4)[0]
+    negated = negated_router_checkpoint(checkpoint.path, tmp_path / "negated")
+    engine.load_weights(negated)
+    try:
+        after = engine.generate([prompt], 4)[0]
+    finally:
+        engine.load_weights(checkpoint.path)
+    print(
+        f"cached tokens of the same 80-token prompt: {before.cached_tokens} before the update, "
+        f"{after.cached_tokens} after"
+    )
+    after.trace.check_coverage(len(prompt), 4)
+    moe = list(checkpoint.spec.moe_layer_tuple)
+    changed = _prefix_differs(after.trace, before.trace, moe, len(prompt)).float().mean()
+    assert changed > 0.5, f"only {changed:.2%} of prompt routes changed: the weight update did not take"
+    under_new = trainer_recompute(load_checkpoint(replace(checkpoint, path=negated)), [after])
+    assert under_new.routing.disagreement <= TRAINER_BUDGET, (
+        f"after the update ({after.cached_tokens} cached tokens) {under_new.routing.disagreement:.2%} of "
+        f"routes differ from a recompute under the new weights, expected ≤ {TRAINER_BUDGET:.0%} "
+        "(stale prefix rows?)"
+    )
+    restored = engine.generate([prompt], 4)[0]
+    assert (
+        _prefix_differs(restored.trace, before.trace, moe, len(prompt)).float().mean() <= DETERMINISM_BUDGET
+    )
+
+
 def _prefix_differs(a: RoutingTrace, b: RoutingTrace, moe: list[int], rows: int) -> torch.Tensor:
     """True at each (position, MoE layer) of the first ``rows`` positions where ``a`` and ``b`` route
     to other expert sets (DESIGN §3.3)."""
@@ -432,19 +468,25 @@ def test_aborted_request_returns_its_rows_so_far(
 
 @pytest.fixture(scope="module")
 def tiny_kv_engine(engine_name: str, checkpoint: TinyCheckpoint, engine: Any) -> Iterator[Any]:
-    """A second engine whose KV cache holds 10 blocks of 32 tokens: six 120-token requests must preempt."""
-    if engine_name != "vllm":
-        pytest.skip(f"{engine_name}: no KV-cache size override in the adapter")
-    from harness.engines.vllm import VLLMEngine
-
-    started = VLLMEngine(
-        checkpoint,
-        block_size=32,
-        kv_cache_memory_bytes=10 * 32 * checkpoint.kv_bytes_per_token(),
-        num_gpu_blocks_override=10,
-        max_model_len=256,
-        disable_log_stats=False,
-    )
+    """A second engine that must preempt six 120-token requests: vLLM with a KV cache of 10 blocks of
+    32 tokens; SGLang retracting (its preemption: a running request freed and requeued, then
+    prefilled again) under its own switch ``SGLANG_TEST_RETRACT`` (every third forward step, read
+    by each scheduler process at start). A tiny pool alone does not make SGLang retract: it admits a
+    request only with room for its whole budget (measured: a 320-token pool served the six requests
+    one batch after another, 0 retractions)."""
+    with pytest.MonkeyPatch.context() as env:
+        if engine_name == "vllm":
+            kv: dict[str, Any] = dict(
+                block_size=32,
+                kv_cache_memory_bytes=10 * 32 * checkpoint.kv_bytes_per_token(),
+                num_gpu_blocks_override=10,
+                max_model_len=256,
+                disable_log_stats=False,
+            )
+        else:
+            kv = dict(max_total_tokens=320, context_length=256)
+            env.setenv("SGLANG_TEST_RETRACT", "1")
+        started = engine_class(engine_name)(checkpoint, **kv)
     yield started
     started.close()
 
@@ -476,12 +518,10 @@ def test_preemption_under_a_tiny_kv_cache_keeps_every_row(
 def test_mismatch_lab_on_the_real_engine(engine_name: str, dtype: str) -> None:
     """Real sampled rollouts (64 experts top-8) vs the transformers trainer: R3 makes the routing
     disagreement 0 and does not grow the gap; where routing flipped (bf16) it shrinks the gap there."""
-    if engine_name != "vllm":
-        pytest.skip(f"{engine_name}: the engine lab drives vLLM only")
-    from harness.lab.engine import run_vllm_mismatch_lab
+    from harness.lab.engine import run_real_mismatch_lab
     from harness.lab.measure import LabConfig, format_lab
 
-    result = run_vllm_mismatch_lab(LabConfig(family="qwen3_moe", dtype=dtype))
+    result = run_real_mismatch_lab(engine_name, LabConfig(family="qwen3_moe", dtype=dtype))
     print(format_lab(result))
     without, r3 = result.without_replay, result.with_r3
     assert r3.routing.disagreement == 0.0, f"R3 left {r3.routing.disagreement:.2%} of routes differing"

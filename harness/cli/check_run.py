@@ -39,13 +39,13 @@ class CheckRun:
 
 def run_lab(step: LabStep, subject: Any) -> LabResult:
     """Run one mismatch lab (the reference lab replays through ``subject.install_replay``, the vLLM
-    lab through ``subject.install_hf_replay``). The reference and transformers labs' models are as
+    and SGLang labs through ``subject.install_hf_replay``). The reference and transformers labs' models are as
     tiny as the suites': one torch thread, as in the suites (``harness.check.one_torch_thread``);
-    vLLM sets its own threads."""
-    if step.kind == "vllm":
+    the engines set their own threads."""
+    if step.kind in ("vllm", "sglang"):
         from harness.lab.engine import run_engine_lab
 
-        return run_engine_lab(subject.install_hf_replay, step.config)
+        return run_engine_lab(subject.install_hf_replay, step.config, engine=step.kind)
     from harness.check.suites import one_torch_thread
 
     with one_torch_thread():

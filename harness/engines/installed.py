@@ -9,7 +9,8 @@ An engine that cannot run on this machine is an ``EngineUnavailable`` that says 
 - no CUDA device here, and either the build is a CUDA build or its release cannot capture routed
   experts without a GPU (``Convention.captures_on_cpu``: vLLM 0.27.1–0.29.0 refuse capture with a
   monolithic CPU MoE kernel, ≥ 0.31 captures only through Model Runner V2, which needs GPU Triton;
-  SGLang publishes no CPU build).
+  SGLang publishes no CPU build, but 0.5.23 runs on a CPU in its CPU engine mode with the project's
+  stand-ins: ``harness.engines.sglang_cpu`` says what is missing).
 
 ``start_blocker`` is what the pytest plugin asks before an engine test runs: the engine suites run
 wherever the engine can start, CPU or GPU, not only where CUDA is.
@@ -18,13 +19,18 @@ wherever the engine can start, CPU or GPU, not only where CUDA is.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 from harness.conventions import Convention, resolve
 from harness.engines.checkpoint import EngineUnavailable
 from harness.engines.distributions import CPU_BUILDS, NAMES, installed_distribution, installed_version
 from harness.engines.hints import vllm_cpu_hint
+from harness.engines.sglang_cpu import cpu_blocker as sglang_cpu_blocker
 from harness.errors import ConventionError
+
+CPU_MODES: dict[str, Callable[[str], str | None]] = {"sglang": sglang_cpu_blocker}
+"""Engines with no CPU build whose release runs on a CPU in a mode of its own: why it cannot here."""
 
 
 def installed_convention(engine: str, version: str | None = None) -> Convention:
@@ -58,7 +64,7 @@ def start_blocker(engine: str) -> str | None:
         return str(err)
     if _cuda_available():
         return None
-    if dist not in CPU_BUILDS:
+    if dist not in CPU_BUILDS and engine not in CPU_MODES:
         return f"no CUDA device on this machine and {dist} {version} is a CUDA build"
     if not conv.captures_on_cpu(version):
         cpu_notes = [n for n in conv.notes if "CPU" in n]
@@ -67,6 +73,8 @@ def start_blocker(engine: str) -> str | None:
             f"{dist} {version} ({conv.name}) is not known to capture routed experts on CPU{why}; "
             "run it on a GPU runner"
         )
+    if engine in CPU_MODES:
+        return CPU_MODES[engine](version)
     return None
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -133,6 +133,10 @@ class VLLMEngine:
             prefilled in chunks (chunked prefill).
         engine_kwargs: further ``vllm.LLM`` arguments.
     """
+
+    checkpoint_overrides: Mapping[str, Any] = {}
+    """``write_checkpoint`` overrides of a checkpoint this engine serves correctly: none (vLLM's
+    Qwen3-MoE honours ``mlp_only_layers``, so the default dense first layer stays)."""
 
     name = ENGINE
 
@@ -302,6 +306,13 @@ class VLLMEngine:
         return decode_request_output(
             output, conv=self.convention, model=self.checkpoint.spec, version=self.version
         )
+
+    def load_weights(self, weights_path: str | os.PathLike[str]) -> None:
+        """Load the checkpoint at ``weights_path`` into the running engine in place and reset its
+        prefix cache (``harness.engines.weight_updates.push_weights``: the release's own reload)."""
+        from harness.engines.weight_updates import push_weights
+
+        push_weights(self, weights_path)
 
     def generate_one(self, context: Sequence[int], max_tokens: int) -> EngineRollout:
         """One engine call: the ``generate`` of ``reference_impl.episode.run_episode``, which plays an

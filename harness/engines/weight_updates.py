@@ -1,4 +1,4 @@
-"""Weight updates of a running vLLM, as a framework's weight sync makes them between partial-rollout
+"""Weight updates of a running engine, as a framework's weight sync makes them between partial-rollout
 attempts or turns (fully-async RL): what the real-engine splice suites need to make a re-prefilled
 row really differ from the row first computed.
 
@@ -75,8 +75,9 @@ def negated_router_checkpoint(source: str | os.PathLike[str], target: str | os.P
 
 @contextmanager
 def weight_updates(engine: Any) -> Iterator[Callable[[int], None]]:
-    """``update_weights(version)`` for a started ``VLLMEngine``: each call pushes the other of the
-    served checkpoint and its negated-router copy; the served weights are back afterwards."""
+    """``update_weights(version)`` for a started engine adapter (``VLLMEngine``, ``SGLangEngine``):
+    each call loads (``engine.load_weights``) the other of the served checkpoint and its
+    negated-router copy; the served weights are back afterwards."""
     original = engine.checkpoint.path
     with tempfile.TemporaryDirectory(prefix="rrh-negated-routers-") as tmp:
         negated = negated_router_checkpoint(original, tmp)
@@ -85,13 +86,13 @@ def weight_updates(engine: Any) -> Iterator[Callable[[int], None]]:
         def update(version: int) -> None:
             nonlocal flips
             flips += 1
-            push_weights(engine, negated if flips % 2 else original)
+            engine.load_weights(negated if flips % 2 else original)
 
         try:
             yield update
         finally:
             if flips % 2:
-                push_weights(engine, original)
+                engine.load_weights(original)
 
 
 def reset_cpu_moe_kernels(model: torch.nn.Module) -> int:

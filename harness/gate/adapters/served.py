@@ -52,10 +52,12 @@ class ServedAdapter:
         conv: Convention = self._module().convention(version)
         return conv
 
+    def _class(self) -> Any:
+        return getattr(self._module(), self._engine_class.partition(":")[2])
+
     def start(self, model: TinyCheckpoint, **kwargs: Any) -> Any:
         """The engine serving ``model`` (the caller closes it); ``EngineUnavailable`` if it cannot start."""
-        engine_class = getattr(self._module(), self._engine_class.partition(":")[2])
-        return engine_class(model, **kwargs)
+        return self._class()(model, **kwargs)
 
     def observe(self) -> Observation:
         """Start the engine, generate, compare with the trainer (see the module docstring)."""
@@ -65,9 +67,9 @@ class ServedAdapter:
             EngineUnavailable,
             load_checkpoint,
             trainer_recompute,
-            write_checkpoint,
         )
         from harness.engines.installed import start_blocker
+        from harness.engines.real import engine_checkpoint
         from harness.engines.shared_runs import compare_runs
 
         version = self.installed_version()
@@ -77,7 +79,7 @@ class ServedAdapter:
         conv = self.convention(version)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         with tempfile.TemporaryDirectory(prefix="rrh-gate-") as tmp:
-            ckpt = write_checkpoint(tmp)
+            ckpt = engine_checkpoint(self.name, tmp)
             spec = ckpt.spec
             eng = self.start(ckpt)
             try:
