@@ -354,6 +354,7 @@ def test_a_weight_update_serves_no_stale_prefix_rows(
     it does, the rows it returns are the new weights' routes (a recompute under them), not the rows
     cached under the old weights (the stale-prefix class, FACTS §4)."""
     prompt = _prompts(checkpoint, (80,), seed=14)[0]
+    engine.generate([prompt], 1)  # the prompt in the prefix cache under the old weights
     before = engine.generate([prompt], 4)[0]
     negated = negated_router_checkpoint(checkpoint.path, tmp_path / "negated")
     engine.load_weights(negated)

@@ -190,6 +190,21 @@ WHERE: dict[str, Run | SameAs | NotRun] = {
         VLLM, subject=True
     ),
     "rrh check --subject my_subject:SUBJECT --engine vllm": Run(VLLM, subject=True),
+    "tox -e sglang-cpu": SameAs(".ci/run", ("python -m tox -e sglang-cpu",), "the real-SGLang step"),
+    '.tox/sglang-cpu/bin/python -m pytest suites/ -m "gpu and sglang" '
+    "--rr-subject my_subject:SUBJECT": SameAs(
+        "tox.ini",
+        (
+            'python -m pytest suites/ -m "gpu and sglang" -rs -p no:logging -p no:cacheprovider '
+            "--durations=5 --hypothesis-profile ci",
+        ),
+        "[testenv:sglang-cpu] runs the same selection on the default subject (the reference)",
+    ),
+    ".tox/sglang-cpu/bin/rrh check --subject my_subject:SUBJECT --engine sglang": NotRun(
+        "what it runs is run in [testenv:sglang-cpu]: the SGLang engine suites (its second command) and "
+        "the SGLang mismatch lab (conformance/test_engines.py::test_mismatch_lab_on_the_real_engine); "
+        "the command itself is not run in CI: one more SGLang env start for the same checks"
+    ),
     "RRH_REQUIRE_ENGINES=vllm pytest suites/ -m gpu": SameAs(
         "tox.ini",
         (

@@ -1,86 +1,16 @@
-"""The real-engine suites (``suites/test_vllm.py``) kill their zoo mutants on real vLLM; the correct
-twins pass the same checks.
+"""The zoo mutants killed on real vLLM by the real-engine suites, the correct twins passing
+(``tests/real_engine_mutants.py``, on the engine of ``suites/test_vllm.py``)."""
 
-- ``policy-version-mixing`` (verl #6046: the latest payload replaces the trace) against the splice
-  checks of episodes whose weights change between calls; twin: ``splice-into-buffer`` (a correct
-  splice written otherwise) and the reference.
-- ``hf-one-layer-unreplayed`` (one MoE layer's router never replayed) against the real-engine
-  mismatch lab; twins: the reference and the harness's transformers hooks as a subject of their own
-  (``harness.subjects.hf_hooks:HF_HOOKS``).
-
-The suite's own test functions are called with each subject, on one engine for this module (the
-suite module's fixtures), so the kill is the suite's invariant itself, not a copy of it.
-"""
-
-# ruff: noqa: F811  (the suite's fixtures, imported below, are requested by name)
+# ruff: noqa: F401  (the suite's fixtures and the shared tests, collected here by name)
 from __future__ import annotations
-
-from typing import Any
 
 import pytest
 
-from harness.mutants import benign
-from harness.mutants.registry import get
-from harness.subjects import Subject
-from harness.subjects.hf_hooks import HF_HOOKS
-from harness.subjects.reference import REFERENCE
-from suites import test_vllm as real
-from suites.test_vllm import checkpoint, engine, lab_rollouts  # noqa: F401
-
-pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
-
-SPLICE_CHECKS = [
-    pytest.param(
-        lambda s, e, c: real.test_splice_of_real_episodes_keeps_the_first_computed_rows(
-            s, e, real.RESUME_UNDER_NEW_WEIGHTS
-        ),
-        id="abort-resume-weights-updated",
-    ),
-    pytest.param(
-        lambda s, e, c: real.test_splice_of_real_episodes_keeps_the_first_computed_rows(
-            s, e, real.TURNS_UNDER_NEW_WEIGHTS
-        ),
-        id="multi-turn-tool-tokens-weights-updated",
-    ),
-    pytest.param(
-        real.test_splice_of_n_samples_each_resumed_under_new_weights, id="n-samples-weights-updated"
-    ),
-]
-LAB_CHECKS = (
-    real.test_without_replay_the_trainer_routes_some_engine_rows_differently,
-    real.test_r3_through_the_subjects_driver_dispatches_the_engines_experts,
-    real.test_r3_through_the_subjects_driver_shrinks_the_gap_on_flipped_tokens,
+from suites.test_vllm import checkpoint, engine, lab_rollouts
+from tests.real_engine_mutants import (
+    test_a_driver_that_replays_nothing_on_one_layer_is_killed_on_the_real_engine,
+    test_a_splice_concatenating_every_payload_is_killed_on_the_real_engine,
+    test_a_splice_keeping_the_latest_payload_is_killed_on_the_real_engine,
 )
 
-
-@pytest.mark.capability("splice")
-@pytest.mark.parametrize("check", SPLICE_CHECKS)
-def test_a_splice_keeping_the_latest_payload_is_killed_on_real_vllm(
-    check: Any,
-    engine: Any,
-    checkpoint: Any,
-) -> None:
-    """The splice check fails on ``policy-version-mixing`` and passes on its correct twins."""
-    mutant = get("policy-version-mixing").subject
-    with pytest.raises(AssertionError, match="differ as sets"):
-        check(mutant, engine, checkpoint)
-    twins: list[Subject] = [REFERENCE, benign.get("splice-into-buffer").subject]
-    for twin in twins:
-        check(twin, engine, checkpoint)
-
-
-@pytest.mark.capability("install_hf_replay")
-def test_a_driver_that_replays_nothing_on_one_layer_is_killed_on_real_vllm(
-    checkpoint: Any,
-    lab_rollouts: Any,
-) -> None:
-    """The real-engine lab's R3 check fails on ``hf-one-layer-unreplayed``; the correct hooks pass every
-    lab check."""
-    mutant = get("hf-one-layer-unreplayed").subject
-    with pytest.raises(AssertionError, match="differ from the engine's"):
-        real.test_r3_through_the_subjects_driver_dispatches_the_engines_experts(
-            mutant, checkpoint, lab_rollouts
-        )
-    for twin in (REFERENCE, HF_HOOKS):
-        for check in LAB_CHECKS:
-            check(twin, checkpoint, lab_rollouts)
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm]

