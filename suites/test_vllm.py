@@ -31,7 +31,9 @@ from harness.engines.checkpoint import TinyCheckpoint
 from harness.lab.engine import ENGINE_LAB, lab_checkpoint
 from harness.subjects import Subject
 from harness.testing.suite import require
-from suites.real_engine import (  # the suites every engine runs, collected here under the vllm marker
+
+# the suites every engine runs, collected here under the vllm marker
+from suites.real_engine import (  # noqa: F401
     RESUME_UNDER_NEW_WEIGHTS,
     TURNS_UNDER_NEW_WEIGHTS,
     check_decoded,
@@ -45,19 +47,6 @@ from suites.real_engine import (  # the suites every engine runs, collected here
     test_splice_of_real_episodes_keeps_the_first_computed_rows,
     test_without_replay_the_trainer_routes_some_engine_rows_differently,
 )
-
-__all__ = [
-    "RESUME_UNDER_NEW_WEIGHTS",
-    "TURNS_UNDER_NEW_WEIGHTS",
-    "lab_rollouts",
-    "test_layouts_place_real_rollouts_with_every_row_on_its_token",
-    "test_r3_through_the_subjects_driver_dispatches_the_engines_experts",
-    "test_r3_through_the_subjects_driver_shrinks_the_gap_on_flipped_tokens",
-    "test_splice_of_a_resume_served_from_the_prefix_cache",
-    "test_splice_of_n_samples_each_resumed_under_new_weights",
-    "test_splice_of_real_episodes_keeps_the_first_computed_rows",
-    "test_without_replay_the_trainer_routes_some_engine_rows_differently",
-]
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
