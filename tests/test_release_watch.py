@@ -40,6 +40,8 @@ WATCHED = [
 """The reviewed marks of the watch whose answer was recorded."""
 NEW_HERE = ("mcore-0.19.2.json", "skyrl-0.4.0.json", "verl-0.9.1-mcore-0.19.2.json")
 """Verdict files this work added (the watch that recorded the answer had none of them)."""
+NEW_BASELINES_HERE = ("sglang-0.5.23.json",)
+"""Gate baselines this work added (recorded when SGLang first ran on CPU, issue 41)."""
 BASELINES_THEN = {"hf.json": "5.23.0"}
 """Gate baselines re-recorded since the answer was recorded, and the version each had then (the hf
 baseline moved to transformers 5.24.0 with issue 33)."""
@@ -72,6 +74,8 @@ def _fixtures(tmp_path: Path, reviewed: list[dict[str, str]], drop: tuple[str, .
         baseline.write_text(json.dumps({**json.loads(baseline.read_text()), "version": version}))
     for name in drop:
         (tmp_path / "verdicts" / name).unlink(missing_ok=True)
+    for name in NEW_BASELINES_HERE:
+        (tmp_path / "baselines" / name).unlink()
     (tmp_path / "releases").mkdir()
     (tmp_path / "releases" / "reviewed.json").write_text(json.dumps({"reviewed": reviewed}))
     return tmp_path
