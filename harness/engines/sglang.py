@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -308,7 +309,7 @@ class SGLangEngine:
         Streams the request with ``Engine.async_generate`` on the engine's own event loop, calls the
         tokenizer manager's ``abort_request`` and decodes the last output."""
         ids = [int(t) for t in prompt]
-        rid = f"rrh-abort-{id(self)}-{self._retractions}-{len(ids)}"
+        rid = f"rrh-abort-{uuid.uuid4().hex}"  # unique per request: SGLang keys its state by rid
 
         async def run() -> Any:
             stream = await self.engine.async_generate(
