@@ -587,7 +587,8 @@ def add_subject(space: Workspace, page: Path) -> None:
 
 def fresh_venv(space: Workspace) -> None:
     """A new virtualenv for the commands: its ``python`` first on PATH, no PYTHONPATH (nothing of
-    the test's environment is importable)."""
+    the test's environment is importable). ``run_page`` removes it when the page is done: a torch
+    install is ~2 GB that CI's later environments need on the same disk."""
     venv = space.scratch.parent / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     space.env["PATH"] = os.pathsep.join([str(venv / "bin"), os.environ.get("PATH", "")])
@@ -713,27 +714,32 @@ def run_page(
     entries = [WHERE[c.name] for c in commands]
     if any(isinstance(e, Run) and e.fresh_venv for e in entries):
         fresh_venv(space)
-    if any(isinstance(e, Run) and e.subject for e in entries):
-        add_subject(space, page)
-    if prepare is not None:
-        prepare(space)
-    space.status = space.git_status()  # what the commands leave is compared with this
-    problems: list[str] = []
-    done: list[Ran] = []
-    for command, entry in zip(commands, entries, strict=True):
-        assert isinstance(entry, Run)
-        if before_each is not None:
-            before_each(command)
-        missing = [r for r in entry.requires if not _available(r, space)]
-        if missing and not os.environ.get("CI"):
-            import warnings
+    try:
+        if any(isinstance(e, Run) and e.subject for e in entries):
+            add_subject(space, page)
+        if prepare is not None:
+            prepare(space)
+        space.status = space.git_status()  # what the commands leave is compared with this
+        problems: list[str] = []
+        done: list[Ran] = []
+        for command, entry in zip(commands, entries, strict=True):
+            assert isinstance(entry, Run)
+            if before_each is not None:
+                before_each(command)
+            missing = [r for r in entry.requires if not _available(r, space)]
+            if missing and not os.environ.get("CI"):
+                import warnings
 
-            warnings.warn(f"{command.where}: `{command.text}` not run: {missing} not installed", stacklevel=1)
-            continue
-        ran = run_command(command, entry, space)
-        done.append(ran)
-        problems += problems_of(ran, entry)
-    left = sorted(set(space.git_status().splitlines()) - set(space.status.splitlines()))
-    if left:
-        problems.append(f"{page.name}'s commands left files in the clone (git status --porcelain): {left}")
-    return problems, done
+                not_run = f"{command.where}: `{command.text}` not run: {missing} not installed"
+                warnings.warn(not_run, stacklevel=1)
+                continue
+            ran = run_command(command, entry, space)
+            done.append(ran)
+            problems += problems_of(ran, entry)
+        left = sorted(set(space.git_status().splitlines()) - set(space.status.splitlines()))
+        if left:
+            where = f"{page.name}'s commands left files in the clone"
+            problems.append(f"{where} (git status --porcelain): {left}")
+        return problems, done
+    finally:
+        shutil.rmtree(space.scratch.parent / "venv", ignore_errors=True)

@@ -116,3 +116,31 @@ def test_the_host_buffer_entry_calls_sglangs_allocator_unpinned(tmp_path: Path) 
     )
     assert done.returncode == 0, done.stderr
     assert "unpinned" in done.stdout
+
+
+def test_the_install_keeps_every_requirement_but_the_cuda_kernels(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``ci/sglang_cpu/install.py`` reads the installed wheel's own metadata: pins kept as written,
+    requirements of other platforms and extras dropped, the CUDA-only kernels left out and named."""
+    import importlib.util
+    import platform
+
+    info = tmp_path / "fakesgl-1.0.dist-info"
+    info.mkdir()
+    other = "aarch64" if platform.machine() != "aarch64" else "x86_64"
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: fakesgl\nVersion: 1.0\n"
+        "Requires-Dist: transformers==5.19.0\n"
+        "Requires-Dist: sglang-kernel==0.4.10\n"
+        "Requires-Dist: flashinfer_python[cu13]==0.7.2\n"
+        f'Requires-Dist: decord2; platform_machine == "{other}"\n'
+        'Requires-Dist: pytest; extra == "test"\n'
+        "Requires-Dist: xgrammar==0.2.7\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = importlib.util.spec_from_file_location("sgl_install", STANDINS / "install.py")
+    assert spec is not None and spec.loader is not None
+    install = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(install)
+    kept, left_out = install.requirements("fakesgl")
+    assert kept == ["transformers==5.19.0", "xgrammar==0.2.7"]
+    assert left_out == ["sglang-kernel==0.4.10", "flashinfer_python[cu13]==0.7.2"]
