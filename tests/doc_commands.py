@@ -49,9 +49,10 @@ QUICK = "default run"
 CI = ".ci/run, the CI venv (tests/test_doc_commands.py -m slow)"
 VLLM_RECIPE = ".ci/run, before tox -e vllm-cpu (RRH_DOC_ENV=vllm-recipe)"
 VLLM = "tox -e vllm-cpu, after verl 0.9.1 is installed beside vLLM (-m vllm)"
+SGLANG = "tox -e sglang-cpu (-m sglang)"
 VERL_MCORE = ".ci/run, the verl 0.9.1 + megatron-core 0.19.2 step (RRH_DOC_ENV=verl-0.9.1-mcore-0.19.2)"
 SKYRL = ".ci/run, the SkyRL 0.4.0 step (RRH_DOC_ENV=skyrl-0.4.0)"
-WHERES = (QUICK, CI, VLLM_RECIPE, VLLM, VERL_MCORE, SKYRL)
+WHERES = (QUICK, CI, VLLM_RECIPE, VLLM, SGLANG, VERL_MCORE, SKYRL)
 
 LAB = (
     r"^mismatch lab: ",
@@ -110,6 +111,10 @@ RECIPE_ONCE = "tox -e vllm-cpu --notest"
 TEST_COMMAND = (
     "python -m pip install torch==2.13.0 -e '.[dev,hf,megatron,audit,ray]' && "
     "python -m pytest -n 2 --hypothesis-profile ci"
+)
+SGLANG_RUN = (
+    "SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=ci/sglang_cpu .tox/sglang-cpu/bin/rrh run runs/sglang-r3 "
+    "--engine sglang --replay R3 --steps 2 && .tox/sglang-cpu/bin/rrh audit runs/sglang-r3"
 )
 SMALL_RUN = ".tox/vllm-cpu/bin/rrh run runs/{} --replay {} --steps {} --prompts 1 --group 2 --response-len 10"
 VERL = "harness.subjects.frameworks.verl:VERL_0_9_1"
@@ -191,6 +196,7 @@ WHERE: dict[str, Run | SameAs | NotRun] = {
     ),
     "rrh check --subject my_subject:SUBJECT --engine vllm": Run(VLLM, subject=True),
     "tox -e sglang-cpu": SameAs(".ci/run", ("python -m tox -e sglang-cpu",), "the real-SGLang step"),
+    "SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=ci/sglang_cpu "
     '.tox/sglang-cpu/bin/python -m pytest suites/ -m "gpu and sglang" '
     "--rr-subject my_subject:SUBJECT": SameAs(
         "tox.ini",
@@ -200,11 +206,13 @@ WHERE: dict[str, Run | SameAs | NotRun] = {
         ),
         "[testenv:sglang-cpu] runs the same selection on the default subject (the reference)",
     ),
+    "SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=ci/sglang_cpu:. "
     ".tox/sglang-cpu/bin/rrh check --subject my_subject:SUBJECT --engine sglang": NotRun(
         "what it runs is run in [testenv:sglang-cpu]: the SGLang engine suites (its second command) and "
         "the SGLang mismatch lab (conformance/test_engines.py::test_mismatch_lab_on_the_real_engine); "
         "the command itself is not run in CI: one more SGLang env start for the same checks"
     ),
+    SGLANG_RUN: Run(SGLANG),
     "RRH_REQUIRE_ENGINES=vllm pytest suites/ -m gpu": SameAs(
         "tox.ini",
         (

@@ -188,6 +188,19 @@ def test_real_engine_documented_commands_run_as_shown(page: Path, tmp_path: Path
     _run(dc.VLLM, page, tmp_path, prepare=env_links, before_each=needs_verl)
 
 
+@pytest.mark.gpu
+@pytest.mark.sglang
+@pytest.mark.parametrize("page", _pages(dc.SGLANG), ids=_ids(dc.SGLANG))
+def test_sglang_documented_commands_run_as_shown(page: Path, tmp_path: Path) -> None:
+    """In ``tox -e sglang-cpu``: ``.tox/sglang-cpu`` in the copy is this env."""
+
+    def env_link(space: dc.Workspace) -> None:
+        (space.root / ".tox").mkdir(exist_ok=True)
+        (space.root / ".tox" / "sglang-cpu").symlink_to(Path(sys.prefix), target_is_directory=True)
+
+    _run(dc.SGLANG, page, tmp_path, prepare=env_link)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("where", "page"),

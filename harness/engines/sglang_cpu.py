@@ -30,8 +30,13 @@ STANDINS = "ci/sglang_cpu"
 ``sitecustomize`` that unpins the host buffer."""
 
 
+ENV_PREFIX = f"SGLANG_USE_CPU_ENGINE=1 PYTHONPATH={STANDINS}"
+"""What ``tox -e sglang-cpu`` sets, for a command run from the repository root in its env outside tox
+(``SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=ci/sglang_cpu .tox/sglang-cpu/bin/rrh run …``)."""
+
+
 def _how() -> str:
-    return f"{sglang_cpu_hint()} sets it up"
+    return f"{sglang_cpu_hint()} sets it up; a command in its env outside tox: {ENV_PREFIX} COMMAND"
 
 
 def _pinned_torch() -> str | None:
