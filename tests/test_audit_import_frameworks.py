@@ -93,7 +93,8 @@ def _routes(rng: np.random.Generator, rows: int) -> npt.NDArray[np.int32]:
 
 def rollout(step: int) -> list[Sample]:
     """The samples of one step. Sample 1's last two rows were never fed to the engine (a short
-    payload); sample 2 was truncated, so its payload keeps the real row of its last token."""
+    payload); sample 2 was truncated at the response budget (``R_MAX`` tokens), so its payload keeps
+    the real row of its last token (§3.1: only a response that fills its budget may)."""
     rng = np.random.default_rng(step)
     samples: list[Sample] = []
     for group in range(GROUPS):
@@ -102,11 +103,16 @@ def rollout(step: int) -> list[Sample]:
         for _ in range(N):
             r = int(rng.integers(3, 7))
             routes = np.concatenate([prompt_routes, _routes(rng, r)])  # P+R rows: the last token's too
-            keep = {1: p + r - 3, 2: p + r}.get(len(samples), p + r - 1)
+            keep = {1: p + r - 3}.get(len(samples), p + r - 1)
             logprobs = -rng.exponential(1.0, size=r).astype(np.float32)
-            samples.append(
-                Sample(group, prompt, rng.integers(2, 1000, size=r), routes[:keep].copy(), logprobs)
-            )
+            response = rng.integers(2, 1000, size=r)
+            if len(samples) == 2:  # the rest of its budget, from its own stream (the others stay put)
+                more, extra = R_MAX - r, np.random.default_rng(100 + step)
+                response = np.concatenate([response, extra.integers(2, 1000, size=more)])
+                routes = np.concatenate([routes, _routes(extra, more)])
+                logprobs = np.concatenate([logprobs, -extra.exponential(1.0, size=more).astype(np.float32)])
+                keep = p + R_MAX
+            samples.append(Sample(group, prompt, response, routes[:keep].copy(), logprobs))
     return samples
 
 

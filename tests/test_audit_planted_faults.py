@@ -113,13 +113,15 @@ class Fault:
 def _repeated(s: Sample, framework: str) -> list[Cell]:
     """A duplicated resume: the six rows before the resume point appended again, the rows after them
     following, the payload cut back to its length, so the row count is right and only the repeat
-    shows. SkyRL's own preprocess cuts it (to ``P + R`` rows: the last, a truncated response's real
-    row, is dropped on import); for verl and slime the cut payload is planted."""
+    shows. SkyRL's own preprocess cuts it to ``P + R`` rows: the last is a real row for the last
+    token, which only a response truncated at its budget may hold (§3.1), and sample 5's is shorter
+    than the batch's longest, so coverage names it too; for verl and slime the cut payload is planted."""
     a, m = len(s.prompt) + 4, 6
     s.routes = np.concatenate([s.routes[: a + m], s.routes[a : a + m], s.routes[a + m :]])
     if framework != "skyrl":
         s.routes = s.routes[: s.length - 1]
-    return [Cell("repeated_rows", a + m, None)]
+        return [Cell("repeated_rows", a + m, None)]
+    return [Cell("repeated_rows", a + m, None), Cell("coverage", s.length - 1, None)]
 
 
 def _zero_layer(s: Sample, framework: str) -> list[Cell]:

@@ -12,6 +12,13 @@ another order (sets are compared, never lists). Faults, each at one (step, sampl
 - ``replay_noop``: replay that did nothing: the trainer routes natively (verl #4562);
 - ``nan_logprob``: a NaN engine log-prob on a trained token.
 
+And two faults every sample of the last step shares (``SHARED_FAULTS``; no per-sample check can see
+them, ``harness.audit.checks.shared`` judges them across the run):
+
+- ``shared_row_shift``: the first row duplicated and the last dropped (a one-row shift of capture),
+  replayed so under R3;
+- ``shared_layer_copy``: MoE layer 2 holds layer 1's routes.
+
 Each step draws from its own generator, seeded by ``(seed, step)``, so a run is the same whatever
 writes it: the columnar path (default: Arrow arrays built from numpy, one file per block of
 steps, blocks in parallel processes with ``workers``) or ``columnar=False`` (``SampleRecord``
@@ -35,6 +42,9 @@ from harness.audit.pool import pool_context
 from harness.audit.writer import ROW_GROUP_BYTES, RunWriter, write_table
 
 FAULTS = ("layer_shift", "duplicated_resume", "all_zero_layer", "wrapped_id", "replay_noop", "nan_logprob")
+SHARED_FAULTS = ("shared_row_shift", "shared_layer_copy")
+EVERY = -1
+"""The victim index of a shared fault: every sample of the last step."""
 SOURCE = "rrh generate (synthetic: Qwen3-30B-A3B routing shape)"
 
 
@@ -161,7 +171,7 @@ def _step_samples(
         prompt_routes = _routes(rng, shape.prompt_len, shape)
         prompt_tokens = rng.integers(0, 32000, size=shape.prompt_len, dtype=np.int32)
         for member in range(shape.group_size):
-            kinds = [k for k, v in victims.items() if v == index]
+            kinds = [k for k, v in victims.items() if v in (index, EVERY)]
             yield _sample(rng, shape, step, group, member, prompt_routes, prompt_tokens, kinds)
             index += 1
 
@@ -188,15 +198,17 @@ def generate_run(
     ``row_group_bytes`` sizes the columnar path's row groups as ``RunWriter`` does with its
     ``ROW_GROUP_BYTES`` (smaller ones make a small run of many row groups, for tests).
     """
-    unknown = [f for f in faults if f not in FAULTS]
+    unknown = [f for f in faults if f not in (*FAULTS, *SHARED_FAULTS)]
     if unknown:
-        raise ValueError(f"faults: {unknown[0]!r}; expected some of {list(FAULTS)}")
+        raise ValueError(f"faults: {unknown[0]!r}; expected some of {[*FAULTS, *SHARED_FAULTS]}")
     if shape.experts >= 256 and "wrapped_id" in faults:
         raise ValueError("faults: wrapped_id needs num_experts < 256 (an id wrapped into [E, 256))")
-    if len(faults) > shape.prompts * shape.group_size:
-        raise ValueError(f"faults: {len(faults)} faults need as many samples per step; the shape has fewer")
+    own = [f for f in faults if f in FAULTS]
+    if len(own) > shape.prompts * shape.group_size:
+        raise ValueError(f"faults: {len(own)} faults need as many samples per step; the shape has fewer")
     steps = _steps(shape, target_bytes)
-    victims = {kind: i for i, kind in enumerate(faults)}  # fault → sample index in the last step
+    victims = {kind: i for i, kind in enumerate(own)}  # fault → sample index in the last step
+    victims |= {kind: EVERY for kind in faults if kind in SHARED_FAULTS}
     if not columnar:
         planted: list[PlantedFault] = []
         with RunWriter(directory, file_bytes=file_bytes) as writer:
@@ -383,6 +395,13 @@ def _sample(
             trainer = _routes(rng, engine.shape[0], shape)
             trainer[0, 0] = _different(rng, engine[0, 0], shape.experts)
             faults.append(PlantedFault(kind, "replay_fidelity", step, key, 0, 0))
+        elif kind == "shared_row_shift":
+            engine = np.concatenate([engine[:1], engine[:-1]])
+            trainer = np.concatenate([trainer[:1], trainer[:-1]])
+            faults.append(PlantedFault(kind, "repeated_rows", step, key, 1, -1))
+        elif kind == "shared_layer_copy":
+            engine[:, 2], trainer[:, 2] = engine[:, 1], trainer[:, 1]
+            faults.append(PlantedFault(kind, "copied_layers", step, key, 0, 2))
         elif kind == "nan_logprob":
             token = int(rng.integers(0, r))
             engine_lp[token] = np.nan

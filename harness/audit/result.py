@@ -14,7 +14,7 @@ from typing import Any
 
 from harness.audit.checks.invariants import DETECTORS, METRICS, NEEDS, STRICT
 from harness.audit.result_tables import drift, layer_rows, prefix_figures, step_row, worst
-from harness.audit.state import AuditState, SampleFigure, nan_if_empty
+from harness.audit.state import AuditState, SampleFigure, Tally, nan_if_empty
 
 HINTS: dict[str, str] = {
     "engine_routes": "the engine's routed experts "
@@ -203,9 +203,10 @@ class AuditResult:
         from harness.audit.findings import name_groups
 
         named = name_groups(state)
+        run_wide = _run_wide_tallies(state) | {"wrapped_ids": named.wrapped}
         for name in (*STRICT, *METRICS):
             kind = "suspicion" if name in DETECTORS else "strict" if name in STRICT else "metric"
-            tally = named.wrapped if name == "wrapped_ids" else state.tallies.get(name)
+            tally = run_wide.get(name, state.tallies.get(name))
             missing = named.wrap_missing if name == "wrapped_ids" else sorted(state.missing.get(name, set()))
             if kind != "metric":
                 checked = tally.checked if tally else 0
@@ -347,6 +348,20 @@ def _unmet(name: str, state: AuditState) -> list[str]:
         if any(sample.group_key for sample in state.samples):
             return ["engine_routes"]
     return list(NEEDS.get(name, ()))
+
+
+def _run_wide_tallies(state: AuditState) -> dict[str, Tally]:
+    """The detectors judged across the whole run (``harness.audit.checks.shared``): ``copied_layers``,
+    and ``repeated_rows`` with the one-row shift every sample shares added to its per-sample finds."""
+    from harness.audit.checks import shared
+
+    repeated = Tally()
+    if "repeated_rows" in state.tallies:
+        repeated.merge(state.tallies["repeated_rows"])
+    shift = shared.shifted_openings(state)
+    if shift is not None:
+        repeated.add(0, shift.offenders, shift.violated)
+    return {"repeated_rows": repeated, "copied_layers": shared.copied_layers(state)}
 
 
 def _metric_checkable(name: str, state: AuditState) -> bool:

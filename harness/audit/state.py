@@ -225,6 +225,64 @@ def differing_rows(table: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
     return held.any(axis=0) & (high != low)
 
 
+@dataclass
+class SharedEvidence:
+    """What the run-wide detectors (``harness.audit.checks.shared``) count across samples, for faults
+    every sample shares: all integers and order-free rules, so any split of a run gives one verdict.
+
+    - ``openings``: per prompt opening (a digest of the tokens up to the second trace row; samples
+      that share it share those rows by construction, so they are one piece of evidence),
+      ``[1 if every sample of it has row 1 equal to row 0, samples]``; ``opening_offenders``, the
+      first of them; ``adjacent``: ``[pairs, equal]`` of later adjacent rows whose tokens differ
+      (how often rows repeat by chance);
+    - per adjacent MoE layer pair ``i`` (layer slots ``i − 1`` and ``i``): ``layer_rows[i]`` maps a
+      sample's distinct row count to how many samples have it, ``layer_copied[i]`` counts the samples
+      whose layer ``i`` equals layer ``i − 1`` at every captured row, ``layer_offenders[i]`` the first
+      of them, and ``misaligned[i]``: ``[pairs, equal]`` of layer ``i`` at row ``j + 1`` against layer
+      ``i − 1`` at row ``j`` (how often two layers' routes coincide by chance).
+    """
+
+    openings: dict[int, list[int]] = field(default_factory=dict)
+    opening_offenders: dict[int, list[Offender]] = field(default_factory=dict)
+    adjacent: list[int] = field(default_factory=lambda: [0, 0])
+    layer_rows: dict[int, dict[int, int]] = field(default_factory=dict)
+    layer_copied: dict[int, int] = field(default_factory=dict)
+    layer_offenders: dict[int, list[Offender]] = field(default_factory=dict)
+    misaligned: dict[int, list[int]] = field(default_factory=dict)
+    checked: int = 0
+
+    def opening(self, digest: int, repeats: bool, offender: Offender | None) -> None:
+        held = self.openings.setdefault(digest, [1, 0])
+        held[0] &= int(repeats)
+        held[1] += 1
+        if offender is not None:
+            held_offenders = self.opening_offenders.get(digest, [])
+            self.opening_offenders[digest] = first_offenders([*held_offenders, offender])
+
+    def merge(self, other: SharedEvidence) -> None:
+        for digest, (repeats, samples) in other.openings.items():
+            held = self.openings.setdefault(digest, [1, 0])
+            held[0] &= repeats
+            held[1] += samples
+        for digest, found in other.opening_offenders.items():
+            held_offenders = self.opening_offenders.get(digest, [])
+            self.opening_offenders[digest] = first_offenders([*held_offenders, *found])
+        self.adjacent = [a + b for a, b in zip(self.adjacent, other.adjacent, strict=True)]
+        for i, hist in other.layer_rows.items():
+            mine = self.layer_rows.setdefault(i, {})
+            for rows, count in hist.items():
+                mine[rows] = mine.get(rows, 0) + count
+        for i, count in other.layer_copied.items():
+            self.layer_copied[i] = self.layer_copied.get(i, 0) + count
+        for i, found in other.layer_offenders.items():
+            self.layer_offenders[i] = first_offenders([*self.layer_offenders.get(i, []), *found])
+        for i, (pairs, equal) in other.misaligned.items():
+            held = self.misaligned.setdefault(i, [0, 0])
+            held[0] += pairs
+            held[1] += equal
+        self.checked += other.checked
+
+
 @dataclass(frozen=True, order=True)
 class SampleFigure:
     """One sample's summary row (also what the worst-samples lists hold)."""
@@ -270,6 +328,7 @@ class AuditState:
     worst_cells: dict[str, list[tuple[float, Offender]]] = field(default_factory=dict)
     """Per metric, the ``WORST`` samples that move it most (score, their worst cell): ``add_worst``."""
     num_experts: int = 0
+    shared: SharedEvidence = field(default_factory=SharedEvidence)
 
     def add_worst(self, name: str, items: list[tuple[float, Offender]]) -> None:
         """Keep the ``WORST`` highest-scoring samples of metric ``name`` (one cell each; ties by step,
@@ -327,6 +386,7 @@ class AuditState:
         self.rows_read += other.rows_read
         self.moe_layers = self.moe_layers or other.moe_layers
         self.num_experts = self.num_experts or other.num_experts
+        self.shared.merge(other.shared)
         for name, items in other.worst_cells.items():
             self.add_worst(name, items)
         for key, cover in other.shards.items():

@@ -10,13 +10,13 @@ from harness.cli.args import parse_size
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from harness.audit.generate import FAULTS, RunShape, generate_run
+    from harness.audit.generate import FAULTS, SHARED_FAULTS, RunShape, generate_run
 
     faults = FAULTS if args.faults == ["all"] else tuple(args.faults)
-    unknown = [f for f in faults if f not in FAULTS]
+    unknown = [f for f in faults if f not in (*FAULTS, *SHARED_FAULTS)]
     if unknown:
         print(
-            f"rrh generate: --faults {unknown[0]!r}: expected 'all' or some of {list(FAULTS)}",
+            f"rrh generate: --faults {unknown[0]!r}: expected 'all' or some of {[*FAULTS, *SHARED_FAULTS]}",
             file=sys.stderr,
         )
         return 2

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.audit.batch import Batch
-from harness.audit.checks import coverage, ids, load, logprobs, prefix, repeats, replay, tokens
+from harness.audit.checks import coverage, ids, load, logprobs, prefix, repeats, replay, shared, tokens
 from harness.audit.checks.context import BatchContext
 from harness.audit.state import AuditState, SampleFigure
 
@@ -44,6 +44,7 @@ def fold_batch(batch: Batch, state: AuditState) -> None:
     coverage.coverage(ctx)
     ids.ids(ctx)
     repeats.repeated_rows(ctx)
+    shared.shared(ctx)  # run-wide evidence: judged once, at the end (AuditResult.of)
     tokens.tokens_match(ctx)
     logprobs.logprobs_valid(ctx)  # the flat response tokens and log-probs logprob_gap reads
     replay.replay(ctx)  # row_differs and each sample's disagreement

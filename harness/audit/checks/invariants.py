@@ -10,17 +10,19 @@ STRICT = (
     "moe_layer_nonzero",
     "wrapped_ids",
     "repeated_rows",
+    "copied_layers",
     "tokens_match",
     "logprobs_valid",
     "replay_fidelity",
     "splice_consistency",
     "shard_union",
 )
-"""Every strict invariant and detector, in report order. ``wrapped_ids`` and ``repeated_rows`` are the
-``DETECTORS``."""
+"""Every strict invariant and detector, in report order. ``wrapped_ids``, ``repeated_rows`` and
+``copied_layers`` are the ``DETECTORS``."""
 
-DETECTORS = ("wrapped_ids", "repeated_rows")
-"""Detectors of what a dump alone shows (``harness.audit.findings``; ``harness.audit.checks.repeats``): each
+DETECTORS = ("wrapped_ids", "repeated_rows", "copied_layers")
+"""Detectors of what a dump alone shows (``harness.audit.findings``; ``harness.audit.checks.repeats``;
+``harness.audit.checks.shared``, faults every sample shares, judged across the run): each
 names a fault only under conditions that make it implausible on a correct dump, but what it names is a
 **suspicion** (kind ``suspicion``, status ``suspect``, printed ``SUSPECT``), never a broken invariant: it
 does not make ``rrh audit`` exit 1, nor stop ``--strict``, nor count among a sample's violations."""
@@ -34,6 +36,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "moe_layer_nonzero": ("engine_routes",),
     "wrapped_ids": ("group_key",),
     "repeated_rows": ("engine_routes",),
+    "copied_layers": ("engine_routes",),
     "tokens_match": ("trainer_tokens",),
     "logprobs_valid": ("engine_logprobs",),
     "replay_fidelity": ("trainer_routes", "replay"),

@@ -150,13 +150,17 @@ def padded_samples(
     file: str,
     step: int,
     errors: list[str] | None,
+    r_max: int,
 ) -> list[PaddedSample]:
     """The samples of ``spans``, ``(batch row, prompt, response, first token column, rows with a route
     or None)`` each, their routes cut out of ``routes [B, S, L, K]``; a sample holding an id the run
-    layout cannot store is a line in ``errors`` and left out (raised when ``errors`` is None)."""
+    layout cannot store is a line in ``errors`` and left out (raised when ``errors`` is None).
+    ``r_max``: the dump's response width; only a response that fills it may have been truncated
+    (``payload_rows``)."""
     samples = []
     for i, prompt, response, first, present in spans:
-        engine, captured, column = payload_rows(routes[i], first, prompt + response, present)
+        cut = response >= r_max
+        engine, captured, column = payload_rows(routes[i], first, prompt + response, present, truncated=cut)
         if ids_fit(engine, num_experts, f"{file} batch row {i}", step, i, column, errors):
             samples.append(PaddedSample(i, prompt, response, first, engine, captured, column))
     return samples

@@ -256,7 +256,12 @@ def check_moe_layers(moe_layers: tuple[int, ...], num_layers: int, source: str) 
 
 
 def payload_rows(
-    rows: npt.NDArray[Any], first: int, length: int, has_route: npt.NDArray[np.bool_] | None = None
+    rows: npt.NDArray[Any],
+    first: int,
+    length: int,
+    has_route: npt.NDArray[np.bool_] | None = None,
+    *,
+    truncated: bool = True,
 ) -> tuple[npt.NDArray[Any], npt.NDArray[np.bool_], int]:
     """The engine rows of a sample, which hold a captured route, and the index in ``rows`` of the first
     (``first`` unless the payload starts before the sample: a place names that index, the cell the
@@ -267,8 +272,11 @@ def payload_rows(
     filler) the payload runs from position 0 to the last non-zero row. The result covers positions
     ``[0, P+R−1)``; rows the payload left empty are not captured. A payload the dump placed outside
     the sample (before position 0, or past the last token) is kept, so coverage names its row count:
-    never cut to fit. A real row for the last token (truncated response, §3.1) is dropped. Rows not
-    captured are returned as zeros, whatever filler the dump held (SkyRL after 0.3.0: ``arange(K)``).
+    never cut to fit. A real row for the last token is dropped only where the response may have been
+    truncated (``truncated``: it fills the dump's response budget), where §3.1 allows it; a response
+    that ended before its budget was never forwarded past its last token, so such a row is kept and
+    coverage names it (a duplicated resume row, another sample's payload). Rows not captured are
+    returned as zeros, whatever filler the dump held (SkyRL after 0.3.0: ``arange(K)``).
     """
     expected = length - 1
     captured_axis: npt.NDArray[np.bool_] = (
@@ -281,7 +289,7 @@ def payload_rows(
     if has_route is None:
         captured_axis = np.zeros(rows.shape[0], dtype=bool)
         captured_axis[lo:hi] = True
-    end = max(first + expected, hi - 1 if hi == first + length else hi)
+    end = max(first + expected, hi - 1 if truncated and hi == first + length else hi)
     payload, captured = rows[lo:end], captured_axis[lo:end]
     if has_route is not None and not captured.all():
         payload = np.where(captured[:, None, None], payload, 0).astype(rows.dtype)

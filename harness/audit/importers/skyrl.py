@@ -299,7 +299,7 @@ def batch_records(
     padding = tensors["router_padding_mask"]
     groups = _groups(metadata, real, source)
     spans = _spans(attention, response, padding, real, source)
-    samples = base.padded_samples(routes, spans, num_experts, source, step, errors)
+    samples = base.padded_samples(routes, spans, num_experts, source, step, errors, response.shape[1])
     moe_layers = base.padded_layers(vote, moe_layers, step, samples, source, num_layers)
     shape = base.RoutingShape(num_experts, top_k, num_layers, moe_layers)
     out = []

@@ -314,7 +314,8 @@ def batch_records(
     base.check_logprobs(logprobs, source, "rollout_log_probs")
     num_layers, top_k = base.route_widths(routes, num_experts, source, "routed_experts")
     groups = _groups(non_tensor, batch, group_size_of(file), source)
-    samples = base.padded_samples(routes, _spans(attention, p_max, source), num_experts, source, step, errors)
+    spans, r_max = _spans(attention, p_max, source), attention.shape[1] - p_max
+    samples = base.padded_samples(routes, spans, num_experts, source, step, errors, r_max)
     moe_layers = base.padded_layers(vote, moe_layers, step, samples, source, num_layers)
     shape = base.RoutingShape(num_experts, top_k, num_layers, moe_layers)
     out = [
