@@ -18,6 +18,9 @@ from harness.audit.generate import RunShape, generate_run
 from harness.audit.layout import SampleRecord
 from harness.audit.result import AuditResult
 from harness.audit.writer import RunWriter
+from tests.test_audit_import_frameworks import Sample
+from tests.test_audit_planted_faults import WRITERS
+from tests.test_audit_planted_faults import _audit as planted_audit
 
 SHAPE = RunShape(
     steps=2, prompts=4, group_size=4, prompt_len=12, response_len=16, layers=6, experts=32, top_k=4
@@ -128,3 +131,64 @@ def test_the_chernoff_bound_is_never_below_the_exact_tail(probabilities: list[fl
     for found in range(len(tails)):
         assert tail_bound(mean, found) >= tails[found] * (1 - 1e-9), (found, tails[found])
     assert tail_bound(0.0, 2) == 0.0 and tail_bound(1.0, 1) == 1.0
+
+
+def _framework_rollout(step: int) -> list[Sample]:
+    """Eight GRPO groups of two samples (members share their prompt's tokens and rows), 16 experts
+    top-2 on MoE layers 1-3 (layer 0 dense), each payload the ``P + R − 1`` rows of its positions."""
+    rng = np.random.default_rng([7, step])
+
+    def routes(rows: int) -> np.ndarray:
+        out = np.zeros((rows, 4, 2), np.int32)
+        first = rng.integers(0, 16, size=(rows, 3))
+        out[:, 1:, 0], out[:, 1:, 1] = first, (first + rng.integers(1, 16, size=first.shape)) % 16
+        return out
+
+    samples = []
+    for group in range(8):
+        p = int(rng.integers(8, 13))
+        prompt, shared = rng.integers(2, 1000, size=p), routes(p)
+        for _ in range(2):
+            r = int(rng.integers(24, 33))
+            logprobs = -rng.uniform(0.05, 2.0, size=r).astype(np.float32)
+            own = np.concatenate([shared, routes(r - 1)])
+            samples.append(Sample(group, prompt, rng.integers(2, 1000, size=r), own, logprobs))
+    return samples
+
+
+def _shift(s: Sample) -> None:
+    s.routes = np.concatenate([s.routes[:1], s.routes[:-1]])
+
+
+def _copy(s: Sample) -> None:
+    s.routes[:, 2] = s.routes[:, 1]
+
+
+@pytest.mark.parametrize("how", sorted(WRITERS), ids=["-".join(k) for k in sorted(WRITERS)])
+@pytest.mark.parametrize(
+    ("plant", "named"),
+    [(None, None), (_shift, "repeated_rows"), (_copy, "copied_layers")],
+    ids=["clean", "shift", "copy"],
+)
+def test_a_fault_every_sample_shares_in_a_frameworks_dump(
+    how: tuple[str, str], plant: object, named: str | None, tmp_path: Path
+) -> None:
+    """Planted in every sample of step 1 of a verl, SkyRL or slime dump (written by the release's
+    own code where it is installed): named by its detector, in every sample of that step and no
+    other, and nothing strict; the clean dump names nothing."""
+    framework, _ = how
+    steps = {step: _framework_rollout(step) for step in (1, 2)}
+    if plant is not None:
+        for s in steps[1]:
+            plant(s)  # type: ignore[operator]
+    WRITERS[how](tmp_path / "dump", steps)
+    result = planted_audit(framework, tmp_path / "dump", tmp_path / "run", 16, True, [], [])
+    by_name = _by_name(result)
+    assert not result.violated, [r.line() for r in result.violated]
+    for name in ("repeated_rows", "copied_layers"):
+        found = by_name[name]
+        if name != named:
+            assert found.violated == 0, found.line()
+            continue
+        assert found.status == "suspect" and found.violated == len(steps[1]), found.line()
+        assert {o["step"] for o in found.offenders} == {1}, found.offenders
