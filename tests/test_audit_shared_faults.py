@@ -3,7 +3,9 @@ layer copied from the previous one, planted in every sample of a step, named fro
 chance model; the same run clean, and a run whose routing repeats often by nature, name nothing.
 
 Also the per-sample evidence each needs, shown to be required: a shift in one opening only, and a
-layer copied in one sample only, stay unnamed (one piece of evidence is what chance gives)."""
+layer copied in one sample only, stay unnamed (one piece of evidence is what chance gives). Last,
+the importers' row rule that hid a swap of two group members one token apart: a real row for the
+last token is kept (and named by coverage) unless the response fills its budget."""
 
 from __future__ import annotations
 
@@ -192,3 +194,23 @@ def test_a_fault_every_sample_shares_in_a_frameworks_dump(
             continue
         assert found.status == "suspect" and found.violated == len(steps[1]), found.line()
         assert {o["step"] for o in found.offenders} == {1}, found.offenders
+
+
+@pytest.mark.parametrize("how", [("verl", "synthetic"), ("skyrl", "synthetic")], ids=["verl", "skyrl"])
+def test_a_swap_of_two_members_one_token_apart_is_named(how: tuple[str, str], tmp_path: Path) -> None:
+    """Two members of a group whose responses differ by one token, their payloads swapped: in a
+    zero-filled padded dump the longer one's missing last row reads as not captured, but the shorter
+    one now holds a real row for its last token while its response ended before the budget, which
+    §3.1 does not allow: coverage names it (it used to be dropped on import)."""
+    steps = {step: _framework_rollout(step) for step in (1, 2)}
+    a, b = steps[1][2], steps[1][3]  # the two members of group 1
+    b.response = np.concatenate([a.response, b.response[:1]])  # b: a's response and one token more
+    b.logprobs = np.concatenate([a.logprobs, b.logprobs[:1]])
+    b.routes = np.concatenate([a.routes, b.routes[-1:]])  # its P + R_b − 1 rows
+    a.routes, b.routes = b.routes, a.routes  # the swap: a gets P + R_a rows, b gets P + R_b − 2
+    WRITERS[how](tmp_path / "dump", steps)
+    result = planted_audit(how[0], tmp_path / "dump", tmp_path / "run", 16, True, [], [])
+    coverage = _by_name(result)["coverage"]
+    assert coverage.status == "violated" and coverage.violated == 1, coverage.line()
+    first = coverage.offenders[0]
+    assert (first["step"], first["sample_key"], first["row"]) == (1, "2", a.length - 1), first
