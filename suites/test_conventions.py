@@ -85,3 +85,29 @@ def test_decoded_trace_covers_the_engine_row_rule(subject: Subject, sample: Engi
     assert got == (sample.engine, sample.version), (
         f"{sample.describe()}: provenance (engine, version) {got}, expected {(sample.engine, sample.version)}"
     )
+
+
+@given(sample=engine_payloads())
+@example(sample=BOUNDARY_PAYLOADS[0])
+@example(sample=BOUNDARY_PAYLOADS[2])
+def test_a_payload_of_another_row_count_is_refused(subject: Subject, sample: EnginePayload) -> None:
+    """A payload one row short of the engine's rule for the lengths given, or two rows over it, is a
+    convention violation (DESIGN §3.1): decoding raises (any exception, in the subject's words); it
+    never hands back rows padded with copies or cut to fit."""
+    note(f"counterexample: {sample.describe()}")
+    decode = require(subject, "decode_payload")
+    told = [sample.response_len + 1] + ([sample.response_len - 2] if sample.response_len >= 3 else [])
+    for response_len in told:
+        try:
+            trace = decode(
+                sample.engine, sample.version, sample.payload, model=sample.model,
+                prompt_len=sample.prompt_len, response_len=response_len, start=sample.start,
+            )  # fmt: skip
+        except Exception:
+            continue
+        expected = sample.prompt_len + response_len - 1 - sample.start
+        raise AssertionError(
+            f"{sample.describe()}: told {response_len} generated tokens, the rule expects {expected} rows; "
+            f"the payload holds {len(sample.routes)}, yet decoding returned {trace.experts.shape[0]} rows: "
+            "expected it refused"
+        )

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
+from harness.conventions import decode_payload
 from harness.mutants import changed_capabilities, patched_module
 from harness.mutants.benign_drivers import (
     HooksWithoutUnpatch,
@@ -134,6 +135,12 @@ BENIGN: tuple[Benign, ...] = (
         "decode-moe-ordinal",
         "decoded traces kept on the MoE-ordinal layer axis (vLLM 0.21, Megatron R2 recordings)",
         _variant("decode-moe-ordinal", decode_payload=decode_to_moe_ordinal),
+    ),
+    Benign(
+        "decode-in-own-words",
+        "a payload of another row count refused with a terse ValueError of its own (the twin of "
+        "fitted-payload: any refusal is right, a fitted payload is not)",
+        _variant("decode-in-own-words", decode_payload=in_own_words(decode_payload)),
     ),
     Benign(
         "ep-round-robin",

@@ -1,12 +1,15 @@
-"""Payload-decoding mutants: ids wrapped, physical, zeroed, or on the wrong layer axis."""
+"""Payload-decoding mutants: ids wrapped, physical, zeroed, on the wrong layer axis, or a payload of
+another row count fitted to the expected one."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
 
 from harness.conventions import decode_payload
+from harness.errors import ConventionError
 from harness.mutants import Mutant, mutate
 from harness.trace import LayerAxis, RoutingTrace
 
@@ -52,6 +55,40 @@ def decode_ordinal_as_decoder_index(*args: Any, **kwargs: Any) -> RoutingTrace:
     return rebuilt(trace, trace.experts, moe_layers=range(len(trace.moe_layers)))
 
 
+def decode_fitting_rows(
+    engine: str,
+    version: str,
+    payload: object,
+    *,
+    model: Any,
+    prompt_len: int,
+    response_len: int,
+    start: int = 0,
+) -> RoutingTrace:
+    """A payload of another row count than the engine's rule gives fitted to it with a warning: padded
+    with copies of its last row, or cut (DESIGN §3.1: a convention violation, never silently fixed)."""
+    kwargs = {"model": model, "prompt_len": prompt_len, "start": start}
+    try:
+        return decode_payload(engine, version, payload, response_len=response_len, **kwargs)
+    except ConventionError:
+        pass
+    for fits in range(1, response_len + 64):  # the generated count the payload's rows do fit
+        try:
+            trace = decode_payload(engine, version, payload, response_len=fits, **kwargs)
+        except ConventionError:
+            continue
+        expected = prompt_len + response_len - 1 - start
+        rows = trace.experts
+        fitted = (
+            rows[:expected]
+            if len(rows) >= expected
+            else np.concatenate([rows, *[rows[-1:]] * (expected - len(rows))])
+        )
+        warnings.warn(f"routed_experts has {len(rows)} rows, expected {expected}: fitted", stacklevel=2)
+        return rebuilt(trace, fitted)
+    raise ConventionError(f"{engine} {version}: no generated count fits the payload")
+
+
 MUTANTS = (
     Mutant(
         "dtype-wrap",
@@ -81,5 +118,13 @@ MUTANTS = (
         "layer's routes (hides without dense-first layers)",
         mutate("layer-axis-convention", decode_payload=decode_ordinal_as_decoder_index),
         killed_by="test_conventions.py::test_payload_decodes_to_the_routes_the_engine_sent",
+    ),
+    Mutant(
+        "fitted-payload",
+        "payload fitted to its row count",
+        "a payload of another row count than the engine's rule padded with copies of its last row or "
+        "cut to fit, with a warning, instead of refused (issue #43; DESIGN §3.1)",
+        mutate("fitted-payload", decode_payload=decode_fitting_rows),
+        killed_by="test_conventions.py::test_a_payload_of_another_row_count_is_refused",
     ),
 )
