@@ -16,6 +16,7 @@ choice lives in ``harness.mutants.benign_functions`` (the pure functions) and
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
@@ -46,6 +47,7 @@ from harness.mutants.benign_functions import (
     truncate_to_int32,
 )
 from harness.mutants.drivers import ConstructorPatchDriver
+from harness.mutants.splice import splice_with_turn_placeholders
 from harness.subjects import Subject
 from harness.subjects.reference import REFERENCE
 from harness.trainers.megatron.subject import HarnessMegatronDriver
@@ -125,6 +127,14 @@ BENIGN: tuple[Benign, ...] = (
         "the splice as a preallocated buffer filled by position from each attempt's payload, never "
         "comparing rows (equal rows across a seam stay put)",
         _variant("splice-into-buffer", splice=splice_into_buffer),
+    ),
+    Benign(
+        "splice-filling-turn-placeholders",
+        "each turn padded with a placeholder row for its last token, replaced from the next turn's "
+        "payload (the twin of turn-boundary-placeholder)",
+        _variant(
+            "splice-filling-turn-placeholders", splice=partial(splice_with_turn_placeholders, fill=True)
+        ),
     ),
     Benign(
         "decode-sorted-ids",

@@ -106,6 +106,37 @@ def truncate_collapsing_repeated_rows(
     return cut_tokens, torch.unique_consecutive(cut_routes, dim=0)
 
 
+def splice_with_turn_placeholders(
+    prompt_len: int, attempts: Sequence[Attempt], *, fill: bool = False
+) -> torch.Tensor:
+    """Multi-turn as verifiers and prime-rl built it: each turn's trace padded to its full length with
+    a placeholder row (zeros) for its last token, which the engine never forwarded, and the next turn
+    appended from ``prefix_len``: row ``prefix_len − 1`` keeps the placeholder although the next
+    payload holds its real route. ``fill``: the placeholder replaced from that payload (right). The
+    resume path (an attempt of another kind) appends from the last filled row, as it should."""
+    trace: torch.Tensor | None = None
+    context_len = prompt_len
+    for attempt in attempts:
+        before, context_len = context_len, context_len + attempt.new_tokens
+        if not attempt.new_tokens:
+            continue
+        if attempt.routes is None:
+            raise ValueError(f"an attempt added {attempt.new_tokens} tokens but returned no routes")
+        rows = torch.as_tensor(attempt.routes)
+        if rows.shape[0] != context_len - 1:
+            raise ValueError(f"a payload of {rows.shape[0]} rows; its context needs {context_len - 1}")
+        if trace is None:
+            trace = rows
+        elif attempt.kind == "turn":
+            placeholder = rows[before - 1 : before] if fill else torch.zeros_like(rows[:1])
+            trace = torch.cat([trace, placeholder, rows[before : context_len - 1]])
+        else:
+            trace = torch.cat([trace, rows[trace.shape[0] : context_len - 1]])
+    if trace is None:
+        return splice(prompt_len, attempts)  # no attempt added tokens: the reference's answer
+    return trace
+
+
 MUTANTS = (
     Mutant(
         "duplication-on-resume",
@@ -142,6 +173,14 @@ MUTANTS = (
         "multi-turn staleness",
         "verl #6054: each turn overwrites earlier turns' rows (hides unless weights change between turns)",
         mutate("multi-turn-staleness", splice=splice_restarting_each_turn),
+        killed_by="test_splice.py::test_multi_turn_keeps_every_turns_rows",
+    ),
+    Mutant(
+        "turn-boundary-placeholder",
+        "turn-boundary placeholder",
+        "verifiers #2616, prime-rl #1807: turn t padded to full length, turn t+1 appended from prefix_len, "
+        "so row prefix_len − 1 keeps its placeholder (hides unless a turn follows another)",
+        mutate("turn-boundary-placeholder", splice=splice_with_turn_placeholders),
         killed_by="test_splice.py::test_multi_turn_keeps_every_turns_rows",
     ),
     Mutant(
