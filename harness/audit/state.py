@@ -235,17 +235,17 @@ class SharedEvidence:
       ``[1 if every sample of it has row 1 equal to row 0, samples]``; ``opening_offenders``, the
       first of them; ``adjacent``: ``[pairs, equal]`` of later adjacent rows whose tokens differ
       (how often rows repeat by chance);
-    - per adjacent MoE layer pair ``i`` (layer slots ``i − 1`` and ``i``): ``layer_rows[i]`` maps a
-      sample's distinct row count to how many samples have it, ``layer_copied[i]`` counts the samples
-      whose layer ``i`` equals layer ``i − 1`` at every captured row, ``layer_offenders[i]`` the first
-      of them, and ``misaligned[i]``: ``[pairs, equal]`` of layer ``i`` at row ``j + 1`` against layer
-      ``i − 1`` at row ``j`` (how often two layers' routes coincide by chance).
+    - ``layer_rows`` maps a sample's count of distinct captured rows to how many samples have it;
+      per adjacent MoE layer pair ``i`` (layer slots ``i − 1`` and ``i``), ``layer_copied[i]`` counts
+      the samples whose layer ``i`` equals layer ``i − 1`` at every captured row,
+      ``layer_offenders[i]`` the first of them, and ``misaligned[i]``: ``[pairs, equal]`` of layer
+      ``i`` at row ``j + 1`` against layer ``i − 1`` at row ``j`` (how often two layers coincide).
     """
 
     openings: dict[int, list[int]] = field(default_factory=dict)
     opening_offenders: dict[int, list[Offender]] = field(default_factory=dict)
     adjacent: list[int] = field(default_factory=lambda: [0, 0])
-    layer_rows: dict[int, dict[int, int]] = field(default_factory=dict)
+    layer_rows: dict[int, int] = field(default_factory=dict)
     layer_copied: dict[int, int] = field(default_factory=dict)
     layer_offenders: dict[int, list[Offender]] = field(default_factory=dict)
     misaligned: dict[int, list[int]] = field(default_factory=dict)
@@ -268,10 +268,8 @@ class SharedEvidence:
             held_offenders = self.opening_offenders.get(digest, [])
             self.opening_offenders[digest] = first_offenders([*held_offenders, *found])
         self.adjacent = [a + b for a, b in zip(self.adjacent, other.adjacent, strict=True)]
-        for i, hist in other.layer_rows.items():
-            mine = self.layer_rows.setdefault(i, {})
-            for rows, count in hist.items():
-                mine[rows] = mine.get(rows, 0) + count
+        for rows, count in other.layer_rows.items():
+            self.layer_rows[rows] = self.layer_rows.get(rows, 0) + count
         for i, count in other.layer_copied.items():
             self.layer_copied[i] = self.layer_copied.get(i, 0) + count
         for i, found in other.layer_offenders.items():

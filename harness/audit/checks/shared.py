@@ -50,65 +50,87 @@ def _digest(tokens: npt.NDArray[np.generic]) -> int:
 
 
 def shared(ctx: BatchContext) -> None:
-    """Count one batch's evidence for the run-wide detectors into ``ctx.state.shared``."""
+    """Count one batch's evidence for the run-wide detectors into ``ctx.state.shared`` (whole-batch
+    array work; a Python step only per opening and per copied sample)."""
     b, evidence = ctx.b, ctx.state.shared
+    n = b.size
     lo = ctx.engine.row_offsets[:-1]
     cover = np.where(ctx.engine.valid, np.clip(ctx.expected_rows, 0, ctx.engine_rows), 0)
-    for s in np.flatnonzero(cover >= 1).tolist():
-        routes = np.sort(ctx.engine.routes[lo[s] : lo[s] + cover[s]][:, ctx.moe], axis=-1)
-        captured = ctx.captured[lo[s] : lo[s] + cover[s]]
-        start = int(b.routes_start[s])
-        full = b.tokens.values[b.tokens.offsets[s] : b.tokens.offsets[s + 1]]
-        tokens = full[start : start + len(routes) + 1]
-        evidence.checked += 1
-        _opening(evidence, ctx, s, routes, captured, tokens, start)
-        _layers(evidence, ctx, s, routes[captured])
+    owner = ctx.row_owner
+    local = np.arange(owner.size) - lo[owner]
+    kept = (local < cover[owner]) & ctx.captured
+    evidence.checked += int((cover >= 1).sum())
+    if not kept.any() or ctx.moe.size == 0:
+        return
+    sets = np.sort(ctx.engine.routes[:, ctx.moe], axis=-1)
+    _openings(evidence, ctx, sets, owner, local, kept)
+    _layers(evidence, ctx, sets[kept], owner[kept], n)
 
 
-def _opening(
+def _openings(
     evidence: SharedEvidence,
     ctx: BatchContext,
-    s: int,
-    routes: npt.NDArray[np.generic],
-    captured: npt.NDArray[np.bool_],
-    tokens: npt.NDArray[np.generic],
-    start: int,
+    sets: npt.NDArray[np.generic],
+    owner: npt.NDArray[np.int64],
+    local: npt.NDArray[np.int64],
+    kept: npt.NDArray[np.bool_],
 ) -> None:
-    """Row 1 against row 0, and how often the sample's later adjacent rows repeat."""
-    if len(routes) < 2 or len(tokens) < len(routes) + 1:
-        return
-    equal = (routes[1:] == routes[:-1]).all(axis=(1, 2))
-    usable = captured[1:] & captured[:-1] & (tokens[1 : len(routes)] != tokens[: len(routes) - 1])
-    evidence.adjacent[0] += int(usable[1:].sum())
-    evidence.adjacent[1] += int((equal & usable)[1:].sum())
-    if usable[0]:
-        b = ctx.b
-        full = b.tokens.values[b.tokens.offsets[s] : b.tokens.offsets[s + 1]]
-        offender = None
-        if equal[0]:
-            offender = Offender(int(b.step[s]), b.sample_key[s], 1, -1, "", "", b.place(s, 1))
-        evidence.opening(_digest(full[: start + 2]), bool(equal[0]), offender)
-
-
-def _layers(evidence: SharedEvidence, ctx: BatchContext, s: int, routes: npt.NDArray[np.generic]) -> None:
-    """Each adjacent MoE layer pair of the sample's captured rows: copied everywhere, and by chance."""
-    if len(routes) == 0 or routes.shape[1] < 2:
-        return
-    distinct = 1 + int((routes[1:] != routes[:-1]).any(axis=(1, 2)).sum())
-    same = (routes[:, 1:] == routes[:, :-1]).all(axis=2).all(axis=0)
-    shifted = (routes[1:, 1:] == routes[:-1, :-1]).all(axis=2).sum(axis=0)
+    """Row 1 against row 0 of each sample, and how often later adjacent rows repeat (pairs of
+    captured rows of one sample whose tokens differ)."""
     b = ctx.b
-    for i in range(1, routes.shape[1]):
-        hist = evidence.layer_rows.setdefault(i, {})
-        hist[distinct] = hist.get(distinct, 0) + 1
+    offsets, values = b.tokens.offsets, b.tokens.values
+    position = b.routes_start[owner] + local
+    has_tokens = position + 1 < np.diff(offsets)[owner]
+    here = values[np.where(has_tokens, offsets[:-1][owner] + position, 0)]
+    after = values[np.where(has_tokens, offsets[:-1][owner] + position + 1, 0)]
+    usable = (owner[1:] == owner[:-1]) & kept[1:] & kept[:-1] & has_tokens[:-1] & (here[:-1] != after[:-1])
+    equal = usable & (sets[1:] == sets[:-1]).all(axis=(1, 2))
+    later = local[:-1] >= 1
+    evidence.adjacent[0] += int((usable & later).sum())
+    evidence.adjacent[1] += int((equal & later).sum())
+    for r in np.flatnonzero(usable & ~later).tolist():
+        s = int(owner[r])
+        tokens = values[offsets[s] : offsets[s] + int(b.routes_start[s]) + 2]
+        offender = None
+        if equal[r]:
+            offender = Offender(int(b.step[s]), b.sample_key[s], 1, -1, "", "", b.place(s, 1))
+        evidence.opening(_digest(tokens), bool(equal[r]), offender)
+
+
+def _layers(
+    evidence: SharedEvidence,
+    ctx: BatchContext,
+    sets: npt.NDArray[np.generic],
+    owner: npt.NDArray[np.int64],
+    n: int,
+) -> None:
+    """Each adjacent MoE layer pair over the captured rows (``sets``, of samples ``owner``): the
+    samples where it is equal at every row, and how often it coincides one row apart."""
+    if sets.shape[1] < 2:
+        return
+    rows = np.bincount(owner, minlength=n)
+    next_same = owner[1:] == owner[:-1]
+    differs = next_same & (sets[1:] != sets[:-1]).any(axis=(1, 2))
+    distinct = 1 + np.bincount(owner[1:][differs], minlength=n)
+    for count, samples in zip(*np.unique(distinct[rows > 0], return_counts=True), strict=True):
+        evidence.layer_rows[int(count)] = evidence.layer_rows.get(int(count), 0) + int(samples)
+    same = (sets[:, 1:] == sets[:, :-1]).all(axis=2)  # [rows, pairs]
+    shifted = ((sets[1:, 1:] == sets[:-1, :-1]).all(axis=2) & next_same[:, None]).sum(axis=0)
+    b = ctx.b
+    for i in range(1, sets.shape[1]):
         pairs = evidence.misaligned.setdefault(i, [0, 0])
-        pairs[0] += len(routes) - 1
+        pairs[0] += int(next_same.sum())
         pairs[1] += int(shifted[i - 1])
-        if same[i - 1]:
-            evidence.layer_copied[i] = evidence.layer_copied.get(i, 0) + 1
-            layer = int(b.moe_layers[i])
-            found = Offender(int(b.step[s]), b.sample_key[s], 0, layer, "", "", b.place(s, 0))
-            evidence.layer_offenders[i] = first_offenders([*evidence.layer_offenders.get(i, []), found])
+        unequal = np.bincount(owner[~same[:, i - 1]], minlength=n)
+        copied = np.flatnonzero((rows > 0) & (unequal == 0))
+        if copied.size == 0:
+            continue
+        evidence.layer_copied[i] = evidence.layer_copied.get(i, 0) + int(copied.size)
+        layer = int(b.moe_layers[i])
+        found = [
+            Offender(int(b.step[s]), b.sample_key[s], 0, layer, "", "", b.place(int(s), 0)) for s in copied
+        ]
+        evidence.layer_offenders[i] = first_offenders([*evidence.layer_offenders.get(i, []), *found])
 
 
 def shifted_openings(state: AuditState) -> Tally | None:
@@ -140,13 +162,13 @@ def copied_layers(state: AuditState) -> Tally:
     more samples than chance allows (per layer pair)."""
     evidence = state.shared
     tally = Tally(checked=evidence.checked)
-    pairs = len(evidence.layer_rows)
+    pairs = len(evidence.misaligned)
     offenders: list[Offender] = []
-    for i, hist in sorted(evidence.layer_rows.items()):
+    for i in sorted(evidence.misaligned):
         found = evidence.layer_copied.get(i, 0)
         total, equal = evidence.misaligned.get(i, [0, 0])
         chance = (equal + 1) / (total + 1)
-        expected = sum(count * chance**rows for rows, count in hist.items())
+        expected = sum(count * chance**rows for rows, count in evidence.layer_rows.items())
         bound = tail_bound(expected, found)
         if found < 2 or bound > REPEAT_ALPHA / max(pairs, 1):
             continue
