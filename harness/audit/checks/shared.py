@@ -29,6 +29,7 @@ from dataclasses import replace
 import numpy as np
 import numpy.typing as npt
 
+from harness.audit import kernels as audit_kernels
 from harness.audit.checks.context import BatchContext
 from harness.audit.checks.repeats import REPEAT_ALPHA
 from harness.audit.state import AuditState, Offender, SharedEvidence, Tally, first_offenders
@@ -50,33 +51,34 @@ def _digest(tokens: npt.NDArray[np.generic]) -> int:
 
 
 def shared(ctx: BatchContext) -> None:
-    """Count one batch's evidence for the run-wide detectors into ``ctx.state.shared`` (whole-batch
-    array work; a Python step only per opening and per copied sample)."""
+    """Count one batch's evidence for the run-wide detectors into ``ctx.state.shared``: one compiled
+    pass over the rows (``kernels.shared_evidence``), then a Python step only per opening and per
+    copied sample."""
     b, evidence = ctx.b, ctx.state.shared
-    n = b.size
-    lo = ctx.engine.row_offsets[:-1]
     cover = np.where(ctx.engine.valid, np.clip(ctx.expected_rows, 0, ctx.engine_rows), 0)
     owner = ctx.row_owner
-    local = np.arange(owner.size) - lo[owner]
+    local = np.arange(owner.size) - ctx.engine.row_offsets[:-1][owner]
     kept = (local < cover[owner]) & ctx.captured
     evidence.checked += int((cover >= 1).sum())
     if not kept.any() or ctx.moe.size == 0:
         return
-    sets = np.sort(ctx.engine.routes[:, ctx.moe], axis=-1)
-    _openings(evidence, ctx, sets, owner, local, kept)
-    _layers(evidence, ctx, sets[kept], owner[kept], n)
+    repeats_prior, rows, distinct, unequal, coincide, pairs = audit_kernels.shared_evidence(
+        ctx.engine.routes, ctx.moe, owner, kept, b.size
+    )
+    _openings(evidence, ctx, repeats_prior[1:], owner, local, kept)
+    _layers(evidence, ctx, rows, distinct, unequal, coincide, pairs)
 
 
 def _openings(
     evidence: SharedEvidence,
     ctx: BatchContext,
-    sets: npt.NDArray[np.generic],
+    equal_next: npt.NDArray[np.bool_],
     owner: npt.NDArray[np.int64],
     local: npt.NDArray[np.int64],
     kept: npt.NDArray[np.bool_],
 ) -> None:
     """Row 1 against row 0 of each sample, and how often later adjacent rows repeat (pairs of
-    captured rows of one sample whose tokens differ)."""
+    captured rows of one sample whose tokens differ; ``equal_next[r]``: row r + 1 equals row r)."""
     b = ctx.b
     offsets, values = b.tokens.offsets, b.tokens.values
     position = b.routes_start[owner] + local
@@ -84,7 +86,7 @@ def _openings(
     here = values[np.where(has_tokens, offsets[:-1][owner] + position, 0)]
     after = values[np.where(has_tokens, offsets[:-1][owner] + position + 1, 0)]
     usable = (owner[1:] == owner[:-1]) & kept[1:] & kept[:-1] & has_tokens[:-1] & (here[:-1] != after[:-1])
-    equal = usable & (sets[1:] == sets[:-1]).all(axis=(1, 2))
+    equal = usable & equal_next
     later = local[:-1] >= 1
     evidence.adjacent[0] += int((usable & later).sum())
     evidence.adjacent[1] += int((equal & later).sum())
@@ -100,29 +102,24 @@ def _openings(
 def _layers(
     evidence: SharedEvidence,
     ctx: BatchContext,
-    sets: npt.NDArray[np.generic],
-    owner: npt.NDArray[np.int64],
-    n: int,
+    rows: npt.NDArray[np.int64],
+    distinct: npt.NDArray[np.int64],
+    unequal: npt.NDArray[np.int64],
+    coincide: npt.NDArray[np.int64],
+    pairs: int,
 ) -> None:
-    """Each adjacent MoE layer pair over the captured rows (``sets``, of samples ``owner``): the
-    samples where it is equal at every row, and how often it coincides one row apart."""
-    if sets.shape[1] < 2:
+    """Each adjacent MoE layer pair: the samples whose kept rows all have it equal, and how often it
+    coincides one row apart (``kernels.shared_evidence``'s counts)."""
+    if unequal.shape[1] == 0:
         return
-    rows = np.bincount(owner, minlength=n)
-    next_same = owner[1:] == owner[:-1]
-    differs = next_same & (sets[1:] != sets[:-1]).any(axis=(1, 2))
-    distinct = 1 + np.bincount(owner[1:][differs], minlength=n)
     for count, samples in zip(*np.unique(distinct[rows > 0], return_counts=True), strict=True):
         evidence.layer_rows[int(count)] = evidence.layer_rows.get(int(count), 0) + int(samples)
-    same = (sets[:, 1:] == sets[:, :-1]).all(axis=2)  # [rows, pairs]
-    shifted = ((sets[1:, 1:] == sets[:-1, :-1]).all(axis=2) & next_same[:, None]).sum(axis=0)
     b = ctx.b
-    for i in range(1, sets.shape[1]):
-        pairs = evidence.misaligned.setdefault(i, [0, 0])
-        pairs[0] += int(next_same.sum())
-        pairs[1] += int(shifted[i - 1])
-        unequal = np.bincount(owner[~same[:, i - 1]], minlength=n)
-        copied = np.flatnonzero((rows > 0) & (unequal == 0))
+    for i in range(1, unequal.shape[1] + 1):
+        held = evidence.misaligned.setdefault(i, [0, 0])
+        held[0] += pairs
+        held[1] += int(coincide[i - 1])
+        copied = np.flatnonzero((rows > 0) & (unequal[:, i - 1] == 0))
         if copied.size == 0:
             continue
         evidence.layer_copied[i] = evidence.layer_copied.get(i, 0) + int(copied.size)
