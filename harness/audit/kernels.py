@@ -9,11 +9,10 @@ numba on first use and cached on disk, like ``harness.trace.swar``.
 - ``agreement``: from ``|A ∩ B|`` per (row, MoE layer), the per-step counts of
   ``harness.trace.AgreementCounts``, whether each row differs in some layer, and each sample's
   differing cells;
-- ``expert_load``, ``row_digests``: the two halves of ``load_and_digests`` on their own;
-- ``shared_evidence``: one pass over a batch's rows for the run-wide detectors.
+- ``expert_load``, ``row_digests``: the two halves of ``load_and_digests`` on their own.
 
 The kernels of ``repeated_rows`` (row hashes and repeated segments) are in
-``harness.audit.repeat_kernels``.
+``harness.audit.repeat_kernels``, those of the run-wide detectors in ``harness.audit.shared_kernels``.
 
 A row digest is one 64-bit value of the *sets* of ids of a row's MoE layers (any id order within
 a route gives the same digest), so rows of two samples can be compared across files and
@@ -154,92 +153,6 @@ def _digest_table(size: int) -> npt.NDArray[np.uint64]:
 
 _TABLE = _digest_table(65536)
 """One value per id of the widest stored dtype (uint16): every stored id indexes it directly."""
-
-
-@numba.njit(cache=True, nogil=True)
-def _shared_evidence(flat, k, slots, table, owner, kept, repeats_prior, rows, distinct, unequal, shifted):  # type: ignore[no-untyped-def]
-    """One pass over a batch's rows for the run-wide detectors (``shared_evidence``): each row's per
-    MoE layer digests (its ids' words summed: any id order gives the same), compared with the row
-    before it and, over the ``kept`` rows of each sample, with the kept row before it."""
-    layers = slots.size
-    cur = np.zeros(layers, dtype=np.uint64)
-    raw_prev = np.zeros(layers, dtype=np.uint64)
-    kept_prev = np.zeros(layers, dtype=np.uint64)
-    last_owner = -1
-    for r in range(flat.shape[0]):
-        for j in range(layers):
-            first = slots[j] * k
-            total = np.uint64(0)
-            for x in range(k):
-                total += table[flat[r, first + x]]
-            cur[j] = total
-        if r > 0:
-            same = True
-            for j in range(layers):
-                if cur[j] != raw_prev[j]:
-                    same = False
-                    break
-            repeats_prior[r] = same
-        if kept[r]:
-            s = owner[r]
-            if s == last_owner:
-                differs = False
-                for j in range(layers):
-                    if cur[j] != kept_prev[j]:
-                        differs = True
-                    if j > 0 and cur[j] == kept_prev[j - 1]:
-                        shifted[j - 1] += 1
-                if differs:
-                    distinct[s] += 1
-                shifted[layers - 1] += 1  # the pair count, in the last slot
-            else:
-                distinct[s] += 1
-            rows[s] += 1
-            for j in range(1, layers):
-                if cur[j] != cur[j - 1]:
-                    unequal[s, j - 1] += 1
-            last_owner = s
-            for j in range(layers):
-                kept_prev[j] = cur[j]
-        for j in range(layers):
-            raw_prev[j] = cur[j]
-
-
-def shared_evidence(
-    routes: npt.NDArray[np.integer[Any]],
-    slots: npt.NDArray[np.intp],
-    owner: npt.NDArray[np.int64],
-    kept: npt.NDArray[np.bool_],
-    samples: int,
-) -> tuple[
-    npt.NDArray[np.bool_],
-    npt.NDArray[np.int64],
-    npt.NDArray[np.int64],
-    npt.NDArray[np.int64],
-    npt.NDArray[np.int64],
-    int,
-]:
-    """What ``harness.audit.checks.shared`` counts of ``routes [rows, layers, top_k]`` in MoE layers
-    ``slots`` (rows of samples ``owner``, sorted by sample; ``kept``: captured rows within coverage),
-    routes compared as sets (digests that collide with probability ~2⁻⁶⁴):
-
-    ``(repeats_prior [rows]``: row r equals row r − 1 in every MoE layer; ``rows [samples]``: kept
-    rows; ``distinct [samples]``: kept rows that differ from the kept row before them (the first
-    counts); ``unequal [samples, layers − 1]``: kept rows where layer j + 1 differs from layer j;
-    ``coincide [layers − 1]``: consecutive kept rows of one sample where layer j + 1 of the later
-    equals layer j of the earlier; and the count of those consecutive pairs)."""
-    rows_n, layers, k = routes.shape
-    m = len(slots)
-    flat = np.ascontiguousarray(routes).reshape(rows_n, layers * k)
-    table = _TABLE[:256].copy() if routes.dtype == np.uint8 else _TABLE  # a byte's ids stay in L1
-    repeats_prior = np.zeros(rows_n, dtype=np.bool_)
-    rows = np.zeros(samples, dtype=np.int64)
-    distinct = np.zeros(samples, dtype=np.int64)
-    unequal = np.zeros((samples, max(m - 1, 0)), dtype=np.int64)
-    shifted = np.zeros(max(m, 1), dtype=np.int64)
-    _shared_evidence(flat, k, np.asarray(slots, dtype=np.int64), table, owner.astype(np.int64),
-                     kept, repeats_prior, rows, distinct, unequal, shifted)  # fmt: skip
-    return repeats_prior, rows, distinct, unequal, shifted[: m - 1], int(shifted[-1]) if m > 1 else 0
 
 
 def load_and_digests(

@@ -29,7 +29,7 @@ from dataclasses import replace
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit import kernels as audit_kernels
+from harness.audit import shared_kernels
 from harness.audit.checks.context import BatchContext
 from harness.audit.checks.repeats import REPEAT_ALPHA
 from harness.audit.state import AuditState, Offender, SharedEvidence, Tally, first_offenders
@@ -52,7 +52,7 @@ def _digest(tokens: npt.NDArray[np.generic]) -> int:
 
 def shared(ctx: BatchContext) -> None:
     """Count one batch's evidence for the run-wide detectors into ``ctx.state.shared``: one compiled
-    pass over the rows (``kernels.shared_evidence``), then a Python step only per opening and per
+    pass over the rows (``shared_kernels.shared_evidence``), then a Python step only per opening and per
     copied sample."""
     b, evidence = ctx.b, ctx.state.shared
     cover = np.where(ctx.engine.valid, np.clip(ctx.expected_rows, 0, ctx.engine_rows), 0)
@@ -62,7 +62,7 @@ def shared(ctx: BatchContext) -> None:
     evidence.checked += int((cover >= 1).sum())
     if not kept.any() or ctx.moe.size == 0:
         return
-    repeats_prior, rows, distinct, unequal, coincide, pairs = audit_kernels.shared_evidence(
+    repeats_prior, rows, distinct, unequal, coincide, pairs = shared_kernels.shared_evidence(
         ctx.engine.routes, ctx.moe, owner, kept, b.size
     )
     _openings(evidence, ctx, repeats_prior[1:], owner, local, kept)
@@ -109,7 +109,7 @@ def _layers(
     pairs: int,
 ) -> None:
     """Each adjacent MoE layer pair: the samples whose kept rows all have it equal, and how often it
-    coincides one row apart (``kernels.shared_evidence``'s counts)."""
+    coincides one row apart (``shared_kernels.shared_evidence``'s counts)."""
     if unequal.shape[1] == 0:
         return
     for count, samples in zip(*np.unique(distinct[rows > 0], return_counts=True), strict=True):
