@@ -81,6 +81,8 @@ def _openings(
     captured rows of one sample whose tokens differ; ``equal_next[r]``: row r + 1 equals row r)."""
     b = ctx.b
     offsets, values = b.tokens.offsets, b.tokens.values
+    if values.size == 0:
+        return  # no tokens in the batch: no pair can be told apart from a repeated text
     position = b.routes_start[owner] + local
     has_tokens = position + 1 < np.diff(offsets)[owner]
     here = values[np.where(has_tokens, offsets[:-1][owner] + position, 0)]
