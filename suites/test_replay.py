@@ -10,7 +10,8 @@ subject's hooks. Every check compares what the subject was asked to do with what
 experts receive; nothing the subject reports about itself (``dispatched()``) is used.
 
 - the experts receive exactly the targets, whatever the live logits prefer (no silent fallback: every
-  live router is replayed);
+  live router is replayed), in a bf16 model with more than 256 experts too;
+- a recording is the model's native routing (what a native forward dispatches on the same tokens);
 - replaying a model's own recording reproduces its logits and gate weights bit for bit (fp32, bf16);
 - the router gets gradients at targets its live top-k would not pick;
 - activation recompute replays each forward's own targets (two forwards in flight);
@@ -97,6 +98,7 @@ def _armed(
     *,
     negate: bool = False,
     deep: bool = False,
+    wide: bool = False,
     model: torch.nn.Module | None = None,
 ) -> Iterator[tuple[ModelKind, torch.nn.Module, ReplayController, RouteProbe, Routing]]:
     """The subject's driver patched, then a model of ``family`` built (or ``model``), the subject's
@@ -110,7 +112,8 @@ def _armed(
         driver = prepare(capability, model_kind.capability)
         if model is None:
             model = model_kind.build(
-                family, dtype, fresh=patches(driver), deep=deep, **_overrides(kind, driver)
+                family, dtype, fresh=patches(driver), deep=deep, **({"wide": True} if wide else {}),
+                **_overrides(kind, driver),
             )
         if negate:
             model_kind.negate_routers(model)
@@ -178,16 +181,25 @@ failure reports the first failing seed, in seconds, instead of shrinking it for 
 
 
 def _check_experts_receive_targets(
-    subject: Subject, kind: str, family: str, dtype: str, seed: int, *, deep: bool = False
+    subject: Subject,
+    kind: str,
+    family: str,
+    dtype: str,
+    seed: int,
+    *,
+    deep: bool = False,
+    wide: bool = False,
 ) -> None:
     note(f"counterexample: seed={seed}")
-    with _armed(subject, kind, family, dtype, negate=True, deep=deep) as (k, model, ctl, probe, routing):
+    armed = _armed(subject, kind, family, dtype, negate=True, deep=deep, wide=wide)
+    with armed as (k, model, ctl, probe, routing):
         targets = _random_targets(routing, BATCH * SEQ, seed)
         ctl.replay(targets)
         with torch.no_grad():
             k.run(model, _tokens(k, seed))
         seen = probe.last().ids
     what = f"{kind} {family} {dtype}" + (f", {len(routing.moe_layers)} MoE layers" if deep else "")
+    what += f", {routing.num_experts} experts" if wide else ""
     assert_same_routes(seen, targets, names=("dispatched", "targets"), what=what, axes=AXES)
 
 
@@ -235,6 +247,28 @@ def test_experts_receive_the_targets_in_a_deep_model(
     """More than ten decoder layers (``layers.10`` sorts before ``layers.2`` as a string): each layer's
     experts still receive that layer's targets."""
     _check_experts_receive_targets(subject, kind, family, "fp32", seed, deep=True)
+
+
+WIDE_FAMILY = {"reference": "softmax_topk", "hf": "qwen3_moe"}
+"""The family each model kind's wide case is built with (a transformers type with one expert-count field)."""
+WIDE_CASES = [
+    pytest.param(c.values[0], WIDE_FAMILY[c.values[0]], id=c.id, marks=c.marks)  # type: ignore[attr-defined]
+    for c in _one_family_per_kind()
+    if c.values[0] in WIDE_FAMILY  # type: ignore[attr-defined]
+]
+
+
+@pytest.mark.parametrize(("kind", "family"), WIDE_CASES)
+@settings(max_examples=2, phases=SEED_PHASES)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_experts_receive_the_targets_in_a_wide_bf16_model(
+    subject: Subject, kind: str, family: str, seed: int
+) -> None:
+    """A bf16 model with more than 256 experts (Kimi K2 384, Qwen3-Next 512): every id reaches its
+    experts. bf16 holds every integer only up to 256, so a driver that moves its targets with the
+    logits' dtype (``ids.to(router_logits)``) rounds ids above 256 onto other experts. The Megatron
+    kind is built in fp32 and has no such case."""
+    _check_experts_receive_targets(subject, kind, family, "bf16", seed, wide=True)
 
 
 def _native(
@@ -394,6 +428,25 @@ def _part_built_before_the_patch(subject: Subject, kind: str, family: str, early
         what=f"{kind} {family}: the last decoder layer built before patch()",
         axes=AXES,
     )
+
+
+@fp32_cases
+def test_a_recording_is_the_models_native_routing(subject: Subject, kind: str, family: str, dtype: str) -> None:
+    """What ``record()`` keeps, and what the experts receive while recording, is the routing a native
+    forward of the same model dispatches on the same tokens. A RECORD branch that re-implements the
+    choice (a top-k without the group limit of a DeepSeek-V3 router) records a routing the model never
+    takes, and R2 then faithfully replays it: every "replay equals recording" check still holds."""
+    with _armed(subject, kind, family, dtype) as (k, model, ctl, probe, routing):
+        tokens = _tokens(k, 11)
+        native, _ = _native(k, model, probe, tokens)
+        ctl.record()
+        while_recording, _ = _native(k, model, probe, tokens)
+        recording = ctl.recording()
+    what = f"{kind} {family} {dtype}"
+    assert_same_routes(
+        while_recording, native, names=("dispatched while recording", "a native forward"), what=what, axes=AXES
+    )
+    assert_same_routes(recording, native, names=("recording()", "a native forward"), what=what, axes=AXES)
 
 
 @every_case

@@ -49,6 +49,9 @@ QUICK_KEYWORD = {
         "test_replay and megatron-softmax and (whatever_the_live_logits or bit_exact)"
     ),
     "splice-payload-tails": "test_splice",
+    "targets-moved-through-fp32": "test_replay and reference and (wide or whatever_the_live)",
+    "replay-at-the-expert-top-k": "test_replay and reference-sigmoid_grouped",
+    "record-by-own-group-limited-top-k": "test_replay and reference-sigmoid_grouped",
 }
 """Variants that take ~30 s each over every suite of their capabilities run, in the default run, the
 part of those suites their choice meets: the bad-input cases, the reference replay cases that a
@@ -120,7 +123,7 @@ def test_every_facts_bug_class_has_a_mutant() -> None:
         "multi-turn staleness", "dense-layer shift", "PP/VPP offsets", "silent no-op", "prompt rows native",
         "filler replayed", "dtype wrap", "CP layout", "FP8 padding", "wrong gate rule", "physical ids",
         "all-zero capture", "layer axis convention", "recompute drift", "R2/R3 config",
-        "turn-boundary placeholder",
+        "turn-boundary placeholder", "group-limited routing",
     }  # fmt: skip
     assert expected <= classes, f"bug classes without a mutant: {sorted(expected - classes)}"
 

@@ -47,6 +47,12 @@ from harness.mutants.benign_functions import (
     truncate_to_int32,
 )
 from harness.mutants.drivers import ConstructorPatchDriver
+from harness.mutants.router_rules import (
+    installer,
+    recorded_by_own_top_k,
+    replayed_at_the_group_stage,
+    targets_moved_through,
+)
 from harness.mutants.splice import splice_with_turn_placeholders
 from harness.subjects import Subject
 from harness.subjects.reference import REFERENCE
@@ -220,6 +226,30 @@ BENIGN: tuple[Benign, ...] = (
         "the constructor-patch driver knowing its routers by a flag its patched constructor sets on each "
         "(deep copies keep it), refusing an unflagged router loudly",
         _variant("constructor-patch-driver-by-tag", install_replay=ConstructorPatchDriver(by_tag=True)),
+    ),
+    Benign(
+        "targets-moved-through-fp32",
+        "replayed ids moved to the logits' device through fp32, which holds every id up to 2**24 (the "
+        "twin of targets-in-logits-dtype)",
+        _variant("targets-moved-through-fp32", install_replay=installer(partial(targets_moved_through, exact=True))),
+    ),
+    Benign(
+        "replay-at-the-expert-top-k",
+        "a group-limited router whose group stage runs natively and whose final expert top-k the targets "
+        "overrule (the twin of replay-at-the-group-top-k)",
+        _variant(
+            "replay-at-the-expert-top-k",
+            install_replay=installer(partial(replayed_at_the_group_stage, stage="expert")),
+        ),
+    ),
+    Benign(
+        "record-by-own-group-limited-top-k",
+        "a RECORD branch re-implemented with the group limit, each kept group found by sorting (the twin "
+        "of record-without-group-limit)",
+        _variant(
+            "record-by-own-group-limited-top-k",
+            install_replay=installer(partial(recorded_by_own_top_k, group_limit=True)),
+        ),
     ),
     Benign(
         "one-forward-in-flight",

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-from harness.mutants import Mutant, conventions, layouts, megatron, parallel, replay, splice, training
+from harness.mutants import (
+    Mutant,
+    conventions,
+    layouts,
+    megatron,
+    parallel,
+    replay,
+    router_rules,
+    splice,
+    training,
+)
 from harness.subjects import Subject
 
 MUTANTS: tuple[Mutant, ...] = (
     *splice.MUTANTS,
     *layouts.MUTANTS,
     *replay.MUTANTS,
+    *router_rules.MUTANTS,
     *conventions.MUTANTS,
     *training.MUTANTS,
     *parallel.MUTANTS,

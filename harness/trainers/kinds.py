@@ -24,23 +24,28 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEEP_LAYERS = 12
 """Decoder layers of a deep model: more than ten, so name order (``layers.10`` < ``layers.2``) is not
 layer order; every other size stays tiny."""
+WIDE_EXPERTS = 384
+"""Experts of a wide model (Kimi K2's count): more than 256, so ids above 256 do not survive a cast to
+bf16 (which holds every integer only up to 256) or to uint8."""
 
 
 @functools.cache
 def _cached(
-    construct: Callable[[str, str, bool], nn.Module], family: str, dtype: str, deep: bool
+    construct: Callable[[str, str, bool, bool], nn.Module], family: str, dtype: str, deep: bool, wide: bool
 ) -> nn.Module:
-    return construct(family, dtype, deep)
+    return construct(family, dtype, deep, wide)
 
 
-def _builder(construct: Callable[[str, str, bool], nn.Module]) -> Callable[..., nn.Module]:
-    """``build`` over ``construct(family, dtype, deep)``: cached and deep-copied unless ``fresh``."""
+def _builder(construct: Callable[[str, str, bool, bool], nn.Module]) -> Callable[..., nn.Module]:
+    """``build`` over ``construct(family, dtype, deep, wide)``: cached and deep-copied unless ``fresh``."""
 
-    def build(family: str, dtype: str, *, fresh: bool = False, deep: bool = False) -> nn.Module:
+    def build(
+        family: str, dtype: str, *, fresh: bool = False, deep: bool = False, wide: bool = False
+    ) -> nn.Module:
         return (
-            construct(family, dtype, deep)
+            construct(family, dtype, deep, wide)
             if fresh
-            else copy.deepcopy(_cached(construct, family, dtype, deep))
+            else copy.deepcopy(_cached(construct, family, dtype, deep, wide))
         )
 
     return build
@@ -64,11 +69,13 @@ class ModelKind:
         capability: the subject capability whose driver controls this kind.
         families: the router families (reference) or model types (transformers) it is built for.
         vocab: token ids are drawn from ``[3, vocab)``.
-        build: ``(family, dtype, *, fresh=False, deep=False) -> model``, a private model each call: a
+        build: ``(family, dtype, *, fresh=False, deep=False, wide=False) -> model``, a private model
+            each call: a
             deep copy of a cached one, or with ``fresh`` one constructed now (what a driver that
             patches router constructors needs: a copy of a model built before its patch never ran
             the patched constructor); with ``deep``, ``DEEP_LAYERS`` decoder layers, so that
-            ``layers.10`` sorts before ``layers.2`` as a string.
+            ``layers.10`` sorts before ``layers.2`` as a string; with ``wide``, ``WIDE_EXPERTS`` experts
+            (the reference and transformers kinds).
         run: ``(model, tokens, attention_mask, position_ids, recompute) -> logits [B, T, V]``.
         probe: attach the harness's route probe (after the subject's driver installed).
         routing: the model's ``Routing``.
@@ -95,13 +102,14 @@ class ModelKind:
 # --- the reference MoELM ------------------------------------------------------------------------------
 
 
-def _reference_model(family: str, dtype: str, deep: bool) -> nn.Module:
+def _reference_model(family: str, dtype: str, deep: bool, wide: bool = False) -> nn.Module:
     from reference_impl import MoEConfig, MoELM
 
     grouped = family == "sigmoid_grouped"
     return MoELM(
         MoEConfig.tiny(
             **({"num_layers": DEEP_LAYERS, "hidden_size": 16} if deep else {}),
+            **({"num_experts": WIDE_EXPERTS, "hidden_size": 16} if wide else {}),
             router_family=family,
             n_group=2 if grouped else 1,
             topk_group=1,
@@ -157,10 +165,14 @@ def reference_kind() -> ModelKind:
 # --- transformers ----------------------------------------------------------------------------------------
 
 
-def _hf_model(model_type: str, dtype: str, deep: bool) -> nn.Module:
+def _hf_model(model_type: str, dtype: str, deep: bool, wide: bool = False) -> nn.Module:
     from harness.trainers.hf import tiny_model
+    from harness.trainers.hf.models import expert_count_field
 
-    return tiny_model(model_type, DTYPES[dtype], **({"num_hidden_layers": DEEP_LAYERS} if deep else {}))
+    shape: dict[str, int] = {"num_hidden_layers": DEEP_LAYERS} if deep else {}
+    if wide:
+        shape[expert_count_field(model_type)] = WIDE_EXPERTS
+    return tiny_model(model_type, DTYPES[dtype], **shape)
 
 
 def _hf_run(

@@ -179,6 +179,14 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     return AutoConfig.for_model(model_type, **{**_COMMON, **_OVERRIDES[model_type], **overrides})
 
 
+def expert_count_field(model_type: str) -> str:
+    """The config field that holds ``model_type``'s routed-expert count (it differs by family)."""
+    fields = [f for f in ("num_experts", "num_local_experts", "n_routed_experts") if f in _OVERRIDES[model_type]]
+    if len(fields) != 1:
+        raise HarnessError(f"{model_type}: cannot tell its expert-count field among {fields}")
+    return fields[0]
+
+
 def tiny_model(
     model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any
 ) -> nn.Module:
