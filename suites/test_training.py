@@ -344,6 +344,61 @@ def test_r2_update_replays_the_old_pass_recording(subject: Subject, use_checkpoi
     )
 
 
+def test_r2_replays_each_steps_own_recording(subject: Subject) -> None:
+    """Two R2 steps on different batches of one shape, the router weights moved in between: each update
+    pass dispatches its own step's recording, made under the current weights. A step whose old pass ran
+    no RECORD forward (a "bypass" old pass) and replays an earlier step's recording (verl #7805) trains
+    on a routing that neither the rollout nor the current policy took."""
+    training = require(subject, "training")
+    model, moe = MoELM(CFG), list(CFG.moe_layers)
+    first = training.place_without_routes([t for t, _ in _rollout_routes(CFG)], WIDTH)
+    second = training.place_without_routes([t.flip(0) for t, _ in _rollout_routes(CFG)], WIDTH)
+    steps = []
+    for step, placed in enumerate((first, second)):
+        old = training.old_logprobs(model, placed, "R2", moe_layers=moe)
+        recorded = model.dispatched_routes()
+        new = training.policy_logprobs(model, placed, "R2", old=old, moe_layers=moe)
+        rows = placed.attention_mask.reshape(-1).bool()
+        steps.append(recorded)
+        _assert_dispatched(
+            model, recorded, rows, ("dispatched", "this step's old pass"), f"R2 step {step}: the update pass"
+        )
+        training.backward(new[_valid(placed)].sum(), model)
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(step)
+            for router in model.routers():
+                router.gate.weight.add_(0.5 * torch.randn(router.gate.weight.shape, generator=gen))
+    assert bool(differing_routes(steps[0], steps[1]).any()), "both steps routed alike: no test"
+
+
+def test_a_forward_only_pass_leaves_nothing_for_the_next_recompute(subject: Subject) -> None:
+    """A forward-only R3 pass on another batch (the next mini-batch's log-probs, a validation pass) runs
+    between training steps; the next update pass's activation recompute then dispatches that update's
+    own rollout routes. Entries the forward-only pass left in the recompute FIFO would be popped first
+    (SkyRL #1908 bug 1): clear before each pipeline schedule and after it, never between its
+    micro-batches."""
+    training = require(subject, "training")
+    model, placed, moe = MoELM(CFG), _batch(CFG), list(CFG.moe_layers)
+    samples = [(t, r) for t, r in _rollout_routes(CFG)][::-1]
+    other = place_left_padded(samples, WIDTH, prompt_lens=list(PROMPTS[::-1]))
+    rows = placed.replay_mask.reshape(-1)
+    expected = _expected_targets(placed, CFG, "decoder")
+    assert bool(
+        (differing_routes(_expected_targets(other, CFG, "decoder"), expected).any(-1) & rows.bool()).any()
+    ), "the two batches' rollout routes agree at every row: no test"
+    training.old_logprobs(model, other, "R3", moe_layers=moe)
+    old = training.old_logprobs(model, placed, "R3", moe_layers=moe)
+    new = training.policy_logprobs(model, placed, "R3", old=old, moe_layers=moe, use_checkpoint=True)
+    training.backward(new[_valid(placed)].sum(), model)
+    _assert_dispatched(
+        model,
+        expected,
+        rows,
+        ("recompute dispatched", "this update's rollout routes"),
+        "R3 with recompute, after a forward-only pass on another batch",
+    )
+
+
 @pytest.mark.parametrize("use_checkpoint", [False, True], ids=["no-recompute", "recompute"])
 def test_disabled_mode_routes_every_pass_natively(subject: Subject, use_checkpoint: bool) -> None:
     """DISABLED is the no-replay baseline: on a batch that carries rollout routes (differing from native

@@ -123,7 +123,8 @@ def test_every_facts_bug_class_has_a_mutant() -> None:
         "multi-turn staleness", "dense-layer shift", "PP/VPP offsets", "silent no-op", "prompt rows native",
         "filler replayed", "dtype wrap", "CP layout", "FP8 padding", "wrong gate rule", "physical ids",
         "all-zero capture", "layer axis convention", "recompute drift", "R2/R3 config",
-        "turn-boundary placeholder", "group-limited routing",
+        "turn-boundary placeholder", "group-limited routing", "FIFO leak across passes",
+        "R2 without a fresh recording",
     }  # fmt: skip
     assert expected <= classes, f"bug classes without a mutant: {sorted(expected - classes)}"
 

@@ -47,6 +47,7 @@ from harness.mutants.benign_functions import (
     truncate_to_int32,
 )
 from harness.mutants.drivers import ConstructorPatchDriver
+from harness.mutants.passes import FIFO_CLEARED_BEFORE_EACH_UPDATE, R2_RECORDING_KEPT_ON_MODEL
 from harness.mutants.router_rules import (
     installer,
     recorded_by_own_top_k,
@@ -202,6 +203,18 @@ BENIGN: tuple[Benign, ...] = (
             "reference-pass-on-a-copy",
             training=patched_module(training, reference_logprobs=reference_logprobs_on_a_copy),
         ),
+    ),
+    Benign(
+        "r2-recording-kept-on-model",
+        "R2's recording kept on the model for the update pass, replaced by every old pass (the twin of "
+        "r2-stale-recording)",
+        _variant("r2-recording-kept-on-model", training=R2_RECORDING_KEPT_ON_MODEL),
+    ),
+    Benign(
+        "fifo-cleared-before-each-update",
+        "the forward-only pass leaves its recompute entries; each update pass clears the replay state "
+        "before it starts (the twin of forward-only-pass-leaks-fifo)",
+        _variant("fifo-cleared-before-each-update", training=FIFO_CLEARED_BEFORE_EACH_UPDATE),
     ),
     Benign(
         "errors-in-own-words",

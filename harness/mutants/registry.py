@@ -8,6 +8,7 @@ from harness.mutants import (
     layouts,
     megatron,
     parallel,
+    passes,
     replay,
     router_rules,
     splice,
@@ -22,6 +23,7 @@ MUTANTS: tuple[Mutant, ...] = (
     *router_rules.MUTANTS,
     *conventions.MUTANTS,
     *training.MUTANTS,
+    *passes.MUTANTS,
     *parallel.MUTANTS,
     *megatron.MUTANTS,
 )
