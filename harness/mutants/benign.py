@@ -47,6 +47,7 @@ from harness.mutants.benign_functions import (
     truncate_to_int32,
 )
 from harness.mutants.drivers import ConstructorPatchDriver
+from harness.mutants.layouts import place_prompt_rows_once_per_group
 from harness.mutants.passes import FIFO_CLEARED_BEFORE_EACH_UPDATE, R2_RECORDING_KEPT_ON_MODEL
 from harness.mutants.router_rules import (
     installer,
@@ -202,6 +203,17 @@ BENIGN: tuple[Benign, ...] = (
         _variant(
             "reference-pass-on-a-copy",
             training=patched_module(training, reference_logprobs=reference_logprobs_on_a_copy),
+        ),
+    ),
+    Benign(
+        "prompt-rows-deduplicated-by-content",
+        "prompt rows stored once per group keyed by the prompt tokens and the rows themselves: only equal "
+        "rows are shared (the twin of prompt-rows-keyed-by-prompt)",
+        _variant(
+            "prompt-rows-deduplicated-by-content",
+            layouts=patched_module(
+                layouts, place_left_padded=partial(place_prompt_rows_once_per_group, by_content=True)
+            ),
         ),
     ),
     Benign(

@@ -37,6 +37,31 @@ def merge_in_rank_order(
     return torch.cat([per_stage[key] for key in sorted(per_stage)], dim=1)
 
 
+def place_prompt_rows_once_per_group(
+    samples: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    width: int,
+    prompt_lens: Sequence[int] | None = None,
+    *,
+    by_content: bool = False,
+) -> layouts.Placed:
+    """Prompt rows stored once per group of samples with the same prompt tokens; every later sample
+    of the group gets the stored rows. Keyed by the prompt alone (the bug), a sample whose own prompt
+    routing differed receives the first sample's; keyed also by the rows (``by_content``, right) the
+    store only deduplicates rows that really are equal."""
+    if prompt_lens is None:
+        return layouts.place_left_padded(samples, width, prompt_lens)
+    stored: dict[tuple[object, ...], torch.Tensor] = {}
+    shared = []
+    for (tokens, routes), prompt_len in zip(samples, prompt_lens, strict=True):
+        rows = routes[: max(int(prompt_len) - 1, 0)]
+        key: tuple[object, ...] = (tuple(tokens[:prompt_len].tolist()),)
+        if by_content:
+            key += (tuple(rows.reshape(-1).tolist()),)
+        rows = stored.setdefault(key, rows)
+        shared.append((tokens, torch.cat([rows, routes[rows.shape[0] :]])))
+    return layouts.place_left_padded(shared, width, prompt_lens)
+
+
 def cp_shard_routes_contiguous(x: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
     """Tokens (1-D) zig-zag, but routes (3-D) split into cp contiguous pieces."""
     if x.dim() == 1:
@@ -66,6 +91,19 @@ def _layouts(**functions: Any) -> Any:
 
 
 MUTANTS = (
+    Mutant(
+        "prompt-rows-keyed-by-prompt",
+        "prompt rows of another sample",
+        "a placement storing prompt rows once per GRPO group, keyed by the prompt tokens: every sample gets "
+        "the first sample's prompt rows, right only on a real prefix hit (hides when the group's prompt "
+        "routing agrees; differs after a bf16 prefill in another batch, an evicted block, a resume under "
+        "new weights)",
+        mutate(
+            "prompt-rows-keyed-by-prompt",
+            layouts=patched_module(layouts, place_left_padded=place_prompt_rows_once_per_group),
+        ),
+        killed_by="test_layouts.py::test_samples_of_a_group_keep_their_own_prompt_rows",
+    ),
     Mutant(
         "dense-layer-shift",
         "dense-layer shift",
