@@ -175,6 +175,23 @@ def replay_targets(
     return stage(rows, moe_layers, whole_model).long(), placed.replay_mask.reshape(-1)
 
 
+def tokens_per_expert(
+    placed: Placed, moe_layers: Sequence[int], num_experts: int, layer_axis: LayerAxis | str = LayerAxis.DECODER
+) -> Tensor:
+    """How many tokens each expert of each MoE layer receives in a micro-batch: [n_moe, E] int64.
+
+    The load-balancing statistics (``tokens_per_expert``, the aux loss, the expert-bias update) count
+    the rows that hold a route, exactly the replayed ones (`replay_targets`' mask): never the padding,
+    a sample's last token or any filler there, whose ids route nothing (SkyRL #1908 bug 4).
+    """
+    targets, mask = replay_targets(placed, moe_layers, layer_axis)
+    ids = targets[mask]  # [rows, n_moe, k]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
+        raise TrainerConfigError(f"routes hold ids outside [0, num_experts={num_experts})")
+    one_hot = torch.nn.functional.one_hot(ids, num_experts)  # [rows, n_moe, k, E]
+    return one_hot.sum(dim=(0, 2)).to(torch.int64)
+
+
 # ---------------------------------------------------------------------------------------------
 # The three passes
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
 
 from harness.subjects import Subject
 from harness.testing.asserts import assert_close_logprobs, assert_same_routes, differing_routes
@@ -396,6 +398,46 @@ def test_a_forward_only_pass_leaves_nothing_for_the_next_recompute(subject: Subj
         rows,
         ("recompute dispatched", "this update's rollout routes"),
         "R3 with recompute, after a forward-only pass on another batch",
+    )
+
+
+@settings(max_examples=25)
+@given(
+    lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5),
+    extra=st.integers(0, 3),
+    axis=st.sampled_from(AXES),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_router_statistics_count_only_rows_that_hold_a_route(
+    subject: Subject, lengths: list[int], extra: int, axis: str, seed: int
+) -> None:
+    """``tokens_per_expert`` of a padded micro-batch counts, per MoE layer and expert, the routes of the
+    rows that exist: never the padding, a sample's last token, or the filler their slots hold (a mask of
+    shape ``[tokens]`` applied against ``[tokens, experts]`` counts them, SkyRL #1908 bug 4). Counted by
+    hand from each sample's own rows."""
+    note(f"counterexample: lengths={lengths}, extra={extra}, axis={axis}, seed={seed}")
+    training = require(subject, "training")
+    gen = torch.Generator().manual_seed(seed)
+    moe, layers = list(CFG.moe_layers), CFG.num_layers if axis == "decoder" else len(CFG.moe_layers)
+    expected = torch.zeros(len(moe), CFG.num_experts, dtype=torch.long)
+    samples = []
+    for n in lengths:
+        ids = torch.rand(max(n - 1, 0), layers, CFG.num_experts, generator=gen).argsort(-1)[..., : CFG.top_k]
+        samples.append((torch.randint(1, CFG.vocab_size, (n,), generator=gen), ids))
+        slots = ids[:, moe] if axis == "decoder" else ids
+        for j in range(len(moe)):
+            expected[j] += torch.bincount(slots[:, j].reshape(-1), minlength=CFG.num_experts)
+    placed = place_left_padded(samples, max(lengths) + extra)
+    got = as_ids(training.tokens_per_expert(placed, moe, CFG.num_experts, axis), "tokens_per_expert")
+    assert tuple(got.shape) == tuple(expected.shape), (
+        f"tokens_per_expert has shape {tuple(got.shape)}, expected {tuple(expected.shape)} (MoE layers × experts)"
+    )
+    wrong = (got != expected).nonzero().tolist()
+    assert not wrong, (
+        f"tokens_per_expert of samples of lengths {lengths} ({axis} trace): at (MoE layer, expert) {wrong[:4]} "
+        f"counted {[int(got[j, e]) for j, e in wrong[:4]]}, the rows that hold a route give "
+        f"{[int(expected[j, e]) for j, e in wrong[:4]]} ({int(got.sum()) - int(expected.sum())} routes "
+        "more in all: padding or last-token rows counted?)"
     )
 
 

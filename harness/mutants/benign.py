@@ -48,6 +48,7 @@ from harness.mutants.benign_functions import (
 )
 from harness.mutants.drivers import ConstructorPatchDriver
 from harness.mutants.layouts import place_prompt_rows_once_per_group
+from harness.mutants.training import tokens_per_expert_over_every_row
 from harness.mutants.passes import FIFO_CLEARED_BEFORE_EACH_UPDATE, R2_RECORDING_KEPT_ON_MODEL
 from harness.mutants.router_rules import (
     installer,
@@ -213,6 +214,17 @@ BENIGN: tuple[Benign, ...] = (
             "prompt-rows-deduplicated-by-content",
             layouts=patched_module(
                 layouts, place_left_padded=partial(place_prompt_rows_once_per_group, by_content=True)
+            ),
+        ),
+    ),
+    Benign(
+        "tokens-per-expert-by-bincount",
+        "router statistics counted with numpy bincount per MoE layer over the masked rows, as int32 (the "
+        "twin of tokens-per-expert-over-padding)",
+        _variant(
+            "tokens-per-expert-by-bincount",
+            training=patched_module(
+                training, tokens_per_expert=partial(tokens_per_expert_over_every_row, exact=True)
             ),
         ),
     ),

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -57,6 +58,22 @@ def replay_targets_by_ordinal(
     return rows[:, : len(moe_layers)].long(), placed.replay_mask.reshape(-1)
 
 
+def tokens_per_expert_over_every_row(
+    placed: Placed, moe_layers: Sequence[int], num_experts: int, layer_axis: Any = "decoder", *, exact: bool = False
+) -> Any:
+    """Router statistics from every row of the micro-batch: the replay mask is applied to the token
+    axis *after* counting (a ``[tokens]`` mask against ``[tokens, experts]``, broadcast away), so the
+    padding's and last tokens' filler ids are counted (SkyRL #1908 bug 4). With ``exact`` (right):
+    numpy ``bincount`` per layer over the rows the mask keeps, as int32."""
+    targets, mask = training.replay_targets(placed, moe_layers, layer_axis)
+    ids = targets.numpy()
+    if exact:
+        ids = ids[mask.numpy()]
+    return np.stack(
+        [np.bincount(ids[:, j].reshape(-1), minlength=num_experts) for j in range(ids.shape[1])]
+    ).astype(np.int32)
+
+
 def ppo_loss_unclipped(
     new_logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip: float = 0.2
 ) -> Tensor:
@@ -72,6 +89,18 @@ def logprob_mask_with_first_tokens(attention_mask: Tensor) -> Tensor:
 
 
 MUTANTS = (
+    Mutant(
+        "tokens-per-expert-over-padding",
+        "router statistics over wrong rows",
+        "SkyRL #1908 bug 4: tokens_per_expert / aux-loss counters built with a [tokens] mask against "
+        "[tokens, experts], so padding, last-token and uncaptured rows' filler ids are counted (hides on a "
+        "batch without padding)",
+        mutate(
+            "tokens-per-expert-over-padding",
+            training=patched_module(training, tokens_per_expert=tokens_per_expert_over_every_row),
+        ),
+        killed_by="test_training.py::test_router_statistics_count_only_rows_that_hold_a_route",
+    ),
     Mutant(
         "prompt-rows-native",
         "prompt rows native",

@@ -264,8 +264,8 @@ class LayoutsCapability(Protocol):
 @runtime_checkable
 class TrainingCapability(Protocol):
     """The trainer passes of ``reference_impl.training`` the suites call: R2/R3 configuration rules,
-    replay targets from a placed batch, the log-prob passes (old, policy, reference), backward, and
-    the PPO quantities."""
+    replay targets from a placed batch, the log-prob passes (old, policy, reference), backward, the
+    PPO quantities, and the router statistics of a micro-batch (``tokens_per_expert``)."""
 
     check_mode: Callable[..., Any]
     has_rollout_routes: Callable[..., Any]
@@ -279,6 +279,7 @@ class TrainingCapability(Protocol):
     reference_logprobs: Callable[..., Any]
     ppo_kl: Callable[..., Any]
     ppo_loss: Callable[..., Any]
+    tokens_per_expert: Callable[..., Any]
 
 
 PROTOCOLS: dict[str, type] = {
