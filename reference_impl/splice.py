@@ -59,6 +59,12 @@ class Attempt:
     ``weight_version`` which policy weights it ran under. The correct splice needs none of them —
     every attempt contributes the rows of its own new positions — but a subject's multi-turn path
     is only exercised apart from its resume path when they are told apart.
+
+    ``routes_start`` is the context position of the payload's first row: 0 for a whole payload; an
+    engine that omits the rows of a cached prefix starts there, per request (vLLM
+    ``--enable-omit-prefix-routed-experts``: ``max(start, num_cached_tokens)``, #57966). The payload
+    then covers ``[routes_start, context_len_after_attempt - 1)``; a splice that reads it as if it
+    began at position 0 shifts every row it takes by ``routes_start``.
     """
 
     new_tokens: int
@@ -67,8 +73,11 @@ class Attempt:
     kind: str = "start"
     tool_tokens: int = 0
     weight_version: int = 0
+    routes_start: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.routes_start, int) or self.routes_start < 0:
+            raise SpliceError(f"Attempt.routes_start = {self.routes_start!r}: expected an int >= 0")
         if self.kind not in ATTEMPT_KINDS:
             raise SpliceError(f"Attempt.kind = {self.kind!r}: expected one of {ATTEMPT_KINDS}")
         if not 0 <= self.tool_tokens <= max(self.new_tokens, 0):
@@ -87,7 +96,9 @@ def splice(prompt_len: int, attempts: Sequence[Attempt]) -> torch.Tensor:
     whatever its payload (verl's partial-rollout client ``FullyAsyncLLMServerClient.generate``
     guards this case, because ``payload[-0:]`` is the *whole* payload, not an empty slice).
     Raises :class:`SpliceError` when a contributing payload is ``None`` or does not have exactly
-    the rows its context needs; nothing is ever padded.
+    the rows its context needs from its ``routes_start`` on, or when it omitted rows of the attempt's
+    own positions (a prefix cached from *another* request: no payload of this sample holds them);
+    nothing is ever padded.
     """
     _total_len(prompt_len, attempts)  # validates the schedule
     pieces: list[torch.Tensor] = []
@@ -97,8 +108,15 @@ def splice(prompt_len: int, attempts: Sequence[Attempt]) -> torch.Tensor:
         context_len += attempt.new_tokens
         if attempt.new_tokens == 0:
             continue
-        payload = _checked_payload(index, attempt.routes, rows_needed=context_len - 1)
-        pieces.append(payload[filled : context_len - 1])
+        start = attempt.routes_start
+        if start > filled:
+            raise SpliceError(
+                f"attempt {index}: its payload starts at position routes_start = {start}, but rows "
+                f"[{filled}, {start}) are its own (no earlier attempt wrote them): the engine omitted "
+                "a prefix cached from another request, which no payload of this sample holds"
+            )
+        payload = _checked_payload(index, attempt.routes, rows_needed=context_len - 1 - start)
+        pieces.append(payload[filled - start : context_len - 1 - start])
         filled = context_len - 1
     if not pieces:
         if prompt_len > 1:
@@ -118,6 +136,11 @@ def splice_replace(prompt_len: int, attempts: Sequence[Attempt]) -> torch.Tensor
     total_len = _total_len(prompt_len, attempts)
     for index in reversed(range(len(attempts))):
         if attempts[index].routes is not None:
+            if attempts[index].routes_start:
+                raise SpliceError(
+                    f"attempt {index}: routes_start = {attempts[index].routes_start}: the latest payload "
+                    "omitted a cached prefix, and replacing needs a whole payload (routes_start 0)"
+                )
             return _checked_payload(index, attempts[index].routes, rows_needed=total_len - 1)
     raise SpliceError(f"no attempt returned routes; rows needed: {total_len - 1}")
 

@@ -380,6 +380,43 @@ def test_resumed_attempts_keep_their_rows(subject: Any, schedule: Schedule) -> N
     _check_rows(schedule, sim, got)
 
 
+def _omitting_cached_prefixes(sim: Sim, draw: st.DrawFn) -> list[Attempt]:
+    """The episode's attempts as an engine that omits cached-prefix rows returns them: every attempt
+    after the first that added tokens starts its payload at a drawn ``routes_start`` in the context it
+    was given (at most its first own row), the rows before it cut off."""
+    attempts, context, filled, owner_seen = list(sim.episode.attempts), sim.episode.prompt_len, 0, False
+    for j, attempt in enumerate(attempts):
+        context += attempt.new_tokens
+        if owner_seen and attempt.routes is not None:
+            start = draw(st.integers(0, min(filled, attempt.routes.shape[0])), label=f"attempt {j + 1} routes_start")
+            attempts[j] = replace(attempt, routes=attempt.routes[start:], routes_start=start)
+        if attempt.new_tokens:
+            filled, owner_seen = context - 1, True
+    return attempts
+
+
+@pytest.mark.capability("splice")
+@given(schedule=attempt_schedules(), data=st.data())
+def test_an_engine_omitted_cached_prefix_is_spliced_from_its_own_start(
+    subject: Any, schedule: Schedule, data: st.DataObject
+) -> None:
+    """An engine that omits the rows of a cached prefix (vLLM ``--enable-omit-prefix-routed-experts``,
+    #57966) starts each payload at ``Attempt.routes_start`` = ``max(start, num_cached_tokens)``, per
+    request. Every row is still the route live when its token was sampled: the splice reads each payload
+    from its own start, or refuses the attempts; it never takes row ``i`` of a payload for position
+    ``i`` (a shift by the cached prefix)."""
+    note(f"counterexample: {schedule.describe()}")
+    sim = _simulate(schedule, idle_payloads=True)
+    attempts = _omitting_cached_prefixes(sim, data.draw)
+    starts = [a.routes_start for a in attempts]
+    note(f"routes_start per attempt: {starts}")
+    try:
+        got = require(subject, "splice")(schedule.prompt_len, attempts)
+    except Exception:  # refusing an engine feature it does not support is correct; shifting rows is not
+        return
+    _check_rows(schedule, sim, got)
+
+
 CONSTANT_TOP1 = RouteTable(palette=(((1,),),))
 """Top-1, one layer, every row the same expert: every seam joins two equal rows."""
 BOTH_EXPERTS_REORDERED = RouteTable(palette=(((0, 1), (1, 0)),), reorder=True)
@@ -475,6 +512,8 @@ def test_bad_splice_and_truncate_input_is_refused(subject: Any, refused: Refusal
     refused(lambda: splice(0, good), "prompt_len", "1")
     refused(lambda: splice(4, [replace(good[0], new_tokens=-1)]), "new_tokens", "0")
     refused(lambda: splice(3, [Attempt(0, None, "abort")]), "2 prompt rows")
+    omitted = replace(good[0], routes=good[0].routes[1:], routes_start=1)  # type: ignore[index]
+    refused(lambda: splice(4, [omitted, good[1]]), "routes_start = 1", "[0, 1)")
     tokens, routes = _coded_sample(6, 0, torch.int64)
     refused(lambda: truncate(tokens[None], routes, 2, 1), "tokens")
     refused(lambda: truncate(tokens, routes[:-1], 2, 1), "4 rows", "= 5")

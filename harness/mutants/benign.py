@@ -41,6 +41,7 @@ from harness.mutants.benign_functions import (
     replay_targets_int32_sorted,
     splice_into_buffer,
     splice_payload_tails,
+    splice_refusing_omitted_prefixes,
     splice_to_numpy,
     truncate_dedup_by_position,
     truncate_keeping_last_kept_row,
@@ -136,6 +137,12 @@ BENIGN: tuple[Benign, ...] = (
         "the splice as a preallocated buffer filled by position from each attempt's payload, never "
         "comparing rows (equal rows across a seam stay put)",
         _variant("splice-into-buffer", splice=splice_into_buffer),
+    ),
+    Benign(
+        "splice-refusing-omitted-prefixes",
+        "the correct splice for whole payloads, refusing every payload that omitted a cached prefix "
+        "(routes_start > 0) as unsupported (the twin of omitted-prefix-read-from-zero)",
+        _variant("splice-refusing-omitted-prefixes", splice=splice_refusing_omitted_prefixes),
     ),
     Benign(
         "splice-filling-turn-placeholders",

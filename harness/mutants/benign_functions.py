@@ -110,6 +110,16 @@ def splice_into_buffer(prompt_len: int, attempts: Sequence[splice.Attempt]) -> t
     return buffer
 
 
+def splice_refusing_omitted_prefixes(prompt_len: int, attempts: Sequence[splice.Attempt]) -> torch.Tensor:
+    """The correct splice for engines that return whole payloads, refusing, in its own words, any
+    payload whose engine omitted a cached prefix (``routes_start`` > 0): a feature it does not
+    support, refused rather than read shifted (the twin of ``omitted-prefix-read-from-zero``)."""
+    for index, attempt in enumerate(attempts):
+        if attempt.routes_start:
+            raise NotImplementedError(f"attempt {index}: payloads omitting a cached prefix are not supported")
+    return splice.splice(prompt_len, attempts)
+
+
 # --- decode_payload ---------------------------------------------------------------------------------
 
 

@@ -137,7 +137,29 @@ def splice_with_turn_placeholders(
     return trace
 
 
+def splice_assuming_rows_from_position_zero(prompt_len: int, attempts: Sequence[Attempt]) -> torch.Tensor:
+    """Each attempt's own rows read by absolute position, ``payload[filled : context − 1]``, as if every
+    payload began at the caller's prompt start: a payload whose engine omitted a cached prefix
+    (``routes_start`` > 0, vLLM #57966) gives rows shifted by that prefix, and too few."""
+    pieces, filled, context_len = [], 0, prompt_len
+    for attempt in attempts:
+        context_len += attempt.new_tokens
+        if attempt.new_tokens and attempt.routes is not None:
+            pieces.append(torch.as_tensor(attempt.routes)[filled : context_len - 1])
+            filled = context_len - 1
+    return torch.cat(pieces) if pieces else splice(prompt_len, attempts)
+
+
 MUTANTS = (
+    Mutant(
+        "omitted-prefix-read-from-zero",
+        "engine-omitted cached prefix",
+        "vLLM #57966: with --enable-omit-prefix-routed-experts each payload starts at "
+        "max(start, num_cached_tokens); a splice reading row i as position i shifts every row by the cached "
+        "prefix (hides without prefix-cache hits)",
+        mutate("omitted-prefix-read-from-zero", splice=splice_assuming_rows_from_position_zero),
+        killed_by="test_splice.py::test_an_engine_omitted_cached_prefix_is_spliced_from_its_own_start",
+    ),
     Mutant(
         "duplication-on-resume",
         "duplication on resume",
