@@ -114,6 +114,44 @@ def unplace(placed: Placed) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return samples
 
 
+def select_samples(batches: Sequence[Placed], picks: Sequence[tuple[int, int]]) -> Placed:
+    """A batch of samples taken from other batches: sample ``i`` is sample ``picks[i][1]`` of
+    ``batches[picks[i][0]]``, with every field of it — tokens, both masks, the response mask and its
+    routes.
+
+    What dynamic sampling (DAPO: groups with one reward dropped, the batch topped up from the next
+    generation round) and filtering do. Rebuilding the samples from a fixed field list that misses
+    the routes leaves a rejected sample's routes on its replacement, or drops them so its rows route
+    natively (SkyRL #1908 bug 5; NeMo-RL #2849, #3378). Every batch must share the width and the
+    route shape, and carry response masks all or none.
+    """
+    if not batches:
+        raise LayoutError("batches is empty")
+    if not picks:
+        raise LayoutError("picks is empty: a batch needs at least one sample")
+    first = batches[0]
+    for b, batch in enumerate(batches):
+        if batch.tokens.shape[1] != first.tokens.shape[1] or batch.routes.shape[2:] != first.routes.shape[2:]:
+            raise LayoutError(
+                f"batches[{b}] has width {batch.tokens.shape[1]} and route shape {list(batch.routes.shape[2:])}, "
+                f"expected those of batches[0]: {first.tokens.shape[1]}, {list(first.routes.shape[2:])}"
+            )
+        if (batch.response_mask is None) != (first.response_mask is None):
+            raise LayoutError(f"batches[{b}]: response_mask must be given for every batch or for none")
+    for i, (b, k) in enumerate(picks):
+        if not 0 <= b < len(batches) or not 0 <= k < batches[b].tokens.shape[0]:
+            size = batches[b].tokens.shape[0] if 0 <= b < len(batches) else "?"
+            raise LayoutError(
+                f"picks[{i}] = ({b}, {k}): expected a batch in [0, {len(batches)}) and a sample in [0, {size})"
+            )
+
+    def gather(field: str) -> torch.Tensor:
+        return torch.stack([getattr(batches[b], field)[k] for b, k in picks])
+
+    response = None if first.response_mask is None else gather("response_mask")
+    return Placed(gather("tokens"), gather("attention_mask"), gather("routes"), gather("replay_mask"), response)
+
+
 def _check_sample(
     index: int,
     tokens: torch.Tensor,

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from harness.testing.judge import Refusal, as_ids, refuses
 from harness.testing.suite import require
-from reference_impl.layouts import Placed
+from reference_impl.layouts import Placed, place_left_padded
 
 pytestmark = pytest.mark.capability("layouts")
 
@@ -157,6 +157,52 @@ def test_samples_of_a_group_keep_their_own_prompt_rows(
                 f"{where}: sample {i}, prompt position {p} holds {decode(got)}, expected its own row "
                 f"(the row of sample {i}, position {p})"
             )
+
+
+@given(
+    rounds=st.lists(st.lists(st.integers(1, 8), min_size=1, max_size=5), min_size=1, max_size=3),
+    extra=st.integers(0, 2),
+    seed=seeds,
+    data=st.data(),
+)
+def test_selected_samples_carry_their_own_routes(
+    subject: Any, rounds: list[list[int]], extra: int, seed: int, data: st.DataObject
+) -> None:
+    """Dynamic sampling and filtering build a batch from samples of other batches (DAPO tops a batch up
+    from the next generation round): each picked sample keeps its own tokens, rows and masks, its rows
+    replayed. Rebuilding samples from a field list without the routes leaves a rejected sample's routes
+    on its replacement, or drops them so its rows route natively (SkyRL #1908 bug 5; NeMo-RL #2849)."""
+    layouts = require(subject, "layouts")
+    rng = np.random.default_rng(seed)
+    width = max(max(r) for r in rounds) + extra
+    sources = [
+        [coded_sample(8 * r + i, n, rng) for i, n in enumerate(lengths)] for r, lengths in enumerate(rounds)
+    ]
+    batches = [place_left_padded(samples, width) for samples in sources]
+    pairs = st.sampled_from([(r, i) for r, lengths in enumerate(rounds) for i in range(len(lengths))])
+    picks = data.draw(st.lists(pairs, min_size=1, max_size=6), label="picks (round, sample)")
+    where = f"samples {picks} (round, index) picked from rounds of lengths {rounds}, width {width}"
+    got = layouts.select_samples(batches, picks)
+    assert torch.as_tensor(got.tokens).shape[0] == len(picks), (
+        f"{where}: the batch has {torch.as_tensor(got.tokens).shape[0]} samples, expected {len(picks)}"
+    )
+    for k, (r, i) in enumerate(picks):
+        tokens, routes = sources[r][i]
+        columns = real_columns(got, k)
+        assert torch.equal(as_ids(torch.as_tensor(got.tokens)[k, columns]), tokens), (
+            f"{where}: sample {k}'s tokens are not those of round {r}'s sample {i}"
+        )
+        for p in range(tokens.shape[0] - 1):
+            row = as_ids(torch.as_tensor(got.routes)[k, columns[p]])
+            assert torch.equal(row, routes[p]), (
+                f"{where}: sample {k} (round {r}'s sample {i}), position {p} holds {decode(row)}, expected "
+                f"its own row (the row of sample {8 * r + i}, position {p})"
+            )
+        replayed = torch.as_tensor(got.replay_mask)[k].bool().nonzero().squeeze(1).tolist()
+        assert replayed == columns[:-1], (
+            f"{where}: sample {k}'s replay mask is True at columns {replayed}, expected its rows' columns "
+            f"{columns[:-1]} (rows without a replay mask route natively)"
+        )
 
 
 @given(case=placements())
@@ -824,6 +870,10 @@ def test_bad_layout_input_is_refused(subject: Any, refused: Refusal = refuses) -
     refused(lambda: place(samples, 3), "sample 0", "width", "4")
     refused(lambda: place([(t0, r0[:-1]), (t1, r1)], 4), "sample 0", "2 rows", "= 3")
     refused(lambda: place([(t0, r0), (t1, r1[:, :2])], 4), "sample 1", "routes")
+    batch, wider = place_left_padded(samples, 4), place_left_padded(samples, 5)
+    refused(lambda: layouts.select_samples([batch], [(0, 2)]), "picks[0]", "[0, 2)")
+    refused(lambda: layouts.select_samples([batch, wider], [(0, 0)]), "batches[1]", "width")
+    refused(lambda: layouts.select_samples([batch], []), "picks")
     refused(lambda: place(samples, 4, [1, 3]), "sample 1", "prompt_lens", "3")
     placed = place(samples, 4)
     no_token = torch.as_tensor(placed.attention_mask).bool().clone()

@@ -48,7 +48,7 @@ from harness.mutants.benign_functions import (
     truncate_to_int32,
 )
 from harness.mutants.drivers import ConstructorPatchDriver
-from harness.mutants.layouts import place_prompt_rows_once_per_group
+from harness.mutants.layouts import place_prompt_rows_once_per_group, select_samples_by_field_list
 from harness.mutants.training import tokens_per_expert_over_every_row
 from harness.mutants.passes import FIFO_CLEARED_BEFORE_EACH_UPDATE, R2_RECORDING_KEPT_ON_MODEL
 from harness.mutants.router_rules import (
@@ -233,6 +233,15 @@ BENIGN: tuple[Benign, ...] = (
             training=patched_module(
                 training, tokens_per_expert=partial(tokens_per_expert_over_every_row, exact=True)
             ),
+        ),
+    ),
+    Benign(
+        "selected-samples-repadded",
+        "the picked samples read back whole and placed again, left-padded to the longest picked one (the "
+        "twin of routes-left-on-replacement)",
+        _variant(
+            "selected-samples-repadded",
+            layouts=patched_module(layouts, select_samples=partial(select_samples_by_field_list, repad=True)),
         ),
     ),
     Benign(

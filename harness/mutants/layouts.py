@@ -62,6 +62,27 @@ def place_prompt_rows_once_per_group(
     return layouts.place_left_padded(shared, width, prompt_lens)
 
 
+SAMPLE_FIELDS = ("tokens", "attention_mask", "replay_mask", "response_mask")
+"""The fields a trainer's dynamic-sampling code rebuilt its samples from: the routes are not among them."""
+
+
+def select_samples_by_field_list(
+    batches: Sequence[layouts.Placed], picks: Sequence[tuple[int, int]], *, repad: bool = False
+) -> layouts.Placed:
+    """Samples picked field by field from ``SAMPLE_FIELDS``, the routes left where they were: the
+    batch keeps the first batch's routes, row for row, so a rejected sample's routes stay on its
+    replacement (SkyRL #1908 bug 5). With ``repad`` (right): every picked sample read back whole
+    (``unplace``) and placed again, left-padded to the longest picked one."""
+    if repad:
+        samples = [layouts.unplace(batches[b])[k] for b, k in picks]
+        return layouts.place_left_padded(samples, max(t.shape[0] for t, _ in samples))
+    picked = layouts.select_samples(batches, picks)
+    kept = batches[0].routes
+    rows = torch.stack([kept[k % kept.shape[0]] for k in range(len(picks))])
+    fields = {f: getattr(picked, f) for f in SAMPLE_FIELDS}
+    return layouts.Placed(routes=rows, **fields)
+
+
 def cp_shard_routes_contiguous(x: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
     """Tokens (1-D) zig-zag, but routes (3-D) split into cp contiguous pieces."""
     if x.dim() == 1:
@@ -91,6 +112,18 @@ def _layouts(**functions: Any) -> Any:
 
 
 MUTANTS = (
+    Mutant(
+        "routes-left-on-replacement",
+        "routes detached from their sample",
+        "SkyRL #1908 bug 5, NeMo-RL #2849/#3378: dynamic sampling rebuilt the kept samples from a fixed "
+        "field list without the routes, so each slot keeps the routes of the sample it replaced (hides "
+        "when nothing is filtered)",
+        mutate(
+            "routes-left-on-replacement",
+            layouts=patched_module(layouts, select_samples=select_samples_by_field_list),
+        ),
+        killed_by="test_layouts.py::test_selected_samples_carry_their_own_routes",
+    ),
     Mutant(
         "prompt-rows-keyed-by-prompt",
         "prompt rows of another sample",

@@ -242,6 +242,7 @@ class LayoutsCapability(Protocol):
 
     place_left_padded: Callable[..., Any]
     unplace: Callable[..., Any]
+    select_samples: Callable[..., Any]
     pack: Callable[..., Any]
     plan_micro_batches: Callable[..., Any]
     sp_pad: Callable[..., Any]
