@@ -103,6 +103,7 @@ class MoEConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_expert: bool = False
+    mtp_layers: int = 0
     max_positions: int = 512
     seed: int = 0
     dtype: str = "float32"
@@ -176,6 +177,18 @@ class MoEConfig:
             "routed_scaling_factor",
             self.routed_scaling_factor,
             "a number > 0",
+        )
+        _require(
+            isinstance(self.mtp_layers, int) and self.mtp_layers >= 0,
+            "mtp_layers",
+            self.mtp_layers,
+            "an int >= 0",
+        )
+        _require(
+            not self.mtp_layers or bool(self.moe_layers),
+            "mtp_layers",
+            self.mtp_layers,
+            "0 for a model without MoE layers (an MTP block routes like the last MoE layer)",
         )
         for name in ("norm_topk_prob", "shared_expert"):
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "a bool")

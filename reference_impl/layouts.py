@@ -133,7 +133,8 @@ def select_samples(batches: Sequence[Placed], picks: Sequence[tuple[int, int]]) 
     for b, batch in enumerate(batches):
         if batch.tokens.shape[1] != first.tokens.shape[1] or batch.routes.shape[2:] != first.routes.shape[2:]:
             raise LayoutError(
-                f"batches[{b}] has width {batch.tokens.shape[1]} and route shape {list(batch.routes.shape[2:])}, "
+                f"batches[{b}] has width {batch.tokens.shape[1]} and route shape "
+                f"{list(batch.routes.shape[2:])}, "
                 f"expected those of batches[0]: {first.tokens.shape[1]}, {list(first.routes.shape[2:])}"
             )
         if (batch.response_mask is None) != (first.response_mask is None):
@@ -142,14 +143,17 @@ def select_samples(batches: Sequence[Placed], picks: Sequence[tuple[int, int]]) 
         if not 0 <= b < len(batches) or not 0 <= k < batches[b].tokens.shape[0]:
             size = batches[b].tokens.shape[0] if 0 <= b < len(batches) else "?"
             raise LayoutError(
-                f"picks[{i}] = ({b}, {k}): expected a batch in [0, {len(batches)}) and a sample in [0, {size})"
+                f"picks[{i}] = ({b}, {k}): expected a batch in [0, {len(batches)}) and a sample in "
+                f"[0, {size})"
             )
 
     def gather(field: str) -> torch.Tensor:
         return torch.stack([getattr(batches[b], field)[k] for b, k in picks])
 
     response = None if first.response_mask is None else gather("response_mask")
-    return Placed(gather("tokens"), gather("attention_mask"), gather("routes"), gather("replay_mask"), response)
+    return Placed(
+        gather("tokens"), gather("attention_mask"), gather("routes"), gather("replay_mask"), response
+    )
 
 
 def _check_sample(

@@ -161,9 +161,11 @@ class MoEBlock(nn.Module):
     point where replay must have taken effect.
     """
 
-    def __init__(self, cfg: MoEConfig, layer: int) -> None:
+    def __init__(
+        self, cfg: MoEConfig, layer: int, *, where: str | None = None, family: str | None = None
+    ) -> None:
         super().__init__()
-        self.router = Router(cfg, layer)
+        self.router = Router(cfg, layer, where=where, family=family)
         self.experts = nn.ModuleList(
             SwiGLU(cfg.hidden_size, cfg.expert_hidden) for _ in range(cfg.num_experts)
         )
@@ -202,6 +204,30 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+class MTPBlock(nn.Module):
+    """One multi-token-prediction block (DeepSeek-V3's MTP module, without its attention): the last
+    hidden state and the next token's embedding, each normalised, concatenated and projected, then an
+    MoE layer of its own, routed like the model's last MoE layer.
+
+    Its router is numbered as Megatron-core numbers MTP layers, 1-based within the MTP stack
+    (``layer`` 1 for the first block), a number a decoder layer has too: a driver that keys routers
+    by that bare number gives it a decoder layer's routes (FACTS §4 "MTP routers").
+    """
+
+    def __init__(self, cfg: MoEConfig, index: int) -> None:
+        super().__init__()
+        self.hidden_norm = RMSNorm(cfg.hidden_size)
+        self.embed_norm = RMSNorm(cfg.hidden_size)
+        self.proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.mlp = MoEBlock(
+            cfg, index + 1, where=f"MTP block {index}", family=cfg.family_of(cfg.moe_layers[-1])
+        )
+
+    def forward(self, hidden: Tensor, next_embedding: Tensor) -> Tensor:
+        x = self.proj(torch.cat([self.hidden_norm(hidden), self.embed_norm(next_embedding)], dim=-1))
+        return x + self.mlp(x)
+
+
 class MoELM(nn.Module):
     """The reference MoE LM, built deterministically from a `MoEConfig`.
 
@@ -217,6 +243,7 @@ class MoELM(nn.Module):
             self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
             self.final_norm = RMSNorm(cfg.hidden_size)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.mtp = nn.ModuleList(MTPBlock(cfg, i) for i in range(cfg.mtp_layers))
         self.to_empty(device="cpu")
         self._init_weights(torch.Generator().manual_seed(cfg.seed))
         self.to(cfg.torch_dtype)
@@ -295,7 +322,20 @@ class MoELM(nn.Module):
                 x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, mask, cache)
+        if cache is None:
+            self._run_mtp(x, input_ids)
         return self.lm_head(self.final_norm(x))
+
+    def _run_mtp(self, hidden: Tensor, input_ids: Tensor) -> None:
+        """The MTP blocks on the decoder's output and each next token's embedding (the last position
+        takes its own), as a training forward runs them for the MTP loss. Their predictions are not
+        part of the returned logits; each block's ``mlp.last_dispatch`` keeps what its experts received."""
+        if not len(self.mtp):
+            return
+        following = torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
+        embedding = self.embed(following)
+        for block in self.mtp:
+            hidden = block(hidden, embedding)
 
     # -- routing replay helpers (MoE-ordinal layer axis: one slot per router, decoder order) --
 

@@ -387,14 +387,16 @@ class Router(nn.Module):
     `replay` (a `RouterReplay`) holds the mode, targets, recompute FIFO and recordings.
     """
 
-    def __init__(self, cfg: MoEConfig, layer: int) -> None:
+    def __init__(
+        self, cfg: MoEConfig, layer: int, *, where: str | None = None, family: str | None = None
+    ) -> None:
         super().__init__()
-        self.layer = layer  # decoder index, named in every error
+        self.layer = layer  # decoder index (an MTP block's: its 1-based number), named in every error
         self.num_experts = cfg.num_experts
         self.top_k = cfg.top_k
-        self.family = make_family(cfg.family_of(layer), cfg)
+        self.family = make_family(family or cfg.family_of(layer), cfg)
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=self.family.gate_bias)
-        self.replay = RouterReplay(f"decoder layer {layer}", cfg.num_experts, cfg.top_k)
+        self.replay = RouterReplay(where or f"decoder layer {layer}", cfg.num_experts, cfg.top_k)
 
     def forward(self, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Route tokens `hidden` [T, H] → (ids [T, k] int64, weights [T, k], logits [T, E])."""

@@ -176,7 +176,10 @@ def replay_targets(
 
 
 def tokens_per_expert(
-    placed: Placed, moe_layers: Sequence[int], num_experts: int, layer_axis: LayerAxis | str = LayerAxis.DECODER
+    placed: Placed,
+    moe_layers: Sequence[int],
+    num_experts: int,
+    layer_axis: LayerAxis | str = LayerAxis.DECODER,
 ) -> Tensor:
     """How many tokens each expert of each MoE layer receives in a micro-batch: [n_moe, E] int64.
 

@@ -147,9 +147,11 @@ def test_samples_of_a_group_keep_their_own_prompt_rows(
     shared = samples[0][0][:prompt]
     samples = [(torch.cat([shared, t[prompt:]]), r) for t, r in samples]
     width = max(lengths) + extra
-    placed = layouts.place_left_padded([(t.clone(), r.clone()) for t, r in samples], width, [prompt] * len(lengths))
+    placed = layouts.place_left_padded(
+        [(t.clone(), r.clone()) for t, r in samples], width, [prompt] * len(lengths)
+    )
     where = f"a group of {len(lengths)} samples sharing a {prompt}-token prompt, responses {responses}"
-    for i, (tokens, routes) in enumerate(samples):
+    for i, (_, routes) in enumerate(samples):
         columns = real_columns(placed, i)
         for p in range(prompt):
             got = as_ids(placed.routes[i, columns[p]])
@@ -253,39 +255,6 @@ def test_placement_puts_each_row_at_its_tokens_column(
             )
 
 
-@given(
-    prompt=st.integers(2, 6),
-    responses=st.lists(st.integers(1, 5), min_size=2, max_size=4),
-    extra=st.integers(0, 2),
-    seed=seeds,
-)
-def test_samples_of_a_group_keep_their_own_prompt_rows(
-    subject: Any, prompt: int, responses: list[int], extra: int, seed: int
-) -> None:
-    """A GRPO group: every sample has the same prompt tokens, yet row ``p`` of sample ``j`` is the
-    routing live for *that* sample (DESIGN §3.4). The prompt rows of two samples are equal only when the
-    engine really reused them (a prefix hit); after a bf16 prefill in another batch, an evicted block or
-    a resume under new weights they differ. A placement that stores prompt rows once per group, keyed by
-    the prompt, gives every sample the first one's."""
-    note(f"counterexample: prompt={prompt}, responses={responses}, extra={extra}, seed={seed}")
-    layouts = require(subject, "layouts")
-    lengths = tuple(prompt + r for r in responses)
-    samples = coded_batch(lengths, seed)
-    shared = samples[0][0][:prompt]
-    samples = [(torch.cat([shared, t[prompt:]]), r) for t, r in samples]
-    width = max(lengths) + extra
-    placed = layouts.place_left_padded([(t.clone(), r.clone()) for t, r in samples], width, [prompt] * len(lengths))
-    where = f"a group of {len(lengths)} samples sharing a {prompt}-token prompt, responses {responses}"
-    for i, (tokens, routes) in enumerate(samples):
-        columns = real_columns(placed, i)
-        for p in range(prompt):
-            got = as_ids(placed.routes[i, columns[p]])
-            assert torch.equal(got, routes[p]), (
-                f"{where}: sample {i}, prompt position {p} holds {decode(got)}, expected its own row "
-                f"(the row of sample {i}, position {p})"
-            )
-
-
 @given(case=placements())
 @example(case=((3, 1, 5), None, 7, 0))
 @example(case=((2, 2), None, 2, 1))
@@ -318,39 +287,6 @@ def test_replay_mask_is_true_exactly_on_rows_that_exist(
             f"{describe_batch(lengths, width)}: replay_mask marks filler (padding or a sample's last token) "
             f"at [sample, column] {filler[:6]} and leaves real rows unreplayed at {missing[:6]}"
         )
-
-
-@given(
-    prompt=st.integers(2, 6),
-    responses=st.lists(st.integers(1, 5), min_size=2, max_size=4),
-    extra=st.integers(0, 2),
-    seed=seeds,
-)
-def test_samples_of_a_group_keep_their_own_prompt_rows(
-    subject: Any, prompt: int, responses: list[int], extra: int, seed: int
-) -> None:
-    """A GRPO group: every sample has the same prompt tokens, yet row ``p`` of sample ``j`` is the
-    routing live for *that* sample (DESIGN §3.4). The prompt rows of two samples are equal only when the
-    engine really reused them (a prefix hit); after a bf16 prefill in another batch, an evicted block or
-    a resume under new weights they differ. A placement that stores prompt rows once per group, keyed by
-    the prompt, gives every sample the first one's."""
-    note(f"counterexample: prompt={prompt}, responses={responses}, extra={extra}, seed={seed}")
-    layouts = require(subject, "layouts")
-    lengths = tuple(prompt + r for r in responses)
-    samples = coded_batch(lengths, seed)
-    shared = samples[0][0][:prompt]
-    samples = [(torch.cat([shared, t[prompt:]]), r) for t, r in samples]
-    width = max(lengths) + extra
-    placed = layouts.place_left_padded([(t.clone(), r.clone()) for t, r in samples], width, [prompt] * len(lengths))
-    where = f"a group of {len(lengths)} samples sharing a {prompt}-token prompt, responses {responses}"
-    for i, (tokens, routes) in enumerate(samples):
-        columns = real_columns(placed, i)
-        for p in range(prompt):
-            got = as_ids(placed.routes[i, columns[p]])
-            assert torch.equal(got, routes[p]), (
-                f"{where}: sample {i}, prompt position {p} holds {decode(got)}, expected its own row "
-                f"(the row of sample {i}, position {p})"
-            )
 
 
 @given(case=placements())

@@ -16,6 +16,7 @@ experts receive; nothing the subject reports about itself (``dispatched()``) is 
 - the router gets gradients at targets its live top-k would not pick;
 - activation recompute replays each forward's own targets (two forwards in flight);
 - a model with more than ten decoder layers gets each layer's targets (name order is not layer order);
+- an MTP block's router routes natively under replay (the targets carry no MTP rows);
 - two controlled models alive at once (actor and reference) each route by their own controller;
 - a disarmed model routes natively again, after replay and after a recording;
 - a model part built before the driver's ``patch()`` is replayed or refused, never left native;
@@ -99,6 +100,7 @@ def _armed(
     negate: bool = False,
     deep: bool = False,
     wide: bool = False,
+    mtp: bool = False,
     model: torch.nn.Module | None = None,
 ) -> Iterator[tuple[ModelKind, torch.nn.Module, ReplayController, RouteProbe, Routing]]:
     """The subject's driver patched, then a model of ``family`` built (or ``model``), the subject's
@@ -112,7 +114,12 @@ def _armed(
         driver = prepare(capability, model_kind.capability)
         if model is None:
             model = model_kind.build(
-                family, dtype, fresh=patches(driver), deep=deep, **({"wide": True} if wide else {}),
+                family,
+                dtype,
+                fresh=patches(driver),
+                deep=deep,
+                **({"wide": True} if wide else {}),
+                **({"mtp": True} if mtp else {}),
                 **_overrides(kind, driver),
             )
         if negate:
@@ -269,6 +276,41 @@ def test_experts_receive_the_targets_in_a_wide_bf16_model(
     logits' dtype (``ids.to(router_logits)``) rounds ids above 256 onto other experts. The Megatron
     kind is built in fp32 and has no such case."""
     _check_experts_receive_targets(subject, kind, family, "bf16", seed, wide=True)
+
+
+@pytest.mark.parametrize(
+    ("kind", "family"),
+    [pytest.param("reference", f, id=f"reference-{f}", marks=pytest.mark.capability("install_replay"))
+     for f in ("softmax_topk", "sigmoid_grouped")],
+)  # fmt: skip
+def test_mtp_routers_route_natively_under_replay(subject: Subject, kind: str, family: str) -> None:
+    """A model with a multi-token-prediction block (DeepSeek-V3, GLM-4.5) after its decoder: under replay
+    the decoder's experts receive the targets, and the MTP block's router, for which the targets carry
+    no rows, chooses natively from its own live logits. Megatron-core numbers MTP layers 1-based, as it
+    numbers decoder layers: a driver keying routers by that bare ``layer_number`` gives the MTP router a
+    decoder layer's routes (NeMo-RL #3903, #4057; verl #7340 review)."""
+    with _armed(subject, kind, family, "fp32", negate=True, mtp=True) as (k, model, ctl, probe, routing):
+        block = model.mtp[0].mlp  # the harness's own model: it knows where its MTP block is
+        live: list[torch.Tensor] = []
+        hook = block.router.register_forward_hook(lambda _m, _a, out: live.append(out[2].detach()))
+        try:
+            targets = _random_targets(routing, BATCH * SEQ, 3)
+            ctl.replay(targets)
+            with torch.no_grad():
+                k.run(model, _tokens(k, 3))
+        finally:
+            hook.remove()
+        dispatched, mtp_dispatched = probe.last().ids, block.last_dispatch
+    what = f"{kind} {family} with an MTP block"
+    assert_same_routes(dispatched, targets, names=("dispatched", "targets"), what=what, axes=AXES)
+    native = type(block.router.family).select(block.router.family, live[-1])
+    assert_same_routes(
+        mtp_dispatched[:, None],
+        native[:, None],
+        names=("the MTP block dispatched", "its native choice"),
+        what=f"{what}: the MTP router under replay (its layer number is {block.router.layer})",
+        axes=AXES,
+    )
 
 
 def _native(
@@ -431,12 +473,14 @@ def _part_built_before_the_patch(subject: Subject, kind: str, family: str, early
 
 
 @fp32_cases
-def test_a_recording_is_the_models_native_routing(subject: Subject, kind: str, family: str, dtype: str) -> None:
+def test_a_recording_is_the_models_native_routing(
+    subject: Subject, kind: str, family: str, dtype: str
+) -> None:
     """What ``record()`` keeps, and what the experts receive while recording, is the routing a native
     forward of the same model dispatches on the same tokens. A RECORD branch that re-implements the
     choice (a top-k without the group limit of a DeepSeek-V3 router) records a routing the model never
     takes, and R2 then faithfully replays it: every "replay equals recording" check still holds."""
-    with _armed(subject, kind, family, dtype) as (k, model, ctl, probe, routing):
+    with _armed(subject, kind, family, dtype) as (k, model, ctl, probe, _):
         tokens = _tokens(k, 11)
         native, _ = _native(k, model, probe, tokens)
         ctl.record()
@@ -444,7 +488,11 @@ def test_a_recording_is_the_models_native_routing(subject: Subject, kind: str, f
         recording = ctl.recording()
     what = f"{kind} {family} {dtype}"
     assert_same_routes(
-        while_recording, native, names=("dispatched while recording", "a native forward"), what=what, axes=AXES
+        while_recording,
+        native,
+        names=("dispatched while recording", "a native forward"),
+        what=what,
+        axes=AXES,
     )
     assert_same_routes(recording, native, names=("recording()", "a native forward"), what=what, axes=AXES)
 

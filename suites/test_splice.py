@@ -388,7 +388,9 @@ def _omitting_cached_prefixes(sim: Sim, draw: st.DrawFn) -> list[Attempt]:
     for j, attempt in enumerate(attempts):
         context += attempt.new_tokens
         if owner_seen and attempt.routes is not None:
-            start = draw(st.integers(0, min(filled, attempt.routes.shape[0])), label=f"attempt {j + 1} routes_start")
+            start = draw(
+                st.integers(0, min(filled, attempt.routes.shape[0])), label=f"attempt {j + 1} routes_start"
+            )
             attempts[j] = replace(attempt, routes=attempt.routes[start:], routes_start=start)
         if attempt.new_tokens:
             filled, owner_seen = context - 1, True

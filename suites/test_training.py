@@ -430,11 +430,13 @@ def test_router_statistics_count_only_rows_that_hold_a_route(
     placed = place_left_padded(samples, max(lengths) + extra)
     got = as_ids(training.tokens_per_expert(placed, moe, CFG.num_experts, axis), "tokens_per_expert")
     assert tuple(got.shape) == tuple(expected.shape), (
-        f"tokens_per_expert has shape {tuple(got.shape)}, expected {tuple(expected.shape)} (MoE layers × experts)"
+        f"tokens_per_expert has shape {tuple(got.shape)}, expected {tuple(expected.shape)} "
+        "(MoE layers × experts)"
     )
     wrong = (got != expected).nonzero().tolist()
     assert not wrong, (
-        f"tokens_per_expert of samples of lengths {lengths} ({axis} trace): at (MoE layer, expert) {wrong[:4]} "
+        f"tokens_per_expert of samples of lengths {lengths} ({axis} trace): at (MoE layer, expert) "
+        f"{wrong[:4]} "
         f"counted {[int(got[j, e]) for j, e in wrong[:4]]}, the rows that hold a route give "
         f"{[int(expected[j, e]) for j, e in wrong[:4]]} ({int(got.sum()) - int(expected.sum())} routes "
         "more in all: padding or last-token rows counted?)"

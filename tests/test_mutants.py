@@ -49,6 +49,7 @@ QUICK_KEYWORD = {
         "test_replay and megatron-softmax and (whatever_the_live_logits or bit_exact)"
     ),
     "splice-payload-tails": "test_splice",
+    "routers-by-module-path": "test_replay and reference and not bf16",
     "targets-moved-through-fp32": "test_replay and reference and (wide or whatever_the_live)",
     "replay-at-the-expert-top-k": "test_replay and reference-sigmoid_grouped",
     "record-by-own-group-limited-top-k": "test_replay and reference-sigmoid_grouped",
@@ -126,6 +127,7 @@ def test_every_facts_bug_class_has_a_mutant() -> None:
         "turn-boundary placeholder", "group-limited routing", "FIFO leak across passes",
         "R2 without a fresh recording", "router statistics over wrong rows",
         "engine-omitted cached prefix", "routes detached from their sample",
+        "MTP routers",
     }  # fmt: skip
     assert expected <= classes, f"bug classes without a mutant: {sorted(expected - classes)}"
 

@@ -49,8 +49,8 @@ from harness.mutants.benign_functions import (
 )
 from harness.mutants.drivers import ConstructorPatchDriver
 from harness.mutants.layouts import place_prompt_rows_once_per_group, select_samples_by_field_list
-from harness.mutants.training import tokens_per_expert_over_every_row
 from harness.mutants.passes import FIFO_CLEARED_BEFORE_EACH_UPDATE, R2_RECORDING_KEPT_ON_MODEL
+from harness.mutants.replay import RoutersByModulePath
 from harness.mutants.router_rules import (
     installer,
     recorded_by_own_top_k,
@@ -58,6 +58,7 @@ from harness.mutants.router_rules import (
     targets_moved_through,
 )
 from harness.mutants.splice import splice_with_turn_placeholders
+from harness.mutants.training import tokens_per_expert_over_every_row
 from harness.subjects import Subject
 from harness.subjects.reference import REFERENCE
 from harness.trainers.megatron.subject import HarnessMegatronDriver
@@ -281,10 +282,19 @@ BENIGN: tuple[Benign, ...] = (
         _variant("constructor-patch-driver-by-tag", install_replay=ConstructorPatchDriver(by_tag=True)),
     ),
     Benign(
+        "routers-by-module-path",
+        "every router module found by walking the model and keyed by its path layers.<i>.mlp.router: the "
+        "MTP block's router is no decoder layer's and routes natively (the twin of "
+        "mtp-router-by-layer-number)",
+        _variant("routers-by-module-path", install_replay=lambda model: RoutersByModulePath(model)),
+    ),
+    Benign(
         "targets-moved-through-fp32",
         "replayed ids moved to the logits' device through fp32, which holds every id up to 2**24 (the "
         "twin of targets-in-logits-dtype)",
-        _variant("targets-moved-through-fp32", install_replay=installer(partial(targets_moved_through, exact=True))),
+        _variant(
+            "targets-moved-through-fp32", install_replay=installer(partial(targets_moved_through, exact=True))
+        ),
     ),
     Benign(
         "replay-at-the-expert-top-k",

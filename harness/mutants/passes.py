@@ -100,7 +100,9 @@ MUTANTS = (
         "SkyRL #1908 bug 1: a forward-only log-prob pass run in REPLAY_FORWARD queues recompute targets that "
         "nothing pops; the next training step's recompute pops an older batch's routes (hides unless a "
         "forward-only pass on another batch runs between schedules, with activation recompute)",
-        mutate("forward-only-pass-leaks-fifo", training=training_with(old_logprobs=old_logprobs_leaving_fifo)),
+        mutate(
+            "forward-only-pass-leaks-fifo", training=training_with(old_logprobs=old_logprobs_leaving_fifo)
+        ),
         killed_by="test_training.py::test_a_forward_only_pass_leaves_nothing_for_the_next_recompute",
     ),
     Mutant(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from collections.abc import Callable
 
 import torch
@@ -15,6 +16,7 @@ from harness.subjects import Subject
 from harness.subjects.capabilities import ReplayController
 from harness.subjects.reference import ReferenceReplay
 from reference_impl import MoELM, RoutingMode
+from reference_impl.routers import Router
 
 
 class OrphanReplay(ReferenceReplay):
@@ -162,6 +164,43 @@ def hooks_missing_the_last_layer(model: torch.nn.Module) -> ReplayController:
     return handle
 
 
+class RoutersByLayerNumber(ReferenceReplay):
+    """Targets handed to every router module of the model, found by walking its modules: keyed by the
+    router's bare layer number (the bug: an MTP block's router, numbered 1 like decoder layer 1, gets
+    that layer's routes, NeMo-RL #3903) or, with ``by_path``, by its module path ``layers.<i>.mlp.router``
+    (right: the MTP router is not a decoder layer's and routes natively)."""
+
+    by_path = False
+
+    def _keyed(self) -> list[tuple[Router, int]]:
+        slot = {layer: j for j, layer in enumerate(self.model.cfg.moe_layers)}
+        if self.by_path:
+            found = (re.fullmatch(r"layers\.(\d+)\.mlp\.router", n) for n, _ in self.model.named_modules())
+            layers = [int(m.group(1)) for m in found if m]
+            return [(self.model.layers[i].mlp.router, slot[i]) for i in layers]  # type: ignore[union-attr]
+        return [(m, slot[m.layer]) for m in self.model.modules() if isinstance(m, Router) and m.layer in slot]
+
+    def replay(self, targets: Tensor, mask: Tensor | None = None) -> None:
+        targets = torch.as_tensor(targets)
+        for router, j in self._keyed():
+            router.replay.set_targets(targets[:, j], mask)
+            router.replay.mode = RoutingMode.REPLAY_FORWARD
+
+    def prepare_backward(self) -> None:
+        for router, _ in self._keyed():
+            router.replay.mode = RoutingMode.REPLAY_BACKWARD
+
+    def disarm(self) -> None:
+        for router, _ in self._keyed():
+            router.replay.clear()
+            router.replay.mode = RoutingMode.NATIVE
+        super().disarm()
+
+
+class RoutersByModulePath(RoutersByLayerNumber):
+    by_path = True
+
+
 def _installer(handle: type[ReferenceReplay]) -> Callable[[MoELM], ReferenceReplay]:
     def install_replay(model: MoELM) -> ReferenceReplay:
         return handle(model)
@@ -182,6 +221,14 @@ def _driver_with(bug: Bug, name: str, *, by_tag: bool = False) -> Subject:
 
 
 MUTANTS = (
+    Mutant(
+        "mtp-router-by-layer-number",
+        "MTP routers",
+        "NeMo-RL #3903 (#4057 review; verl #7340 review): routers keyed by their bare 1-based layer_number, "
+        "so the MTP block's router, numbered 1, replays decoder layer 1's routes (hides without MTP)",
+        mutate("mtp-router-by-layer-number", install_replay=_installer(RoutersByLayerNumber)),
+        killed_by="test_replay.py::test_mtp_routers_route_natively_under_replay[reference-softmax_topk]",
+    ),
     Mutant(
         "silent-no-op",
         "silent no-op",

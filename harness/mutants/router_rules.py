@@ -118,7 +118,9 @@ MUTANTS = (
         "a replay driver moving its targets with ids.to(router_logits), taking the logits' dtype with their "
         "device: in a bf16 model with more than 256 experts (Kimi K2 384, Qwen3-Next 512) ids above 256 "
         "round onto other experts (hides below 257 experts and in fp32)",
-        mutate("targets-in-logits-dtype", install_replay=installer(partial(targets_moved_through, exact=False))),
+        mutate(
+            "targets-in-logits-dtype", install_replay=installer(partial(targets_moved_through, exact=False))
+        ),
         killed_by="test_replay.py::test_experts_receive_the_targets_in_a_wide_bf16_model[reference]",
     ),
     Mutant(

@@ -59,7 +59,12 @@ def replay_targets_by_ordinal(
 
 
 def tokens_per_expert_over_every_row(
-    placed: Placed, moe_layers: Sequence[int], num_experts: int, layer_axis: Any = "decoder", *, exact: bool = False
+    placed: Placed,
+    moe_layers: Sequence[int],
+    num_experts: int,
+    layer_axis: Any = "decoder",
+    *,
+    exact: bool = False,
 ) -> Any:
     """Router statistics from every row of the micro-batch: the replay mask is applied to the token
     axis *after* counting (a ``[tokens]`` mask against ``[tokens, experts]``, broadcast away), so the

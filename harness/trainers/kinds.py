@@ -31,21 +31,28 @@ bf16 (which holds every integer only up to 256) or to uint8."""
 
 @functools.cache
 def _cached(
-    construct: Callable[[str, str, bool, bool], nn.Module], family: str, dtype: str, deep: bool, wide: bool
+    construct: Callable[..., nn.Module], family: str, dtype: str, deep: bool, wide: bool, mtp: bool
 ) -> nn.Module:
-    return construct(family, dtype, deep, wide)
+    return construct(family, dtype, deep, wide, mtp)
 
 
-def _builder(construct: Callable[[str, str, bool, bool], nn.Module]) -> Callable[..., nn.Module]:
-    """``build`` over ``construct(family, dtype, deep, wide)``: cached and deep-copied unless ``fresh``."""
+def _builder(construct: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """``build`` over ``construct(family, dtype, deep, wide, mtp)``: cached and deep-copied unless
+    ``fresh``."""
 
     def build(
-        family: str, dtype: str, *, fresh: bool = False, deep: bool = False, wide: bool = False
+        family: str,
+        dtype: str,
+        *,
+        fresh: bool = False,
+        deep: bool = False,
+        wide: bool = False,
+        mtp: bool = False,
     ) -> nn.Module:
         return (
-            construct(family, dtype, deep, wide)
+            construct(family, dtype, deep, wide, mtp)
             if fresh
-            else copy.deepcopy(_cached(construct, family, dtype, deep, wide))
+            else copy.deepcopy(_cached(construct, family, dtype, deep, wide, mtp))
         )
 
     return build
@@ -69,13 +76,14 @@ class ModelKind:
         capability: the subject capability whose driver controls this kind.
         families: the router families (reference) or model types (transformers) it is built for.
         vocab: token ids are drawn from ``[3, vocab)``.
-        build: ``(family, dtype, *, fresh=False, deep=False, wide=False) -> model``, a private model
-            each call: a
+        build: ``(family, dtype, *, fresh=False, deep=False, wide=False, mtp=False) -> model``, a
+            private model each call: a
             deep copy of a cached one, or with ``fresh`` one constructed now (what a driver that
             patches router constructors needs: a copy of a model built before its patch never ran
             the patched constructor); with ``deep``, ``DEEP_LAYERS`` decoder layers, so that
             ``layers.10`` sorts before ``layers.2`` as a string; with ``wide``, ``WIDE_EXPERTS`` experts
-            (the reference and transformers kinds).
+            (the reference and transformers kinds); with ``mtp``, one multi-token-prediction block after
+            the decoder (the reference kind).
         run: ``(model, tokens, attention_mask, position_ids, recompute) -> logits [B, T, V]``.
         probe: attach the harness's route probe (after the subject's driver installed).
         routing: the model's ``Routing``.
@@ -102,7 +110,7 @@ class ModelKind:
 # --- the reference MoELM ------------------------------------------------------------------------------
 
 
-def _reference_model(family: str, dtype: str, deep: bool, wide: bool = False) -> nn.Module:
+def _reference_model(family: str, dtype: str, deep: bool, wide: bool = False, mtp: bool = False) -> nn.Module:
     from reference_impl import MoEConfig, MoELM
 
     grouped = family == "sigmoid_grouped"
@@ -110,6 +118,7 @@ def _reference_model(family: str, dtype: str, deep: bool, wide: bool = False) ->
         MoEConfig.tiny(
             **({"num_layers": DEEP_LAYERS, "hidden_size": 16} if deep else {}),
             **({"num_experts": WIDE_EXPERTS, "hidden_size": 16} if wide else {}),
+            mtp_layers=1 if mtp else 0,
             router_family=family,
             n_group=2 if grouped else 1,
             topk_group=1,
@@ -165,10 +174,12 @@ def reference_kind() -> ModelKind:
 # --- transformers ----------------------------------------------------------------------------------------
 
 
-def _hf_model(model_type: str, dtype: str, deep: bool, wide: bool = False) -> nn.Module:
+def _hf_model(model_type: str, dtype: str, deep: bool, wide: bool = False, mtp: bool = False) -> nn.Module:
     from harness.trainers.hf import tiny_model
     from harness.trainers.hf.models import expert_count_field
 
+    if mtp:
+        raise ValueError("transformers builds no MTP block (num_nextn_predict_layers is not modelled)")
     shape: dict[str, int] = {"num_hidden_layers": DEEP_LAYERS} if deep else {}
     if wide:
         shape[expert_count_field(model_type)] = WIDE_EXPERTS

@@ -181,7 +181,9 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
 
 def expert_count_field(model_type: str) -> str:
     """The config field that holds ``model_type``'s routed-expert count (it differs by family)."""
-    fields = [f for f in ("num_experts", "num_local_experts", "n_routed_experts") if f in _OVERRIDES[model_type]]
+    fields = [
+        f for f in ("num_experts", "num_local_experts", "n_routed_experts") if f in _OVERRIDES[model_type]
+    ]
     if len(fields) != 1:
         raise HarnessError(f"{model_type}: cannot tell its expert-count field among {fields}")
     return fields[0]
