@@ -139,7 +139,10 @@ def select_samples(batches: Sequence[Placed], picks: Sequence[tuple[int, int]]) 
             )
         if (batch.response_mask is None) != (first.response_mask is None):
             raise LayoutError(f"batches[{b}]: response_mask must be given for every batch or for none")
-    for i, (b, k) in enumerate(picks):
+    for i, pick in enumerate(picks):
+        if not (isinstance(pick, tuple | list) and len(pick) == 2 and all(isinstance(x, int) for x in pick)):
+            raise LayoutError(f"picks[{i}] = {pick!r}: expected a pair (batch index, sample index) of ints")
+        b, k = pick
         if not 0 <= b < len(batches) or not 0 <= k < batches[b].tokens.shape[0]:
             size = batches[b].tokens.shape[0] if 0 <= b < len(batches) else "?"
             raise LayoutError(

@@ -187,6 +187,8 @@ def tokens_per_expert(
     the rows that hold a route, exactly the replayed ones (`replay_targets`' mask): never the padding,
     a sample's last token or any filler there, whose ids route nothing (SkyRL #1908 bug 4).
     """
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise TrainerConfigError(f"num_experts = {num_experts!r}: expected an int >= 1")
     targets, mask = replay_targets(placed, moe_layers, layer_axis)
     ids = targets[mask]  # [rows, n_moe, k]
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):

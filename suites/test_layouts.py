@@ -809,6 +809,7 @@ def test_bad_layout_input_is_refused(subject: Any, refused: Refusal = refuses) -
     batch = place_left_padded(samples, 4)
     refused(lambda: layouts.select_samples([batch], [(0, 2)]), "picks[0]", "[0, 2)")
     refused(lambda: layouts.select_samples([batch], []), "picks")
+    refused(lambda: layouts.select_samples([batch], [0]), "picks[0]", "pair")
     refused(lambda: place(samples, 4, [1, 3]), "sample 1", "prompt_lens", "3")
     placed = place(samples, 4)
     no_token = torch.as_tensor(placed.attention_mask).bool().clone()
