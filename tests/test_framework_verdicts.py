@@ -88,6 +88,23 @@ def test_one_suite_reobserved_keeps_every_other_recorded_verdict() -> None:
     }
 
 
+def test_new_finds_the_tests_a_recording_holds_no_verdict_for() -> None:
+    """``--new``: the suites' collection against the recording, per subject, without running a test."""
+    from harness.check.suites import collect_suites, suites_dir
+    from harness.verdicts.record import Release, unrecorded
+
+    spec = "harness.subjects.reference:REFERENCE"
+    release = Release("ref-0", "routing-replay-harness", "0", (spec,), ("test_splice.py",))
+    ids = [i.split("/")[-1] for i in collect_suites(spec, paths=[str(suites_dir() / "test_splice.py")])]
+    assert len(ids) > 1 and all(i.startswith("test_splice.py::") for i in ids), ids
+    recorded = {"subjects": {spec: {i: PASS for i in ids[1:]}}}
+    assert unrecorded(release, recorded) == {spec: ids[:1]}
+    assert unrecorded(release, {"subjects": {}}) == {spec: ids}
+    assert with_recorded_rest({spec: {ids[0]: FAIL}}, recorded, suites=()) == {
+        spec: {ids[0]: FAIL, **recorded["subjects"][spec]}
+    }
+
+
 def test_a_suite_that_is_not_the_releases_is_refused() -> None:
     with pytest.raises(VerdictError, match=r"--suites: \['test_vllm.py'\] are not suites of mcore-0.19.2"):
         observe(RELEASES["mcore-0.19.2"], ["test_vllm.py"])

@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 from hypothesis import settings
 
+from harness.errors import HarnessError
+
 #: ``progress(done, total, outcome)`` is called once per finished test (``total`` is the number of
 #: selected tests, known once collection is over).
 ProgressCallback = Callable[[int, int, "CheckOutcome"], None]
@@ -316,6 +318,41 @@ def run_suites(
     The outcomes are in the suites' collection order, also when ``RRH_ORDER_SEED`` shuffled the run.
     """
     collector = _Collector(progress)
+    log = _pytest(collector, subject, select, paths, keyword, capabilities, extra)
+    # The report follows the suites' own order, whatever order they ran in (--rr-order-seed).
+    collected = {nodeid: i for i, nodeid in enumerate(collector.docs)}
+    outcomes = sorted(collector.outcomes, key=lambda o: collected.get(o.nodeid, len(collected)))
+    return outcomes, log
+
+
+def collect_suites(
+    subject: str,
+    *,
+    select: str = "not slow and not gpu",
+    paths: Sequence[str] | None = None,
+    extra: Sequence[str] = (),
+    keyword: str | None = None,
+) -> list[str]:
+    """The node ids ``run_suites`` with the same arguments would run, in collection order, without
+    running one (what ``python -m harness.verdicts --new`` compares with a recording)."""
+    collector = _Collector()
+    log = _pytest(collector, subject, select, paths, keyword, (), (*extra, "--collect-only"))
+    failed = [o.detail for o in collector.outcomes if o.outcome == "failed"]
+    if failed:
+        raise HarnessError(f"{subject}: the suites could not be collected: {failed[0]}\n{log[-2000:]}")
+    return list(collector.docs)
+
+
+def _pytest(
+    collector: _Collector,
+    subject: str,
+    select: str,
+    paths: Sequence[str] | None,
+    keyword: str | None,
+    capabilities: Sequence[str],
+    extra: Sequence[str],
+) -> str:
+    """One in-process pytest run of the suites against ``subject``, reported to ``collector``: its log."""
     profile = settings.get_current_profile_name()
     args = [
         *(paths or [str(suites_dir())]),
@@ -343,7 +380,4 @@ def run_suites(
             pytest.main(args, plugins=[collector, _FreezeImports()])
     finally:
         settings.load_profile(profile)
-    # The report follows the suites' own order, whatever order they ran in (--rr-order-seed).
-    collected = {nodeid: i for i, nodeid in enumerate(collector.docs)}
-    outcomes = sorted(collector.outcomes, key=lambda o: collected.get(o.nodeid, len(collected)))
-    return outcomes, log.getvalue()
+    return log.getvalue()

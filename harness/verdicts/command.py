@@ -16,6 +16,7 @@ from harness.verdicts.record import (
     load,
     observe,
     settle,
+    unrecorded,
     with_recorded_rest,
 )
 from harness.verdicts.tables import summary, table
@@ -47,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a release: observe only these of its suites (e.g. test_megatron.py after that suite "
         "changed); every other verdict is taken from the recorded file",
     )
+    parser.add_argument(
+        "--new",
+        action="store_true",
+        help="a release: observe only the tests its recorded file holds no verdict for (the "
+        "invariants a suite gained since; with --suites, in those suites); every recorded verdict is "
+        "kept as it is, so re-record whole after changing an existing test",
+    )
     return parser
 
 
@@ -71,9 +79,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{release.name}: {why}", file=sys.stderr)
         return 2
     try:
-        observed = observe(release, args.suites)
-        if args.suites:
-            observed = with_recorded_rest(observed, load(release), args.suites)
+        if args.new:
+            recorded = load(release)
+            tests = unrecorded(release, recorded, args.suites)
+            print(f"{release.name}: {sum(map(len, tests.values()))} test(s) without a recorded verdict")
+            observed = with_recorded_rest(observe(release, tests=tests), recorded, suites=())
+        else:
+            observed = observe(release, args.suites)
+            if args.suites:
+                observed = with_recorded_rest(observed, load(release), args.suites)
     except VerdictError as err:
         print(f"{release.name}: {err}", file=sys.stderr)
         return 2

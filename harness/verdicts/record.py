@@ -17,7 +17,7 @@ source.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -188,42 +188,78 @@ def verdict_of(outcome: Any) -> dict[str, str] | None:
     return {"invariant": outcome.invariant, "verdict": "fail", "detail": detail}
 
 
-def observe(release: Release, suites: Sequence[str] = ()) -> dict[str, dict[str, dict[str, str]]]:
+def observe(
+    release: Release, suites: Sequence[str] = (), tests: Mapping[str, Sequence[str]] | None = None
+) -> dict[str, dict[str, dict[str, str]]]:
     """Run the release's suites (or only ``suites``, some of them) against each of its subjects:
-    ``{spec: {test id: entry}}``."""
+    ``{spec: {test id: entry}}``. With ``tests`` (``{spec: [test id]}``, what :func:`unrecorded`
+    found), only those tests run, and a subject without one runs nothing."""
     from harness.check.suites import run_suites, suites_dir
 
-    unknown = sorted(set(suites) - set(release.suites))
-    if unknown:
-        raise VerdictError(
-            f"--suites: {unknown} are not suites of {release.name}; expected some of {release.suites}"
-        )
     observed: dict[str, dict[str, dict[str, str]]] = {}
     for spec in release.subjects:
-        # The ci profile (derandomized), whatever the environment: without it the profile follows
-        # $CI, and a recording made outside CI could miss a counterexample that CI then finds.
-        outcomes, log = run_suites(
-            spec,
-            select=release.select,
-            paths=[str(suites_dir() / s) for s in (suites or release.suites)],
-            extra=("--hypothesis-profile", "ci", *(("-k", release.keyword) if release.keyword else ())),
-        )
+        if tests is not None and not tests.get(spec):
+            observed[spec] = {}
+            continue
+        chosen = tests[spec] if tests is not None else _suites(release, suites)
+        paths = [str(suites_dir() / t) for t in chosen]
+        outcomes, log = run_suites(spec, select=release.select, paths=paths, extra=_extra(release))
         if not outcomes:
             raise VerdictError(f"{spec}: no test ran\n" + "\n".join(log.strip().splitlines()[-8:]))
         entries = {}
         for outcome in outcomes:
             entry = verdict_of(outcome)
             if entry is not None:
-                entries[outcome.nodeid.split("/")[-1]] = entry
+                entries[_test_id(outcome.nodeid)] = entry
         observed[spec] = entries
     return observed
+
+
+def unrecorded(
+    release: Release, recorded: dict[str, Any], suites: Sequence[str] = ()
+) -> dict[str, list[str]]:
+    """Per subject, the tests of the release's suites (or of ``suites``) that ``recorded`` holds no
+    verdict for: the invariants added since it was recorded (``--new``). A test that uses none of
+    the subject's capabilities is never recorded, so it is among them each time (it runs, and is
+    left out again)."""
+    from harness.check.suites import collect_suites, suites_dir
+
+    paths = [str(suites_dir() / s) for s in _suites(release, suites)]
+    found: dict[str, list[str]] = {}
+    for spec in release.subjects:
+        known = recorded["subjects"].get(spec, {})
+        ids = collect_suites(spec, select=release.select, paths=paths, extra=_extra(release))
+        found[spec] = [t for t in map(_test_id, ids) if t not in known]
+    return found
+
+
+def _suites(release: Release, suites: Sequence[str]) -> Sequence[str]:
+    """``suites`` (some of the release's, refused otherwise), or all of them."""
+    unknown = sorted(set(suites) - set(release.suites))
+    if unknown:
+        raise VerdictError(
+            f"--suites: {unknown} are not suites of {release.name}; expected some of {release.suites}"
+        )
+    return suites or release.suites
+
+
+def _extra(release: Release) -> tuple[str, ...]:
+    # The ci profile (derandomized), whatever the environment: without it the profile follows
+    # $CI, and a recording made outside CI could miss a counterexample that CI then finds.
+    return ("--hypothesis-profile", "ci", *(("-k", release.keyword) if release.keyword else ()))
+
+
+def _test_id(nodeid: str) -> str:
+    """A test's id in a verdict file: its node id from the suite file on (``test_splice.py::…``)."""
+    return nodeid.split("/")[-1]
 
 
 def with_recorded_rest(
     observed: dict[str, dict[str, dict[str, str]]], recorded: dict[str, Any], suites: Sequence[str]
 ) -> dict[str, dict[str, dict[str, str]]]:
     """``observed`` (the tests of ``suites`` only) completed with the recorded verdicts of every other
-    suite: what re-observing one changed suite gives, the rest of the release's verdicts unchanged."""
+    suite: what re-observing one changed suite gives, the rest of the release's verdicts unchanged.
+    With no ``suites``, every recorded verdict is kept under the observed ones (``--new``)."""
     return {
         spec: {
             **{
