@@ -243,6 +243,10 @@ WHERE: dict[str, Run | SameAs | NotRun] = {
     "python -m harness.verdicts mcore-0.19.2 --suites test_megatron.py --record": NotRun(
         "rewrites fixtures/verdicts/mcore-0.19.2.json (see --record)"
     ),
+    "python -m harness.verdicts mcore-0.19.2 --new --record": NotRun(
+        "rewrites fixtures/verdicts/mcore-0.19.2.json (see --record); --new's collection is "
+        "tests/test_framework_verdicts.py::test_new_finds_the_tests_a_recording_holds_no_verdict_for"
+    ),
     "python -m harness.verdicts releases": NotRun(
         "asks the package index live: its answer changes whenever a tracked distribution publishes "
         "(and takes 78 s to 18 minutes); the --index-answer line runs the same code on a recorded answer"
