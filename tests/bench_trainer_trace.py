@@ -30,7 +30,7 @@ def _write(root: Path, samples: int, layers: int, seed: int = 0) -> tuple[Path, 
     import torch
     from verl import DataProto
 
-    from harness.audit.verl_packing import VerlBatching, step_packing
+    from harness.audit.trace.verl_packing import VerlBatching, step_packing
 
     rng = np.random.default_rng(seed)
     prompts, responses = rng.integers(64, 512, samples), rng.integers(64, 1024, samples)
@@ -87,9 +87,10 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--layers", type=int, default=16)
     args = parser.parse_args()
-    from harness.audit import RunWriter, audit_run, trace_join
+    from harness.audit import RunWriter, audit_run
     from harness.audit.importers import megatron_lm
-    from harness.audit.verl_packing import VerlBatching
+    from harness.audit.trace import join as trace_join
+    from harness.audit.trace.verl_packing import VerlBatching
 
     with tempfile.TemporaryDirectory() as tmp:
         dump, trace = _write(Path(tmp), args.samples, args.layers)

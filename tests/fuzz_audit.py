@@ -344,8 +344,8 @@ def build_layout(root: Path) -> Base:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from harness.audit.generate import RunShape, generate_run
-    from harness.audit.writer import write_table
+    from harness.audit.layout.writer import write_table
+    from harness.audit.synthetic.generate import RunShape, generate_run
 
     shape = RunShape(
         steps=3, prompts=2, group_size=2, prompt_len=5, response_len=6, layers=4, experts=16, top_k=2
@@ -366,7 +366,7 @@ def build_layout(root: Path) -> Base:
 
 
 def build_manifest(root: Path) -> Base:
-    from harness.audit.manifest import write_manifest
+    from harness.audit.tap.manifest import write_manifest
 
     base = build_layout(root)
     names = sorted(base.files)
@@ -676,7 +676,7 @@ def _mutate_parquet(rng: random.Random, path: Path) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from harness.audit.writer import write_table
+    from harness.audit.layout.writer import write_table
 
     table = pq.read_table(path)
     name = rng.choice(
@@ -840,7 +840,7 @@ def serve() -> None:
     import harness.audit.importers.verl
     import harness.cli
     import harness.cli.audit_run
-    from harness.audit.generate import RunShape, generate_run
+    from harness.audit.synthetic.generate import RunShape, generate_run
 
     with tempfile.TemporaryDirectory() as warm:  # the kernels compiled once, here, not in every child
         shape = RunShape(

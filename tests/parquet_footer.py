@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from harness.audit.footer import CompactReader
+from harness.audit.layout.footer import CompactReader
 
 MAGIC = b"PAR1"
 BOOL_TRUE, BOOL_FALSE, BYTE, I16, I32, I64, DOUBLE, BINARY, LIST, SET, MAP, STRUCT = range(1, 13)

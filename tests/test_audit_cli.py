@@ -12,9 +12,9 @@ pytest.importorskip("pyarrow")
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from harness.audit.generate import FAULTS, RunShape, generate_run
-from harness.audit.layout import SampleRecord
-from harness.audit.writer import RunWriter
+from harness.audit.layout.schema import SampleRecord
+from harness.audit.layout.writer import RunWriter
+from harness.audit.synthetic.generate import FAULTS, RunShape, generate_run
 from harness.cli import main
 from tests.audit_transcript import check, transcript
 
@@ -245,7 +245,7 @@ def test_nan_and_positive_logprobs_are_named_violations(tmp_path: Path, capsys) 
 
 
 def test_writer_refuses_ids_that_do_not_fit_and_leaves_no_partial_file(tmp_path: Path, monkeypatch) -> None:
-    from harness.audit.layout import LayoutError
+    from harness.audit.layout.schema import LayoutError
 
     with pytest.raises(LayoutError, match="engine_routes: ids in \\[0, 300\\] do not fit uint8"):
         _record(engine_routes=np.array([[[0, 300], [2, 3]]] * 4)).as_row()

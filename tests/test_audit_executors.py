@@ -31,11 +31,11 @@ import pyarrow.parquet as pq
 
 from harness.audit import audit_run
 from harness.audit.checks.invariants import STRICT
-from harness.audit.executors import audit_unit, plan_run
-from harness.audit.generate import FAULTS, PlantedFault, RunShape, generate_run
-from harness.audit.reader import run_files
-from harness.audit.result import AuditResult
-from harness.audit.state import AuditState
+from harness.audit.checks.state import AuditState
+from harness.audit.execution.executors import audit_unit, plan_run
+from harness.audit.layout.reader import run_files
+from harness.audit.result.audit_result import AuditResult
+from harness.audit.synthetic.generate import FAULTS, PlantedFault, RunShape, generate_run
 
 # Three steps of three GRPO groups of three: 27 samples, top-4 of 16 experts (uint8, a route fits
 # a 32-bit word), five MoE layers.
@@ -148,8 +148,8 @@ def varied_run(directory: Path, seed: int, axis: str) -> None:
     """A run that exercises what generated runs do not: dense layers (decoder axis) or the
     moe_ordinal axis, uncaptured rows, R2 with recorded routes, null columns, token and log-prob
     faults, top-3 routes (no machine word) or uint16 ids, many small files and row groups."""
-    from harness.audit.layout import SampleRecord
-    from harness.audit.writer import RunWriter
+    from harness.audit.layout.schema import SampleRecord
+    from harness.audit.layout.writer import RunWriter
 
     rng = np.random.default_rng(seed)
     layers, k, experts = 6, (3, 4)[seed % 2], (20, 300)[seed % 3 == 0]
@@ -334,7 +334,7 @@ def test_steps_filter_names_the_files_own_rows(faulty: tuple[Path, list[PlantedF
 def test_expert_counts_and_row_digests_match_the_obvious_loops(
     rows: int, layers: int, k: int, experts: int, groups: int, dense: bool, uncaptured: bool, seed: int
 ) -> None:
-    from harness.audit import kernels
+    from harness.audit.checks import kernels
 
     rng = np.random.default_rng(seed)
     dtype = np.uint8 if experts <= 256 else np.uint16

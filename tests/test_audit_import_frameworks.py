@@ -37,12 +37,12 @@ import numpy.typing as npt
 import pytest
 import torch
 
-from harness.audit.executors import audit_run
+from harness.audit.execution.executors import audit_run
 from harness.audit.importers import detect, import_dump
 from harness.audit.importers import skyrl as skyrl_importer
 from harness.audit.importers import verl as verl_importer
-from harness.audit.layout import LayoutError, SampleRecord
-from harness.audit.result import AuditResult
+from harness.audit.layout.schema import LayoutError, SampleRecord
+from harness.audit.result.audit_result import AuditResult
 from harness.subjects.frameworks import installed_version
 from tests.audit_transcript import check, transcript
 from tests.test_audit_safe_pickle import dumps_named, named, torch_bytes

@@ -1,4 +1,4 @@
-"""``harness.audit.inputs``: what a user brings is opened as a regular file, read to one-line
+"""``harness.audit.layout.inputs``: what a user brings is opened as a regular file, read to one-line
 errors, worked on under a time budget, and described in bounded words.
 
 A FIFO named like a dump would block an ``open`` forever and ``/dev/zero`` would never end: both
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.audit import inputs
-from harness.audit.inputs import read_file
-from harness.audit.layout import LayoutError
+from harness.audit.layout import inputs
+from harness.audit.layout.inputs import read_file
+from harness.audit.layout.schema import LayoutError
 
 
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero", "directory", "dangling", "missing"])

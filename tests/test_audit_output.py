@@ -173,7 +173,7 @@ def test_the_gap_split_by_routing_says_it_needs_trainer_routes_when_the_dump_has
 def test_an_all_zero_chart_is_one_sentence_that_names_its_figure_once(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from harness.audit.generate import RunShape, generate_run
+    from harness.audit.synthetic.generate import RunShape, generate_run
 
     shape = RunShape(steps=2, prompts=2, group_size=3, prompt_len=12, response_len=10, layers=6, experts=32,
                      top_k=4)  # fmt: skip
@@ -272,7 +272,7 @@ def test_verls_import_noise_is_not_printed_by_the_trace_join(
     import importlib.metadata
     import sys
 
-    from harness.audit import verl_packing
+    from harness.audit.trace import verl_packing
 
     if any(name == "verl" or name.startswith("verl.") for name in sys.modules):
         pytest.skip("verl is imported already: its import cannot be watched")
@@ -294,7 +294,7 @@ def test_verls_import_noise_is_not_printed_by_the_trace_join(
     # The noise is swallowed, an error is not: it propagates to be said in one line.
     (tmp_path / "broken.py").write_text(NOISY + "raise ImportError('verl: cannot import name X')\n")
     with pytest.raises(ImportError, match="cannot import name X"):
-        from harness.audit.quiet import quiet_imports
+        from harness.audit.importers.quiet import quiet_imports
 
         quiet_imports(["broken"])
     out, err = capfd.readouterr()

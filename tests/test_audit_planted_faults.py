@@ -34,12 +34,12 @@ import pytest
 import torch
 
 from harness.audit.checks.invariants import DETECTORS
-from harness.audit.executors import audit_run
+from harness.audit.checks.state import OFFENDERS_PER_SAMPLE
+from harness.audit.execution.executors import audit_run
 from harness.audit.importers import import_dump
 from harness.audit.importers.model_shape import MOE_LAYERS_ENV, NUM_EXPERTS_ENV
-from harness.audit.layout import LayoutError
-from harness.audit.result import AuditResult
-from harness.audit.state import OFFENDERS_PER_SAMPLE
+from harness.audit.layout.schema import LayoutError
+from harness.audit.result.audit_result import AuditResult
 from tests.test_audit_import_frameworks import (
     Sample,
     _skyrl_modules,

@@ -26,7 +26,7 @@ pytest.importorskip("pyarrow")
 from ray.cluster_utils import Cluster
 
 from harness.audit import audit_run
-from harness.audit.generate import FAULTS, RunShape, generate_run
+from harness.audit.synthetic.generate import FAULTS, RunShape, generate_run
 
 pytestmark = pytest.mark.slow
 

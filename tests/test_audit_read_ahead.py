@@ -1,4 +1,4 @@
-"""The serial audit's read-ahead (``harness.audit.read_ahead``): row groups arrive in order, no
+"""The serial audit's read-ahead (``harness.audit.execution.read_ahead``): row groups arrive in order, no
 more than one ahead of the one being checked; a unit's read error is raised at that unit and the
 next units are still read, as are the next units after a unit whose checks stopped early; leaving
 early stops the reading thread."""
@@ -14,10 +14,11 @@ import pytest
 
 pytest.importorskip("pyarrow")
 
-from harness.audit import audit_run, read_ahead
-from harness.audit.generate import FAULTS, RunShape, generate_run
-from harness.audit.layout import LayoutError
-from harness.audit.reader import Unit
+from harness.audit import audit_run
+from harness.audit.execution import read_ahead
+from harness.audit.layout.reader import Unit
+from harness.audit.layout.schema import LayoutError
+from harness.audit.synthetic.generate import FAULTS, RunShape, generate_run
 
 
 class _Group:

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from harness.audit.importers import pickle_values, safe_pickle, skyrl
-from harness.audit.layout import LayoutError
+from harness.audit.layout.schema import LayoutError
 
 
 class NamedGlobals(pickle._Pickler):

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from harness.audit.checks.shared import tail_bound
-from harness.audit.executors import audit_run
-from harness.audit.generate import RunShape, generate_run
-from harness.audit.layout import SampleRecord
-from harness.audit.result import AuditResult
-from harness.audit.writer import RunWriter
+from harness.audit.execution.executors import audit_run
+from harness.audit.layout.schema import SampleRecord
+from harness.audit.layout.writer import RunWriter
+from harness.audit.result.audit_result import AuditResult
+from harness.audit.synthetic.generate import RunShape, generate_run
 from tests.test_audit_import_frameworks import Sample
 from tests.test_audit_planted_faults import WRITERS
 from tests.test_audit_planted_faults import _audit as planted_audit

@@ -1,4 +1,4 @@
-"""The tap (``harness.audit.tap``) and layout v2: a tapped run audits clean, each tap-only invariant
+"""The tap (``harness.audit.tap.trainer``) and layout v2: a tapped run audits clean, each tap-only invariant
 catches its bug (splice keeping the latest payload, replay doing nothing on one layer, CP/SP shards
 overlapping or leaving a gap), and bad input is a clear error or a named violation. Fast, CPU, no
 engine: the engine side is fed ``EngineRollout``s of the reference model's own routing."""
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from harness.audit import audit_run
-from harness.audit.layout import LayoutError, SampleRecord, arrow_schema
-from harness.audit.tap import BackgroundWriter, PackedRows, TrainerTap, attach_probe
-from harness.audit.tap_engine import EngineTap, TapError
+from harness.audit.layout.schema import LayoutError, SampleRecord, arrow_schema
+from harness.audit.tap.engine import EngineTap, TapError
+from harness.audit.tap.trainer import BackgroundWriter, PackedRows, TrainerTap, attach_probe
 from harness.engines.checkpoint import EngineRollout
 from harness.lab.measure import LabConfig, build_model
 from harness.trace import LayerAxis, RoutingTrace

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from harness.audit import LayoutError
-from harness.audit.trace_join import parse_layout
+from harness.audit.trace.join import parse_layout
 
 
 def test_a_layout_spec_names_megatrons_sizes_and_verls_batching() -> None:

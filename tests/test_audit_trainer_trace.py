@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from harness.audit import AuditOptions, LayoutError, RunWriter, audit_run
-from harness.audit.layout import SampleRecord
+from harness.audit.layout.schema import SampleRecord
 
 
 def _release(name: str) -> str | None:
@@ -77,8 +77,8 @@ def _run(
 
 
 def _layout(tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1, r2: dict[str, Any] | None = None) -> Any:
-    from harness.audit.trace_join import TrainerLayout
-    from harness.audit.verl_packing import UpdateBatching, VerlBatching
+    from harness.audit.trace.join import TrainerLayout
+    from harness.audit.trace.verl_packing import UpdateBatching, VerlBatching
 
     batching = VerlBatching(dp=dp, tp=tp, cp=cp, max_token_len_per_gpu=MAX_TOKENS)
     if r2 is None:
@@ -91,7 +91,7 @@ def _layout(tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1, r2: dict[str, An
 
 
 def _joined(dump: Path, trace: Path, layout: Any) -> list[SampleRecord]:
-    from harness.audit import trace_join
+    from harness.audit.trace import join as trace_join
 
     return list(trace_join.records(dump, trace, layout, num_experts=8, moe_layers=(1, 2, 3)))
 
@@ -197,7 +197,7 @@ def test_the_joined_run_audits_the_same_with_serial_processes_and_ray(
     """The joined run (every step, mutants included), written in small files and audited one unit per
     row group by the serial executor, a process pool and, where Ray imports, a local Ray cluster: the
     same result, floats and offenders' places included."""
-    from harness.audit.executors import plan_run
+    from harness.audit.execution.executors import plan_run
 
     dump, trace, _ = tp1
     run = tmp_path / "run"
@@ -392,7 +392,7 @@ def test_an_r2_trace_that_disagrees_with_verls_update_packing_is_one_input_error
     rank0.write_text("\n".join(lines) + "\n")
     with pytest.raises(LayoutError, match=r"after the update's last forward.* activation recompute"):
         _joined(dump, trace, _layout(r2=R2))
-    from harness.audit import trace_join
+    from harness.audit.trace import join as trace_join
 
     shutil.copy(r2_run[1] / "router_trace_rank0.jsonl", rank0)
     with pytest.raises(LayoutError, match=r"gen_batch\.dp: no routed_experts .*; expected --moe-layers"):

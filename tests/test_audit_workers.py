@@ -27,12 +27,12 @@ pytest.importorskip("pyarrow")
 
 from harness.audit import audit_run
 from harness.audit.checks.fold import AuditOptions
-from harness.audit.executors import audit_unit, plan_run
-from harness.audit.generate import RunShape, generate_run
-from harness.audit.pool import processes
-from harness.audit.reader import Unit
-from harness.audit.result import AuditResult
-from harness.audit.state import AuditState
+from harness.audit.checks.state import AuditState
+from harness.audit.execution.executors import audit_unit, plan_run
+from harness.audit.execution.pool import processes
+from harness.audit.layout.reader import Unit
+from harness.audit.result.audit_result import AuditResult
+from harness.audit.synthetic.generate import RunShape, generate_run
 
 # No wall clock of its own: a stuck pool is the case under test (its budget), and a hang of the
 # test itself is failed by the stall watch (harness.testing.stall).
@@ -161,7 +161,7 @@ def always_dies(unit: Unit, options: AuditOptions) -> AuditState:
 @pytest.mark.slow
 def test_ray_with_every_worker_dead_reports_the_units(run: Path) -> None:
     ray = pytest.importorskip("ray")
-    from harness.audit.executors import _ray
+    from harness.audit.execution.executors import _ray
 
     units = plan_run(run, unit_bytes=1).units[:2]
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
@@ -226,7 +226,7 @@ def test_ray_with_a_unit_that_always_stops_its_worker_reports_it_and_audits_the_
     run: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ray = pytest.importorskip("ray")
-    from harness.audit.executors import _ray
+    from harness.audit.execution.executors import _ray
 
     monkeypatch.setenv("RRH_UNIT_SECONDS", "3")
     units = plan_run(run, unit_bytes=1).units[:3]
@@ -276,7 +276,7 @@ def test_a_dead_inherited_fork_server_is_forgotten(server_handle: Any) -> None:
     import subprocess
     import sys
 
-    from harness.audit.pool import _forget_dead_server
+    from harness.audit.execution.pool import _forget_dead_server
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)  # fmt: skip
@@ -297,7 +297,7 @@ def test_a_live_or_own_fork_server_is_kept(server_handle: Any, whose: str) -> No
     try:
         pid = child.pid if whose == "own child" else os.getppid()
         fd = _pose_as_server(server_handle, pid)
-        from harness.audit.pool import _forget_dead_server
+        from harness.audit.execution.pool import _forget_dead_server
 
         _forget_dead_server()
         assert server_handle._forkserver_pid == pid and server_handle._forkserver_alive_fd == fd

@@ -174,7 +174,7 @@ def test_bench_audit_times_the_serial_audit_both_ways_and_finds_the_planted_faul
     """``rrh bench audit`` on a tiny run: the serial audit reading ahead and on one thread give the
     same result, the pool is measured against the one-thread audit, and the projection for idle CPUs
     takes the busiest thread (a serial audit that reads ahead runs two)."""
-    from harness.audit.generate import RunShape
+    from harness.audit.synthetic.generate import RunShape
     from harness.bench.audit import bench_audit, format_bench_audit
 
     shape = RunShape(

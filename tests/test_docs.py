@@ -155,7 +155,7 @@ def test_rrh_check_help_says_vllm_runs_on_cpu() -> None:
 
 def test_the_docs_name_the_run_layout_version_the_writers_write() -> None:
     """Each page's first mention of the run-layout schema is the version written (older ones are read)."""
-    from harness.audit.layout import KNOWN, VERSION
+    from harness.audit.layout.schema import KNOWN, VERSION
 
     for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
         versions = [int(v) for v in re.findall(r"run_layout\.v(\d+)\.json", page.read_text())]

@@ -323,7 +323,7 @@ def _column(name: str, value: Any) -> Callable[[Path], None]:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        from harness.audit.writer import write_table
+        from harness.audit.layout.writer import write_table
 
         table = pq.read_table(path)
         index = table.schema.get_field_index(name)
@@ -413,7 +413,7 @@ def _audit_case(directory: Path, *args: str, damaged: str = "", intact: dict[int
 
 def _attempt_records(count: int) -> list[Any]:
     """``count`` layout-v2 records of one step, every other one (and the last) with no attempt."""
-    from harness.audit.layout import SampleRecord
+    from harness.audit.layout.schema import SampleRecord
 
     rng = np.random.default_rng(0)
     records = []
@@ -436,7 +436,7 @@ def test_a_row_group_ending_with_a_sample_without_attempts(
     ``np.add.reduceat``): an input error on two records, an undecodable row group in a larger run."""
     import pyarrow.parquet as pq
 
-    from harness.audit.writer import RunWriter, write_table
+    from harness.audit.layout.writer import RunWriter, write_table
 
     count = 2 if row_groups == 1 else 40
     with RunWriter(tmp_path) as writer:
@@ -452,7 +452,7 @@ def test_a_row_group_ending_with_a_sample_without_attempts(
 
 def _shard_records(step: int, shards: int) -> list[Any]:
     """A whole sample and a shard row of it (shard 0 of ``shards``, holding every route row)."""
-    from harness.audit.layout import SampleRecord
+    from harness.audit.layout.schema import SampleRecord
 
     routes = np.stack([np.random.default_rng(step).permutation(8)[:2] for _ in range(8)]).reshape(4, 2, 2)
     common = dict(step=step, sample_key="s0", prompt_len=3, response_len=2, tokens=[1, 2, 3, 4, 5],
@@ -467,7 +467,7 @@ def test_a_shard_row_declaring_two_billion_shards_is_an_input_error(
     runner: fz.Runner, tmp_path: Path
 ) -> None:
     """``shards = 2**31 − 1`` once built a set of that many shards (killed at 4 GiB, nothing printed)."""
-    from harness.audit.writer import RunWriter
+    from harness.audit.layout.writer import RunWriter
 
     with RunWriter(tmp_path) as writer:
         for step, shards in ((1, 1), (2, 2**31 - 1)):
@@ -492,7 +492,7 @@ def test_shards_of_one_sample_declaring_other_route_rows_are_a_shard_union_viola
     whichever order or file they come in."""
     import dataclasses
 
-    from harness.audit.writer import RunWriter
+    from harness.audit.layout.writer import RunWriter
 
     whole, shard = _shard_records(1, 2)
     routes = shard.trainer_routes

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness.audit.tap_engine import EngineSample, TapAttempt, TapError
+from harness.audit.tap.engine import EngineSample, TapAttempt, TapError
 from harness.run.ranks import (
     RankGroup,
     ranks_started,

@@ -9,7 +9,7 @@ old-log-prob forward (``_compute_old_log_prob`` â†’ ``forward_backward_batch`` â
 ``_balance_batch``, ``left_right_2_no_padding``, ``prepare_micro_batches``, and per micro-batch
 ``align_r3_router_replay_data``, ``build_r3_replay_mask``, ``set_router_replay_data`` under
 REPLAY_FORWARD, ``preprocess_thd_engine`` and the model's forward; megatron-core's tracer is started
-with ``harness.audit.router_tracer`` and marked after each step. ``traced_r2_run`` drives verl's R2
+with ``harness.audit.trace.router_tracer`` and marked after each step. ``traced_r2_run`` drives verl's R2
 instead: the old-log-prob forward records (RECORD, ``merge_router_topk_indices``, ``pp_gather``,
 ``restore_dynamic_batch``), and every forward of the update's mini-batches (``make_iterator``,
 ``prepare_micro_batches``) replays that recording (REPLAY_FORWARD, ``set_router_replay_data``), a
@@ -196,7 +196,7 @@ def _traced_model(cfg: dict[str, Any]) -> tuple[Any, Any, Any]:
     from verl.utils.megatron import router_replay_utils as utils
     from verl.utils.megatron.router_replay_patch import RouterReplay, apply_router_replay_patch
 
-    from harness.audit.router_tracer import start_router_trace
+    from harness.audit.trace.router_tracer import start_router_trace
     from harness.trainers.megatron.layout import MegatronLayout
     from harness.trainers.megatron.model import build_gpt, tiny_config
     from suites.megatron_pipeline import StageLink
@@ -226,7 +226,7 @@ def traced_run(rank: int, world_size: int, cfg: dict[str, Any]) -> list[list[lis
     from verl.utils.megatron import router_replay_utils as utils
     from verl.utils.megatron.router_replay_patch import RouterReplay, RouterReplayAction
 
-    from harness.audit.router_tracer import mark_step
+    from harness.audit.trace.router_tracer import mark_step
 
     model, config, link = _traced_model(cfg)
     tp = cfg["tp"]
@@ -310,7 +310,7 @@ def traced_r2_run(rank: int, world_size: int, cfg: dict[str, Any]) -> list[list[
     from verl.utils.megatron import router_replay_utils as utils
     from verl.utils.megatron.router_replay_patch import RouterReplay, RouterReplayAction
 
-    from harness.audit.router_tracer import mark_step
+    from harness.audit.trace.router_tracer import mark_step
 
     model, config, link = _traced_model(cfg)
     tp, dp = cfg["tp"], ps.get_data_parallel_world_size()

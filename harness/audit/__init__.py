@@ -1,21 +1,18 @@
 """Audit of a real run (DESIGN §7): what a run wrote to disk, checked sample by sample.
 
-- ``layout``: the run layout (versioned Parquet schema) and ``SampleRecord``;
-- ``writer``: ``RunWriter``, buffered and atomic per file;
-- ``reader``: a run's files, units of work and their row groups; ``decode``: a row group decoded
-  zero-copy into a ``Batch`` (``batch``);
-- ``checks``: the strict invariants and metrics, a module per family, folded batch by batch
-  (``kernels``, ``repeat_kernels``: their compiled kernels);
-- ``footer``: a Parquet footer checked before pyarrow reads it (what pyarrow would abort on);
-- ``state``: the mergeable accumulators; ``result``: the figures of a finished audit, its per-step
-  and per-layer tables, worst samples and drift from ``result_tables``;
-- ``findings``: the prompt rows that differ within a group, named at the end (and ``wrapped_ids``);
-- ``executors``: serial, process pool and Ray;
-- ``generate``: seeded runs of realistic shape with planted faults;
-- ``tap``, ``tap_engine``: what a run's trainer dispatched and its engine returned, written as the
-  run layout;
-- ``importers``: what frameworks already dump, converted into the run layout (``quiet``: a
-  framework imported without its import-time noise).
+One package per concern, in the order data flows:
+
+- ``layout``: the run layout (versioned Parquet schema, ``SampleRecord``), its writer and reader,
+  the row groups decoded into batches, and the generator of seeded runs;
+- ``tap``: what a run's engine returned and its trainer dispatched, written as the run layout;
+- ``importers``: what frameworks already dump, converted into the run layout;
+- ``trace``: megatron-core's router trace, joined with a framework's dump;
+- ``checks``: the strict invariants, detectors and metrics, a module per family, folded batch by
+  batch into the mergeable accumulators (``state``), with their compiled kernels;
+- ``result``: the figures of a finished audit and their tables;
+- ``execution``: serial, process pool and Ray over a run's units of work;
+- ``synthetic``: seeded runs of realistic shape with planted faults (``rrh generate``), and the
+  pool's warm-up batch.
 
 The package sits beside the subjects (DESIGN §4): it imports the core (``harness.trace``,
 ``harness.metrics``, …), the engines and probes, never the suites, the CLI or the reports.
@@ -24,9 +21,9 @@ The package sits beside the subjects (DESIGN §4): it imports the core (``harnes
 """
 
 from harness.audit.checks.fold import AuditOptions
-from harness.audit.executors import audit_run
-from harness.audit.layout import LayoutError, SampleRecord
-from harness.audit.result import AuditResult
-from harness.audit.writer import RunWriter
+from harness.audit.execution.executors import audit_run
+from harness.audit.layout.schema import LayoutError, SampleRecord
+from harness.audit.layout.writer import RunWriter
+from harness.audit.result.audit_result import AuditResult
 
 __all__ = ["AuditOptions", "AuditResult", "LayoutError", "RunWriter", "SampleRecord", "audit_run"]

@@ -10,7 +10,7 @@ cluster is started before the clock starts: a cluster is there before an audit i
 - ``read_floor``: pyarrow reading the columns the audit reads, row group by row group, one
   thread, nothing else (``read_floor_threads``: the same with pyarrow's threads, for reference);
 - ``serial``: the audit in one process as ``--executor serial`` runs it, reading the next row group
-  on a second thread while this one is checked (``harness.audit.read_ahead``);
+  on a second thread while this one is checked (``harness.audit.execution.read_ahead``);
 - ``serial_one_thread``: the same on one thread, as each worker of a pool or of Ray runs it: the
   base the pool's and Ray's speed-ups are measured against;
 - ``processes`` (a pool of ``workers``), ``ray`` (a local cluster of ``workers`` CPUs).
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.audit.generate import FAULTS, RunShape, generate_run
+from harness.audit.synthetic.generate import FAULTS, RunShape, generate_run
 from harness.bench.audit_child import run_in_child
 from harness.cpus import available_cpus
 
@@ -116,7 +116,7 @@ def bench_audit(
     """Generate a run of ``size_bytes`` of engine routes in ``directory`` (a temporary one by default),
     measure every configuration of ``configs`` on it (best of ``repeats`` interleaved rounds) and
     peak memory at ``memory_bytes`` and ``size_bytes``; delete the run unless ``keep``."""
-    from harness.audit.generate import _steps
+    from harness.audit.synthetic.generate import _steps
 
     try:
         import ray  # noqa: F401

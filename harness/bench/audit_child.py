@@ -121,7 +121,7 @@ class _Peak(threading.Thread):
 def _read_floor(paths: list[str], use_threads: bool) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
-    from harness.audit.reader import AUDIT_COLUMNS
+    from harness.audit.layout.reader import AUDIT_COLUMNS
 
     decoded = 0
     for path in paths:
@@ -147,7 +147,7 @@ def run_config(config: dict[str, Any]) -> dict[str, Any]:
     if floor:
         import pyarrow.parquet  # noqa: F401
 
-        from harness.audit.reader import AUDIT_COLUMNS  # noqa: F401
+        from harness.audit.layout.reader import AUDIT_COLUMNS  # noqa: F401
     else:
         from harness.audit import audit_run
     if config.get("executor") == "ray":

@@ -70,8 +70,8 @@ def _trace_kernels() -> dict[str, Callable[[], Kernel]]:
 
 
 def _audit_kernels() -> dict[str, Callable[[], Kernel]]:
-    from harness.audit import kernels
-    from harness.audit.repeat_kernels import repeated_runs
+    from harness.audit.checks import kernels
+    from harness.audit.checks.repeat_kernels import repeated_runs
 
     samples = 16
     bounds = np.linspace(0, ROWS, samples + 1).astype(np.int64)

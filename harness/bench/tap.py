@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from harness.audit.tap import BackgroundWriter, PackedRows, TrainerTap
+from harness.audit.tap.trainer import BackgroundWriter, PackedRows, TrainerTap
 from harness.bench.pairs import BENCH_SHAPE, ForwardShape, bench_pairs, format_pairs
 
 TARGET_RATIO = 1.05

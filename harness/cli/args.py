@@ -50,7 +50,7 @@ def parse_fraction(text: str) -> float:
 
 def parse_threshold(text: str) -> tuple[str, float]:
     """``mean_abs_diff=0.01`` → (figure, threshold) for ``--fail-on`` (argparse type)."""
-    from harness.audit.result import THRESHOLD_FIGURES
+    from harness.audit.result.audit_result import THRESHOLD_FIGURES
 
     name, sep, value = text.partition("=")
     if not sep or name not in THRESHOLD_FIGURES:

@@ -21,8 +21,8 @@ from typing import Any
 
 from harness.atomic import atomic_write
 from harness.audit import AuditOptions, audit_run
-from harness.audit.layout import LayoutError, shown
-from harness.audit.result import AuditResult, human_size
+from harness.audit.layout.schema import LayoutError, shown
+from harness.audit.result.audit_result import AuditResult, human_size
 
 REPORT_FORMAT = "rrh-audit-report/1"
 
@@ -72,10 +72,10 @@ def _import(
         tmp = tempfile.TemporaryDirectory(prefix="rrh-audit-")
         keep.append(tmp)
         target = tmp.name
-    from harness.audit.inputs import counting_opened
+    from harness.audit.layout.inputs import counting_opened
 
     if args.trainer_trace:
-        from harness.audit import trace_join
+        from harness.audit.trace import join as trace_join
 
         with counting_opened() as opened:
             joined, notes = trace_join.import_for_cli(args, dump, target)
@@ -196,7 +196,7 @@ def run_audit(args: argparse.Namespace) -> int:
         atomic_write(args.html, lambda h: h.write(page.encode()))
         print(f"HTML report: {shown(args.html)}")
     if args.summary:
-        from harness.audit.summary import write_summary
+        from harness.audit.result.summary import write_summary
 
         paths = write_summary(result, args.summary)
         print(f"summary tables: {', '.join(shown(Path(p)) for p in paths)}")

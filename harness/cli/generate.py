@@ -10,7 +10,7 @@ from harness.cli.args import parse_size
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from harness.audit.generate import FAULTS, SHARED_FAULTS, RunShape, generate_run
+    from harness.audit.synthetic.generate import FAULTS, SHARED_FAULTS, RunShape, generate_run
 
     faults = FAULTS if args.faults == ["all"] else tuple(args.faults)
     unknown = [f for f in faults if f not in (*FAULTS, *SHARED_FAULTS)]

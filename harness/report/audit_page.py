@@ -14,7 +14,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from harness.audit.result import AuditResult, InvariantResult, human_size
+from harness.audit.result.audit_result import AuditResult, InvariantResult, human_size
 from harness.report.html_page import CSS
 from harness.report.svg import svg_grouped_bars
 

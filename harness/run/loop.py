@@ -1,4 +1,4 @@
-"""``rrh run``: a small real RL loop on CPU, written through the tap (``harness.audit.tap``).
+"""``rrh run``: a small real RL loop on CPU, written through the tap (``harness.audit.tap.trainer``).
 
 - **Engine**: real vLLM or (``--engine sglang``) real SGLang, in-process adapters of
   ``harness.engines``, serves the harness's tiny Qwen3-MoE checkpoint in bf16 (``harness.engines.real``)
@@ -39,9 +39,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from harness.audit.layout import REPLAY_MODES
-from harness.audit.tap import BackgroundWriter, PackedRows, TrainerTap
-from harness.audit.tap_engine import EngineSample, EngineTap, TapError
+from harness.audit.layout.schema import REPLAY_MODES
+from harness.audit.tap.engine import EngineSample, EngineTap, TapError
+from harness.audit.tap.trainer import BackgroundWriter, PackedRows, TrainerTap
 from harness.engines.real import REAL_ENGINES
 from harness.run.ranks import SPLITS, RankGroup, ranks_started, samples_from_json, samples_to_json, shard_mask
 
@@ -413,8 +413,8 @@ def recorded_samples(run: str | Path) -> dict[int, list[EngineSample]]:
     them (tokens, kinds, weight versions, own payloads, log-probs), for a trainer in an env without vLLM."""
     import pyarrow.parquet as pq
 
-    from harness.audit.reader import run_files
-    from harness.audit.tap_engine import TapAttempt
+    from harness.audit.layout.reader import run_files
+    from harness.audit.tap.engine import TapAttempt
     from harness.trace import storage_dtype
 
     out: dict[int, list[EngineSample]] = {}

@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from harness.audit.tap_engine import EngineSample, TapAttempt, TapError
+from harness.audit.tap.engine import EngineSample, TapAttempt, TapError
 
 SPLITS = ("cp", "sp", "sp-halo")
 GLOO_TIMEOUT = datetime.timedelta(minutes=5)

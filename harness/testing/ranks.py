@@ -119,7 +119,7 @@ def forget_inherited_forkserver() -> None:
     The inherited server is not this process's child, so ``multiprocessing`` cannot ``waitpid`` it
     (``ChildProcessError``); dropping this copy of its handle leaves it running for the parent.
     """
-    from harness.audit.pool import forget_forkserver
+    from harness.audit.execution.pool import forget_forkserver
 
     forget_forkserver()
 
@@ -132,7 +132,7 @@ def ensure_rank_server(context: Any) -> None:
     """Make the process's fork server one that imported ``PRELOAD``.
 
     The fork server is one per process, and its preload is whatever the first caller set: a server
-    another caller started (the audit's pool, ``harness.audit.pool``, with its own preload) would
+    another caller started (the audit's pool, ``harness.audit.execution.pool``, with its own preload) would
     have every rank import torch, megatron-core and the harness anew (~8 s of CPU a run). Such a
     server is stopped and ours started; what it already forked keeps running.
     """

@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit import kernels as audit_kernels
-from harness.audit.batch import Batch, ListColumn
+from harness.audit.checks import kernels as audit_kernels
 from harness.audit.checks.invariants import DETECTORS
-from harness.audit.state import OFFENDER_SAMPLES, OFFENDERS_PER_SAMPLE, WORST, AuditState, Offender
+from harness.audit.checks.state import OFFENDER_SAMPLES, OFFENDERS_PER_SAMPLE, WORST, AuditState, Offender
+from harness.audit.layout.batch import Batch, ListColumn
 
 
 class Offenders:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from harness.audit import kernels as audit_kernels
-from harness.audit.batch import Batch
+from harness.audit.checks import kernels as audit_kernels
 from harness.audit.checks.context import BatchContext, Offenders
-from harness.audit.shard_cover import ShardCover
-from harness.audit.state import AuditState
+from harness.audit.checks.shard_cover import ShardCover
+from harness.audit.checks.state import AuditState
+from harness.audit.layout.batch import Batch
 
 
 def coverage(ctx: BatchContext) -> None:

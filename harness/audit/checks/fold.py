@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.audit.batch import Batch
 from harness.audit.checks import coverage, ids, load, logprobs, prefix, repeats, replay, shared, tokens
 from harness.audit.checks.context import BatchContext
-from harness.audit.state import AuditState, SampleFigure
+from harness.audit.checks.state import AuditState, SampleFigure
+from harness.audit.layout.batch import Batch
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 ``moe_layer_nonzero`` (no MoE layer of a sample all zero: a capture that never ran) and
 ``dense_empty`` (a dense layer's slot of a decoder-axis trace holds no route).
 
-The fast check runs on the whole batch (``harness.audit.kernels``); offenders are located only in a
+The fast check runs on the whole batch (``harness.audit.checks.kernels``); offenders are located only in a
 batch that failed it, in spans of about ``LOCATE_ROWS`` rows.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit import kernels as audit_kernels
+from harness.audit.checks import kernels as audit_kernels
 from harness.audit.checks.context import BatchContext, Offenders
 from harness.trace import LayerAxis
 from harness.trace import kernels as trace_kernels

@@ -21,7 +21,7 @@ STRICT = (
 ``copied_layers`` are the ``DETECTORS``."""
 
 DETECTORS = ("wrapped_ids", "repeated_rows", "copied_layers")
-"""Detectors of what a dump alone shows (``harness.audit.findings``; ``harness.audit.checks.repeats``;
+"""Detectors of what a dump alone shows (``harness.audit.result.findings``; ``harness.audit.checks.repeats``;
 ``harness.audit.checks.shared``, faults every sample shares, judged across the run): each
 names a fault only under conditions that make it implausible on a correct dump, but what it names is a
 **suspicion** (kind ``suspicion``, status ``suspect``, printed ``SUSPECT``), never a broken invariant: it

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from harness.audit.checks.context import BatchContext
-from harness.audit.state import Offender
+from harness.audit.checks.state import Offender
 
 
 def fallback_and_load(ctx: BatchContext) -> None:

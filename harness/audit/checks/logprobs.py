@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit.batch import ListColumn
 from harness.audit.checks.context import BatchContext, Offenders, expand, offsets
-from harness.audit.state import Offender
+from harness.audit.checks.state import Offender
+from harness.audit.layout.batch import ListColumn
 from harness.metrics.accumulator import GapTerms
 from harness.metrics.inputs import LOGPROB_TOLERANCE
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from harness.audit.checks.context import BatchContext
-from harness.audit.state import GroupDigests
+from harness.audit.checks.state import GroupDigests
 
 
 def prefix_agreement(ctx: BatchContext) -> None:

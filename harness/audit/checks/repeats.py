@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from harness.audit import repeat_kernels
+from harness.audit.checks import repeat_kernels
 from harness.audit.checks.context import BatchContext, Offenders
 
 REPEAT_ALPHA = 1e-6

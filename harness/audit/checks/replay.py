@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit import kernels as audit_kernels
-from harness.audit.batch import RouteColumn
+from harness.audit.checks import kernels as audit_kernels
 from harness.audit.checks.context import BatchContext, Offenders
-from harness.audit.state import Offender
+from harness.audit.checks.state import Offender
+from harness.audit.layout.batch import RouteColumn
 from harness.trace import AgreementCounts
 
 

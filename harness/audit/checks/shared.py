@@ -29,10 +29,10 @@ from dataclasses import replace
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit import shared_kernels
+from harness.audit.checks import shared_kernels
 from harness.audit.checks.context import BatchContext
 from harness.audit.checks.repeats import REPEAT_ALPHA
-from harness.audit.state import AuditState, Offender, SharedEvidence, Tally, first_offenders
+from harness.audit.checks.state import AuditState, Offender, SharedEvidence, Tally, first_offenders
 
 
 def tail_bound(expected: float, found: int) -> float:

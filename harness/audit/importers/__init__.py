@@ -5,7 +5,7 @@ axis, its dtype and its missing-row filler (zero rows, ``arange`` dummies, −1 
 ``router_padding_mask``) become the layout's explicit ``engine_captured`` mask, never routes.
 Pickles are untrusted input: read only through ``safe_pickle``'s allowlist unpickler (SkyRL's and
 verl's framework classes as stand-ins; slime's ``torch.save`` archives too: torch never unpickles
-anything). Files are opened only when regular (``harness.audit.inputs``), and each is read under a
+anything). Files are opened only when regular (``harness.audit.layout.inputs``), and each is read under a
 time budget.
 
 A module ``harness.audit.importers.<name>`` provides:
@@ -14,7 +14,7 @@ A module ``harness.audit.importers.<name>`` provides:
 - ``NOTES``: a tuple of sentences, what the dump cannot show (printed in the report, e.g.
   "hash-level checks only"); ``FACT_NOTES``: for each model fact it does not record (``num_experts``,
   ``moe_layers``), a sentence printed only when the caller did not give it;
-- ``HINTS``: for each column an invariant may miss (``harness.audit.result.HINTS``' keys), what in
+- ``HINTS``: for each column an invariant may miss (``audit_result.HINTS``' keys), what in
   *this* framework writes it, or that nothing in it does; ``SOURCE_PREFIXES``: how the ``source``
   of its records starts (a re-audit of an imported run finds its hints by it);
 - ``STEP_NAME`` (optional): what the dump's step is, where it is not a training step (slime's
@@ -45,8 +45,8 @@ from types import ModuleType
 from typing import Any
 
 from harness.audit.importers.model_shape import MOE_LAYERS_ENV, NUM_EXPERTS_ENV
-from harness.audit.layout import LayoutError, SampleRecord
-from harness.audit.writer import RunWriter
+from harness.audit.layout.schema import LayoutError, SampleRecord
+from harness.audit.layout.writer import RunWriter
 
 IMPORTERS = ("skyrl", "verl", "slime", "nemo_rl", "megatron_lm")
 """Every importer, by the name ``rrh audit --from`` takes."""
@@ -157,7 +157,7 @@ def _has_layout(path: Path) -> bool:
         return False
     import itertools
 
-    from harness.audit.layout import METADATA_KEY
+    from harness.audit.layout.schema import METADATA_KEY
 
     files = list(itertools.islice((p for p in path.rglob("*.parquet") if p.is_file()), 16))
     if not files:

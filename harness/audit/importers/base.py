@@ -30,8 +30,8 @@ from harness.audit.importers.model_shape import (
     payload_rows,
     step_layers,
 )
-from harness.audit.inputs import dtype_name, read_file
-from harness.audit.layout import LayoutError, SampleRecord
+from harness.audit.layout.inputs import dtype_name, read_file
+from harness.audit.layout.schema import LayoutError, SampleRecord
 from harness.trace import MAX_LAYERS, LayerAxis
 
 

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit.inputs import brief, lines, parse_json
-from harness.audit.layout import LayoutError
+from harness.audit.layout.inputs import brief, lines, parse_json
+from harness.audit.layout.schema import LayoutError
 
 
 @dataclass

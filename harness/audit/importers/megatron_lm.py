@@ -36,8 +36,8 @@ import numpy as np
 import numpy.typing as npt
 
 from harness.audit.importers.megatron_calls import RouterCall, call_ids, read_calls
-from harness.audit.inputs import glob
-from harness.audit.layout import LayoutError, SampleRecord
+from harness.audit.layout.inputs import glob
+from harness.audit.layout.schema import LayoutError, SampleRecord
 from harness.trace import LayerAxis
 
 DESCRIPTION = (

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit.layout import LayoutError
+from harness.audit.layout.schema import LayoutError
 from harness.trace import storage_dtype
 
 NUM_EXPERTS_ENV = "RRH_NUM_EXPERTS"

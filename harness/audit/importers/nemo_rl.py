@@ -39,8 +39,8 @@ import numpy as np
 import numpy.typing as npt
 
 from harness.audit.importers.base import NO_ROUTES
-from harness.audit.inputs import brief, check_step, glob, lines, parse_json, read_file
-from harness.audit.layout import LayoutError, SampleRecord
+from harness.audit.layout.inputs import brief, check_step, glob, lines, parse_json, read_file
+from harness.audit.layout.schema import LayoutError, SampleRecord
 
 DESCRIPTION = "NeMo-RL {log_dir}/train_data_step{N}.jsonl (tokens, masks, generation and prev log-probs)"
 NOTES = (

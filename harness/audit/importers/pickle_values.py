@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit.inputs import brief
-from harness.audit.layout import LayoutError
+from harness.audit.layout.inputs import brief
+from harness.audit.layout.schema import LayoutError
 
 StandIns = Mapping[tuple[str, str], Any]
 """``(module, name) → object`` that a pickle's global resolves to, beyond the built-in allowlist."""

@@ -23,7 +23,7 @@ global is refused before anything is called, with a ``LayoutError`` naming the f
 The unpickler is Python's own (``pickle._Unpickler``) reading through ``Bounded``: every length
 the pickle declares (bytes, strings, frames, byte arrays) is checked against the bytes left in the
 file before anything is allocated, ``BUILD`` applies only to the stand-ins above, and a long load
-can be interrupted by the file's time budget (``harness.audit.inputs.time_budget``).
+can be interrupted by the file's time budget (``harness.audit.layout.inputs.time_budget``).
 
 Tensors in a ``torch.save`` archive (slime's ``.pt`` files, verl's ``DataProto`` batch, SkyRL's
 bfloat16 fallback) are read by ``load_torch``/``load_torch_bytes`` with the same unpickler: records
@@ -78,8 +78,8 @@ from harness.audit.importers.torch_format import (
     widen_bfloat16,
     widened,
 )
-from harness.audit.inputs import brief, file_size, kind_name, open_regular
-from harness.audit.layout import LayoutError
+from harness.audit.layout.inputs import brief, file_size, kind_name, open_regular
+from harness.audit.layout.schema import LayoutError
 
 
 class SafeUnpickler(pickle._Unpickler):

@@ -41,8 +41,8 @@ import numpy.typing as npt
 
 from harness.audit.importers import base, pickle_values, safe_pickle
 from harness.audit.importers.model_shape import LayerVote
-from harness.audit.inputs import brief, check_ints, check_mask, check_step, entries, kind_name
-from harness.audit.layout import LayoutError, SampleRecord
+from harness.audit.layout.inputs import brief, check_ints, check_mask, check_step, entries, kind_name
+from harness.audit.layout.schema import LayoutError, SampleRecord
 
 DESCRIPTION = (
     "SkyRL 0.3.0 trainer.dump_data_batch=true: {export_path}/dumped_data/"

@@ -62,8 +62,8 @@ from harness.audit.importers.slime_dump import (
     sequence,
     vector,
 )
-from harness.audit.inputs import brief, check_step, glob, read_file
-from harness.audit.layout import LayoutError, SampleRecord
+from harness.audit.layout.inputs import brief, check_step, glob, read_file
+from harness.audit.layout.schema import LayoutError, SampleRecord
 from harness.trace import LayerAxis
 
 DESCRIPTION = (

@@ -20,8 +20,8 @@ import numpy.typing as npt
 from harness.audit.importers import pickle_values, safe_pickle
 from harness.audit.importers.base import NO_ROUTES, RoutingShape
 from harness.audit.importers.model_shape import ExpertVote, LayerVote, signature
-from harness.audit.inputs import brief, dtype_name, kind_name, read_file
-from harness.audit.layout import LayoutError
+from harness.audit.layout.inputs import brief, dtype_name, kind_name, read_file
+from harness.audit.layout.schema import LayoutError
 from harness.trace import MAX_LAYERS
 
 

@@ -17,8 +17,8 @@ import numpy as np
 import numpy.typing as npt
 
 from harness.audit.importers.pickle_values import first_line, shape_of
-from harness.audit.inputs import BFloat16Array, brief
-from harness.audit.layout import LayoutError
+from harness.audit.layout.inputs import BFloat16Array, brief
+from harness.audit.layout.schema import LayoutError
 
 BFLOAT16 = "bfloat16"
 

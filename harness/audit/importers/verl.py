@@ -35,7 +35,7 @@ import numpy as np
 
 from harness.audit.importers import base, pickle_values, safe_pickle, torch_format
 from harness.audit.importers.model_shape import LayerVote
-from harness.audit.inputs import (
+from harness.audit.layout.inputs import (
     brief,
     check_ints,
     check_mask,
@@ -45,7 +45,7 @@ from harness.audit.inputs import (
     read_file,
     read_json,
 )
-from harness.audit.layout import LayoutError, SampleRecord
+from harness.audit.layout.schema import LayoutError, SampleRecord
 
 DESCRIPTION = (
     "verl 0.9.1 RolloutSkip (skip.rollout.enable=True): {dump_dir}/{exp}_{project}/GBS{g}_N{n}_in{p}_out{r}/"
