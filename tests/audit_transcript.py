@@ -25,7 +25,7 @@ TRANSCRIPTS = Path(__file__).parent / "transcripts"
 UPDATE = os.environ.get("RRH_UPDATE_TRANSCRIPTS") == "1"
 
 
-def _normalise(text: str, replace: dict[str, str]) -> str:
+def normalise(text: str, replace: dict[str, str]) -> str:
     for old, new in sorted(replace.items(), key=lambda kv: -len(kv[0])):
         text = text.replace(old, new)
     text = re.sub(r"rrh-audit-(?!report/)[A-Za-z0-9_]+", "rrh-audit-<TMP>", text)
@@ -80,7 +80,7 @@ def transcript(capsys: pytest.CaptureFixture[str], args: list[str], dump: Path, 
         lines += ["--- json", *json.dumps(doc, indent=1, sort_keys=True, ensure_ascii=False).splitlines()]
     if tables.exists():
         lines += _tables(tables)
-    return _normalise("\n".join(lines) + "\n", {str(dump): "<DUMP>", str(scratch): "<TMP>"})
+    return normalise("\n".join(lines) + "\n", {str(dump): "<DUMP>", str(scratch): "<TMP>"})
 
 
 def check(name: str, text: str) -> None:

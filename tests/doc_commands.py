@@ -136,6 +136,11 @@ WHERE: dict[str, Run | SameAs | NotRun] = {
     # docs/audit.md
     "rrh generate /tmp/rrh-run --faults all": Run(QUICK),
     "rrh audit /tmp/rrh-run --html /tmp/rrh-audit.html --summary /tmp/rrh-summary": Run(QUICK, exit=1),
+    "rrh audit runs/r3 --follow --idle 600 --html runs/r3.html --summary runs/r3-summary --tensorboard "
+    "runs/r3-tb --on-violation 'cat > runs/r3-finding.json'": NotRun(
+        "it follows a run being written; tests/test_audit_follow.py runs these options against a tap "
+        "writer and a SkyRL dump copied step by step"
+    ),
     "duckdb -c \"select step, mean_abs_diff, disagreement from '/tmp/rrh-summary/steps.parquet'\"": Run(
         QUICK, requires=("duckdb",)
     ),

@@ -11,6 +11,8 @@ One package per concern, in the order data flows:
   batch into the mergeable accumulators (``state``), with their compiled kernels;
 - ``result``: the figures of a finished audit and their tables;
 - ``execution``: serial, process pool and Ray over a run's units of work;
+- ``follow``: a run audited while it is written (``rrh audit --follow``): what the writer has
+  finished, the loop that folds each step in, the per-step time series;
 - ``synthetic``: seeded runs of realistic shape with planted faults (``rrh generate``), and the
   pool's warm-up batch.
 

@@ -73,9 +73,9 @@ def add_parser(commands: Any) -> None:
     audit.add_argument(
         "--executor",
         choices=("serial", "processes", "ray"),
-        default="processes",
+        default=None,
         help="where the audit's units run: serial (this process), processes (a pool of --workers), "
-        "ray (a Ray cluster, --ray-address; extra 'ray')",
+        "ray (a Ray cluster, --ray-address; extra 'ray'); default processes, with --follow serial",
     )
     audit.add_argument(
         "--workers", type=int, default=None, help="processes (default: the CPUs this process may use)"
@@ -108,5 +108,49 @@ def add_parser(commands: Any) -> None:
         help="exit 1 when a step's figure exceeds VALUE (e.g. mean_abs_diff=0.01, disagreement=0.05)",
     )
     audit.add_argument("--strict", action="store_true", help="stop at the first violation or input error")
+    _add_follow(audit)
     audit.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     audit.set_defaults(func=_cmd_audit)
+
+
+def _add_follow(audit: Any) -> None:
+    """``--follow`` and the options of a followed run."""
+    follow = audit.add_argument_group("following a run as it trains")
+    follow.add_argument(
+        "--follow",
+        action="store_true",
+        help="audit each step as soon as its files are complete, while the run writes them (the run layout, "
+        "or a skyrl, verl, slime or nemo_rl dump folder: give --from for one not written yet)",
+    )
+    follow.add_argument(
+        "--until-step", type=int, default=None, metavar="N", help="end once step N is complete"
+    )
+    follow.add_argument(
+        "--idle", type=float, default=None, metavar="SECONDS", help="end after SECONDS without a new file"
+    )
+    follow.add_argument(
+        "--poll", type=float, default=None, metavar="SECONDS", help="look for new files every SECONDS (1)"
+    )
+    follow.add_argument(
+        "--settle",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a dump's last step is complete once its files are unchanged for SECONDS (30); an earlier step "
+        "is complete when the next one appears",
+    )
+    follow.add_argument(
+        "--fail-fast", action="store_true", help="exit 1 at the first strict violation, naming its place"
+    )
+    follow.add_argument(
+        "--on-violation",
+        metavar="CMD",
+        default=None,
+        help="run CMD (a shell command) for each strict violation, the finding as JSON on its stdin",
+    )
+    follow.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        default=None,
+        help="write each step's figures as TensorBoard scalars into DIR (extra 'tensorboard')",
+    )

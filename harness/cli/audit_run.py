@@ -128,6 +128,28 @@ def _path_problem(err: BaseException, run: str) -> str:
     return f"{text}: {why}; expected a readable run directory or file"
 
 
+def _audit_once(
+    args: argparse.Namespace, keep: list[Any], import_errors: list[str]
+) -> tuple[AuditResult, str | None, int | None]:
+    """The one-shot audit: the dump imported if it is one, the run audited; the result, the dump's
+    importer (``None``: the run layout) and the dump files read."""
+    run, name, inferred, notes, dump_files = _import(args, keep, import_errors)
+    options = AuditOptions(steps=args.steps, every=max(1, args.every), samples=args.samples)
+    result = audit_run(
+        run,
+        options=options,
+        executor=args.executor or "processes",
+        workers=args.workers,
+        ray_address=args.ray_address,
+        strict=args.strict,
+        progress=_progress(args.progress and sys.stderr.isatty()),
+        input_errors=import_errors,
+    )
+    result.inferred = inferred + result.inferred
+    result.notes = result.notes + notes
+    return result, name, dump_files
+
+
 def run_audit(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     keep: list[Any] = []
@@ -136,18 +158,16 @@ def run_audit(args: argparse.Namespace) -> int:
         alone = _trace_alone(args)
         if alone is not None:
             return alone
-        run, name, inferred, notes, dump_files = _import(args, keep, import_errors)
-        options = AuditOptions(steps=args.steps, every=max(1, args.every), samples=args.samples)
-        result = audit_run(
-            run,
-            options=options,
-            executor=args.executor,
-            workers=args.workers,
-            ray_address=args.ray_address,
-            strict=args.strict,
-            progress=_progress(args.progress and sys.stderr.isatty()),
-            input_errors=import_errors,
-        )
+        ended = ""
+        if args.follow:
+            from harness.cli.audit_follow import follow_run
+
+            result, name, dump_files, ended = follow_run(args, keep)
+        else:
+            from harness.cli.audit_follow import check_follow_args
+
+            check_follow_args(args)
+            result, name, dump_files = _audit_once(args, keep, import_errors)
     except LayoutError as err:
         print(f"rrh audit: {err}", file=sys.stderr)
         return 2
@@ -159,8 +179,6 @@ def run_audit(args: argparse.Namespace) -> int:
     finally:
         for tmp in keep:
             tmp.cleanup()
-    result.inferred = inferred + result.inferred
-    result.notes = result.notes + notes
     result.dump_files = dump_files
     seconds = time.perf_counter() - start
     # An input error comes first, on stderr, one line each; with nothing audited it is all there is.
@@ -168,6 +186,8 @@ def run_audit(args: argparse.Namespace) -> int:
         print(f"rrh audit: input error: {shown(error)}", file=sys.stderr)
     if result.input_errors and not result.rows:
         return 2
+    if ended:
+        print(f"rrh audit {shown(args.run)}: {ended}")
     if name is None:
         print(f"rrh audit {shown(args.run)}: {result.files_read()}, {result.counted()}, "
               f"{human_size(result.bytes_read)} in {seconds:.1f}s")  # fmt: skip
@@ -192,7 +212,7 @@ def run_audit(args: argparse.Namespace) -> int:
     if args.html:
         from harness.report.audit_page import audit_html
 
-        page = audit_html(result, title=str(args.run), command=command, seconds=seconds)
+        page = audit_html(result, title=str(args.run), command=command, seconds=seconds, following=ended)
         atomic_write(args.html, lambda h: h.write(page.encode()))
         print(f"HTML report: {shown(args.html)}")
     if args.summary:
@@ -202,4 +222,4 @@ def run_audit(args: argparse.Namespace) -> int:
         print(f"summary tables: {', '.join(shown(Path(p)) for p in paths)}")
     if result.input_errors:
         return 2
-    return 1 if result.violated or over else 0
+    return 1 if result.violated or over or ended.endswith("--fail-fast at the first violation") else 0

@@ -156,6 +156,18 @@ def _cmd_bench_audit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_follow(args: argparse.Namespace) -> int:
+    from harness.bench.follow import bench_follow, format_bench_follow
+
+    if len(args.steps) < 2 or min(args.steps) < 1:
+        print(f"rrh bench follow: --steps {args.steps}; expected two or more run lengths of at least 1 step",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    result = bench_follow(tuple(sorted(args.steps)))
+    print(json.dumps(result, indent=2) if args.json else format_bench_follow(result))
+    return 0
+
+
 def add_parser(commands: Any) -> None:
     """Register ``rrh bench`` on the ``rrh`` parser's sub-commands."""
     bench = commands.add_parser("bench", help="benchmarks that print numbers")
@@ -256,3 +268,11 @@ def add_parser(commands: Any) -> None:
     tap_bench.add_argument("--repeats", type=int, default=20, help="timed forwards per arm (default 20)")
     tap_bench.add_argument("--json", action="store_true", help="print the figures as JSON")
     tap_bench.set_defaults(func=_cmd_bench_tap)
+    follow_bench = benches.add_parser(
+        "follow", help="peak memory of rrh audit --follow over runs of different lengths, their ratio"
+    )
+    follow_bench.add_argument(
+        "--steps", type=int, nargs="+", default=[10, 1000], help="run lengths in steps (default 10 1000)"
+    )
+    follow_bench.add_argument("--json", action="store_true", help="print the figures as JSON")
+    follow_bench.set_defaults(func=_cmd_bench_follow)

@@ -182,8 +182,15 @@ def _read(result: AuditResult) -> str:
     return f"{result.files_read()} read · {result.counted()} · {size} of run layout"
 
 
-def audit_html(result: AuditResult, *, title: str, command: str, seconds: float) -> str:
-    """The page for ``result`` (``title``: the run audited)."""
+FOLLOW_RELOAD_SECONDS = 10
+"""How often a followed run's page reloads itself in the browser (it is rewritten after each step)."""
+
+
+def audit_html(
+    result: AuditResult, *, title: str, command: str, seconds: float, following: str = "", live: bool = False
+) -> str:
+    """The page for ``result`` (``title``: the run audited). ``following``: where ``rrh audit --follow``
+    is, or how it ended; ``live``: the run goes on (the page reloads every ``FOLLOW_RELOAD_SECONDS``)."""
     e = html.escape
     violated, suspected = result.violated, result.suspected
     status = "fail" if violated else "suspect" if suspected else "pass"
@@ -203,16 +210,20 @@ def audit_html(result: AuditResult, *, title: str, command: str, seconds: float)
     drift += "".join(f'<p class="note">drift: {e(x)}</p>' for x in result.drift)
     drift += "".join(f'<p class="note">{e(x)}</p>' for x in result.notes)
     charts = "".join(_trend_charts(result)) or "<p class=sub>No metric to plot.</p>"
+    reload = f'\n<meta http-equiv="refresh" content="{FOLLOW_RELOAD_SECONDS}">' if live else ""
+    said = f"following the run: {following}" if live else following
+    live_note = f'<p class="note">{e(said)}</p>' if following else ""
     worst = "".join(_worst_table(result, rows, figure) for figure, rows in result.worst.items())
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<title>rrh audit — {e(title)}: {e(status.upper())}</title>
+<title>rrh audit — {e(title)}: {e(status.upper())}</title>{reload}
 <style>{CSS}</style></head>
 <body><main>
 <h1>Routing replay audit: {e(title)}</h1>
 <p class="sub">{e(_read(result))} ·
 {seconds:.1f}s · <span class="mono">{e(command)}</span><br>sources: {e("; ".join(result.sources))}</p>
+{live_note}
 <div class="verdict {e(status)}"><div class="status">{e(status.upper())}</div><p>{e(text)}</p></div>
 {errors}{drift}
 <h2>Invariants</h2>

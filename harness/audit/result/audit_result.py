@@ -189,21 +189,22 @@ class AuditResult:
 
     @classmethod
     def of(cls, state: AuditState) -> AuditResult:
+        # The state is read, never changed: a followed run's result is taken again after each step.
         invariants = []
         duplicates = state.duplicates()
-        unique = state.tally("unique_sample")
-        unique.checked = len(state.seen)
+        unique = Tally(checked=len(state.seen))
         unique.add(0, duplicates, len(duplicates))
+        resolved = {"unique_sample": unique}
         if state.shards:
-            union = state.tally("shard_union")
-            union.checked = len(state.shards)
+            union = Tally(checked=len(state.shards))
             shard_offenders = state.shard_offenders()
             union.add(0, shard_offenders, len({(o.step, o.sample_key) for o in shard_offenders}))
+            resolved["shard_union"] = union
         from harness.audit import importers
         from harness.audit.result.findings import name_groups
 
         named = name_groups(state)
-        run_wide = _run_wide_tallies(state) | {"wrapped_ids": named.wrapped}
+        run_wide = _run_wide_tallies(state) | {"wrapped_ids": named.wrapped} | resolved
         for name in (*STRICT, *METRICS):
             kind = "suspicion" if name in DETECTORS else "strict" if name in STRICT else "metric"
             tally = run_wide.get(name, state.tallies.get(name))

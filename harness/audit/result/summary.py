@@ -23,7 +23,8 @@ from harness.audit.result.audit_result import AuditResult
 TABLES = ("steps", "step_layers", "samples", "offenders")
 
 
-def _write(path: Path, rows: list[dict[str, Any]], columns: dict[str, Any]) -> None:
+def write_rows(path: Path, rows: list[dict[str, Any]], columns: dict[str, Any]) -> None:
+    """``rows`` as one Parquet file of ``columns`` (name → Arrow type), written atomically."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -32,38 +33,45 @@ def _write(path: Path, rows: list[dict[str, Any]], columns: dict[str, Any]) -> N
     atomic_write(path, lambda handle: pq.write_table(table, handle, compression="zstd"))
 
 
-def write_summary(result: AuditResult, directory: str | os.PathLike[str]) -> list[Path]:
-    """Write the four summary tables into ``directory`` (made if missing); return their paths."""
+def columns() -> dict[str, dict[str, Any]]:
+    """Each table's columns (name → Arrow type)."""
     import pyarrow as pa
 
+    f64, i64, s = pa.float64(), pa.int64(), pa.string()
+    return {
+        "steps": {
+            "step": i64, "samples": i64, "rows": i64, "fallback_fraction": f64, "disagreement": f64,
+            "token_disagreement": f64, "tokens": i64, "mean_abs_diff": f64, "k3": f64,
+            "extreme_fraction": f64, "mean_abs_diff_agreed": f64, "tokens_agreed": i64,
+            "mean_abs_diff_flipped": f64, "tokens_flipped": i64, "prefix_agreement": f64,
+        },
+        "step_layers": {"step": i64, "layer": i64, "disagreement": f64, "load_max_over_mean": f64},
+        "samples": {
+            "step": i64, "sample_key": s, "group_key": s, "rows": i64, "response_tokens": i64,
+            "mean_abs_diff": f64, "disagreement": f64, "uncaptured_rows": i64, "violations": i64, "where": s,
+        },
+        "offenders": {
+            "invariant": s, "kind": s, "step": i64, "sample_key": s, "row": i64, "layer": i64,
+            "expected": s, "actual": s, "where": s,
+        },
+    }  # fmt: skip
+
+
+def write_summary(result: AuditResult, directory: str | os.PathLike[str]) -> list[Path]:
+    """Write the four summary tables into ``directory`` (made if missing); return their paths."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    f64, i64, s = pa.float64(), pa.int64(), pa.string()
-    step_columns = {
-        "step": i64, "samples": i64, "rows": i64, "fallback_fraction": f64, "disagreement": f64,
-        "token_disagreement": f64, "tokens": i64, "mean_abs_diff": f64, "k3": f64, "extreme_fraction": f64,
-        "mean_abs_diff_agreed": f64, "tokens_agreed": i64, "mean_abs_diff_flipped": f64,
-        "tokens_flipped": i64, "prefix_agreement": f64,
-    }  # fmt: skip
-    layer_columns = {"step": i64, "layer": i64, "disagreement": f64, "load_max_over_mean": f64}
-    sample_columns = {
-        "step": i64, "sample_key": s, "group_key": s, "rows": i64, "response_tokens": i64,
-        "mean_abs_diff": f64, "disagreement": f64, "uncaptured_rows": i64, "violations": i64, "where": s,
-    }  # fmt: skip
-    offender_columns = {
-        "invariant": s, "kind": s, "step": i64, "sample_key": s, "row": i64, "layer": i64, "expected": s,
-        "actual": s, "where": s,
-    }  # fmt: skip
+    tables = columns()
     offenders = [{"invariant": r.name, "kind": r.kind, **o} for r in result.invariants for o in r.offenders]
     samples = [f.as_dict() for f in result.samples]
     paths = []
-    for name, rows, columns in (
-        ("steps", result.steps, step_columns),
-        ("step_layers", result.step_layers, layer_columns),
-        ("samples", samples, sample_columns),
-        ("offenders", offenders, offender_columns),
+    for name, rows in (
+        ("steps", result.steps),
+        ("step_layers", result.step_layers),
+        ("samples", samples),
+        ("offenders", offenders),
     ):
         path = out / f"{name}.parquet"
-        _write(path, rows, columns)
+        write_rows(path, rows, tables[name])
         paths.append(path)
     return paths

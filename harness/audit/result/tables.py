@@ -22,11 +22,12 @@ def finite(x: float) -> float | None:
     return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else float(x)
 
 
-def prefix_figures(state: AuditState) -> dict[int, tuple[int, int, int]]:
-    """Per step: ``(prompt rows, rows where members differ, groups)`` over its groups of two or more."""
+def prefix_figures(state: AuditState, only: int | None = None) -> dict[int, tuple[int, int, int]]:
+    """Per step (``only`` that one): ``(prompt rows, rows where members differ, groups)`` over its groups of
+    two or more."""
     out: dict[int, tuple[int, int, int]] = {}
     for (step, _), group in state.groups.items():
-        if len(group.members) > 1:
+        if len(group.members) > 1 and only in (None, step):
             rows, differ = group.figures()
             have = out.get(step, (0, 0, 0))
             out[step] = (have[0] + rows, have[1] + differ, have[2] + 1)
@@ -57,6 +58,28 @@ def step_row(step: int, state: AuditState, prefix: tuple[int, int, int]) -> dict
     }
 
 
+def step_layer_rows(state: AuditState, step: int) -> list[dict[str, Any]]:
+    """Per MoE layer of one step: disagreement and expert-load imbalance (a key left out: not measured)."""
+    layers = list(state.moe_layers)
+    f = state.steps[step]
+    agreement = f.agreement
+    usable = (
+        agreement is not None and agreement.positions > 0 and agreement.differs_per_layer.size == len(layers)
+    )
+    per_layer = agreement.per_layer if usable and agreement is not None else None
+    step_load = f.load if f.load is not None and f.load.shape[0] == len(layers) else None
+    ratio = imbalance(step_load) if step_load is not None else None
+    rows = []
+    for j, layer in enumerate(layers):
+        row: dict[str, Any] = {"step": step, "layer": layer}
+        if per_layer is not None:
+            row["disagreement"] = float(per_layer[j])
+        if ratio is not None:
+            row["load_max_over_mean"] = finite(float(ratio[j]))
+        rows.append(row)
+    return rows
+
+
 def layer_rows(state: AuditState) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Per MoE layer over the whole run, and per (step, MoE layer): disagreement and expert-load imbalance."""
     layers = list(state.moe_layers)
@@ -66,26 +89,14 @@ def layer_rows(state: AuditState) -> tuple[list[dict[str, Any]], list[dict[str, 
     load: npt.NDArray[np.int64] | None = None
     step_layers = []
     for step in sorted(state.steps):
+        step_layers.extend(step_layer_rows(state, step))
         f = state.steps[step]
         agreement = f.agreement
-        usable = (
-            agreement is not None and agreement.positions > 0 and agreement.differs_per_layer.size == width
-        )
-        per_layer = agreement.per_layer if usable and agreement is not None else None
-        step_load = f.load if f.load is not None and f.load.shape[0] == width else None
-        ratio = imbalance(step_load) if step_load is not None else None
-        for j, layer in enumerate(layers):
-            row: dict[str, Any] = {"step": step, "layer": layer}
-            if per_layer is not None:
-                row["disagreement"] = float(per_layer[j])
-            if ratio is not None:
-                row["load_max_over_mean"] = finite(float(ratio[j]))
-            step_layers.append(row)
-        if usable and agreement is not None:
+        if agreement is not None and agreement.positions > 0 and agreement.differs_per_layer.size == width:
             total_differs += agreement.differs_per_layer
             positions += agreement.positions
-        if step_load is not None:
-            load = step_load.copy() if load is None else load + step_load
+        if f.load is not None and f.load.shape[0] == width:
+            load = f.load.copy() if load is None else load + f.load
     ratios = imbalance(load) if load is not None else None
     rows = []
     for j, layer in enumerate(layers):

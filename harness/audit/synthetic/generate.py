@@ -213,9 +213,10 @@ def generate_run(
         planted: list[PlantedFault] = []
         with RunWriter(directory, file_bytes=file_bytes) as writer:
             for step in range(steps):
-                for sample, fault in _step_samples(shape, seed, step, victims if step == steps - 1 else {}):
-                    planted.extend(fault)
-                    writer.write(sample.record(shape))
+                records = step_records(shape, step, seed=seed, faults=faults if step == steps - 1 else ())
+                planted.extend(records.planted)
+                for record in records.records:
+                    writer.write(record)
         return planted
     Path(directory).mkdir(parents=True, exist_ok=True)
     # Blocks of whole steps, sized from the shape, so that each file is known before it is made.
@@ -241,6 +242,27 @@ def generate_run(
 
     with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=pool_context()) as pool:
         return [f for part in pool.map(_write_block, *zip(*jobs, strict=True)) for f in part]
+
+
+@dataclass(frozen=True)
+class StepRecords:
+    """One generated step: its records and the faults planted in it."""
+
+    records: list[SampleRecord]
+    planted: list[PlantedFault]
+
+
+def step_records(shape: RunShape, step: int, *, seed: int = 0, faults: tuple[str, ...] = ()) -> StepRecords:
+    """The records of step ``step`` of the run ``generate_run`` writes (the same rows), with ``faults``
+    planted in this step as ``generate_run`` plants them in its last: what a writer hands a run step
+    by step (the tests of ``rrh audit --follow``)."""
+    own = [f for f in faults if f in FAULTS]
+    victims = {kind: i for i, kind in enumerate(own)} | {k: EVERY for k in faults if k in SHARED_FAULTS}
+    records, planted = [], []
+    for sample, fault in _step_samples(shape, seed, step, victims):
+        planted.extend(fault)
+        records.append(sample.record(shape))
+    return StepRecords(records, planted)
 
 
 def _write_block(

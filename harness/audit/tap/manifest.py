@@ -66,7 +66,7 @@ class ManifestCheck:
     notes: list[str] = field(default_factory=list)
 
 
-def _load(path: Path) -> dict[str, Any]:
+def load_manifest(path: Path) -> dict[str, Any]:
     """A manifest read from a regular file and checked field by field (``ValueError`` naming it)."""
     try:
         doc = read_json(path)
@@ -111,7 +111,7 @@ def check_manifests(run: str | os.PathLike[str]) -> ManifestCheck:
         return out
     for path in paths:
         try:
-            doc = _load(path)
+            doc = load_manifest(path)
         except ValueError as err:
             out.errors.append(str(err))
             continue
