@@ -257,3 +257,10 @@ def test_following_1000_steps_peaks_within_a_tenth_of_following_10() -> None:
     result = bench_follow((10, 1000))
     assert [r["steps"] for r in result["runs"]] == [10, 1000]
     assert result["peak_ratio"] <= 1.10, result
+
+
+def test_a_dump_folder_not_written_yet_is_waited_for(tmp_path: Path) -> None:
+    from harness.cli import main
+
+    assert main(["audit", str(tmp_path / "later"), "--follow", "--from", "skyrl", "--num-experts", "16",
+                 "--idle", "0.2", "--poll", "0.05"]) == 2  # fmt: skip  # nothing came: nothing audited

@@ -171,6 +171,11 @@ def follow_run(args: argparse.Namespace, keep: list[Any]) -> tuple[AuditResult, 
         ).run()  # fmt: skip
     finally:
         series.close()
+    if not done.state.files and not done.state.input_errors:
+        raise LayoutError(
+            f"{args.run}: nothing was written while it was followed ({done.ended}); expected a run directory "
+            "or a framework's dump folder being written"
+        )
     result = AuditResult.of(done.state)
     result.inferred = list(dict.fromkeys(facts["inferred"]))
     if name is not None:

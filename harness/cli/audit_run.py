@@ -155,7 +155,7 @@ def run_audit(args: argparse.Namespace) -> int:
     keep: list[Any] = []
     import_errors: list[str] = []
     try:
-        alone = _trace_alone(args)
+        alone = None if args.follow else _trace_alone(args)
         if alone is not None:
             return alone
         ended = ""

@@ -110,6 +110,13 @@ def step_files(name: str, dump: Path) -> dict[int, DumpStep]:
     """Each step of framework ``name``'s dump at the folder ``dump``, as the framework names its files
     (FACTS §7); ``LayoutError`` for a dump that cannot be followed."""
     out: dict[int, DumpStep] = {}
+    if name not in ("skyrl", "verl", "nemo_rl", "slime"):
+        raise LayoutError(
+            f"--follow: a {name} dump cannot be followed; expected the run layout or a skyrl, verl, slime "
+            "or nemo_rl dump folder"
+        )
+    if not dump.is_dir():  # not written yet
+        return out
     if name == "skyrl":
         from harness.audit.importers import skyrl
 
@@ -125,7 +132,7 @@ def step_files(name: str, dump: Path) -> dict[int, DumpStep]:
         for file in glob(dump, "train_data_step*.jsonl"):
             if m := _NEMO_STEP.fullmatch(file.name):
                 out[int(m.group(1))] = DumpStep(file, (file,))
-    elif name == "slime":
+    else:  # slime
         rollouts, train = dump / "rollout_data", dump / "train_data"
         folder = rollouts if rollouts.is_dir() else dump
         for file in glob(folder, "*.pt") if folder.is_dir() else []:
@@ -134,11 +141,6 @@ def step_files(name: str, dump: Path) -> dict[int, DumpStep]:
                 files = (file, paired) if paired.exists() else (file,)
                 options = (("train", train),) if train.is_dir() else ()
                 out[int(m.group(1))] = DumpStep(file, files, options)
-    else:
-        raise LayoutError(
-            f"--follow: a {name} dump cannot be followed; expected the run layout or a skyrl, verl, slime "
-            "or nemo_rl dump folder"
-        )
     return out
 
 
@@ -168,7 +170,7 @@ class DumpSource:
         settle: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not dump.is_dir():
+        if dump.exists() and not dump.is_dir():
             raise LayoutError(
                 f"--follow: {dump} is a file; expected the folder the framework writes its dump into"
             )
