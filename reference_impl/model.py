@@ -91,6 +91,13 @@ class KVCache:
         self.keys[layer], self.values[layer] = keys, values
         return keys, values
 
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` cached tokens (a speculative step drops its rejected drafts)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"truncate to {length}: expected 0 <= length <= {self.length} (cached tokens)")
+        self.keys = [None if k is None else k[:, :, :length] for k in self.keys]
+        self.values = [None if v is None else v[:, :, :length] for v in self.values]
+
 
 class Attention(nn.Module):
     """Causal multi-head self-attention with RoPE, through `F.scaled_dot_product_attention`."""

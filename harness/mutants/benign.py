@@ -57,6 +57,12 @@ from harness.mutants.router_rules import (
     replayed_at_the_group_stage,
     targets_moved_through,
 )
+from harness.mutants.serving import (
+    ChunksIndexedInt32,
+    DraftsFromFirstMatch,
+    HandoffInInt16,
+    VersionKeyedRouteStore,
+)
 from harness.mutants.splice import splice_with_turn_placeholders
 from harness.mutants.training import tokens_per_expert_over_every_row
 from harness.subjects import Subject
@@ -106,6 +112,26 @@ def _namespace(module: Any) -> SimpleNamespace:
 
 
 BENIGN: tuple[Benign, ...] = (
+    Benign(
+        "serving-chunks-indexed-int32",
+        "a capture buffer of int32 filled by position index: chunked prefill, another representation",
+        _variant("serving-chunks-indexed-int32", serving=ChunksIndexedInt32),
+    ),
+    Benign(
+        "serving-drafts-from-first-match",
+        "n-gram drafts looked up at the earliest match, the accepted rows with sorted ids",
+        _variant("serving-drafts-from-first-match", serving=DraftsFromFirstMatch),
+    ),
+    Benign(
+        "serving-handoff-int16",
+        "prefill/decode disaggregation handing the prompt rows over as int16",
+        _variant("serving-handoff-int16", serving=HandoffInInt16),
+    ),
+    Benign(
+        "serving-version-keyed-store",
+        "a prefix route store keyed by the weights' version, kept across weight updates",
+        _variant("serving-version-keyed-store", serving=VersionKeyedRouteStore),
+    ),
     Benign(
         "truncate-int32",
         "routes handed back as int32: any integer dtype that holds every id is correct",

@@ -11,12 +11,14 @@ from harness.mutants import (
     passes,
     replay,
     router_rules,
+    serving,
     splice,
     training,
 )
 from harness.subjects import Subject
 
 MUTANTS: tuple[Mutant, ...] = (
+    *serving.MUTANTS,
     *splice.MUTANTS,
     *layouts.MUTANTS,
     *replay.MUTANTS,

@@ -17,6 +17,7 @@ from harness.errors import SubjectError
 DEFAULT_SUBJECT = "harness.subjects.reference:REFERENCE"
 
 CAPABILITIES = (
+    "serving",
     "decode_payload",
     "splice",
     "truncate",
@@ -36,6 +37,9 @@ class Subject:
 
     Attributes:
         name: how reports name the subject.
+        serving: ``(model, *, prefill_chunk, prefix_block, speculative_tokens, ngram) -> engine``, a
+            ``capabilities.ServedEngine`` for the reference ``MoELM`` (the engine side: what an engine
+            captures under chunked prefill, a prefix route store, speculation and disaggregation).
         decode_payload: ``(engine, version, payload, **sample) -> RoutingTrace``.
         splice: ``(prompt_len, attempts) -> routes`` building one sample's trace from its attempts
             (``reference_impl.splice.Attempt``).
@@ -53,6 +57,7 @@ class Subject:
     """
 
     name: str
+    serving: Callable[..., Any] | None = None
     decode_payload: Callable[..., Any] | None = None
     splice: Callable[..., Any] | None = None
     truncate: Callable[..., Any] | None = None

@@ -283,6 +283,26 @@ class TrainingCapability(Protocol):
     tokens_per_expert: Callable[..., Any]
 
 
+@runtime_checkable
+class ServedEngine(Protocol):
+    """A rollout engine serving one request at a time (``reference_impl.serving.ServingEngine``): what
+    a ``serving`` factory ``(model, *, prefill_chunk, prefix_block, speculative_tokens, ngram)`` returns.
+
+    ``generate(prompt, max_new_tokens)`` greedy, a ``Rollout``-like answer (``tokens``, ``routes``
+    ``[P + R − 1, moe_layers, top_k]``); ``prefill(prompt)`` the prefill replica's half of a
+    disaggregated request, whose opaque answer ``decode(prefilled, max_new_tokens)`` of another
+    engine continues; ``load_weights(state_dict)`` a weight update of the running engine.
+    """
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int) -> Any: ...
+
+    def prefill(self, prompt: Sequence[int]) -> Any: ...
+
+    def decode(self, prefilled: Any, max_new_tokens: int) -> Any: ...
+
+    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None: ...
+
+
 PROTOCOLS: dict[str, type] = {
     "install_replay": ReplayDriver,
     "install_hf_replay": ReplayDriver,

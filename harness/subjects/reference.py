@@ -9,6 +9,7 @@ from harness.subjects import Subject
 from harness.subjects.capabilities import ReplayController
 from harness.trainers.megatron.subject import MEGATRON_DATA, MEGATRON_DRIVER
 from reference_impl import MoELM, RoutingMode, layouts, splice, training
+from reference_impl.serving import ServingEngine
 
 
 class ReferenceReplay:
@@ -57,6 +58,7 @@ def install_hf_replay(model: torch.nn.Module) -> ReplayController:
 
 REFERENCE = Subject(
     name="reference",
+    serving=ServingEngine,
     decode_payload=decode_payload,
     splice=splice.splice,
     truncate=splice.truncate,
