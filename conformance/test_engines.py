@@ -21,7 +21,9 @@ engine version:
 - prefix-cache hits and chunked prefill return valid rows that agree with a cold, unchunked forward;
   several requests sharing a prefix in one batch all come back complete (the missing-rows class
   NeMo-RL's completeness diagnostic looks for);
-- ``n > 1`` samples per prompt: every sample complete, prompt rows shared.
+- ``n > 1`` samples per prompt: every sample complete, prompt rows shared;
+- n-gram speculative decoding (vLLM; SGLang's CPU path cannot run it): drafts accepted, and the rows
+  are the accepted path's, agreeing with the trainer and with the plain engine.
 
 Every test carries ``gpu`` and its engine's marker (``vllm``/``sglang``): ``pytest conformance/ -m gpu``
 on a GPU runner selects them all, ``pytest conformance/ -m vllm`` runs the vLLM ones on CPU with
@@ -513,6 +515,57 @@ def test_preemption_under_a_tiny_kv_cache_keeps_every_row(
         assert shared.disagreement <= DETERMINISM_BUDGET, f"preempted request's rows: {shared.describe()}"
     print(f"{after - before} preemptions")
     _assert_agree_with_the_trainer(trainer, {"the preempted rollouts": squeezed, "the roomy ones": roomy})
+
+
+NGRAM_SPECULATION = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
+"""vLLM's n-gram (prompt lookup) speculation: up to 3 drafts per step, verified in one forward."""
+
+SGLANG_CPU_SPECULATION = (
+    "SGLang 0.5.23 on CPU: its NGRAM worker calls sgl_kernel CPU ops that no installable build provides, "
+    "and the torch_native attention backend cannot verify a draft tree (read in the 0.5.23 wheel)"
+)
+
+
+@pytest.fixture(scope="module")
+def speculative_engine(engine_name: str, checkpoint: TinyCheckpoint, engine: Any) -> Iterator[Any]:
+    """A second engine that speculates with n-gram drafts (vLLM; the CPU build's rejection sampler
+    wired to its C++ kernels, ``harness.engines.vllm.wire_cpu_speculation``)."""
+    if engine_name == "sglang":
+        pytest.skip(SGLANG_CPU_SPECULATION if not torch.cuda.is_available() else "SGLang NGRAM: not run yet")
+    started = engine_class(engine_name)(
+        checkpoint, speculative_config=NGRAM_SPECULATION, disable_log_stats=False
+    )
+    yield started
+    started.close()
+
+
+def test_speculative_decoding_returns_the_accepted_paths_rows(
+    speculative_engine: Any, engine: Any, checkpoint: TinyCheckpoint, trainer: torch.nn.Module
+) -> None:
+    """On prompts that repeat, n-gram drafts are accepted (the engine's own counter moves) and every
+    payload still has P + R − 1 rows that route like a recompute of the tokens kept (≤ 10%) and like
+    the plain engine's run over the tokens both produced: no rejected draft's row, none in draft
+    order, none left zero (SGLang #37949, FACTS §4)."""
+    gen = torch.Generator().manual_seed(15)
+    patterns = [torch.randint(3, checkpoint.vocab_size, (8,), generator=gen).tolist() for _ in range(4)]
+    prompts = [pattern * 4 for pattern in patterns]
+    before = speculative_engine.accepted_drafts() or 0
+    speculated = speculative_engine.generate(prompts, 48)
+    accepted = (speculative_engine.accepted_drafts() or 0) - before
+    print(f"{accepted} draft tokens accepted over {len(prompts)} requests of 48 tokens")
+    assert accepted > 0, "no draft token was accepted: speculation did not run, nothing was checked"
+    plain = engine.generate(prompts, 48)
+    for prompt, a, b in zip(prompts, speculated, plain, strict=True):
+        a.trace.check_coverage(len(prompt), 48)
+        shared = compare_runs(a, b)
+        print(f"{len(prompt)}-token prompt, speculative against plain: {shared.describe()}")
+        assert shared.disagreement <= DETERMINISM_BUDGET, f"speculative request's rows: {shared.describe()}"
+    _assert_agree_with_the_trainer(trainer, {"the speculative rollouts": speculated})
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

