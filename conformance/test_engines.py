@@ -469,6 +469,19 @@ def test_aborted_request_returns_its_rows_so_far(
     _assert_agree_with_the_trainer(trainer, {"the aborted request": [aborted]})
 
 
+def _assert_complete_and_alike(
+    prompts: list[list[int]], max_tokens: int, run: tuple[str, list[Any]], other: tuple[str, list[Any]]
+) -> None:
+    """Every rollout of ``run`` has P + R − 1 rows and routes like ``other``'s over the tokens both
+    produced (≤ DETERMINISM_BUDGET): the two engines need not sample the same tokens (FACTS §6)."""
+    (name, rollouts), (other_name, others) = run, other
+    for prompt, a, b in zip(prompts, rollouts, others, strict=True):
+        a.trace.check_coverage(len(prompt), max_tokens)
+        shared = compare_runs(a, b)
+        print(f"{len(prompt)}-token prompt, {name} against {other_name}: {shared.describe()}")
+        assert shared.disagreement <= DETERMINISM_BUDGET, f"{name} request's rows: {shared.describe()}"
+
+
 @pytest.fixture(scope="module")
 def tiny_kv_engine(engine_name: str, checkpoint: TinyCheckpoint, engine: Any) -> Iterator[Any]:
     """A second engine that must preempt six 120-token requests: vLLM with a KV cache of 10 blocks of
@@ -508,11 +521,7 @@ def test_preemption_under_a_tiny_kv_cache_keeps_every_row(
     assert before is not None and after is not None, "no preemption counter (stats off?)"
     assert after > before, f"no request was preempted ({before} → {after}): the cache was not tiny enough"
     roomy = engine.generate(prompts, 80)
-    for prompt, a, b in zip(prompts, squeezed, roomy, strict=True):
-        a.trace.check_coverage(len(prompt), 80)
-        shared = compare_runs(a, b)
-        print(f"{len(prompt)}-token prompt, preempted against roomy: {shared.describe()}")
-        assert shared.disagreement <= DETERMINISM_BUDGET, f"preempted request's rows: {shared.describe()}"
+    _assert_complete_and_alike(prompts, 80, ("preempted", squeezed), ("roomy", roomy))
     print(f"{after - before} preemptions")
     _assert_agree_with_the_trainer(trainer, {"the preempted rollouts": squeezed, "the roomy ones": roomy})
 
@@ -560,11 +569,7 @@ def test_speculative_decoding_returns_the_accepted_paths_rows(
     print(f"{accepted} draft tokens accepted over {len(prompts)} requests of 48 tokens")
     assert accepted > 0, "no draft token was accepted: speculation did not run, nothing was checked"
     plain = engine.generate(prompts, 48)
-    for prompt, a, b in zip(prompts, speculated, plain, strict=True):
-        a.trace.check_coverage(len(prompt), 48)
-        shared = compare_runs(a, b)
-        print(f"{len(prompt)}-token prompt, speculative against plain: {shared.describe()}")
-        assert shared.disagreement <= DETERMINISM_BUDGET, f"speculative request's rows: {shared.describe()}"
+    _assert_complete_and_alike(prompts, 48, ("speculative", speculated), ("plain", plain))
     _assert_agree_with_the_trainer(trainer, {"the speculative rollouts": speculated})
 
 
