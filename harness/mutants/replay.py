@@ -174,10 +174,10 @@ class RoutersByLayerNumber(ReferenceReplay):
 
     def _keyed(self) -> list[tuple[Router, int]]:
         slot = {layer: j for j, layer in enumerate(self.model.cfg.moe_layers)}
-        if self.by_path:
-            found = (re.fullmatch(r"layers\.(\d+)\.mlp\.router", n) for n, _ in self.model.named_modules())
-            layers = [int(m.group(1)) for m in found if m]
-            return [(self.model.layers[i].mlp.router, slot[i]) for i in layers]  # type: ignore[union-attr]
+        if self.by_path:  # the decoder's routers, ``layers.<i>.mlp.router``, in order (a rank's own too)
+            named = self.model.named_modules()
+            found = [m for n, m in named if re.fullmatch(r"layers\.\d+\.mlp\.router", n)]
+            return [(m, j) for j, m in enumerate(found)]
         return [(m, slot[m.layer]) for m in self.model.modules() if isinstance(m, Router) and m.layer in slot]
 
     def replay(self, targets: Tensor, mask: Tensor | None = None) -> None:
