@@ -34,7 +34,8 @@ Episodes of several attempts (partial rollouts, multi-turn) are played through `
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,22 @@ class Rollout:
     routes: Tensor | None
     start: int
     finish_reason: str
+
+
+@contextmanager
+def recording(model: MoELM) -> Iterator[None]:
+    """An engine's forwards: every router in RECORD with no recordings, no gradients; each router's
+    mode and recordings as they were afterwards (an engine call leaves the trainer's state alone)."""
+    routers = model.routers()
+    saved = [(router.replay.mode, router.replay.recorded) for router in routers]
+    for router in routers:
+        router.replay.mode, router.replay.recorded = RoutingMode.RECORD, []
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for router, (mode, recorded) in zip(routers, saved, strict=True):
+            router.replay.mode, router.replay.recorded = mode, recorded
 
 
 class RolloutEngine:
@@ -128,16 +145,8 @@ class RolloutEngine:
                 for ids in prompt_ids
             ]
 
-        routers = self.model.routers()
-        saved = [(router.replay.mode, router.replay.recorded) for router in routers]
-        for router in routers:
-            router.replay.mode, router.replay.recorded = RoutingMode.RECORD, []
-        try:
-            with torch.no_grad():
-                return self._generate(prompt_ids, max_new_tokens, greedy, generator, stop_token)
-        finally:
-            for router, (mode, recorded) in zip(routers, saved, strict=True):
-                router.replay.mode, router.replay.recorded = mode, recorded
+        with recording(self.model):
+            return self._generate(prompt_ids, max_new_tokens, greedy, generator, stop_token)
 
     def generate_one(
         self,

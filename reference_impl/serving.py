@@ -36,9 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .engine import Rollout
+from .engine import Rollout, recording
 from .model import KVCache, MoELM
-from .routers import RoutingMode
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,7 @@ class ServingEngine:
         chunk = self.prefill_chunk or len(ids)
         rows = self._buffer(len(ids))
         logits = torch.empty(0)
-        with self._recording():
+        with recording(self.model):
             for offset in range(0, len(ids), chunk):
                 logits = self.model(ids[None, offset : offset + chunk], cache=cache)
                 self._capture(rows, offset, self.model.pop_recording())
@@ -114,7 +113,7 @@ class ServingEngine:
         context = prefilled.prompt.tolist()
         logprobs = [F.log_softmax(prefilled.last_logits.float(), dim=-1)]
         tokens = [int(logprobs[0].argmax())]
-        with self._recording():
+        with recording(self.model):
             while len(tokens) < max_new_tokens:
                 fed_at = prompt_len + len(tokens) - 1  # the position of the last sampled token
                 drafts = self._drafts(context + tokens)
@@ -190,25 +189,3 @@ class ServingEngine:
         while accepted < len(drafts) and drafts[accepted] == int(greedy[accepted]):
             accepted += 1
         return accepted
-
-    def _recording(self) -> _Recording:
-        return _Recording(self.model)
-
-
-class _Recording:
-    """Routers in RECORD with no recordings inside, restored afterwards; no gradients."""
-
-    def __init__(self, model: MoELM) -> None:
-        self.routers = model.routers()
-        self.no_grad = torch.no_grad()
-
-    def __enter__(self) -> None:
-        self.saved = [(r.replay.mode, r.replay.recorded) for r in self.routers]
-        for router in self.routers:
-            router.replay.mode, router.replay.recorded = RoutingMode.RECORD, []
-        self.no_grad.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        self.no_grad.__exit__(*exc)
-        for router, (mode, recorded) in zip(self.routers, self.saved, strict=True):
-            router.replay.mode, router.replay.recorded = mode, recorded

@@ -80,14 +80,17 @@ def wire_cpu_speculation() -> None:
     dispatchers captured the Triton placeholders at import, so the first step that verifies a
     draft dies with "TypeError: Cannot inspect kernel parameters for function", capture on or off
     (measured here). The runner already does this for its slot-mapping dispatcher; this does it for
-    the four the rejection sampler calls, in this process only. Nothing else of vLLM is touched.
+    the four the rejection sampler calls, in this process only, where the release has them. Nothing
+    else of vLLM is touched.
     """
     import vllm.utils.cpu_triton_utils as cpu_kernels
     import vllm.v1.sample.rejection_sampler as sampler
 
     for dispatcher, kernel in CPU_SPECULATION_KERNELS:
-        wired = getattr(sampler, dispatcher)
-        wired.kernel = getattr(cpu_kernels, kernel)
+        wired, native = getattr(sampler, dispatcher, None), getattr(cpu_kernels, kernel, None)
+        if wired is None or native is None or not hasattr(wired, "kernel"):
+            continue  # a release laid out otherwise: nothing of it is touched
+        wired.kernel = native
         wired.__dict__.pop("_kernel_arg_names", None)
 
 
