@@ -39,6 +39,11 @@ or before top-k, sigmoid, each with and without the top-k scaling factor, group-
 sigmoid expert bias, top-1), native and replayed; every router call's gate weights must follow the
 rule. All eighteen run by default (one rank, ~0.2 s a rule).
 
+MTP router (``test_mtp_router_routes_natively_under_replay``): on one rank, a model of two MoE decoder
+layers and one multi-token-prediction layer (its router owns the third ``RouterReplay``); under replay
+of canonical decoder targets the decoder routers dispatch them and the MTP router, which canonical
+traces hold no rows for, routes natively by its own logits, never a decoder layer's targets (~2 s).
+
 A packed layout needs a data movement whose ``set_replay_data`` / ``merge_recordings`` take
 ``packed_seq_params``; a subject without it skips, naming it. A layout the subject's driver declares
 its release refuses at setup (``refusal``, e.g. SkyRL 0.4.0 with VPP) skips, naming the reason; so
@@ -61,6 +66,7 @@ from harness.testing.suite import require, subject_spec
 from harness.trainers.megatron.layout import MegatronLayout
 from harness.trainers.megatron.model import router_rules
 from suites.megatron_checks import run_checks, run_router_checks
+from suites.megatron_mtp import run_mtp_checks
 
 TIMEOUT_S = 240
 
@@ -240,3 +246,30 @@ def test_router_replay_follows_canonical_targets(
             f"R3 checks passed; R2 not checked: subject {subject.name!r}: megatron_data has no member "
             "'merge_recordings'"
         )
+
+
+# Two MoE decoder layers (layer_number 1 and 2) and one MTP layer (its MultiTokenPredictionLayer's
+# layer_number is 1 again): a replay keyed by that bare number hands it decoder layer 0's targets.
+MTP_LAYOUT = MegatronLayout(**{**_COMMON, "num_layers": 2, "moe_layers": (0, 1)})
+
+
+def mtp_worker(rank: int, world_size: int, subject: str, seed: int) -> dict[str, object]:
+    return run_mtp_checks(MTP_LAYOUT, seed=seed, subject=subject)
+
+
+@pytest.mark.capability("install_megatron_replay", "megatron_data")
+@pytest.mark.megatron
+@pytest.mark.distributed
+def test_mtp_router_routes_natively_under_replay(subject: Subject, request: pytest.FixtureRequest) -> None:
+    """Under replay of canonical decoder targets every decoder router dispatches its targets and the
+    MTP router gets none of them: it routes natively, forward and recompute (FACTS §4 "MTP routers")."""
+    require(subject, "install_megatron_replay")
+    require(subject, "megatron_data")
+    run = run_ranks(
+        mtp_worker, 1, args=(subject_spec(request.config), 0), setup=setup_rank, timeout=TIMEOUT_S
+    )
+    report = run.results[0]
+    assert report["decoder_routers"] == len(MTP_LAYOUT.moe_layers) and report["mtp_routers"] == 1, report
+    assert report["mtp_calls"] == 2, (
+        f"MTP router calls (forward + recompute): {report['mtp_calls']}, expected 2"
+    )

@@ -23,6 +23,7 @@ SPAWNING = {
     "megatron-thd-seq-major",
     "megatron-thd-unpadded-boundaries",
     "megatron-vpp-contiguous-chunks",
+    "megatron-mtp-router-by-layer-number",
 }
 """Megatron mutants whose named kill spawns a Megatron rank (~10 s each): behind ``slow``. The
 probe-only one (RouterReplay actions on stale instances, whose own calls all succeed) proves the
@@ -49,6 +50,7 @@ QUICK_KEYWORD = {
         "test_replay and megatron-softmax and (whatever_the_live_logits or bit_exact)"
     ),
     "splice-payload-tails": "test_splice",
+    "megatron-routers-by-own-layer-number": "test_replay and megatron-softmax",
     "routers-by-module-path": "test_replay and reference and not bf16",
     "targets-moved-through-fp32": "test_replay and reference and (wide or whatever_the_live)",
     "replay-at-the-expert-top-k": "test_replay and reference-sigmoid_grouped",

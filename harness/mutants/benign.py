@@ -49,6 +49,7 @@ from harness.mutants.benign_functions import (
 )
 from harness.mutants.drivers import ConstructorPatchDriver
 from harness.mutants.layouts import place_prompt_rows_once_per_group, select_samples_by_field_list
+from harness.mutants.megatron import RoutersByOwnLayerNumber
 from harness.mutants.passes import FIFO_CLEARED_BEFORE_EACH_UPDATE, R2_RECORDING_KEPT_ON_MODEL
 from harness.mutants.replay import RoutersByModulePath
 from harness.mutants.router_rules import (
@@ -374,6 +375,13 @@ BENIGN: tuple[Benign, ...] = (
         "a forward hook on Megatron-core's routers that copies the replayed gate weights for its own "
         "logging and hands them on unchanged (a framework wrapping the replayed routing)",
         _variant("megatron-logs-replayed-weights", install_megatron_replay=LogsReplayedWeightsDriver()),
+    ),
+    Benign(
+        "megatron-routers-by-own-layer-number",
+        "Megatron-core routers keyed by their own layer_number, which 0.16.1 sets past the decoder for an "
+        "MTP router (num_layers + k): the MTP router finds no targets and routes natively (the twin of "
+        "megatron-mtp-router-by-layer-number)",
+        _variant("megatron-routers-by-own-layer-number", megatron_data=RoutersByOwnLayerNumber()),
     ),
     Benign(
         "namespace-capabilities",

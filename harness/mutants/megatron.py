@@ -15,8 +15,8 @@ import torch
 from harness.mutants import Mutant, mutate
 from harness.trainers.megatron import packed as thd
 from harness.trainers.megatron.layout import MegatronLayout, stage_router_targets
-from harness.trainers.megatron.replay import MegatronReplay
-from harness.trainers.megatron.subject import CanonicalMegatronData, HarnessMegatronDriver
+from harness.trainers.megatron.replay import MegatronReplay, decoder_routers, model_routers
+from harness.trainers.megatron.subject import CanonicalMegatronData, HarnessMegatronDriver, data_layout
 from reference_impl import layouts
 
 
@@ -91,6 +91,55 @@ class UnpaddedBoundaries(CanonicalMegatronData):
         rows = torch.cat([rows, thd.filler(layout.packed_rows - rows.shape[0], *rows.shape[1:])])
         shard = layouts.sp_shard(rows, layout.tp, ps.get_tensor_model_parallel_rank())
         return stage_router_targets(shard, layout, ps.get_pipeline_model_parallel_rank(), vpp_chunk)
+
+
+class RoutersByLayerNumber(CanonicalMegatronData):
+    """Targets keyed by the bare 1-based ``layer_number`` of the layer a router sits in, every router of
+    the model looked up by it: an MTP router's ``MultiTokenPredictionLayer`` numbers restart at 1, so
+    MTP router k gets decoder layer k's targets and replays them (NeMo-RL #3903)."""
+
+    def key(self, router: Any, mtp_layer: Any | None) -> int:
+        """The number a router is looked up by: its MTP layer's, else its own (decoder) one."""
+        return int((mtp_layer if mtp_layer is not None else router).layer_number)
+
+    def set_replay_data(
+        self,
+        routes: torch.Tensor,
+        attention_mask: torch.Tensor,
+        config: Any,
+        *,
+        model: Sequence[torch.nn.Module],
+        vp_rank: int | None = None,
+        packed_seq_params: Any = None,
+    ) -> None:
+        from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+
+        layout = data_layout(attention_mask, config, packed_seq_params)
+        routes = torch.as_tensor(routes).long().cpu()
+        chunks = range(layout.vpp) if vp_rank is None else [vp_rank]
+        targets = [t for chunk in chunks for t in self.targets(routes, layout, chunk)]
+        device = next(model[0].parameters()).device
+        by_number = {int(r.layer_number): t for r, t in zip(decoder_routers(*model), targets, strict=True)}
+        owner = {
+            id(m): layer
+            for chunk in model
+            for layer in chunk.modules()
+            if isinstance(layer, MultiTokenPredictionLayer)
+            for m in layer.modules()
+        }
+        for router in model_routers(*model):
+            target = by_number.get(self.key(router, owner.get(id(router))))
+            if target is not None:  # no entry: left without targets (native)
+                router.router_replay.set_target_indices(target.to(device))
+
+
+class RoutersByOwnLayerNumber(RoutersByLayerNumber):
+    """Targets keyed by each router's own ``layer_number``: megatron-core 0.16.1 numbers an MTP router
+    past the decoder (``num_layers + k``), a number no decoder layer holds, so the MTP router gets
+    nothing and routes natively (the twin of ``megatron-mtp-router-by-layer-number``)."""
+
+    def key(self, router: Any, mtp_layer: Any | None) -> int:
+        return int(router.layer_number)
 
 
 class ForwardThroughBackward(MegatronReplay):
@@ -265,6 +314,15 @@ MUTANTS = (
         "never call: every call succeeds, the routers route natively (verl #7340 orphan routers)",
         mutate("megatron-actions-on-stale-instances", install_megatron_replay=StaleInstancesDriver()),
         killed_by="test_megatron.py::test_router_replay_follows_canonical_targets[tp1ep1]",
+    ),
+    Mutant(
+        "megatron-mtp-router-by-layer-number",
+        "MTP routers",
+        "NeMo-RL #3903 on Megatron-core: targets handed to routers by bare 1-based layer_number, which the "
+        "MTP block's layers restart at 1, so the MTP router replays decoder layer 1's routes (hides in a "
+        "model without an MTP block)",
+        mutate("megatron-mtp-router-by-layer-number", megatron_data=RoutersByLayerNumber()),
+        killed_by="test_megatron.py::test_mtp_router_routes_natively_under_replay",
     ),
     Mutant(
         "megatron-forward-through-backward",

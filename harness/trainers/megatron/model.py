@@ -201,10 +201,30 @@ def _local_block_spec(config: Any, vp_stage: int | None = None) -> Any:
     return spec
 
 
+def _mtp_block_spec(config: Any, spec: Any, vp_stage: int | None) -> Any:
+    """The multi-token-prediction block spec of ``config.mtp_num_layers`` layers (each the last
+    decoder layer's spec, so an MoE layer when that one is), or ``None`` when the config has none or
+    this stage builds none; its norms are :class:`SequenceParallelLayerNorm` as the decoder's are."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if not getattr(config, "mtp_num_layers", None):
+        return None
+    mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
+    for layer in mtp.layer_specs if mtp is not None else ():
+        for name in ("enorm", "hnorm", "layer_norm"):
+            if getattr(layer.submodules, name) is WrappedTorchNorm:
+                setattr(layer.submodules, name, SequenceParallelLayerNorm)
+    return mtp
+
+
 def build_gpt(config: Any, layout: MegatronLayout, vp_stage: int | None = None) -> Any:
     """A ``GPTModel`` of ``config`` (this rank's pipeline stage; with VPP its model chunk ``vp_stage``,
     whose layers megatron-core places by ``get_transformer_layer_offset(config, vp_stage)``), local
-    specs, on the current device.
+    specs, on the current device; with ``config.mtp_num_layers`` (``tiny_config(...,
+    mtp_num_layers=1)``) also a multi-token-prediction block, whose MoE router owns a ``RouterReplay``
+    after the decoder's (FACTS §2) and carries ``layer_number`` ``num_layers + k`` in 0.16.1 while its
+    ``MultiTokenPredictionLayer`` carries the bare ``k``.
 
     ``max_sequence_length`` covers :func:`slot_count` learned positions: a packed layout's positions
     name a ``(sample, position)`` slot each (the placement oracle of ``suites/megatron_checks.py``).
@@ -222,6 +242,7 @@ def build_gpt(config: Any, layout: MegatronLayout, vp_stage: int | None = None) 
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         position_embedding_type="learned_absolute",
+        mtp_block_spec=_mtp_block_spec(config, spec, vp_stage),
         **chunk,
     )
     device = (

@@ -6,9 +6,15 @@
 - :func:`model_routers`: the model's ``TopKRouter`` s in build order, checked against the class
   list ``RouterReplay.global_router_replay_instances`` (an instance no live router owns is an
   orphan, verl #7340; a router without an instance routes natively).
-- :class:`MegatronReplay`: RECORD / REPLAY_FORWARD / REPLAY_BACKWARD over those routers, feeding
-  one tensor per instance through ``RouterReplay.set_replay_data`` and checking that each
-  instance received exactly its targets and that the backward FIFO is drained.
+- :func:`mtp_routers` / :func:`decoder_routers`: the routers inside a multi-token-prediction block
+  and the others, told apart by module (the MTP block's ``MultiTokenPredictionLayer``), never by
+  ``layer_number``: an MTP layer's own ``layer_number`` restarts at 1 like the decoder's (FACTS §4
+  "MTP routers", NeMo-RL #3903), so a replay keyed by it hands MTP router k decoder layer k's routes.
+- :class:`MegatronReplay`: RECORD / REPLAY_FORWARD / REPLAY_BACKWARD over the decoder routers, feeding
+  one tensor per instance (``RouterReplay.set_replay_data``, or instance by instance when MTP
+  routers own instances too) and checking that each instance received exactly its targets and that
+  the backward FIFO is drained. An MTP router replays only targets fed to it (its own rows); given
+  none it routes natively (DESIGN §3.8: canonical traces hold decoder rows only).
 
 The harness's observation of what the routers did lives in ``harness.probes.megatron``.
 
@@ -94,21 +100,48 @@ def model_routers(*modules: torch.nn.Module) -> list[Any]:
     return routers
 
 
+def mtp_routers(*modules: torch.nn.Module) -> list[Any]:
+    """The ``TopKRouter`` s inside a multi-token-prediction layer of ``modules``, in build order."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+
+    return [
+        m
+        for module in modules
+        for layer in module.modules()
+        if isinstance(layer, MultiTokenPredictionLayer)
+        for m in layer.modules()
+        if isinstance(m, TopKRouter)
+    ]
+
+
+def decoder_routers(*modules: torch.nn.Module) -> list[Any]:
+    """:func:`model_routers` without the MTP routers: the routers canonical traces have rows for."""
+    mtp = {id(r) for r in mtp_routers(*modules)}
+    return [r for r in model_routers(*modules) if id(r) not in mtp]
+
+
 @dataclass
 class MegatronReplay:
-    """Record/replay control over a model's routers through Megatron-core's ``RouterReplay``."""
+    """Record/replay control over a model's routers through Megatron-core's ``RouterReplay``.
+
+    ``routers`` are the decoder routers (targets required); ``mtp`` the MTP routers, which replay
+    only what was fed to them and otherwise route natively under replay.
+    """
 
     routers: list[Any]
     top_k: int
     num_experts: int
     fed: list[list[torch.Tensor]] = field(default_factory=list)
+    mtp: list[Any] = field(default_factory=list)
 
     @classmethod
     def install(cls, *modules: torch.nn.Module, config: Any) -> MegatronReplay:
         """Check the configuration and the class list, then control ``modules`` ' routers."""
         check_no_bypass(config)
-        routers = model_routers(*modules)
-        return cls(routers, int(config.moe_router_topk), int(config.num_moe_experts))
+        model_routers(*modules)
+        routers, mtp = decoder_routers(*modules), mtp_routers(*modules)
+        return cls(routers, int(config.moe_router_topk), int(config.num_moe_experts), mtp=mtp)
 
     @property
     def instances(self) -> list[Any]:
@@ -120,7 +153,14 @@ class MegatronReplay:
         return [int(r.layer_number) - 1 if r.layer_number is not None else -1 for r in self.routers]
 
     def _set_action(self, action: Any) -> None:
+        """``action`` on every instance; a replay action leaves an MTP router without targets native."""
         self._replay_cls().set_global_router_replay_action(action)
+        if action is self._action().RECORD:
+            return
+        for router in self.mtp:
+            replay = router.router_replay
+            if replay.target_topk_idx is None and not replay.replay_backward_list:
+                replay.clear_router_replay_action()
 
     @staticmethod
     def _replay_cls() -> Any:
@@ -141,7 +181,7 @@ class MegatronReplay:
 
     def recording(self) -> list[torch.Tensor]:
         """Each router's recorded ids ``[local_tokens, k]``, in build order; back to native routing."""
-        recorded = self._replay_cls().get_recorded_data()
+        recorded = [inst.get_recorded_indices() for inst in self.instances]
         if any(r is None for r in recorded):
             raise MegatronReplayError(
                 f"routers {[i for i, r in enumerate(recorded) if r is None]} recorded nothing"
@@ -172,7 +212,11 @@ class MegatronReplay:
                 raise MegatronReplayError(f"{where}: ids outside [0, {self.num_experts})")
             if self.top_k > 1 and bool((t.sort(dim=1).values.diff(dim=1) == 0).any()):
                 raise MegatronReplayError(f"{where}: a token repeats an expert id")
-        self._replay_cls().set_replay_data(list(targets))
+        if self.mtp:  # set_replay_data wants one tensor per instance, MTP routers' included
+            for inst, t in zip(self.instances, targets, strict=True):
+                inst.set_target_indices(t)
+        else:
+            self._replay_cls().set_replay_data(list(targets))
         for j, (inst, t) in enumerate(zip(self.instances, targets, strict=True)):
             if (
                 inst.target_topk_idx is not t

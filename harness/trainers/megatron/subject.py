@@ -6,7 +6,7 @@
 - ``CanonicalMegatronData`` (``MegatronDataMovement``): one DP rank's micro-batch of canonical routes →
   every local router's targets with :func:`layout.rank_targets` (seq-major, SP shard, PP stage
   routers, each VPP chunk's in turn, global ids), fed through ``RouterReplay.set_replay_data``
-  with shape/id checks; and the
+  with shape/id checks (MTP routers, told apart by module, get none: they route natively); and the
   rank's recordings back with :func:`layout.merge_recordings` (gathered over the model-parallel ranks
   of this DP rank).
 
@@ -29,7 +29,7 @@ from harness.trainers.megatron.layout import (
     merge_recordings,
     rank_targets,
 )
-from harness.trainers.megatron.replay import MegatronReplay, model_routers
+from harness.trainers.megatron.replay import MegatronReplay, decoder_routers, mtp_routers
 
 
 def micro_batch_layout(
@@ -155,7 +155,9 @@ class CanonicalMegatronData:
         chunks = range(layout.vpp) if vp_rank is None else [vp_rank]
         targets = [t for chunk in chunks for t in self.targets(routes, layout, chunk)]
         device = next(model[0].parameters()).device
-        feeder = MegatronReplay(model_routers(*model), layout.top_k, layout.num_experts)
+        feeder = MegatronReplay(
+            decoder_routers(*model), layout.top_k, layout.num_experts, mtp=mtp_routers(*model)
+        )
         feeder.feed([t.to(device) for t in targets], layout.local_tokens)
 
     def targets(self, routes: torch.Tensor, layout: MegatronLayout, vpp_chunk: int) -> list[torch.Tensor]:
@@ -192,7 +194,7 @@ class CanonicalMegatronData:
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
         layout = data_layout(attention_mask, config, packed_seq_params)
-        recorded = [r.router_replay.get_recorded_indices() for r in model_routers(*model)]
+        recorded = [r.router_replay.get_recorded_indices() for r in decoder_routers(*model)]
         if any(r is None for r in recorded):
             raise MegatronReplayError(
                 "merge_recordings: a router recorded nothing (RECORD and a forward first)"
