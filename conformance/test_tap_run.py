@@ -135,3 +135,59 @@ def test_a_sequence_parallel_split_holding_boundary_rows_twice_is_named(tmp_path
     first = union.offenders[0]
     assert first["step"] == 0 and first["row"] is not None
     assert "claimed 2 times (ranks 0 and 1)" in first["actual"], first
+
+
+def test_rrh_audit_follows_a_real_rrh_run_as_it_trains_and_ends_as_the_one_shot_audit(tmp_path: Path) -> None:
+    """``rrh audit RUN --follow`` started before ``rrh run`` (vLLM rollouts, the transformers trainer,
+    the tap): every step is reported once every rank's manifest has moved past it, the follow ends at
+    ``--until-step``, and its result equals the one-shot audit of the finished run. The run's step
+    lines and the follow's are printed with the second each arrived (``-rP``; measured, not asserted:
+    2026-12-03 on 2 cores, vLLM's steps 1.5 s apart, each reported within 0.5 s of the run's own line,
+    and 2–6 s after it while another job shared the cores)."""
+    import json
+    import subprocess
+    import threading
+    import time
+
+    from tests.test_audit_follow import RRH as rrh
+    from tests.test_audit_follow import same_result
+
+    run, steps = tmp_path / "run", 3
+    follow = subprocess.Popen(
+        [*rrh, "audit", str(run), "--follow", "--until-step", str(steps - 1), "--poll", "0.2",
+         "--idle", "600", "--json", str(tmp_path / "follow.json"), "--no-progress"],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    start, seen = time.monotonic(), []
+
+    def read(process: subprocess.Popen[str], who: str) -> None:
+        assert process.stdout is not None
+        seen.extend((time.monotonic() - start, who, line.rstrip("\n")) for line in process.stdout)
+
+    trainer = subprocess.Popen(
+        [*rrh, "run", str(run), "--steps", str(steps), "--prompts", "1", "--group", "2",
+         "--response-len", "10"],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    readers = [threading.Thread(target=read, args=(p, w), daemon=True) for p, w in ((follow, "audit"),
+               (trainer, "run"))]  # fmt: skip
+    for reader in readers:
+        reader.start()
+    code = trainer.wait(900)
+    if code:
+        follow.kill()  # it would wait --idle for a run that stopped
+    follow.wait(120)
+    for reader in readers:
+        reader.join(10)
+    print(*(f"{at:6.1f}s  {who:5}  {line}" for at, who, line in sorted(seen)), sep="\n")
+    assert code == 0, "rrh run failed (its output is above)"
+    assert follow.returncode == 0, seen
+    step_lines = [line for _, who, line in seen if who == "audit" and line.startswith("step ")]
+    assert [int(line.split()[1].rstrip(":")) for line in step_lines] == list(range(steps)), seen
+    assert "0 violating samples" in step_lines[-1], step_lines
+    once = subprocess.run(
+        [*rrh, "audit", str(run), "--json", str(tmp_path / "once.json"), "--executor", "serial"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert once.returncode == 0, once.stdout + once.stderr
+    same_result(*(json.loads((tmp_path / name).read_text()) for name in ("follow.json", "once.json")))

@@ -249,8 +249,12 @@ def test_router_replay_follows_canonical_targets(
 
 
 # Two MoE decoder layers (layer_number 1 and 2) and one MTP layer (its MultiTokenPredictionLayer's
-# layer_number is 1 again): a replay keyed by that bare number hands it decoder layer 0's targets.
-MTP_LAYOUT = MegatronLayout(**{**_COMMON, "num_layers": 2, "moe_layers": (0, 1)})
+# layer_number is 1 again): a replay keyed by that bare number hands it decoder layer 0's targets. One
+# sample of 16 tokens per micro-batch, so that no micro-batch layout question (sample- or
+# sequence-major, the tp2ep2etp1 finding on verl) is in the way of the MTP one.
+MTP_LAYOUT = MegatronLayout(
+    **{**_COMMON, "num_layers": 2, "moe_layers": (0, 1), "seq_len": 16, "micro_batch": 1}
+)
 
 
 def mtp_worker(rank: int, world_size: int, subject: str, seed: int) -> dict[str, object]:

@@ -103,7 +103,8 @@ def _follow(run: Path, writer: TapWriter, **options: Any) -> tuple[Any, list[tup
     return done, seen, findings
 
 
-def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
+def same_result(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Assert that two audit results (``as_dict``, or the JSON report) agree on every part in ``SAME``."""
     for key in SAME:
         assert a[key] == b[key], key
 
@@ -117,7 +118,7 @@ def test_each_tapped_step_is_reported_before_the_next_and_the_result_equals_the_
     assert seen == [(s, s) for s in range(SHAPE.steps)]  # step s reported while s was the last written
     assert not findings
     once = audit_run(tmp_path / "run", executor="serial")
-    _same(AuditResult.of(done.state).as_dict(), once.as_dict())
+    same_result(AuditResult.of(done.state).as_dict(), once.as_dict())
     assert AuditResult.of(done.state).samples == once.samples
     assert not once.violated and len(once.samples) == SHAPE.steps * SHAPE.prompts * SHAPE.group_size
 
@@ -239,7 +240,7 @@ def test_rrh_audit_follows_a_skyrl_dump_copied_step_by_step(tmp_path: Path) -> N
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert once.returncode == 1, once.stderr
-    _same(
+    same_result(
         json.loads((tmp_path / "follow.json").read_text()), json.loads((tmp_path / "once.json").read_text())
     )
 

@@ -436,3 +436,65 @@ def test_r2_replays_zero_filler_on_tp_padding_and_the_tracer_drops_those_calls_o
     text = str(err.value)
     assert "a call may be missing or extra: megatron-core's tracer skips a call" in text, text
     assert "update mini-batch" in text and "\n" not in text, text
+
+
+def test_following_the_dump_and_its_trace_as_they_are_written_equals_the_one_shot_join(
+    tp1: tuple[Path, Path, list[Any]], tmp_path: Path
+) -> None:
+    """``rrh audit DUMP --follow --trainer-trace DIR`` while a script hands over the run as verl
+    writes it (step k's dump, then step k's trace records on every rank): step k is reported once
+    step k + 1 is written, and the result equals the one-shot join of the finished run."""
+    import os
+    import subprocess
+
+    from tests.test_audit_follow import RRH, _lines, same_result
+
+    dump, trace, _ = tp1
+    steps = sorted(int(p.name) for p in dump.iterdir() if p.name.isdigit())
+    by_step: dict[int, dict[str, str]] = {s: {} for s in steps}
+    for file in sorted(trace.glob("router_trace_rank*.jsonl")):
+        for line in file.read_text().splitlines(keepends=True):
+            step = json.loads(line)["step"]
+            by_step[step][file.name] = by_step[step].get(file.name, "") + line
+    export, traced, staging = tmp_path / "export", tmp_path / "trace", tmp_path / "staging"
+    for folder in (export, traced, staging):
+        folder.mkdir()
+    options = ["--trainer-trace", str(traced), "--trainer-layout", f"max_token_len={MAX_TOKENS}",
+               "--num-experts", "8", "--moe-layers", "1-3"]  # fmt: skip
+    command = [*RRH, "audit", str(export), "--follow", "--from", "verl", *options,
+               "--until-step", str(steps[-1]), "--settle", "1", "--poll", "0.05", "--idle", "120",
+               "--json", str(tmp_path / "follow.json"), "--no-progress"]  # fmt: skip
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    lines, printed = _lines(process), []
+    try:
+        for k, step in enumerate(steps):
+            shutil.copytree(dump / str(step), staging / str(step))
+            os.replace(staging / str(step), export / str(step))  # the step's folder appears whole
+            for name, text in by_step[step].items():
+                with open(traced / name, "a") as handle:  # the tracer's flush at advance_step
+                    handle.write(text)
+            if k == 0:
+                continue
+            for line in lines:  # step k - 1 is complete now that every rank traced step k
+                printed.append(line)
+                if line.startswith(f"step {steps[k - 1]}:"):
+                    break
+            assert printed[-1].startswith(f"step {steps[k - 1]}:"), printed
+        printed += list(lines)
+    finally:
+        process.wait(120)
+    step_lines = [line for line in printed if line.startswith("step ")]
+    assert [int(line.split()[1].rstrip(":")) for line in step_lines] == steps, printed
+    assert process.returncode == 1, printed  # the mutants' steps
+    assert any(line.startswith("VIOLATED replay_fidelity at step 2 ") for line in printed), printed
+    once = subprocess.run(
+        [*RRH, "audit", str(export), "--from", "verl", *options, "--json", str(tmp_path / "once.json"),
+         "--executor", "serial"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert once.returncode == 1, once.stderr
+    followed, whole = (json.loads((tmp_path / f).read_text()) for f in ("follow.json", "once.json"))
+    same_result(followed, whole)
+    assert followed["notes"] == whole["notes"] and followed["input_errors"] == whole["input_errors"] == []

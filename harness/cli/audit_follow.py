@@ -20,6 +20,7 @@ from harness.audit import AuditOptions
 from harness.audit.checks.state import AuditState
 from harness.audit.follow.series import SeriesWriter
 from harness.audit.follow.sources import DumpSource, DumpStep, LayoutSource
+from harness.audit.follow.trace_tail import TracedImport
 from harness.audit.follow.watch import Follow, Followed, FollowOptions
 from harness.audit.layout.schema import LayoutError, shown
 from harness.audit.result.audit_result import AuditResult
@@ -38,8 +39,6 @@ def check_follow_args(args: argparse.Namespace) -> None:
             flag = given[0].replace("_", "-")
             raise LayoutError(f"--{flag}: only with --follow (a run audited as it trains)")
         return
-    if args.trainer_trace:
-        raise LayoutError("--trainer-trace: not with --follow; audit the finished run to join the trace")
     for name in ("idle", "poll", "settle"):
         value = getattr(args, name)
         if value is not None and not value > 0:
@@ -104,6 +103,19 @@ def _source(args: argparse.Namespace, keep: list[Any], facts: dict[str, list[str
         keep.append(tmp)
         target = Path(tmp.name)
 
+    settle = 30.0 if args.settle is None else args.settle
+    if args.trainer_trace:
+        if name != "verl":
+            raise LayoutError(
+                f"--trainer-trace: {args.run} is a {name} dump; expected a verl RolloutSkip dump (the one "
+                "framework whose packing the join computes)"
+            )
+        joined = TracedImport(args, settle)
+        print(f"joining each step with megatron-core's router trace {shown(args.trainer_trace)} as it is "
+              f"written (tp={joined.layout.tp}, cp={joined.layout.cp}, pp={joined.layout.pp}, "
+              f"dp={joined.layout.dp}, replay {joined.layout.replay})", file=sys.stderr)  # fmt: skip
+        return DumpSource(name, Path(dump), target, joined, settle, ready=joined.ready), name
+
     layers: list[Any] = [args.moe_layers]  # given, or inferred from the first step imported
 
     def import_step(step: DumpStep, into: Path, errors: list[str]) -> Any:
@@ -122,7 +134,6 @@ def _source(args: argparse.Namespace, keep: list[Any], facts: dict[str, list[str
                                       for line in inferred]  # fmt: skip
         return files
 
-    settle = 30.0 if args.settle is None else args.settle
     step_name = "rollout id" if name == "slime" else "step"
     return DumpSource(name, Path(dump), target, import_step, settle), name
 
@@ -181,9 +192,15 @@ def follow_run(args: argparse.Namespace, keep: list[Any]) -> tuple[AuditResult, 
     if name is not None:
         from harness.audit import importers
 
-        facts_notes = importers.notes(name, num_experts=args.num_experts, moe_layers=args.moe_layers)
-        said_notes = (*facts["notes"], *facts_notes)
-        result.notes = list(dict.fromkeys(f"{name}: {note}" for note in said_notes))
+        joined = getattr(source, "import_step", None)
+        if isinstance(joined, TracedImport):  # as the one-shot join says it
+            result.inferred = joined.inferred()
+            result.notes = joined.notes()
+            result.input_errors = sorted({*result.input_errors, *joined.tail.leftover(Path(source.dump))})
+        else:
+            facts_notes = importers.notes(name, num_experts=args.num_experts, moe_layers=args.moe_layers)
+            said_notes = (*facts["notes"], *facts_notes)
+            result.notes = list(dict.fromkeys(f"{name}: {note}" for note in said_notes))
     else:
         from harness.audit.tap.manifest import check_manifests
 

@@ -159,7 +159,8 @@ def _signature(files: list[Path]) -> tuple[tuple[str, int, int], ...]:
 
 class DumpSource:
     """A framework's dump folder being written (see the module docstring). Each ready step is imported
-    into ``target``/``step-<N>`` with ``import_step(step, into, errors)``."""
+    into ``target``/``step-<N>`` with ``import_step(step, into, errors)``; ``ready(step, final)``, when
+    given, must also hold (``harness.audit.follow.trace_tail``: the trainer trace's records of it)."""
 
     def __init__(
         self,
@@ -169,6 +170,7 @@ class DumpSource:
         import_step: Callable[[DumpStep, Path, list[str]], Any],
         settle: float,
         clock: Callable[[], float] = time.monotonic,
+        ready: Callable[[int, bool], bool] | None = None,
     ) -> None:
         if dump.exists() and not dump.is_dir():
             raise LayoutError(
@@ -177,6 +179,7 @@ class DumpSource:
         step_files(name, dump)  # a dump that cannot be followed is refused now
         self.name, self.dump, self.target = name, dump, target
         self.import_step, self.settle, self.clock = import_step, settle, clock
+        self.ready = ready
         self._changed: dict[int, tuple[Any, float]] = {}
         self._imported: set[int] = set()
         self._complete: int | None = None
@@ -196,6 +199,8 @@ class DumpSource:
             quiet = now - held[1] >= self.settle
             if not (final or quiet or (newest is not None and step < newest)):
                 break  # steps are imported in order: a later one waits for this one
+            if self.ready is not None and not self.ready(step, final):
+                break  # what else the step needs (the trainer trace's records of it) is not complete
             out.files.extend(self._import(step, steps[step], out.errors))
         pending = [s for s in steps if s not in self._imported]
         done = [s for s in self._imported if not pending or s < min(pending)]

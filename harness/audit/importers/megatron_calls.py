@@ -48,27 +48,34 @@ def read_calls(file: Path) -> Iterator[RouterCall]:
     """Each record of ``file``; a line that is not a record of this format is one ``LayoutError``."""
     # A regular UTF-8 file, read line by line; JSON nested too deep or huge integers are one error.
     for line_no, line in lines(file):
-        if not line.strip():
-            continue
-        where = f"{file}:{line_no}"
-        record = parse_json(line, where)
-        if not isinstance(record, dict):
-            raise LayoutError(f"{where}: a JSON {type(record).__name__}; expected a record object")
-        block = _field(record, "block", str, where)
-        if block == "mtp":
-            block = f"mtp{_field(record, 'mtp_idx', int, where)}"
-        elif block != "decoder":
-            raise LayoutError(f"{where}: field 'block' is {brief(block)}; expected 'decoder' or 'mtp'")
-        yield RouterCall(
-            step=_field(record, "step", int, where),
-            block=block,
-            layer=_field(record, "layer", int, where),
-            rank=_field(record, "rank", int, where),
-            topk=_field(record, "topk", int, where),
-            num_tokens=_field(record, "num_tokens", int, where),
-            rows=_compact(_field(record, "top_indices", list, where)),
-            where=where,
-        )
+        call = parse_call(line, f"{file}:{line_no}")
+        if call is not None:
+            yield call
+
+
+def parse_call(line: str, where: str) -> RouterCall | None:
+    """One line of a trace file as a ``RouterCall`` (``None``: a blank line); a line that is not a
+    record of this format is one ``LayoutError`` naming ``where`` (``file:line``)."""
+    if not line.strip():
+        return None
+    record = parse_json(line, where)
+    if not isinstance(record, dict):
+        raise LayoutError(f"{where}: a JSON {type(record).__name__}; expected a record object")
+    block = _field(record, "block", str, where)
+    if block == "mtp":
+        block = f"mtp{_field(record, 'mtp_idx', int, where)}"
+    elif block != "decoder":
+        raise LayoutError(f"{where}: field 'block' is {brief(block)}; expected 'decoder' or 'mtp'")
+    return RouterCall(
+        step=_field(record, "step", int, where),
+        block=block,
+        layer=_field(record, "layer", int, where),
+        rank=_field(record, "rank", int, where),
+        topk=_field(record, "topk", int, where),
+        num_tokens=_field(record, "num_tokens", int, where),
+        rows=_compact(_field(record, "top_indices", list, where)),
+        where=where,
+    )
 
 
 def _compact(rows: list[Any]) -> npt.NDArray[Any] | list[Any]:

@@ -250,15 +250,15 @@ def rank_steps(
     top_k: int | None = None
     for call in read_calls(file):
         if calls and call.step != calls[0].step:
-            yield calls[0].step, calls, _violations(calls, rank, top_k, num_experts)
+            yield calls[0].step, calls, step_violations(calls, rank, top_k, num_experts)
             calls = []
         top_k = call.topk if top_k is None else top_k
         calls.append(call)
     if calls:
-        yield calls[0].step, calls, _violations(calls, rank, top_k, num_experts)
+        yield calls[0].step, calls, step_violations(calls, rank, top_k, num_experts)
 
 
-def _violations(
+def step_violations(
     calls: list[RouterCall], rank: int, top_k: int | None, num_experts: int | None
 ) -> list[RouterTraceViolation]:
     """Every rule broken by one step's records of one rank."""

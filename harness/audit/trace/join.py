@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +66,7 @@ from harness.audit.importers.model_shape import LayerVote, moe_layers_input, num
 from harness.audit.layout.inputs import time_budget
 from harness.audit.layout.schema import LayoutError, SampleRecord, shown
 from harness.audit.layout.writer import RunWriter
-from harness.audit.trace.layout import TrainerLayout, parse_layout, placed
+from harness.audit.trace.layout import TrainerLayout, parse_layout, placed, trace_ranks
 from harness.audit.trace.update import UpdatePasses
 from harness.audit.trace.verl_packing import MicroBatch, step_packing, update_packing
 from reference_impl.layouts import pp_layer_ranges
@@ -317,58 +317,77 @@ def records(
     experts = num_experts_input(num_experts, "verl")
     layers = moe_layers_input(moe_layers)
     vote = LayerVote() if layers is None else None
-    ranks = dict(megatron_lm.rank_files(Path(trace)))
-    if len(ranks) != layout.world_size or max(ranks) >= layout.world_size:
-        # the rank that differs, found among the files (never in a set of world_size ranks)
-        odd = [r for r in sorted(ranks) if r >= layout.world_size] or [
-            next(r for r in range(len(ranks) + 1) if r not in ranks)
-        ]
-        raise LayoutError(
-            f"{trace}: trace files of ranks {sorted(ranks)}; expected router_trace_rank{{r}}.jsonl for r "
-            f"in 0..{layout.world_size - 1} (tp·cp·dp·pp = {layout.tp}·{layout.cp}·{layout.dp}·{layout.pp}), "
-            f"rank {odd[0]} "
-            "differs"
-        )
+    ranks = trace_ranks(Path(trace), layout)
     streams = {r: megatron_lm.rank_steps(f, r, experts) for r, f in ranks.items()}
     later: dict[int, int] = {}
     for step, file in sorted((verl_dump.step_of(f), f) for f in files):
-        first = _next_step(streams[0], 0, step, ranks[0])  # rank 0 is placed first
-        with time_budget(file):
-            engine, attention, response = _engine_step(
-                file, experts, layers, vote, first if layout.replay == "R2" else None
-            )
-        plans = step_packing(attention, response, layout.batching)
-        update = None
-        if layout.update is not None:
-            update = update_packing(attention, response, layout.batching, layout.update)
-        join = _StepJoin(step, engine, layout, update)
-        for pp_rank in range(layout.pp):
-            for dp_rank in range(layout.dp):
-                for cp_rank in range(layout.cp):
-                    for tp_rank in range(layout.tp):
-                        rank = layout.rank(dp_rank, tp_rank, pp_rank, cp_rank)
-                        calls = first if rank == 0 else _next_step(streams[rank], rank, step, ranks[rank])
-                        join.place(rank, calls, plans[dp_rank], (dp_rank, tp_rank, pp_rank, cp_rank))
-        yield from join.records()
-        later[step] = join.later
+        joined, later[step] = join_step(
+            step, file, lambda r, s=step: next_step(streams[r], r, s, ranks[r]), layout, experts, layers, vote
+        )
+        yield from joined
     for rank, stream in streams.items():
         extra = next(stream, None)
         if extra is not None:
-            raise LayoutError(
-                f"{extra[1][0].where}: rank {rank} traces step {extra[0]}, which the dump at {dump} does not "
-                "hold; expected the trace of the same run (its steps)"
-            )
+            raise LayoutError(not_in_dump(extra[1][0].where, rank, extra[0], dump))
     if vote is not None and inferred is not None:
         inferred.extend(vote.notes())
-    if notes is not None and any(later.values()):
-        notes.append(
-            f"{sum(later.values())} router calls after each step's old-log-prob forward (reference "
-            f"log-probs, the update, activation recompute) in {sum(1 for n in later.values() if n)} of "
-            f"{len(later)} steps were not placed: only the old-log-prob forward is judged"
+    if notes is not None and (note := later_note(later)) is not None:
+        notes.append(note)
+
+
+def join_step(
+    step: int,
+    file: Path,
+    calls_of: Callable[[int], list[megatron_calls.RouterCall]],
+    layout: TrainerLayout,
+    experts: int,
+    layers: Sequence[int] | None,
+    vote: LayerVote | None,
+) -> tuple[list[SampleRecord], int]:
+    """One step of the dump (its ``gen_batch.dp`` at ``file``) joined with each rank's calls of it
+    (``calls_of(rank)``, rank 0 asked first); the joined records and how many router calls after the
+    old-log-prob forward were not placed (R3)."""
+    first = calls_of(0)
+    with time_budget(file):
+        engine, attention, response = _engine_step(
+            file, experts, layers, vote, first if layout.replay == "R2" else None
         )
+    plans = step_packing(attention, response, layout.batching)
+    update = None
+    if layout.update is not None:
+        update = update_packing(attention, response, layout.batching, layout.update)
+    join = _StepJoin(step, engine, layout, update)
+    for pp_rank in range(layout.pp):
+        for dp_rank in range(layout.dp):
+            for cp_rank in range(layout.cp):
+                for tp_rank in range(layout.tp):
+                    rank = layout.rank(dp_rank, tp_rank, pp_rank, cp_rank)
+                    calls = first if rank == 0 else calls_of(rank)
+                    join.place(rank, calls, plans[dp_rank], (dp_rank, tp_rank, pp_rank, cp_rank))
+    return list(join.records()), join.later
 
 
-def _next_step(stream: Iterator[Any], rank: int, step: int, file: Path) -> list[megatron_calls.RouterCall]:
+def not_in_dump(where: str, rank: int, step: int, dump: Path) -> str:
+    """The input error of a traced step the dump does not hold."""
+    return (
+        f"{where}: rank {rank} traces step {step}, which the dump at {dump} does not hold; expected the "
+        "trace of the same run (its steps)"
+    )
+
+
+def later_note(later: dict[int, int]) -> str | None:
+    """The note on the router calls after each step's old-log-prob forward (``later``: per step), or
+    ``None`` when there were none."""
+    if not any(later.values()):
+        return None
+    return (
+        f"{sum(later.values())} router calls after each step's old-log-prob forward (reference "
+        f"log-probs, the update, activation recompute) in {sum(1 for n in later.values() if n)} of "
+        f"{len(later)} steps were not placed: only the old-log-prob forward is judged"
+    )
+
+
+def next_step(stream: Iterator[Any], rank: int, step: int, file: Path) -> list[megatron_calls.RouterCall]:
     """The calls of ``step`` from one rank's stream (its next step); a violation of the trace's own
     rules, or another step, is one ``LayoutError``."""
     found = next(stream, None)

@@ -5,17 +5,19 @@
 batching of the update (``UpdateBatching``). ``slots`` maps one micro-batch of one rank to the
 (sample, position) of every row that rank's routers saw, and ``placed`` one traced call's rows to
 their sample and position; ``trace_join`` and ``trace_update`` place the traced calls with them.
+``trace_ranks`` finds the trace file of every rank of the layout.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from harness.audit.importers import megatron_calls
+from harness.audit.importers import megatron_calls, megatron_lm
 from harness.audit.layout.schema import LayoutError
 from harness.audit.trace.verl_packing import MicroBatch, UpdateBatching, VerlBatching
 from harness.errors import MegatronReplayError
@@ -197,3 +199,20 @@ def placed(
     index = found[real, 0]
     rows = np.asarray(mb.rows, dtype=np.int64)[index]
     return offsets[rows] + found[real, 1], index, megatron_calls.call_ids(call)[real]
+
+
+def trace_ranks(trace: Path, layout: TrainerLayout) -> dict[int, Path]:
+    """Each rank's trace file at ``trace``: one per rank ``0 … tp·cp·dp·pp − 1``, else a ``LayoutError``
+    naming the rank that differs."""
+    ranks = dict(megatron_lm.rank_files(trace))
+    if len(ranks) != layout.world_size or max(ranks) >= layout.world_size:
+        # the rank that differs, found among the files (never in a set of world_size ranks)
+        odd = [r for r in sorted(ranks) if r >= layout.world_size] or [
+            next(r for r in range(len(ranks) + 1) if r not in ranks)
+        ]
+        raise LayoutError(
+            f"{trace}: trace files of ranks {sorted(ranks)}; expected router_trace_rank{{r}}.jsonl for r "
+            f"in 0..{layout.world_size - 1} (tp·cp·dp·pp = {layout.tp}·{layout.cp}·{layout.dp}·{layout.pp}), "
+            f"rank {odd[0]} differs"
+        )
+    return ranks
