@@ -121,6 +121,9 @@ def test_each_tapped_step_is_reported_before_the_next_and_the_result_equals_the_
     same_result(AuditResult.of(done.state).as_dict(), once.as_dict())
     assert AuditResult.of(done.state).samples == once.samples
     assert not once.violated and len(once.samples) == SHAPE.steps * SHAPE.prompts * SHAPE.group_size
+    sealed = [done.state.steps[s] for s in done.reported]  # each step's expert load folded into the run's
+    assert all(f.load is None and f.load_imbalance is not None for f in sealed)
+    assert done.state.sealed_load is not None and int(done.state.sealed_load.sum()) > 0
 
 
 def test_a_fault_at_step_3_stops_fail_fast_at_step_3_with_its_place(tmp_path: Path) -> None:
@@ -253,9 +256,10 @@ def test_follow_only_options_are_refused_without_follow(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_following_1000_steps_peaks_within_a_tenth_of_following_10() -> None:
-    from harness.bench.follow import bench_follow
+    from harness.bench.follow import bench_follow, format_bench_follow
 
     result = bench_follow((10, 1000))
+    print(format_bench_follow(result))  # what is resident at the end too (measured, docs/audit.md)
     assert [r["steps"] for r in result["runs"]] == [10, 1000]
     assert result["peak_ratio"] <= 1.10, result
 

@@ -108,6 +108,8 @@ class StepFigures:
     gap_agreed: GapAccumulator = field(default_factory=lambda: GapAccumulator(DEFAULT_TAU))
     gap_flipped: GapAccumulator = field(default_factory=lambda: GapAccumulator(DEFAULT_TAU))
     load: npt.NDArray[np.int64] | None = None
+    load_imbalance: npt.NDArray[np.float64] | None = None
+    """Sealed (``AuditState.seal``): the per-layer load imbalance; ``load`` then holds only later load."""
 
     def merge(self, other: StepFigures) -> None:
         self.samples += other.samples
@@ -327,6 +329,22 @@ class AuditState:
     """Per metric, the ``WORST`` samples that move it most (score, their worst cell): ``add_worst``."""
     num_experts: int = 0
     shared: SharedEvidence = field(default_factory=SharedEvidence)
+    sealed_load: npt.NDArray[np.int64] | None = None
+    """The expert load of the sealed steps, summed (``seal``)."""
+
+    def seal(self, step: int) -> None:
+        """Keep of a reported step's expert load only its per-layer imbalance, the counts summed into
+        ``sealed_load``: a follow holds layers × experts counts once, not once a step (48 × 256 int64:
+        96 KiB). Load reaching the step later counts for the run; the step's own imbalance is unknown."""
+        f = self.steps.get(step)
+        if f is None or f.load is None or f.load_imbalance is not None:
+            return
+        shape = (len(self.moe_layers),) if self.sealed_load is None else self.sealed_load.shape
+        if f.load.shape[: len(shape)] != shape:
+            return  # another layer or expert count: left as it is
+        f.load_imbalance = imbalance(f.load)
+        self.sealed_load = f.load.copy() if self.sealed_load is None else self.sealed_load + f.load
+        f.load = None
 
     def add_worst(self, name: str, items: list[tuple[float, Offender]]) -> None:
         """Keep the ``WORST`` highest-scoring samples of metric ``name`` (one cell each; ties by step,
@@ -385,6 +403,9 @@ class AuditState:
         self.moe_layers = self.moe_layers or other.moe_layers
         self.num_experts = self.num_experts or other.num_experts
         self.shared.merge(other.shared)
+        if other.sealed_load is not None:
+            mine = self.sealed_load
+            self.sealed_load = other.sealed_load.copy() if mine is None else mine + other.sealed_load
         for name, items in other.worst_cells.items():
             self.add_worst(name, items)
         for key, cover in other.shards.items():
@@ -416,6 +437,13 @@ class AuditState:
             for (step, key), (count, places) in self.seen.items()
             if count > 1
         )
+
+
+def imbalance(load: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
+    """Per layer of ``load [layers, experts]``: the busiest expert's count over the mean (nan: no id)."""
+    mean = load.mean(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(mean > 0, load.max(axis=1) / np.where(mean > 0, mean, 1), np.nan)
 
 
 def nan_if_empty(numerator: float, denominator: float) -> float:

@@ -3,8 +3,10 @@
 The loop polls a source (``harness.audit.follow.sources``) every ``poll`` seconds, audits each new
 run-layout file as a one-shot audit does (the same units, ``audit_unit``) and merges its state
 into one ``AuditState``: the merge is exact and order-free, so the state of a followed run is the
-state of the finished run, and the result equals the one-shot audit's. What grows with the run is
-what the one-shot state holds per sample (a figure, a digest per prompt row); the row groups are
+state of the finished run, and the result equals the one-shot audit's. A reported step is sealed
+(``AuditState.seal``): of its expert load, layers × experts counts, only the per-layer imbalance is
+kept and the counts join the run's sum. What grows with the run is what the one-shot result holds
+per step (its figures) and per sample (a figure, a digest per prompt row); the row groups are
 released as in any audit.
 
 A step is *reported* (``on_step``: its row of the time series) once the source says it is
@@ -176,6 +178,7 @@ class Follow:
             if complete is None or step > complete:
                 break
             row, layers = step_series(self.state, step, self._violations[step])
+            self.state.seal(step)  # its expert load folded into the run's: the state stays flat
             self.reported.append(step)
             at = step
             self.on_step(row, layers)

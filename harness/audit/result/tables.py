@@ -12,9 +12,8 @@ import statistics
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
-from harness.audit.checks.state import WORST, AuditState, SampleFigure
+from harness.audit.checks.state import WORST, AuditState, SampleFigure, imbalance
 
 
 def finite(x: float) -> float | None:
@@ -69,6 +68,8 @@ def step_layer_rows(state: AuditState, step: int) -> list[dict[str, Any]]:
     per_layer = agreement.per_layer if usable and agreement is not None else None
     step_load = f.load if f.load is not None and f.load.shape[0] == len(layers) else None
     ratio = imbalance(step_load) if step_load is not None else None
+    if f.load_imbalance is not None:  # sealed: its own ratio, unless load reached it afterwards
+        ratio = f.load_imbalance if f.load is None else None
     rows = []
     for j, layer in enumerate(layers):
         row: dict[str, Any] = {"step": step, "layer": layer}
@@ -86,7 +87,7 @@ def layer_rows(state: AuditState) -> tuple[list[dict[str, Any]], list[dict[str, 
     width = len(layers)
     total_differs = np.zeros(width, np.int64)
     positions = 0
-    load: npt.NDArray[np.int64] | None = None
+    load = None if state.sealed_load is None else state.sealed_load.copy()
     step_layers = []
     for step in sorted(state.steps):
         step_layers.extend(step_layer_rows(state, step))
@@ -105,13 +106,6 @@ def layer_rows(state: AuditState) -> tuple[list[dict[str, Any]], list[dict[str, 
             row["load_max_over_mean"] = float(ratios[j])
         rows.append(row)
     return rows, step_layers
-
-
-def imbalance(load: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
-    """Per layer of ``load [layers, experts]``: the busiest expert's count over the mean (nan: no id)."""
-    mean = load.mean(axis=1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(mean > 0, load.max(axis=1) / np.where(mean > 0, mean, 1), np.nan)
 
 
 def worst(samples: list[SampleFigure]) -> dict[str, list[dict[str, Any]]]:
