@@ -54,7 +54,8 @@ def add_parser(commands: Any) -> None:
         "--trainer-trace",
         metavar="DIR",
         help="megatron-core's router trace of the same run (router_trace_rank{r}.jsonl): joined with a verl "
-        "dump through verl 0.9.1's own packing, it gives replay_fidelity per step, sample, row and layer",
+        "dump through verl 0.9.1's own packing, it gives replay_fidelity per step, sample, row and layer "
+        "(with --follow, each step once every rank's trace has moved past it)",
     )
     audit.add_argument(
         "--trainer-layout",
@@ -137,7 +138,8 @@ def _add_follow(audit: Any) -> None:
         default=None,
         metavar="SECONDS",
         help="a dump's last step is complete once its files are unchanged for SECONDS (30); an earlier step "
-        "is complete when the next one appears",
+        "is complete when the next one appears (a --trainer-trace step: when every rank traced a later "
+        "one, or the trace is unchanged for SECONDS)",
     )
     follow.add_argument(
         "--fail-fast", action="store_true", help="exit 1 at the first strict violation, naming its place"

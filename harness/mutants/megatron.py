@@ -115,10 +115,7 @@ class RoutersByLayerNumber(CanonicalMegatronData):
         from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
 
         layout = data_layout(attention_mask, config, packed_seq_params)
-        routes = torch.as_tensor(routes).long().cpu()
-        chunks = range(layout.vpp) if vp_rank is None else [vp_rank]
-        targets = [t for chunk in chunks for t in self.targets(routes, layout, chunk)]
-        device = next(model[0].parameters()).device
+        targets = self.model_targets(routes, layout, model, vp_rank)
         by_number = {int(r.layer_number): t for r, t in zip(decoder_routers(*model), targets, strict=True)}
         owner = {
             id(m): layer
@@ -130,7 +127,7 @@ class RoutersByLayerNumber(CanonicalMegatronData):
         for router in model_routers(*model):
             target = by_number.get(self.key(router, owner.get(id(router))))
             if target is not None:  # no entry: left without targets (native)
-                router.router_replay.set_target_indices(target.to(device))
+                router.router_replay.set_target_indices(target)
 
 
 class RoutersByOwnLayerNumber(RoutersByLayerNumber):

@@ -151,14 +151,24 @@ class CanonicalMegatronData:
         packed_seq_params: Any = None,
     ) -> None:
         layout = data_layout(attention_mask, config, packed_seq_params)
-        routes = torch.as_tensor(routes).long().cpu()
-        chunks = range(layout.vpp) if vp_rank is None else [vp_rank]
-        targets = [t for chunk in chunks for t in self.targets(routes, layout, chunk)]
-        device = next(model[0].parameters()).device
         feeder = MegatronReplay(
             decoder_routers(*model), layout.top_k, layout.num_experts, mtp=mtp_routers(*model)
         )
-        feeder.feed([t.to(device) for t in targets], layout.local_tokens)
+        feeder.feed(self.model_targets(routes, layout, model, vp_rank), layout.local_tokens)
+
+    def model_targets(
+        self,
+        routes: torch.Tensor,
+        layout: MegatronLayout,
+        model: Sequence[torch.nn.Module],
+        vp_rank: int | None,
+    ) -> list[torch.Tensor]:
+        """Every local decoder router's targets (each VPP chunk's in turn, or ``vp_rank`` 's), in build
+        order, on the model's device."""
+        routes = torch.as_tensor(routes).long().cpu()
+        chunks = range(layout.vpp) if vp_rank is None else [vp_rank]
+        device = next(model[0].parameters()).device
+        return [t.to(device) for chunk in chunks for t in self.targets(routes, layout, chunk)]
 
     def targets(self, routes: torch.Tensor, layout: MegatronLayout, vpp_chunk: int) -> list[torch.Tensor]:
         """This rank's per-router targets, in build order (:func:`layout.rank_targets`, packed:
