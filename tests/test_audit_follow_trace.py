@@ -73,6 +73,10 @@ def test_a_step_is_handed_on_once_every_rank_has_moved_past_it_and_a_half_line_i
         assert [c.where for c in got] == [f"{trace}/router_trace_rank{rank}.jsonl:{n}" for n in (1, 2)]
     clock.now += SETTLE  # the last step: complete once the trace has been quiet for the settle period
     assert followed.ready(2)
+    assert not followed.ready(3), "a step no rank traced yet is waited for, however quiet the trace"
+    append(trace, 0, record(3, 0))
+    clock.now += SETTLE
+    assert not followed.ready(3), "rank 1 has not traced step 3"
     assert [c.where for c in followed.calls_of(2)(0)] == [f"{trace}/router_trace_rank0.jsonl:3"]
 
 

@@ -138,8 +138,8 @@ def _add_follow(audit: Any) -> None:
         default=None,
         metavar="SECONDS",
         help="a dump's last step is complete once its files are unchanged for SECONDS (30); an earlier step "
-        "is complete when the next one appears (a --trainer-trace step: when every rank traced a later "
-        "one, or the trace is unchanged for SECONDS)",
+        "is complete when the next one appears (a --trainer-trace step: once every rank traced a later "
+        "one, or traced it and then nothing for SECONDS)",
     )
     follow.add_argument(
         "--fail-fast", action="store_true", help="exit 1 at the first strict violation, naming its place"

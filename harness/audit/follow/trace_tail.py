@@ -5,9 +5,10 @@ join (``harness.audit.trace.join.join_step``) once they are complete.
 The tracer appends whole lines (one JSON record per router call, a step's records together at its
 ``advance_step`` flush), so a line is read only once its newline is on disk, never half-written, and
 each byte is read once. A rank's records of step N are complete once that rank has written a record
-of a later step, or once no trace file changed for ``settle`` seconds (the last step's flush), or
-when the run is over. What is held is the records not yet joined, the steps in flight, never the
-whole trace.
+of a later step, or has written step N's and then no trace file changed for ``settle`` seconds (the
+last step's flush), or when the run is over. A step no rank has traced yet is waited for, however
+long the trace is quiet: the trainer traces step N after the rollout dumped it. What is held is the
+records not yet joined, the steps in flight, never the whole trace.
 """
 
 from __future__ import annotations
@@ -105,12 +106,14 @@ class TraceTail:
         self._read(final)
         if final or self._error is not None:
             return True
-        if self._ranks and self.clock() - self._changed >= self.settle:
-            return True
-        return all(
-            (tail := self._ranks.get(r)) is not None and tail.latest is not None and tail.latest > step
-            for r in range(self.layout.world_size)
-        )
+        quiet = self.clock() - self._changed >= self.settle
+
+        def done(rank: int) -> bool:  # moved past the step, or wrote it and then nothing for settle s
+            tail = self._ranks.get(rank)
+            latest = None if tail is None else tail.latest
+            return latest is not None and (latest > step or (latest == step and quiet))
+
+        return all(done(r) for r in range(self.layout.world_size))
 
     def calls_of(self, step: int) -> Callable[[int], list[RouterCall]]:
         """Each rank's records of ``step``, taken (the join's ``calls_of``); a trace in error, a
