@@ -124,3 +124,16 @@ def test_a_dump_step_waits_for_its_trace_records(tmp_path: Path) -> None:
     assert imported == [1]
     source.poll(final=True)
     assert imported == [1, 2]
+
+
+def test_a_trace_already_written_is_read_only_up_to_the_step_asked_for(tmp_path: Path) -> None:
+    clock, trace = Clock(), tmp_path / "trace"
+    for rank in (0, 1):
+        append(trace, rank, "".join(record(step, rank) for step in range(1, 101)))
+    followed = tail(trace, clock)
+    assert followed.ready(1)
+    held = {rank: [step for step, _ in t.chunks] for rank, t in followed._ranks.items()}
+    assert held == {0: [1, 2], 1: [1, 2]}, "a step in flight per rank, not the whole trace"
+    calls = followed.calls_of(1)
+    assert [calls(rank)[0].step for rank in (0, 1)] == [1, 1]
+    assert followed.ready(2) and [s for s, _ in followed._ranks[0].chunks] == [2, 3]

@@ -3,12 +3,13 @@ DIR``): each rank's ``router_trace_rank{r}.jsonl`` read as it grows, a step's re
 join (``harness.audit.trace.join.join_step``) once they are complete.
 
 The tracer appends whole lines (one JSON record per router call, a step's records together at its
-``advance_step`` flush), so a line is read only once its newline is on disk, never half-written, and
-each byte is read once. A rank's records of step N are complete once that rank has written a record
-of a later step, or has written step N's and then no trace file changed for ``settle`` seconds (the
-last step's flush), or when the run is over. A step no rank has traced yet is waited for, however
-long the trace is quiet: the trainer traces step N after the rollout dumped it. What is held is the
-records not yet joined, the steps in flight, never the whole trace.
+``advance_step`` flush), so a line is read only once its newline is on disk, never half-written, each
+whole line once, and a rank only up to its first record past the step asked for. A rank's records of
+step N are complete once that rank has written a record of a later step, or has written step N's and
+then no trace file changed for ``settle`` seconds (the last step's flush), or when the run is over. A
+step no rank has traced yet is waited for, however long the trace is quiet: the trainer traces step N
+after the rollout dumped it. What is held is the records not yet joined, a step in flight per rank,
+never the whole trace, even when the follow starts on a trace already written.
 """
 
 from __future__ import annotations
@@ -40,25 +41,27 @@ class _RankTail:
         self.chunks: list[tuple[int, list[RouterCall]]] = []  # runs of one step's records, in order
         self.latest: int | None = None  # the step of the last record read
 
-    def read(self, final: bool) -> None:
-        """Read the lines completed since the last read (``final``: an unterminated last line too)."""
+    def read(self, final: bool, until: int | None = None) -> None:
+        """Read the lines completed since the last read (``final``: an unterminated last line too), line
+        by line, stopping once a record of a step after ``until`` is read (``None``: to the end)."""
         with open_regular(self.file) as handle:
             handle.seek(self.offset)
-            data = handle.read()
-        end = len(data) if final else data.rfind(b"\n") + 1
-        for raw in data[:end].splitlines():
-            self.line += 1
-            where = f"{self.file}:{self.line}"
-            call = parse_call(decode_utf8(raw, where), where)
-            if call is None:
-                continue
-            self.top_k = call.topk if self.top_k is None else self.top_k
-            if self.chunks and self.chunks[-1][0] == call.step:
-                self.chunks[-1][1].append(call)
-            else:
-                self.chunks.append((call.step, [call]))
-            self.latest = call.step
-        self.offset += end
+            while until is None or self.latest is None or self.latest <= until:
+                raw = handle.readline()
+                if not raw or (not raw.endswith(b"\n") and not final):
+                    break  # the end, or a line still being written: read it once it is whole
+                self.offset += len(raw)
+                self.line += 1
+                where = f"{self.file}:{self.line}"
+                call = parse_call(decode_utf8(raw, where), where)
+                if call is None:
+                    continue
+                self.top_k = call.topk if self.top_k is None else self.top_k
+                if self.chunks and self.chunks[-1][0] == call.step:
+                    self.chunks[-1][1].append(call)
+                else:
+                    self.chunks.append((call.step, [call]))
+                self.latest = call.step
 
     def steps(self, num_experts: int | None) -> Iterator[tuple[int, list[RouterCall], list[Any]]]:
         """The runs of records not taken, each taken as it is yielded, as ``megatron_lm.rank_steps``."""
@@ -85,15 +88,16 @@ class TraceTail:
         self._changed = clock()
         self._error: LayoutError | None = None
 
-    def _read(self, final: bool) -> None:
-        """Read every rank's new lines; a trace that cannot be read is kept as the next step's error."""
+    def _read(self, final: bool, until: int | None = None) -> None:
+        """Read every rank's new lines up to its first record after step ``until`` (``None``: all); a
+        trace that cannot be read is kept as the next step's error."""
         if self._error is not None:
             return
         try:
             if not self.trace.is_dir() or not glob(self.trace, "router_trace_rank*.jsonl"):
                 return  # not written yet
             for rank, file in megatron_lm.rank_files(self.trace):
-                self._ranks.setdefault(rank, _RankTail(rank, file)).read(final)
+                self._ranks.setdefault(rank, _RankTail(rank, file)).read(final, until)
         except LayoutError as err:
             self._error = err
         signature = tuple((r, t.offset) for r, t in sorted(self._ranks.items()))
@@ -102,8 +106,8 @@ class TraceTail:
 
     def ready(self, step: int, final: bool = False) -> bool:
         """Whether every rank's records of ``step`` are complete (or the trace is in error: the step's
-        import then says so)."""
-        self._read(final)
+        import then says so). Each rank is read only up to its first record past ``step``."""
+        self._read(final, step)
         if final or self._error is not None:
             return True
         quiet = self.clock() - self._changed >= self.settle
@@ -129,8 +133,11 @@ class TraceTail:
         return calls
 
     def leftover(self, dump: Path) -> list[str]:
-        """The input errors of what the trace holds beyond the dump's steps, at the end of the run."""
-        self._read(final=True)
+        """The input errors of what the trace holds beyond the dump's steps, at the end of the run (each
+        rank read up to its first such record)."""
+        for tail in self._ranks.values():
+            if not tail.chunks:  # read on to its next record, if any
+                tail.read(True, -1 if tail.latest is None else tail.latest)
         return [
             not_in_dump(tail.chunks[0][1][0].where, rank, tail.chunks[0][0], dump)
             for rank, tail in sorted(self._ranks.items())
