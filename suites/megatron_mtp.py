@@ -49,6 +49,15 @@ def _mtp_moe_layers(model: torch.nn.Module) -> set[int]:
     }
 
 
+_NATIVE_RULE = {
+    "moe_router_score_function": "softmax",
+    "moe_router_pre_softmax": False,
+    "moe_router_enable_expert_bias": False,
+    "moe_router_num_groups": None,
+}
+"""The router rule of ``tiny_config`` that ``_native_map`` computes (softmax after top-k, no bias)."""
+
+
 def _native_map(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     """The routing map a softmax-after-top-k router with no bias chooses from its live logits."""
     return ids_to_map(logits.topk(top_k, dim=-1).indices, logits.shape[-1])
@@ -72,6 +81,12 @@ def run_mtp_checks(layout: MegatronLayout, *, seed: int = 0, subject: str) -> di
     ensure_patched(driver)
     RouterReplay.clear_global_router_replay_instances()
     config = tiny_config(layout, mtp_num_layers=1, **dict(driver.config_overrides()))
+    rule = {name: getattr(config, name, None) for name in _NATIVE_RULE}
+    if rule != _NATIVE_RULE:  # the MTP router's native choice is judged by this rule only
+        raise MegatronReplayError(
+            f"run_mtp_checks: router settings {rule}; expected {_NATIVE_RULE} (the driver's config_overrides "
+            "changed the router rule the native check computes)"
+        )
     model = build_gpt(config, layout)
     control = driver.install([model], config)
     probe = DispatchProbe.attach(model)
